@@ -1,0 +1,84 @@
+"""NVLink clique search over GPU bitmasks. Exact (enumerates every candidate set) and deterministic.
+
+GPUs are bits; `adj[i]` is the mask of GPUs with at least one NVLink link to GPU i. Nodes have at most
+a few dozen GPUs, so exhaustive search over masks is cheap, and results are memoised by the caller on
+(shape, usable mask, size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import combinations
+
+
+def bits(mask: int) -> list[int]:
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
+
+def popcount(mask: int) -> int:
+    return mask.bit_count()
+
+
+def mask_of(indices: tuple[int, ...] | list[int] | frozenset[int]) -> int:
+    m = 0
+    for i in indices:
+        m |= 1 << i
+    return m
+
+
+def k_cliques(adj: tuple[int, ...], candidates: int, k: int) -> Iterator[int]:
+    """Every fully connected set of exactly k GPUs inside `candidates`, as masks, in ascending order."""
+    if k <= 0:
+        yield 0
+        return
+
+    def grow(chosen: int, cand: int, need: int) -> Iterator[int]:
+        if need == 0:
+            yield chosen
+            return
+        while cand and popcount(cand) >= need:
+            low = cand & -cand
+            i = low.bit_length() - 1
+            cand ^= low
+            yield from grow(chosen | low, cand & adj[i], need - 1)
+
+    yield from grow(0, candidates, k)
+
+
+def max_clique_size(adj: tuple[int, ...], candidates: int) -> int:
+    """Size of the largest fully connected set inside `candidates` (0 for an empty mask)."""
+    best = 0
+
+    def expand(size: int, cand: int) -> None:
+        nonlocal best
+        if not cand:
+            best = max(best, size)
+            return
+        if size + popcount(cand) <= best:
+            return
+        while cand:
+            if size + popcount(cand) <= best:
+                return
+            low = cand & -cand
+            i = low.bit_length() - 1
+            cand ^= low
+            expand(size + 1, cand & adj[i])
+
+    expand(0, candidates)
+    return best
+
+
+def connected_pairs(adj: tuple[int, ...], mask: int) -> int:
+    """Number of NVLink-connected GPU pairs inside `mask`."""
+    return sum(popcount(adj[i] & mask) for i in bits(mask)) // 2
+
+
+def all_subsets(candidates: int, k: int) -> Iterator[int]:
+    """Every k-subset of `candidates` (for `nvlink: preferred|ignore`, where sets need not be cliques)."""
+    for combo in combinations(bits(candidates), k):
+        yield mask_of(combo)

@@ -1,0 +1,67 @@
+"""The network hierarchy read from node labels (design.md, "Network hierarchy")."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Tier(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    labels: tuple[str, ...] = Field(min_length=1)
+
+
+class TierConfig(BaseModel):
+    """Tiers widest first; for each tier the first label present on a node names its switch."""
+
+    model_config = ConfigDict(frozen=True)
+
+    tiers: tuple[Tier, ...] = (
+        Tier(
+            name="spine",
+            labels=(
+                "gputopo.io/network-spine",
+                "network.topology.nvidia.com/spine",
+                "topology.k8s.aws/network-node-layer-2",
+                "cloud.google.com/gce-topology-block",
+            ),
+        ),
+        Tier(
+            name="leaf",
+            labels=(
+                "gputopo.io/network-leaf",
+                "network.topology.nvidia.com/leaf",
+                "topology.k8s.aws/network-node-layer-3",
+                "cloud.google.com/gce-topology-subblock",
+            ),
+        ),
+        Tier(name="nvlink-domain", labels=("nvidia.com/gpu.clique",)),
+    )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tiers)
+
+    def switch_of(self, labels: Mapping[str, str], tier: str) -> str | None:
+        """The switch (or domain) a node sits under at `tier`, or None when no label says."""
+        for t in self.tiers:
+            if t.name == tier:
+                for key in t.labels:
+                    value = labels.get(key)
+                    if value:
+                        return value
+                return None
+        raise KeyError(tier)
+
+    def locate(self, labels: Mapping[str, str]) -> dict[str, str | None]:
+        return {t.name: self.switch_of(labels, t.name) for t in self.tiers}
+
+    def network_tiers(self) -> tuple[str, ...]:
+        """Tiers that describe the RDMA fabric (everything except the NVLink domain), widest first."""
+        return tuple(n for n in self.names if n != "nvlink-domain")
+
+
+DEFAULT_TIERS = TierConfig()
