@@ -83,7 +83,9 @@ def _nic(
     )
 
 
-def _rail_affinity(gpu: int, numa: Sequence[int | None], near: PcieDistance, group: Sequence[int]) -> list[PcieDistance]:
+def _rail_affinity(
+    gpu: int, numa: Sequence[int | None], near: PcieDistance, group: Sequence[int]
+) -> list[PcieDistance]:
     """A NIC that sits `near` the GPUs in `group`: NODE to the rest of its socket, SYS across sockets."""
     return [near if g in group else (N if numa[g] == numa[gpu] else S) for g in range(len(numa))]
 
@@ -108,7 +110,14 @@ def dgx_1v(node: str = "dgx-1v") -> NodeTopology:
         gpus=_gpus("dgx-1v", node, "Tesla V100-SXM2-32GB", 32768, [f"0000:{b}:00.0" for b in buses], numa),
         nvlink=NvlinkInfo(generation=2, gbps_per_link=NVLINK_GBPS_PER_LINK[2], nvswitch=False, links=links),
         nics=tuple(
-            _nic(name, LinkLayer.INFINIBAND, 100, numa[pair[0]], f"0000:{bus}:00.0", _rail_affinity(pair[0], numa, P, pair))
+            _nic(
+                name,
+                LinkLayer.INFINIBAND,
+                100,
+                numa[pair[0]],
+                f"0000:{bus}:00.0",
+                _rail_affinity(pair[0], numa, P, pair),
+            )
             for name, pair, bus in nic_pairs
         ),
     )
@@ -167,8 +176,14 @@ def hgx_a100_4(node: str = "hgx-a100-4") -> NodeTopology:
     numa = [0, 0, 0, 0]
     buses = ["01", "41", "81", "c1"]
     nics = [
-        _nic(f"mlx5_{g}", LinkLayer.INFINIBAND, 200, 0, f"0000:{int(buses[g], 16) + 2:02x}:00.0",
-             [X if h == g else N for h in range(4)])
+        _nic(
+            f"mlx5_{g}",
+            LinkLayer.INFINIBAND,
+            200,
+            0,
+            f"0000:{int(buses[g], 16) + 2:02x}:00.0",
+            [X if h == g else N for h in range(4)],
+        )
         for g in range(4)
     ]
     return NodeTopology(
@@ -190,7 +205,9 @@ def a100_pcie_bridged(
     ]
     return NodeTopology(
         gpus=_gpus("a100-pcie-bridged", node, "NVIDIA A100 80GB PCIe", 81920, [f"0000:{b}:00.0" for b in buses], numa),
-        nvlink=NvlinkInfo(generation=3, gbps_per_link=NVLINK_GBPS_PER_LINK[3], nvswitch=False, links=_pairs(8, pairs, 12)),
+        nvlink=NvlinkInfo(
+            generation=3, gbps_per_link=NVLINK_GBPS_PER_LINK[3], nvswitch=False, links=_pairs(8, pairs, 12)
+        ),
         nics=tuple(nics),
     )
 
@@ -233,8 +250,12 @@ def gb200_tray(node: str = "gb200-tray", clique: str = GB200_CLIQUE) -> NodeTopo
     multi-node NVLink clique, 4x NDR InfiniBand (per-GPU PCIe distances unpublished: NODE/SYS by socket)."""
     numa = [0, 0, 1, 1]
     buses = ["0008:01:00.0", "0009:01:00.0", "0018:01:00.0", "0019:01:00.0"]
-    nic_spec = [("mlx5_0", "0000:03:00.0", 0), ("mlx5_1", "0002:03:00.0", 0), ("mlx5_4", "0010:03:00.0", 1),
-                ("mlx5_5", "0012:03:00.0", 1)]
+    nic_spec = [
+        ("mlx5_0", "0000:03:00.0", 0),
+        ("mlx5_1", "0002:03:00.0", 0),
+        ("mlx5_4", "0010:03:00.0", 1),
+        ("mlx5_5", "0012:03:00.0", 1),
+    ]
     nics = [
         _nic(name, LinkLayer.INFINIBAND, 400, nn, bus, [N if numa[g] == nn else S for g in range(4)])
         for name, bus, nn in nic_spec

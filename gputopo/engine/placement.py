@@ -1,0 +1,205 @@
+"""Per-node verdicts for one pod: fits or not, which GPUs, a score in [0, 1] with its breakdown."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gputopo.engine.cliques import bits, mask_of, popcount
+from gputopo.engine.cost import REFERENCE_BUSBW_GBPS, SetBandwidth, intra_node_bandwidth
+from gputopo.engine.gpusets import GpuChoice, choose_any, choose_clique, choose_connected, largest_clique
+from gputopo.engine.reasons import Code, Reason, code_for, message
+from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
+from gputopo.engine.snapshot import NodeState
+from gputopo.model import NetworkKind, NvlinkPolicy, PodRequest, format_mib
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one node means for one pod. Shared between equivalent nodes, so it names no node."""
+
+    code: Code
+    reason: Reason | None = None
+    message: str = ""  # categorical, aggregates across nodes
+    detail: str = ""  # the node-specific story, for explain and logs
+    gpus: tuple[int, ...] = ()
+    score: float = 0.0
+    components: Mapping[str, float] = field(default_factory=dict)
+    choice: GpuChoice | None = None
+    bandwidth: SetBandwidth | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.code is Code.SUCCESS
+
+
+@dataclass(frozen=True)
+class NodeVerdict:
+    node: NodeState
+    outcome: Outcome
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+    @property
+    def fits(self) -> bool:
+        return self.outcome.fits
+
+
+def _fail(reason: Reason, detail: str, **kw: object) -> Outcome:
+    return Outcome(code=code_for(reason), reason=reason, message=message(reason, **kw), detail=detail)  # type: ignore[arg-type]
+
+
+def _network_word(kind: NetworkKind) -> str:
+    return {"infiniband": "InfiniBand", "roce": "RoCE", "rdma": "RDMA", "any": "RDMA"}[kind.value]
+
+
+def _gpu_list(mask: int) -> str:
+    return ", ".join(str(i) for i in bits(mask))
+
+
+def evaluate_node(node: NodeState, req: PodRequest, weights: ScoreWeights = DEFAULT_WEIGHTS) -> Outcome:
+    """Can `node` take `req`, on which GPUs, and how good is it? Pure."""
+    if node.problem is not None or node.shape is None:
+        reason = node.problem or Reason.TOPOLOGY_MISSING
+        return _fail(reason, node.problem_detail or message(reason))
+    shape = node.shape
+    k = req.gpus
+    if k == 0:
+        return Outcome(code=Code.SUCCESS, score=0.5, components={}, detail="the pod asks for no GPUs")
+    if shape.n < k:
+        return _fail(Reason.TOO_FEW_GPUS, f"node has {shape.n} GPUs, pod needs {k}", k=k)
+    healthy = node.all_mask & ~node.failed_mask
+    if popcount(healthy) < k:
+        return _fail(
+            Reason.TOO_FEW_HEALTHY_GPUS,
+            f"GPUs {_gpu_list(node.failed_mask)} failed; {popcount(healthy)} healthy, pod needs {k}",
+            k=k,
+        )
+    eligible = healthy
+    if req.min_gpu_memory_mib:
+        eligible &= mask_of([i for i, m in enumerate(node.memory_mib) if m >= req.min_gpu_memory_mib])
+        if popcount(eligible) < k:
+            have = format_mib(min(node.memory_mib))
+            need = format_mib(req.min_gpu_memory_mib)
+            return _fail(
+                Reason.INSUFFICIENT_GPU_MEMORY, f"GPUs have {have} HBM, pod needs {need} each", k=k, memory=need
+            )
+    if not node.has_network(req.network):
+        word = _network_word(req.network)
+        return _fail(Reason.NO_NETWORK, f"node has no active {word} NIC", network=word)
+
+    needs_nvlink = k > 1 and req.nvlink is not NvlinkPolicy.IGNORE
+    good = eligible & ~node.impaired_mask if needs_nvlink else eligible
+    if needs_nvlink and req.nvlink is NvlinkPolicy.REQUIRED:
+        if largest_clique(shape, eligible) < k:
+            if node.impaired_mask & eligible:
+                return _fail(Reason.NVLINK_DEGRADED, _degraded_detail(node, k))
+            return _fail(
+                Reason.NO_NVLINK_DOMAIN,
+                f"largest NVLink-connected set has {largest_clique(shape, eligible)} GPUs, pod needs {k}",
+                k=k,
+            )
+        if largest_clique(shape, good) < k:
+            return _fail(Reason.NVLINK_DEGRADED, _degraded_detail(node, k))
+
+    free = good & ~node.in_use_mask
+    if popcount(free) < k:
+        if needs_nvlink and popcount(eligible & ~node.in_use_mask) >= k:
+            return _fail(Reason.NVLINK_DEGRADED, _degraded_detail(node, k))
+        return _fail(
+            Reason.INSUFFICIENT_FREE_GPUS,
+            f"{popcount(free)} of {shape.n} GPUs free (in use: {_gpu_list(node.in_use_mask) or 'none'}), pod needs {k}",
+            k=k,
+        )
+
+    near = node.near_nic_mask(req.network) if (req.network is not NetworkKind.ANY or req.is_group) else 0
+    choice: GpuChoice | None
+    if k == 1:
+        preferred = free & ~node.impaired_mask
+        choice = choose_any(shape, preferred if preferred else free, 1, near)
+    elif req.nvlink is NvlinkPolicy.REQUIRED:
+        choice = choose_clique(shape, free, k, near)
+        if choice is None:
+            return _fail(
+                Reason.NO_FREE_CLIQUE, f"free GPUs {_gpu_list(free)} hold no fully NVLink-connected set of {k}", k=k
+            )
+    elif req.nvlink is NvlinkPolicy.PREFERRED:
+        choice = choose_clique(shape, free, k, near) or choose_connected(shape, free, k, near)
+    else:
+        choice = choose_any(shape, free, k, near)
+    assert choice is not None  # free has at least k GPUs, so some k-set exists
+    return _success(node, req, choice, free, near, weights)
+
+
+def _degraded_detail(node: NodeState, k: int) -> str:
+    topo = node.topology
+    parts = []
+    if topo is not None:
+        for d in topo.degraded_links:
+            parts.append(f"GPU {d.gpu} link {d.link} {d.state.value}" + (f" ({d.detail})" if d.detail else ""))
+        for g in topo.gpus:
+            if g.health.value == "degraded":
+                parts.append(f"GPU {g.index} degraded" + (f": {'; '.join(g.reasons)}" if g.reasons else ""))
+    return f"no {k}-GPU NVLink clique without degraded GPUs: " + ", ".join(parts or ["links degraded"])
+
+
+def _success(
+    node: NodeState, req: PodRequest, choice: GpuChoice, free: int, near: int, weights: ScoreWeights
+) -> Outcome:
+    shape = node.shape
+    assert shape is not None
+    k = len(choice.gpus)
+    chosen = mask_of(choice.gpus)
+    bw = intra_node_bandwidth(shape.links, shape.nvswitch, shape.gbps_per_link, shape.numa, choice.gpus)
+    ignore = req.nvlink is NvlinkPolicy.IGNORE or k == 1
+    taken_after = popcount((node.in_use_mask | node.failed_mask | chosen) & node.all_mask)
+    components = {
+        "clique": 1.0 if (ignore or choice.clique) else 0.0,
+        "bandwidth": 1.0 if ignore else min(1.0, bw.gbps / REFERENCE_BUSBW_GBPS),
+        "pack": taken_after / shape.n,
+        # Fragmentation: the best clique left free, against the best that could be left (what was free).
+        "intact": 1.0
+        if choice.remaining_free == 0
+        else choice.remaining_clique / min(largest_clique(shape, free), choice.remaining_free),
+        "memory": (req.min_gpu_memory_mib / min(node.memory_mib[i] for i in choice.gpus))
+        if req.min_gpu_memory_mib
+        else 1.0,
+        "nic": popcount(chosen & near) / k if near or req.network is not NetworkKind.ANY else 1.0,
+        "health": 0.0 if chosen & node.impaired_mask else (0.5 if node.impaired_mask else 1.0),
+    }
+    return Outcome(
+        code=Code.SUCCESS,
+        gpus=choice.gpus,
+        score=weights.combine(components),
+        components=components,
+        choice=choice,
+        bandwidth=bw,
+    )
+
+
+def evaluate_pod(
+    nodes: Iterable[NodeState], req: PodRequest, weights: ScoreWeights = DEFAULT_WEIGHTS
+) -> list[NodeVerdict]:
+    """Verdicts for every node; equivalent nodes are evaluated once."""
+    memo: dict[tuple[object, ...], Outcome] = {}
+    out = []
+    for node in nodes:
+        outcome = memo.get(node.key)
+        if outcome is None:
+            outcome = evaluate_node(node, req, weights)
+            memo[node.key] = outcome
+        out.append(NodeVerdict(node, outcome))
+    return out
+
+
+def rank(verdicts: Sequence[NodeVerdict]) -> list[NodeVerdict]:
+    """Feasible verdicts best first; ties broken by node name so every run decides the same."""
+    return sorted((v for v in verdicts if v.fits), key=lambda v: (-v.outcome.score, v.name))
+
+
+def fail_invalid(nodes: Iterable[NodeState], text: str) -> list[NodeVerdict]:
+    """Every node fails with the same reason: a malformed annotation is never guessed at."""
+    outcome = Outcome(code=Code.UNRESOLVABLE, reason=Reason.INVALID_POD_ANNOTATION, message=text, detail=text)
+    return [NodeVerdict(n, outcome) for n in nodes]

@@ -1,0 +1,201 @@
+"""The engine's view of the cluster: immutable node states with everything precomputed once.
+
+Adapters (the extender's cache, the simulator, the CLI) build `NodeState`s when a node changes; the
+engine then answers many pods against them without re-deriving masks. Nodes that look the same to a
+pod (same link shape, same free/failed GPUs, same HBM and NICs) share an equivalence key, so one
+decision over thousands of nodes evaluates each distinct kind once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from gputopo.engine.cliques import mask_of
+from gputopo.engine.reasons import Reason
+from gputopo.model import Health, NetworkKind, NodeTopology, PcieDistance
+from gputopo.tiers import DEFAULT_TIERS, TierConfig
+
+
+@dataclass(frozen=True, eq=False)
+class Shape:
+    """How a node's GPUs are wired, independent of which node it is. Interned: compare by identity."""
+
+    n: int
+    links: tuple[tuple[int, ...], ...]
+    adj: tuple[int, ...]
+    nvswitch: bool
+    generation: int
+    gbps_per_link: float
+    numa: tuple[int | None, ...]
+
+    def min_link(self, gpus: tuple[int, ...]) -> int:
+        if len(gpus) < 2:
+            return 0
+        return min(self.links[a][b] for i, a in enumerate(gpus) for b in gpus[i + 1 :])
+
+
+_SHAPES: dict[tuple[object, ...], Shape] = {}
+
+
+def shape_of(topology: NodeTopology) -> Shape:
+    n = len(topology.gpus)
+    links = topology.nvlink.links or tuple(tuple(0 for _ in range(n)) for _ in range(n))
+    numa = tuple(g.numa_node for g in topology.gpus)
+    key = (links, topology.nvlink.nvswitch, topology.nvlink.generation, topology.nvlink.gbps_per_link, numa)
+    shape = _SHAPES.get(key)
+    if shape is None:
+        adj = tuple(mask_of([j for j in range(n) if j != i and links[i][j] > 0]) for i in range(n))
+        shape = Shape(
+            n, links, adj, topology.nvlink.nvswitch, topology.nvlink.generation, topology.nvlink.gbps_per_link, numa
+        )
+        _SHAPES[key] = shape
+    return shape
+
+
+@dataclass(frozen=True)
+class NicView:
+    kind: str  # infiniband | roce
+    active: bool
+    rate_gbps: float
+    near_mask: int  # GPUs at PIX/PXB from this NIC
+
+
+@dataclass(frozen=True, eq=False)
+class NodeState:
+    """One node as the engine sees it. Build with `node_state()`."""
+
+    name: str
+    labels: Mapping[str, str]
+    topology: NodeTopology | None
+    problem: Reason | None  # topology missing / invalid / stale: the node takes no gputopo pod
+    problem_detail: str
+    in_use: frozenset[int]
+    location: Mapping[str, str | None]  # tier name -> switch id (path-qualified, widest first)
+    shape: Shape | None = None
+    all_mask: int = 0
+    failed_mask: int = 0
+    impaired_mask: int = 0  # degraded GPUs and GPUs with a degraded or down NVLink link
+    in_use_mask: int = 0
+    memory_mib: tuple[int, ...] = ()
+    nics: tuple[NicView, ...] = ()
+    key: tuple[object, ...] = field(default=())
+
+    @property
+    def gpu_count(self) -> int:
+        return self.shape.n if self.shape else 0
+
+    @property
+    def free_mask(self) -> int:
+        return self.all_mask & ~self.in_use_mask & ~self.failed_mask
+
+    def has_network(self, kind: NetworkKind) -> bool:
+        if kind is NetworkKind.ANY:
+            return True
+        return any(n.active and (kind is NetworkKind.RDMA or n.kind == kind.value) for n in self.nics)
+
+    def near_nic_mask(self, kind: NetworkKind) -> int:
+        m = 0
+        for n in self.nics:
+            if n.active and (kind in (NetworkKind.ANY, NetworkKind.RDMA) or n.kind == kind.value):
+                m |= n.near_mask
+        return m
+
+    def best_nic_gbps(self, kind: NetworkKind = NetworkKind.ANY) -> float:
+        rates = [
+            n.rate_gbps
+            for n in self.nics
+            if n.active and (kind in (NetworkKind.ANY, NetworkKind.RDMA) or n.kind == kind.value)
+        ]
+        return max(rates, default=0.0)
+
+
+def locate(labels: Mapping[str, str], topology: NodeTopology | None, tiers: TierConfig) -> dict[str, str | None]:
+    """Each tier's switch id, qualified by the wider tiers above it (ToR names repeat per spine)."""
+    out: dict[str, str | None] = {}
+    path: list[str] = []
+    for t in tiers.tiers:
+        sw = tiers.switch_of(labels, t.name)
+        if sw is None and t.name == "nvlink-domain" and topology is not None and topology.fabric is not None:
+            sw = topology.fabric.clique
+        if t.name == "nvlink-domain":
+            out[t.name] = sw  # NVLink domains are global ids, not under a leaf
+            continue
+        if sw is None:
+            out[t.name] = None
+            continue
+        path.append(sw)
+        out[t.name] = "/".join(path)
+    return out
+
+
+def node_state(
+    name: str,
+    topology: NodeTopology | None,
+    *,
+    labels: Mapping[str, str] | None = None,
+    in_use: frozenset[int] = frozenset(),
+    problem: Reason | None = None,
+    problem_detail: str = "",
+    tiers: TierConfig = DEFAULT_TIERS,
+) -> NodeState:
+    labels = dict(labels or {})
+    location = locate(labels, topology, tiers)
+    if topology is None or problem is not None:
+        return NodeState(
+            name=name,
+            labels=labels,
+            topology=topology,
+            problem=problem or Reason.TOPOLOGY_MISSING,
+            problem_detail=problem_detail,
+            in_use=in_use,
+            location=location,
+            key=("problem", problem or Reason.TOPOLOGY_MISSING),
+        )
+    shape = shape_of(topology)
+    n = shape.n
+    failed = mask_of([g.index for g in topology.gpus if g.health is Health.FAILED])
+    impaired = mask_of([g.index for g in topology.gpus if g.health is Health.DEGRADED])
+    impaired |= mask_of([d.gpu for d in topology.degraded_links])
+    in_use_mask = mask_of([i for i in in_use if 0 <= i < n])
+    memory = tuple(g.memory_mib for g in topology.gpus)
+    nics = tuple(
+        NicView(
+            kind=nic.rdma_kind,
+            active=nic.active,
+            rate_gbps=nic.rate_gbps,
+            near_mask=mask_of([g for g, d in enumerate(nic.gpu_affinity) if d in (PcieDistance.PIX, PcieDistance.PXB)]),
+        )
+        for nic in topology.nics
+    )
+    key = (shape, failed, impaired, in_use_mask, memory, nics)
+    return NodeState(
+        name=name,
+        labels=labels,
+        topology=topology,
+        problem=None,
+        problem_detail="",
+        in_use=frozenset(i for i in in_use if 0 <= i < n),
+        location=location,
+        shape=shape,
+        all_mask=(1 << n) - 1,
+        failed_mask=failed,
+        impaired_mask=impaired,
+        in_use_mask=in_use_mask,
+        memory_mib=memory,
+        nics=nics,
+        key=key,
+    )
+
+
+def with_in_use(node: NodeState, extra: frozenset[int], tiers: TierConfig = DEFAULT_TIERS) -> NodeState:
+    """The same node with more GPUs taken (used when planning several pods onto one node)."""
+    return node_state(
+        node.name,
+        node.topology,
+        labels=node.labels,
+        in_use=node.in_use | extra,
+        problem=node.problem,
+        problem_detail=node.problem_detail,
+        tiers=tiers,
+    )
