@@ -7,7 +7,7 @@ simulator, never to reject a node.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 # NCCL reaches about 82% of NVLink line rate (≈370 of 450 GB/s on H100, nccl-tests#212).
@@ -75,7 +75,7 @@ def nic_gbps(rate_gbit: float) -> float:
     return rate_gbit / 8 * NIC_EFFICIENCY
 
 
-def tiers_crossed(a: dict[str, str | None], b: dict[str, str | None], network_tiers: Sequence[str]) -> int:
+def tiers_crossed(a: Mapping[str, str | None], b: Mapping[str, str | None], network_tiers: Sequence[str]) -> int:
     """0 same node's switch path; 1 same leaf; 2 same spine; 3 beyond (network_tiers widest first)."""
     narrow_first = list(reversed(network_tiers))
     for depth, tier in enumerate(narrow_first, start=1):

@@ -70,6 +70,8 @@ def why_lost(winner: Outcome, runner: Outcome, weights: ScoreWeights = DEFAULT_W
             best_name, best_gap = name, gap
     if not best_name:
         return "scored the same; the scheduler's other scores decided"
+    if best_name == "pack" and runner.choice is not None and runner.choice.remaining_clique < runner.free_clique:
+        return f"would split its free {runner.free_clique}-GPU clique"
     if best_name == "bandwidth" and winner.bandwidth and runner.bandwidth:
         return f"has weaker GPU links (NV{runner.bandwidth.min_links} vs NV{winner.bandwidth.min_links})"
     return _LOSS[best_name]

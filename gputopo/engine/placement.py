@@ -27,6 +27,7 @@ class Outcome:
     components: Mapping[str, float] = field(default_factory=dict)
     choice: GpuChoice | None = None
     bandwidth: SetBandwidth | None = None
+    free_clique: int = 0  # largest free clique on the node before this pod
 
     @property
     def fits(self) -> bool:
@@ -155,6 +156,7 @@ def _success(
     bw = intra_node_bandwidth(shape.links, shape.nvswitch, shape.gbps_per_link, shape.numa, choice.gpus)
     ignore = req.nvlink is NvlinkPolicy.IGNORE or k == 1
     taken_after = popcount((node.in_use_mask | node.failed_mask | chosen) & node.all_mask)
+    free_clique = largest_clique(shape, free)
     components = {
         "clique": 1.0 if (ignore or choice.clique) else 0.0,
         "bandwidth": 1.0 if ignore else min(1.0, bw.gbps / REFERENCE_BUSBW_GBPS),
@@ -162,7 +164,7 @@ def _success(
         # Fragmentation: the best clique left free, against the best that could be left (what was free).
         "intact": 1.0
         if choice.remaining_free == 0
-        else choice.remaining_clique / min(largest_clique(shape, free), choice.remaining_free),
+        else choice.remaining_clique / min(free_clique, choice.remaining_free),
         "memory": (req.min_gpu_memory_mib / min(node.memory_mib[i] for i in choice.gpus))
         if req.min_gpu_memory_mib
         else 1.0,
@@ -176,6 +178,7 @@ def _success(
         components=components,
         choice=choice,
         bandwidth=bw,
+        free_clique=free_clique,
     )
 
 

@@ -29,8 +29,8 @@ class ScoreWeights(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     clique: float = Field(3.0, ge=0, description="the GPUs form one fully NVLink-connected set")
-    bandwidth: float = Field(3.0, ge=0, description="estimated collective bandwidth of the set vs NVLink 4 NV18")
-    pack: float = Field(2.0, ge=0, description="the node ends up fuller (keeps other nodes whole)")
+    bandwidth: float = Field(4.0, ge=0, description="estimated collective bandwidth of the set vs NVLink 4 NV18")
+    pack: float = Field(1.5, ge=0, description="the node ends up fuller (keeps other nodes whole)")
     intact: float = Field(2.0, ge=0, description="the GPUs left free still form a clique")
     memory: float = Field(1.0, ge=0, description="HBM just above the pod's minimum (no waste)")
     nic: float = Field(1.0, ge=0, description="chosen GPUs sit at PIX/PXB from an accepted NIC")
