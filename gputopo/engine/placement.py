@@ -34,7 +34,7 @@ class Outcome:
         return self.code is Code.SUCCESS
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class NodeVerdict:
     node: NodeState
     outcome: Outcome
@@ -186,20 +186,21 @@ def evaluate_pod(
     nodes: Iterable[NodeState], req: PodRequest, weights: ScoreWeights = DEFAULT_WEIGHTS
 ) -> list[NodeVerdict]:
     """Verdicts for every node; equivalent nodes are evaluated once."""
-    memo: dict[tuple[object, ...], Outcome] = {}
+    memo: dict[int, Outcome] = {}
     out = []
+    append = out.append
     for node in nodes:
         outcome = memo.get(node.key)
         if outcome is None:
-            outcome = evaluate_node(node, req, weights)
-            memo[node.key] = outcome
-        out.append(NodeVerdict(node, outcome))
+            outcome = memo[node.key] = evaluate_node(node, req, weights)
+        append(NodeVerdict(node, outcome))
     return out
 
 
 def rank(verdicts: Sequence[NodeVerdict]) -> list[NodeVerdict]:
     """Feasible verdicts best first; ties broken by node name so every run decides the same."""
-    return sorted((v for v in verdicts if v.fits), key=lambda v: (-v.outcome.score, v.name))
+    ok = Code.SUCCESS
+    return sorted((v for v in verdicts if v.outcome.code is ok), key=lambda v: (-v.outcome.score, v.node.name))
 
 
 def fail_invalid(nodes: Iterable[NodeState], text: str) -> list[NodeVerdict]:

@@ -9,7 +9,7 @@ decision over thousands of nodes evaluates each distinct kind once.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gputopo.engine.cliques import mask_of
 from gputopo.engine.reasons import Reason
@@ -36,6 +36,16 @@ class Shape:
 
 
 _SHAPES: dict[tuple[object, ...], Shape] = {}
+_KEYS: dict[tuple[object, ...], int] = {}
+
+
+def _intern_key(parts: tuple[object, ...]) -> int:
+    """A small int per distinct equivalence tuple: hashing an int per lookup, not a nested tuple."""
+    key = _KEYS.get(parts)
+    if key is None:
+        key = len(_KEYS) + 1
+        _KEYS[parts] = key
+    return key
 
 
 def shape_of(topology: NodeTopology) -> Shape:
@@ -79,7 +89,7 @@ class NodeState:
     in_use_mask: int = 0
     memory_mib: tuple[int, ...] = ()
     nics: tuple[NicView, ...] = ()
-    key: tuple[object, ...] = field(default=())
+    key: int = 0  # equivalence class: nodes with equal keys get equal verdicts for any pod
 
     @property
     def gpu_count(self) -> int:
@@ -150,7 +160,7 @@ def node_state(
             problem_detail=problem_detail,
             in_use=in_use,
             location=location,
-            key=("problem", problem or Reason.TOPOLOGY_MISSING),
+            key=_intern_key(("problem", problem or Reason.TOPOLOGY_MISSING)),
         )
     shape = shape_of(topology)
     n = shape.n
@@ -168,7 +178,7 @@ def node_state(
         )
         for nic in topology.nics
     )
-    key = (shape, failed, impaired, in_use_mask, memory, nics)
+    key = _intern_key((shape, failed, impaired, in_use_mask, memory, nics))
     return NodeState(
         name=name,
         labels=labels,
