@@ -1,0 +1,152 @@
+"""Shared fixtures of the end-to-end suite: one real local control plane per test session.
+
+The upstream binaries must already be built (``gputopo/localcluster/build_binaries.sh``, once per
+machine); without them every e2e test fails with instructions. ``GPUTOPO_E2E_BUILD=1`` builds them
+here instead (tens of minutes the first time). ``GPUTOPO_E2E_KEEP=1`` keeps the control plane's
+directory (logs, kubeconfig) after the session. Failed e2e tests get the tail of every component's
+log attached to their report.
+
+Tests share the session's cluster, so nodes from one test are visible to the others: create nodes
+through ``make_nodes`` (unique names, a per-test label, deleted afterwards) and select them with
+``nodeSelector`` on that label, or with a scheduler that only sees what you intend.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import time
+from collections.abc import Callable, Generator, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from gputopo.localcluster import (
+    TEST_LABEL,
+    ControlPlane,
+    KubeApiError,
+    KubeClient,
+    SimNode,
+    ensure_binaries,
+    expected_bin_dir,
+    find_binaries,
+)
+
+MakeNodes = Callable[[Sequence[SimNode]], list[str]]
+
+
+def _bin_dir() -> Path:
+    found = find_binaries()
+    if found is not None:
+        return found
+    if os.environ.get("GPUTOPO_E2E_BUILD") == "1":
+        return ensure_binaries(lambda line: print(line, file=sys.stderr))
+    pytest.fail(
+        "e2e: the upstream control-plane binaries are not built (expected in "
+        f"{expected_bin_dir()}). Build them once per machine with "
+        "`bash gputopo/localcluster/build_binaries.sh` (needs Go; tens of minutes the first time), "
+        "or set GPUTOPO_E2E_BUILD=1 to build from pytest, or GPUTOPO_BIN_DIR to a ready directory.",
+        pytrace=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def control_plane() -> Iterator[ControlPlane]:
+    """etcd + kube-apiserver, started once per session; schedulers are added by tests."""
+    bin_dir = _bin_dir()
+    keep = os.environ.get("GPUTOPO_E2E_KEEP") == "1"
+    t0 = time.monotonic()
+    cp = ControlPlane(bin_dir, keep=keep)
+    cp.start()
+    print(f"\ne2e control plane up in {time.monotonic() - t0:.1f}s: {cp.dir}", file=sys.stderr)
+    try:
+        yield cp
+    finally:
+        cp.teardown()
+        if keep:
+            print(f"\ne2e control plane directory kept: {cp.dir}", file=sys.stderr)
+
+
+@pytest.fixture(scope="session")
+def kube(control_plane: ControlPlane) -> Iterator[KubeClient]:
+    """Admin client (system:masters) of the session's cluster."""
+    client = control_plane.client()
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="session")
+def plain_scheduler(control_plane: ControlPlane) -> str:
+    """A kube-scheduler with the single profile ``plain-scheduler`` and no extender; returns the
+    schedulerName to put on pods."""
+    control_plane.start_plain_scheduler()
+    return "plain-scheduler"
+
+
+def _slug(text: str, limit: int = 30) -> str:
+    out = "".join(ch if ch.isalnum() else "-" for ch in text.lower()).strip("-")
+    while "--" in out:
+        out = out.replace("--", "-")
+    return out[:limit].strip("-") or "t"
+
+
+@pytest.fixture
+def test_id(request: pytest.FixtureRequest) -> str:
+    """A short unique name for this test, usable in object names and label values."""
+    return f"{_slug(request.node.name, 40)}-{secrets.token_hex(3)}"
+
+
+@pytest.fixture
+def namespace(kube: KubeClient, test_id: str) -> str:
+    """A fresh namespace for this test (never deleted: there is no namespace controller)."""
+    kube.create_namespace(test_id)
+    return test_id
+
+
+@pytest.fixture
+def make_nodes(kube: KubeClient, test_id: str) -> Iterator[MakeNodes]:
+    """``make_nodes([SimNode(...), ...]) -> names``: creates the nodes with the label
+    ``gputopo.io/e2e-test=<test id>`` and deletes them after the test."""
+    created: list[str] = []
+
+    def make(nodes: Sequence[SimNode]) -> list[str]:
+        tagged = [
+            SimNode(
+                name=n.name,
+                gpus=n.gpus,
+                cpu=n.cpu,
+                memory=n.memory,
+                pods=n.pods,
+                labels={**n.labels, TEST_LABEL: test_id},
+                annotations=n.annotations,
+                taints=n.taints,
+            )
+            for n in nodes
+        ]
+        kube.create_nodes(tagged)
+        created.extend(n.name for n in tagged)
+        return [n.name for n in tagged]
+
+    yield make
+    for name in created:
+        try:
+            kube.delete_node(name)
+        except KubeApiError as e:
+            if e.status != 404:
+                raise
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.failed and call.when != "teardown":
+        cp = getattr(item, "funcargs", {}).get("control_plane")
+        if isinstance(cp, ControlPlane):
+            for name in cp.components():
+                report.sections.append((f"log tail: {name} ({cp.log_path(name)})", cp.log_tail(name, 30)))
+    return report

@@ -1,0 +1,67 @@
+"""A local, real Kubernetes control plane for end-to-end tests, the demo and benchmarks.
+
+Upstream etcd, kube-apiserver and kube-scheduler run as child processes on loopback
+(``ControlPlane``); GPU nodes are simulated as Node objects without kubelets (``SimNode``);
+``KubeClient`` is a small typed wrapper over the ``kubernetes`` client plus the real kubectl.
+The binaries are built once per machine by ``build_binaries.sh`` (``ensure_binaries``).
+"""
+
+from .binaries import BUILD_SCRIPT, BinariesError, ensure_binaries, expected_bin_dir, find_binaries
+from .controlplane import (
+    APISERVER,
+    ETCD,
+    GPUTOPO_PROFILE,
+    PLAIN_PROFILE,
+    ControlPlane,
+    ControlPlaneError,
+    ExtenderConfig,
+    free_port,
+    kubeconfig_text,
+    scheduler_configuration,
+)
+from .kube import (
+    GPU_RESOURCE,
+    LEAF_LABEL,
+    NODE_NAME_EXTRA,
+    SPINE_LABEL,
+    TEST_LABEL,
+    KubeApiError,
+    KubeClient,
+    PodCondition,
+    PodEvent,
+    SimNode,
+    WaitTimeout,
+    network_labels,
+    pod_manifest,
+)
+
+__all__ = [
+    "APISERVER",
+    "BUILD_SCRIPT",
+    "ETCD",
+    "GPUTOPO_PROFILE",
+    "GPU_RESOURCE",
+    "LEAF_LABEL",
+    "NODE_NAME_EXTRA",
+    "PLAIN_PROFILE",
+    "SPINE_LABEL",
+    "TEST_LABEL",
+    "BinariesError",
+    "ControlPlane",
+    "ControlPlaneError",
+    "ExtenderConfig",
+    "KubeApiError",
+    "KubeClient",
+    "PodCondition",
+    "PodEvent",
+    "SimNode",
+    "WaitTimeout",
+    "ensure_binaries",
+    "expected_bin_dir",
+    "find_binaries",
+    "free_port",
+    "kubeconfig_text",
+    "network_labels",
+    "pod_manifest",
+    "scheduler_configuration",
+]

@@ -1,0 +1,99 @@
+"""Locate or build the pinned upstream binaries (kube-apiserver, kube-scheduler, kubectl, etcd, helm).
+
+The build itself is ``build_binaries.sh`` next to this module (shipped as package data): it builds
+from the Go module proxy once per machine into ``$GPUTOPO_CACHE/<version key>/bin`` and reuses that
+directory afterwards. The script is the single source of truth for versions and the cache key;
+this module only runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+BUILD_SCRIPT = Path(__file__).with_name("build_binaries.sh")
+REQUIRED_BINARIES = ("etcd", "kube-apiserver", "kube-scheduler", "kubectl", "helm")
+
+
+class BinariesError(RuntimeError):
+    """The binaries are missing or could not be built."""
+
+
+def _script_env() -> dict[str, str]:
+    # GPUTOPO_CACHE and the GPUTOPO_*_VERSION pins pass through the environment unchanged.
+    return dict(os.environ)
+
+
+def find_binaries() -> Path | None:
+    """Return the bin directory if every binary is already built, else None. Builds nothing."""
+    env_dir = os.environ.get("GPUTOPO_BIN_DIR")
+    if env_dir:
+        d = Path(env_dir)
+        return d if all((d / b).is_file() for b in REQUIRED_BINARIES) else None
+    proc = subprocess.run(
+        ["bash", str(BUILD_SCRIPT), "--check"],
+        capture_output=True,
+        text=True,
+        env=_script_env(),
+        check=False,
+    )
+    if proc.returncode != 0:
+        return None
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def expected_bin_dir() -> Path:
+    """The directory the build script uses (whether or not it is complete)."""
+    proc = subprocess.run(
+        ["bash", str(BUILD_SCRIPT), "--check"],
+        capture_output=True,
+        text=True,
+        env=_script_env(),
+        check=False,
+    )
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def ensure_binaries(progress: Callable[[str], None] | None = None) -> Path:
+    """Build the binaries if needed (first run: tens of minutes) and return the bin directory.
+
+    ``progress`` receives each line the build script writes to stderr (its progress messages and
+    the Go toolchain's output). Honours ``GPUTOPO_CACHE`` and the ``GPUTOPO_*_VERSION`` pins;
+    ``GPUTOPO_BIN_DIR`` names a ready directory and skips the script.
+    """
+    env_dir = os.environ.get("GPUTOPO_BIN_DIR")
+    if env_dir:
+        d = Path(env_dir)
+        missing = [b for b in REQUIRED_BINARIES if not (d / b).is_file()]
+        if missing:
+            raise BinariesError(f"GPUTOPO_BIN_DIR={d} lacks {', '.join(missing)}")
+        return d
+    tail: deque[str] = deque(maxlen=40)
+    with subprocess.Popen(
+        ["bash", str(BUILD_SCRIPT)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_script_env(),
+    ) as proc:
+        assert proc.stderr is not None and proc.stdout is not None
+        for raw in proc.stderr:
+            line = raw.rstrip("\n")
+            tail.append(line)
+            if progress is not None:
+                progress(line)
+        out = proc.stdout.read()
+        rc = proc.wait()
+    if rc != 0:
+        raise BinariesError(f"{BUILD_SCRIPT} failed with exit status {rc}; last output:\n" + "\n".join(tail))
+    lines = out.strip().splitlines()
+    if not lines:
+        raise BinariesError(f"{BUILD_SCRIPT} printed no bin directory")
+    bin_dir = Path(lines[-1])
+    missing = [b for b in REQUIRED_BINARIES if not (bin_dir / b).is_file()]
+    if missing:
+        raise BinariesError(f"{bin_dir} lacks {', '.join(missing)} after the build")
+    return bin_dir

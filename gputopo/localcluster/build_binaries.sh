@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# Builds the pinned upstream control-plane binaries (kube-apiserver, kube-scheduler, kubectl,
+# etcd, helm) from the Go module proxy into a cache outside the repository, keyed by version.
+# A second run with the binaries present does nothing. Prints the bin directory on stdout;
+# progress goes to stderr.
+#
+#   build_binaries.sh           build what is missing (once per machine and version), print the dir
+#   build_binaries.sh --check   build nothing: print the dir and exit 0 if complete, else exit 3
+#
+# Environment: GPUTOPO_CACHE (cache root, default ${XDG_CACHE_HOME:-~/.cache}/gputopo),
+# GPUTOPO_K8S_VERSION, GPUTOPO_ETCD_VERSION, GPUTOPO_HELM_VERSION (pins; each set is its own
+# cache key). Concurrent runs for the same key wait for each other (flock), never build twice.
+set -euo pipefail
+
+K8S_VERSION="${GPUTOPO_K8S_VERSION:-1.34.4}"
+ETCD_VERSION="${GPUTOPO_ETCD_VERSION:-3.6.13}"
+HELM_VERSION="${GPUTOPO_HELM_VERSION:-3.22.0}"
+CACHE_ROOT="${GPUTOPO_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gputopo}"
+KEY="k8s-v${K8S_VERSION}_etcd-v${ETCD_VERSION}_helm-v${HELM_VERSION}"
+BIN="$CACHE_ROOT/$KEY/bin"
+WORK="$CACHE_ROOT/$KEY/src"
+NEEDED=(kube-apiserver kube-scheduler kubectl etcd helm)
+
+log() { echo "[build-binaries] $*" >&2; }
+
+have_all() { for b in "${NEEDED[@]}"; do [[ -x "$BIN/$b" ]] || return 1; done; }
+
+if have_all; then echo "$BIN"; exit 0; fi
+if [[ "${1:-}" == "--check" ]]; then echo "$BIN"; exit 3; fi
+mkdir -p "$CACHE_ROOT/$KEY"
+if command -v flock >/dev/null; then
+  exec 9>"$CACHE_ROOT/$KEY/.build.lock"
+  if ! flock -n 9; then
+    log "another build of $KEY is running; waiting for it"
+    flock 9
+  fi
+  if have_all; then echo "$BIN"; exit 0; fi
+fi
+command -v go >/dev/null || { log "Go toolchain not found on PATH; install Go >= 1.24"; exit 1; }
+mkdir -p "$BIN" "$WORK"
+export GOFLAGS="${GOFLAGS:-} -mod=mod"
+
+minor="${K8S_VERSION#*.}"; minor="${minor%%.*}"; patch="${K8S_VERSION##*.}"
+staging="v0.${minor}.${patch}"
+
+if [[ ! -x "$BIN/kube-apiserver" || ! -x "$BIN/kube-scheduler" || ! -x "$BIN/kubectl" ]]; then
+  log "kubernetes v$K8S_VERSION: wrapper module (staging modules pinned to $staging)"
+  d="$WORK/k8s"; mkdir -p "$d"; cd "$d"
+  [[ -f go.mod ]] || go mod init gputopo.local/k8sbin >/dev/null 2>&1
+  gomod=$(go mod download -json "k8s.io/kubernetes@v$K8S_VERSION" | python3 -c 'import json,sys;print(json.load(sys.stdin)["GoMod"])')
+  # The release's own go.mod names every staging module it maps to ./staging; pin each to v0.X.Y.
+  for m in $(grep -oE '^\s*k8s\.io/[a-z0-9-]+ => \./staging' "$gomod" | awk '{print $1}' | sort -u); do
+    go mod edit -replace="$m=$m@$staging"
+  done
+  go mod edit -require="k8s.io/kubernetes@v$K8S_VERSION"
+  cat > tools.go <<'GO'
+//go:build tools
+
+package tools
+
+import (
+	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kube-scheduler"
+	_ "k8s.io/kubernetes/cmd/kubectl"
+)
+GO
+  log "go mod tidy (downloads modules once per machine)"
+  go mod tidy >&2
+  ld="-s -w -X k8s.io/component-base/version.gitVersion=v$K8S_VERSION -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/client-go/pkg/version.gitVersion=v$K8S_VERSION -X k8s.io/client-go/pkg/version.gitMajor=1 -X k8s.io/client-go/pkg/version.gitMinor=$minor"
+  for c in kube-apiserver kube-scheduler kubectl; do
+    if [[ ! -x "$BIN/$c" ]]; then
+      log "building $c v$K8S_VERSION (several minutes on 2 cores)"
+      go build -trimpath -ldflags "$ld" -o "$BIN/$c.tmp" "k8s.io/kubernetes/cmd/$c" >&2
+      mv "$BIN/$c.tmp" "$BIN/$c"
+    fi
+  done
+fi
+
+if [[ ! -x "$BIN/etcd" ]]; then
+  log "etcd v$ETCD_VERSION: wrapper module"
+  d="$WORK/etcd"; mkdir -p "$d"; cd "$d"
+  [[ -f go.mod ]] || go mod init gputopo.local/etcdbin >/dev/null 2>&1
+  cat > main.go <<'GO'
+package main
+
+import (
+	"os"
+
+	"go.etcd.io/etcd/server/v3/etcdmain"
+)
+
+func main() { etcdmain.Main(os.Args) }
+GO
+  go mod edit -require="go.etcd.io/etcd/server/v3@v$ETCD_VERSION"
+  go mod tidy >&2
+  log "building etcd"
+  go build -trimpath -ldflags "-s -w" -o "$BIN/etcd.tmp" . >&2
+  mv "$BIN/etcd.tmp" "$BIN/etcd"
+fi
+
+if [[ ! -x "$BIN/helm" ]]; then
+  log "helm v$HELM_VERSION"
+  d="$WORK/helm"; mkdir -p "$d"; cd "$d"
+  [[ -f go.mod ]] || go mod init gputopo.local/helmbin >/dev/null 2>&1
+  go mod edit -require="helm.sh/helm/v3@v$HELM_VERSION"
+  cat > tools.go <<'GO'
+//go:build tools
+
+package tools
+
+import _ "helm.sh/helm/v3/cmd/helm"
+GO
+  go mod tidy >&2
+  log "building helm"
+  go build -trimpath -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=v$HELM_VERSION" -o "$BIN/helm.tmp" helm.sh/helm/v3/cmd/helm >&2
+  mv "$BIN/helm.tmp" "$BIN/helm"
+fi
+
+have_all || { log "some binaries are missing in $BIN"; exit 1; }
+log "binaries ready in $BIN"
+echo "$BIN"

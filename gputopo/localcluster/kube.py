@@ -1,0 +1,582 @@
+"""A small typed wrapper over the ``kubernetes`` client for the local control plane.
+
+The ``kubernetes`` package loads the kubeconfig and carries the requests (TLS, bearer token,
+connection pool); bodies and results are plain JSON dicts, as the API server speaks them, so
+callers never touch the client's untyped model classes. ``kubectl`` (the real binary) is used for
+``describe`` and ``apply``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kubernetes import client as k8s_client
+from kubernetes import config as k8s_config
+
+JSON = dict[str, Any]
+T = TypeVar("T")
+
+GPU_RESOURCE = "nvidia.com/gpu"
+LEAF_LABEL = "gputopo.io/network-leaf"
+SPINE_LABEL = "gputopo.io/network-spine"
+TEST_LABEL = "gputopo.io/e2e-test"  # per-test node label used by the e2e suite
+NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
+FIXED_TIME = "2026-01-01T00:00:00Z"
+
+
+class KubeApiError(RuntimeError):
+    """A non-2xx answer from the API server."""
+
+    def __init__(self, method: str, path: str, status: int, body: str) -> None:
+        self.method = method
+        self.path = path
+        self.status = status
+        self.body = body
+        try:
+            doc = json.loads(body)
+            self.reason = str(doc.get("reason", ""))
+            self.message = str(doc.get("message", body))
+        except ValueError:
+            self.reason = ""
+            self.message = body
+        super().__init__(f"{method} {path}: {status} {self.reason}: {self.message}")
+
+
+class WaitTimeout(TimeoutError):
+    """A wait helper gave up; the message says what it last saw."""
+
+
+@dataclass(frozen=True)
+class SimNode:
+    """A simulated node (no kubelet): a Node object created with its status set."""
+
+    name: str
+    gpus: int = 8
+    cpu: str = "64"
+    memory: str = "512Gi"
+    pods: int = 110
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    taints: Sequence[Mapping[str, str]] = ()
+
+    def manifest(self) -> JSON:
+        resources = {"cpu": self.cpu, "memory": self.memory, "pods": str(self.pods)}
+        if self.gpus:
+            resources[GPU_RESOURCE] = str(self.gpus)
+        labels = {
+            "kubernetes.io/hostname": self.name,
+            "kubernetes.io/os": "linux",
+            "kubernetes.io/arch": "amd64",
+            "gputopo.io/simulated": "true",
+            **self.labels,
+        }
+        spec: JSON = {}
+        if self.taints:
+            spec["taints"] = [dict(t) for t in self.taints]
+        return {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": self.name, "labels": labels, "annotations": dict(self.annotations)},
+            "spec": spec,
+            "status": {
+                "capacity": dict(resources),
+                "allocatable": dict(resources),
+                "conditions": [
+                    {
+                        "type": "Ready",
+                        "status": "True",
+                        "reason": "KubeletReady",
+                        "message": "simulated node (no kubelet)",
+                        "lastHeartbeatTime": FIXED_TIME,
+                        "lastTransitionTime": FIXED_TIME,
+                    }
+                ],
+                "addresses": [{"type": "Hostname", "address": self.name}],
+                "nodeInfo": {
+                    "architecture": "amd64",
+                    "operatingSystem": "linux",
+                    "kubeletVersion": "simulated",
+                    "kubeProxyVersion": "simulated",
+                    "containerRuntimeVersion": "simulated://0",
+                    "kernelVersion": "",
+                    "osImage": "gputopo simulated node",
+                    "machineID": "",
+                    "systemUUID": "",
+                    "bootID": "",
+                },
+                "phase": "Running",
+            },
+        }
+
+
+def network_labels(*, leaf: str | None = None, spine: str | None = None) -> dict[str, str]:
+    """gputopo's default network-tier labels (design.md, "Network hierarchy")."""
+    out: dict[str, str] = {}
+    if leaf is not None:
+        out[LEAF_LABEL] = leaf
+    if spine is not None:
+        out[SPINE_LABEL] = spine
+    return out
+
+
+def pod_manifest(
+    name: str,
+    *,
+    namespace: str = "default",
+    scheduler_name: str = "default-scheduler",
+    gpus: int = 0,
+    annotations: Mapping[str, str] | None = None,
+    labels: Mapping[str, str] | None = None,
+    cpu: str = "100m",
+    memory: str = "64Mi",
+    image: str = "pause:3.10",
+    node_selector: Mapping[str, str] | None = None,
+    tolerations: Sequence[Mapping[str, Any]] = (),
+    priority: int | None = None,
+) -> JSON:
+    """A bare Pod (no controller) with one container; ``gpus`` sets ``nvidia.com/gpu`` limits
+    (requests default to limits). The image is never pulled: there is no kubelet."""
+    limits: dict[str, str] = {"cpu": cpu, "memory": memory}
+    if gpus:
+        limits[GPU_RESOURCE] = str(gpus)
+    spec: JSON = {
+        "schedulerName": scheduler_name,
+        "terminationGracePeriodSeconds": 0,
+        "containers": [{"name": "main", "image": image, "resources": {"limits": limits, "requests": limits}}],
+    }
+    if node_selector:
+        spec["nodeSelector"] = dict(node_selector)
+    if tolerations:
+        spec["tolerations"] = [dict(t) for t in tolerations]
+    if priority is not None:
+        spec["priority"] = priority
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "annotations": dict(annotations or {}),
+            "labels": dict(labels or {}),
+        },
+        "spec": spec,
+    }
+
+
+@dataclass(frozen=True)
+class PodCondition:
+    type: str
+    status: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class PodEvent:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+    source: str  # reporting component, e.g. default-scheduler / gputopo-scheduler
+    count: int
+
+
+def _run_parallel(fn: Callable[[T], object], items: Sequence[T], workers: int) -> None:
+    if len(items) <= 1 or workers <= 1:
+        for it in items:
+            fn(it)
+        return
+    with ThreadPoolExecutor(max_workers=min(workers, len(items))) as ex:
+        for fut in [ex.submit(fn, it) for it in items]:
+            fut.result()
+
+
+class KubeClient:
+    """Typed helpers over one kubeconfig (admin or a service-account token)."""
+
+    def __init__(self, kubeconfig: Path, *, kubectl: Path | None = None, pool_size: int = 32) -> None:
+        self.kubeconfig = Path(kubeconfig)
+        self.kubectl_path = kubectl
+        cfg: Any = k8s_client.Configuration()
+        k8s_config.load_kube_config(config_file=str(self.kubeconfig), client_configuration=cfg)
+        cfg.connection_pool_maxsize = pool_size
+        self.api_client: Any = k8s_client.ApiClient(configuration=cfg)
+
+    def close(self) -> None:
+        self.api_client.close()
+
+    def __enter__(self) -> KubeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- raw requests
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        query: Mapping[str, str | int] | None = None,
+        content_type: str = "application/json",
+        timeout: float = 30.0,
+    ) -> JSON:
+        """One API request; returns the decoded JSON answer; raises ``KubeApiError`` on non-2xx."""
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        m, url, hdrs, b, _post = self.api_client.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=list((query or {}).items()) or None,
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        try:
+            resp = self.api_client.call_api(m, url, header_params=hdrs, body=b, _request_timeout=timeout)
+        except k8s_client.ApiException as e:  # transport-level status errors
+            raise KubeApiError(method, path, int(e.status or 0), str(e.body or e.reason)) from None
+        data: bytes = resp.read() or b""
+        status = int(resp.status)
+        if not 200 <= status <= 299:
+            raise KubeApiError(method, path, status, data.decode(errors="replace"))
+        if not data:
+            return {}
+        out: JSON = json.loads(data)
+        return out
+
+    # ----------------------------------------------------------------- identity
+
+    def whoami(self) -> JSON:
+        """``status.userInfo`` of a SelfSubjectReview: username, uid, groups, extra."""
+        doc = self.request(
+            "POST",
+            "/apis/authentication.k8s.io/v1/selfsubjectreviews",
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"},
+        )
+        info: JSON = doc.get("status", {}).get("userInfo", {})
+        return info
+
+    def can_i(self, verb: str, resource: str, *, namespace: str = "", name: str = "", subresource: str = "") -> bool:
+        """SelfSubjectAccessReview for the current identity."""
+        group, _, res = resource.rpartition("/") if "/" in resource else ("", "", resource)
+        attrs: JSON = {"verb": verb, "resource": res, "group": group}
+        if namespace:
+            attrs["namespace"] = namespace
+        if name:
+            attrs["name"] = name
+        if subresource:
+            attrs["subresource"] = subresource
+        doc = self.request(
+            "POST",
+            "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+            {
+                "apiVersion": "authorization.k8s.io/v1",
+                "kind": "SelfSubjectAccessReview",
+                "spec": {"resourceAttributes": attrs},
+            },
+        )
+        return bool(doc.get("status", {}).get("allowed", False))
+
+    # ----------------------------------------------------------------- namespaces, nodes
+
+    def create_namespace(self, name: str, *, labels: Mapping[str, str] | None = None) -> None:
+        """Create a namespace; an existing one is fine. (Without kube-controller-manager a
+        namespace can never finish deleting: use fresh names instead of deleting.)"""
+        body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": dict(labels or {})}}
+        try:
+            self.request("POST", "/api/v1/namespaces", body)
+        except KubeApiError as e:
+            if e.status != 409:
+                raise
+
+    def create_nodes(self, nodes: Iterable[SimNode], *, workers: int = 16) -> None:
+        """Create simulated GPU nodes (status included: capacity, allocatable, Ready) in parallel."""
+        _run_parallel(self.create_node, list(nodes), workers)
+
+    def create_node(self, node: SimNode) -> JSON:
+        return self.request("POST", "/api/v1/nodes", node.manifest())
+
+    def get_node(self, name: str) -> JSON:
+        return self.request("GET", f"/api/v1/nodes/{name}")
+
+    def list_nodes(self, *, label_selector: str = "") -> list[JSON]:
+        q = {"labelSelector": label_selector} if label_selector else None
+        items: list[JSON] = self.request("GET", "/api/v1/nodes", query=q).get("items", [])
+        return items
+
+    def patch_node(self, name: str, patch: Mapping[str, Any], *, status: bool = False) -> JSON:
+        """JSON merge patch of a Node (``status=True``: the status subresource)."""
+        path = f"/api/v1/nodes/{name}" + ("/status" if status else "")
+        return self.request("PATCH", path, dict(patch), content_type="application/merge-patch+json")
+
+    def annotate_node(self, name: str, annotations: Mapping[str, str | None]) -> JSON:
+        return self.patch_node(name, {"metadata": {"annotations": dict(annotations)}})
+
+    def delete_node(self, name: str) -> None:
+        self.request("DELETE", f"/api/v1/nodes/{name}")
+
+    # ----------------------------------------------------------------- service accounts, RBAC
+
+    def create_service_account(self, namespace: str, name: str) -> None:
+        body = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name, "namespace": namespace}}
+        try:
+            self.request("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts", body)
+        except KubeApiError as e:
+            if e.status != 409:
+                raise
+
+    def create_token(
+        self,
+        namespace: str,
+        service_account: str,
+        *,
+        expiration_seconds: int = 86400,
+        audiences: Sequence[str] = (),
+        bound_node: str | None = None,
+    ) -> str:
+        """Mint a token with the TokenRequest API. ``bound_node`` binds it to that Node object
+        (ServiceAccountTokenNodeBinding): the token dies with the Node and authenticates with the
+        user extra ``authentication.kubernetes.io/node-name``."""
+        spec: JSON = {"expirationSeconds": expiration_seconds}
+        if audiences:
+            spec["audiences"] = list(audiences)
+        if bound_node is not None:
+            node = self.get_node(bound_node)
+            spec["boundObjectRef"] = {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "name": bound_node,
+                "uid": node["metadata"]["uid"],
+            }
+        doc = self.request(
+            "POST",
+            f"/api/v1/namespaces/{namespace}/serviceaccounts/{service_account}/token",
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec},
+        )
+        return str(doc["status"]["token"])
+
+    def apply(self, objects: Iterable[Mapping[str, Any]], *, server_side: bool = False) -> str:
+        """``kubectl apply`` of manifests (any kinds: RBAC, CRDs, policies...); returns its output."""
+        doc = {"apiVersion": "v1", "kind": "List", "items": [dict(o) for o in objects]}
+        args = ["apply", "-f", "-"]
+        if server_side:
+            args += ["--server-side", "--force-conflicts"]
+        return self.kubectl(*args, input=json.dumps(doc))
+
+    apply_rbac = apply
+
+    # ----------------------------------------------------------------- pods
+
+    def create_pod(self, manifest: Mapping[str, Any]) -> JSON:
+        ns = str(manifest.get("metadata", {}).get("namespace") or "default")
+        return self.request("POST", f"/api/v1/namespaces/{ns}/pods", dict(manifest))
+
+    def create_pods(self, manifests: Iterable[Mapping[str, Any]], *, workers: int = 16) -> None:
+        _run_parallel(self.create_pod, list(manifests), workers)
+
+    def get_pod(self, namespace: str, name: str) -> JSON:
+        return self.request("GET", f"/api/v1/namespaces/{namespace}/pods/{name}")
+
+    def list_pods(self, namespace: str, *, label_selector: str = "", field_selector: str = "") -> list[JSON]:
+        q: dict[str, str | int] = {}
+        if label_selector:
+            q["labelSelector"] = label_selector
+        if field_selector:
+            q["fieldSelector"] = field_selector
+        items: list[JSON] = self.request("GET", f"/api/v1/namespaces/{namespace}/pods", query=q).get("items", [])
+        return items
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        """Delete at once (grace period 0: without a kubelet a graceful delete never finishes)."""
+        try:
+            self.request(
+                "DELETE",
+                f"/api/v1/namespaces/{namespace}/pods/{name}",
+                {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0},
+            )
+        except KubeApiError as e:
+            if e.status != 404:
+                raise
+
+    def patch_pod(self, namespace: str, name: str, patch: Mapping[str, Any]) -> JSON:
+        return self.request(
+            "PATCH",
+            f"/api/v1/namespaces/{namespace}/pods/{name}",
+            dict(patch),
+            content_type="application/merge-patch+json",
+        )
+
+    @staticmethod
+    def pod_conditions(pod: Mapping[str, Any]) -> list[PodCondition]:
+        return [
+            PodCondition(
+                type=str(c.get("type", "")),
+                status=str(c.get("status", "")),
+                reason=str(c.get("reason", "") or ""),
+                message=str(c.get("message", "") or ""),
+            )
+            for c in pod.get("status", {}).get("conditions", []) or []
+        ]
+
+    def pod_events(self, namespace: str, name: str) -> list[PodEvent]:
+        """Events about the pod, oldest first (core/v1 view, which includes events.k8s.io)."""
+        doc = self.request(
+            "GET",
+            f"/api/v1/namespaces/{namespace}/events",
+            query={"fieldSelector": f"involvedObject.kind=Pod,involvedObject.name={name}"},
+        )
+        items = sorted(
+            doc.get("items", []),
+            key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or e["metadata"]["creationTimestamp"]),
+        )
+        out = []
+        for e in items:
+            src = e.get("reportingComponent") or (e.get("source") or {}).get("component") or ""
+            out.append(
+                PodEvent(
+                    type=str(e.get("type", "")),
+                    reason=str(e.get("reason", "")),
+                    message=str(e.get("message", "") or ""),
+                    source=str(src),
+                    count=int(e.get("count") or (e.get("series") or {}).get("count") or 1),
+                )
+            )
+        return out
+
+    def wait_pod_bound(self, namespace: str, name: str, *, timeout: float = 30.0) -> str:
+        """Wait until the pod has ``spec.nodeName``; returns it."""
+
+        def check() -> str | None:
+            node = self.get_pod(namespace, name).get("spec", {}).get("nodeName")
+            return str(node) if node else None
+
+        return self._wait(
+            check, timeout, f"pod {namespace}/{name} bound to a node", lambda: self._pod_state(namespace, name)
+        )
+
+    def wait_pods_bound(self, namespace: str, names: Iterable[str], *, timeout: float = 60.0) -> dict[str, str]:
+        """Wait until every named pod is bound; returns pod → node."""
+        want = set(names)
+
+        def check() -> dict[str, str] | None:
+            got = {
+                p["metadata"]["name"]: p["spec"]["nodeName"]
+                for p in self.list_pods(namespace)
+                if p["metadata"]["name"] in want and p.get("spec", {}).get("nodeName")
+            }
+            return got if len(got) == len(want) else None
+
+        return self._wait(check, timeout, f"{len(want)} pods in {namespace} bound", lambda: "")
+
+    def wait_pod_condition(
+        self,
+        namespace: str,
+        name: str,
+        cond_type: str = "PodScheduled",
+        *,
+        status: str | None = None,
+        reason: str | None = None,
+        timeout: float = 30.0,
+    ) -> PodCondition:
+        """Wait for a pod condition (optionally with the given status and reason)."""
+
+        def check() -> PodCondition | None:
+            for c in self.pod_conditions(self.get_pod(namespace, name)):
+                if (
+                    c.type == cond_type
+                    and (status is None or c.status == status)
+                    and (reason is None or c.reason == reason)
+                ):
+                    return c
+            return None
+
+        return self._wait(
+            check,
+            timeout,
+            f"pod {namespace}/{name} condition {cond_type} status={status} reason={reason}",
+            lambda: self._pod_state(namespace, name),
+        )
+
+    def wait_pod_event(
+        self,
+        namespace: str,
+        name: str,
+        reason: str,
+        *,
+        contains: str = "",
+        timeout: float = 30.0,
+    ) -> PodEvent:
+        """Wait for an event about the pod with this reason (and message substring)."""
+
+        def check() -> PodEvent | None:
+            for ev in self.pod_events(namespace, name):
+                if ev.reason == reason and contains in ev.message:
+                    return ev
+            return None
+
+        return self._wait(
+            check,
+            timeout,
+            f"event {reason!r} containing {contains!r} for pod {namespace}/{name}",
+            lambda: "; ".join(f"{e.reason}: {e.message}" for e in self.pod_events(namespace, name)),
+        )
+
+    # ----------------------------------------------------------------- kubectl
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60.0) -> str:
+        """Run the real kubectl against this kubeconfig; returns stdout (raises with stderr)."""
+        if self.kubectl_path is None:
+            raise RuntimeError("this KubeClient has no kubectl binary configured")
+        cache = self.kubeconfig.parent / ".kubectl-cache"
+        proc = subprocess.run(
+            [str(self.kubectl_path), f"--kubeconfig={self.kubeconfig}", f"--cache-dir={cache}", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+        return proc.stdout
+
+    def describe_pod(self, namespace: str, name: str) -> str:
+        return self.kubectl("describe", "pod", "-n", namespace, name)
+
+    # ----------------------------------------------------------------- internals
+
+    def _pod_state(self, namespace: str, name: str) -> str:
+        try:
+            pod = self.get_pod(namespace, name)
+        except KubeApiError as e:
+            return str(e)
+        conds = ", ".join(f"{c.type}={c.status} {c.reason} {c.message}".strip() for c in self.pod_conditions(pod))
+        evs = "; ".join(f"{e.reason}: {e.message}" for e in self.pod_events(namespace, name))
+        return f"nodeName={pod.get('spec', {}).get('nodeName')!r}; conditions: {conds or '-'}; events: {evs or '-'}"
+
+    @staticmethod
+    def _wait(check: Callable[[], T | None], timeout: float, what: str, state: Callable[[], str]) -> T:
+        deadline = time.monotonic() + timeout
+        delay = 0.05
+        while True:
+            got = check()
+            if got is not None:
+                return got
+            if time.monotonic() > deadline:
+                try:
+                    last = state()
+                except Exception as e:  # the diagnosis must not hide the timeout
+                    last = f"(could not read state: {e})"
+                raise WaitTimeout(f"timed out after {timeout:.0f}s waiting for {what}; last state: {last}")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
