@@ -33,7 +33,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -224,6 +224,7 @@ class _Component:
     argv: list[str]
     log_path: Path
     ready: Callable[[], bool]
+    env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     started_pids: list[int] = field(default_factory=list)
 
@@ -512,6 +513,31 @@ class ControlPlane:
             raise
         return name
 
+    def start_process(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        ready: Callable[[], bool],
+        env: Mapping[str, str] | None = None,
+    ) -> str:
+        """Run another process (the extender, an agent) as a managed component: logged into the
+        directory, stopped with the rest, restartable by name. Waits until ``ready()``."""
+        self._require_started()
+        if name in self._components:
+            raise ControlPlaneError(f"component {name!r} exists; use restart()")
+        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
+        self._components[name] = _Component(
+            name=name, argv=list(argv), log_path=self.dir / f"{safe}.log", ready=ready, env=dict(env or {})
+        )
+        try:
+            self._start(name)
+        except BaseException:
+            c = self._components.pop(name)
+            self._removed_pids.extend(c.started_pids)
+            raise
+        return name
+
     def start_gputopo_scheduler(
         self,
         extender_url: str,
@@ -639,6 +665,7 @@ class ControlPlane:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self.dir,
+                env={**os.environ, **c.env} if c.env else None,
                 start_new_session=True,
                 preexec_fn=_set_pdeathsig if self.die_with_parent else None,
             )
