@@ -43,7 +43,11 @@ def rbac_objects(namespace: str = NAMESPACE) -> list[dict[str, Any]]:
             "kind": "Role",
             "metadata": {"name": "gputopo-agent", "namespace": namespace},
             "rules": [
-                {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}
+                {
+                    "apiGroups": ["coordination.k8s.io"],
+                    "resources": ["leases"],
+                    "verbs": ["get", "create", "update", "patch"],
+                }
             ],
         },
         {

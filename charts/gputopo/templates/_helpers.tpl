@@ -1,0 +1,231 @@
+{{/*
+Expand the name of the chart.
+*/}}
+{{- define "gputopo.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Create a default fully qualified app name.
+We truncate at 63 chars because some Kubernetes name fields are limited to this (by the DNS naming spec).
+If release name contains chart name it will be used as a full name.
+*/}}
+{{- define "gputopo.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Create chart name and version as used by the chart label.
+*/}}
+{{- define "gputopo.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Common labels
+*/}}
+{{- define "gputopo.labels" -}}
+helm.sh/chart: {{ include "gputopo.chart" . }}
+{{ include "gputopo.selectorLabels" . }}
+{{- if .Chart.AppVersion }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: gputopo
+{{- end }}
+
+{{/*
+Selector labels
+*/}}
+{{- define "gputopo.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "gputopo.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+Per-component names, labels and selector labels. Call with (dict "ctx" $ "component" "agent").
+*/}}
+{{- define "gputopo.componentName" -}}
+{{- printf "%s-%s" (include "gputopo.fullname" .ctx | trunc 50 | trimSuffix "-") .component }}
+{{- end }}
+
+{{- define "gputopo.componentLabels" -}}
+{{ include "gputopo.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "gputopo.componentSelectorLabels" -}}
+{{ include "gputopo.selectorLabels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/*
+ServiceAccount names, one per component.
+*/}}
+{{- define "gputopo.agent.serviceAccountName" -}}
+{{- if .Values.agent.serviceAccount.create }}
+{{- default (include "gputopo.componentName" (dict "ctx" . "component" "agent")) .Values.agent.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.agent.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "gputopo.extender.serviceAccountName" -}}
+{{- if .Values.extender.serviceAccount.create }}
+{{- default (include "gputopo.componentName" (dict "ctx" . "component" "extender")) .Values.extender.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.extender.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "gputopo.scheduler.serviceAccountName" -}}
+{{- if .Values.scheduler.serviceAccount.create }}
+{{- default (include "gputopo.componentName" (dict "ctx" . "component" "scheduler")) .Values.scheduler.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.scheduler.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+The gputopo image (agent and extender share it). The tag defaults to the chart appVersion.
+*/}}
+{{- define "gputopo.image" -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag }}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+{{- end }}
+
+{{/*
+The extender Service name and its in-cluster DNS names.
+*/}}
+{{- define "gputopo.extender.serviceName" -}}
+{{- include "gputopo.componentName" (dict "ctx" . "component" "extender") }}
+{{- end }}
+
+{{- define "gputopo.extender.url" -}}
+{{- printf "https://%s.%s.svc:%d" (include "gputopo.extender.serviceName" .) .Release.Namespace (int .Values.extender.port) }}
+{{- end }}
+
+{{/*
+The Secret holding the extender's serving certificate (tls.crt, tls.key) and its CA (ca.crt).
+*/}}
+{{- define "gputopo.tls.secretName" -}}
+{{- if .Values.tls.existingSecret }}
+{{- .Values.tls.existingSecret }}
+{{- else }}
+{{- printf "%s-tls" (include "gputopo.extender.serviceName" .) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The self-signed TLS material, generated once per render and memoised in .Values so that the
+Secret and the webhook's caBundle agree. On upgrade the existing Secret is reused (lookup), so
+the CA and certificate are generated once per installation, not once per upgrade.
+Returns a dict of base64 strings: caCrt, tlsCrt, tlsKey.
+*/}}
+{{- define "gputopo.tls.selfSigned" -}}
+{{- if not (hasKey .Values "__gputopoTLS") }}
+{{- $secretName := include "gputopo.tls.secretName" . }}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace $secretName }}
+{{- $out := dict }}
+{{- if and $existing $existing.data (index $existing.data "ca.crt") (index $existing.data "tls.crt") (index $existing.data "tls.key") }}
+{{- $_ := set $out "caCrt" (index $existing.data "ca.crt") }}
+{{- $_ := set $out "tlsCrt" (index $existing.data "tls.crt") }}
+{{- $_ := set $out "tlsKey" (index $existing.data "tls.key") }}
+{{- else }}
+{{- $svc := include "gputopo.extender.serviceName" . }}
+{{- $ns := .Release.Namespace }}
+{{- $dns := list $svc (printf "%s.%s" $svc $ns) (printf "%s.%s.svc" $svc $ns) (printf "%s.%s.svc.%s" $svc $ns .Values.clusterDomain) }}
+{{- $ca := genCA (printf "%s-ca" (include "gputopo.fullname" .)) (int .Values.tls.validityDays) }}
+{{- $cert := genSignedCert (printf "%s.%s.svc" $svc $ns) nil $dns (int .Values.tls.validityDays) $ca }}
+{{- $_ := set $out "caCrt" ($ca.Cert | b64enc) }}
+{{- $_ := set $out "tlsCrt" ($cert.Cert | b64enc) }}
+{{- $_ := set $out "tlsKey" ($cert.Key | b64enc) }}
+{{- end }}
+{{- $_ := set .Values "__gputopoTLS" $out }}
+{{- end }}
+{{- toJson (get .Values "__gputopoTLS") }}
+{{- end }}
+
+{{/*
+Pod security context shared by the extender, the scheduler and the test Pod.
+*/}}
+{{- define "gputopo.restrictedContainerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop:
+    - ALL
+{{- end }}
+
+{{/*
+Fail fast on value combinations that cannot work.
+*/}}
+{{- define "gputopo.validate" -}}
+{{- if and .Values.certManager.enabled .Values.tls.existingSecret }}
+{{- fail "\n\ncertManager.enabled and tls.existingSecret are exclusive: either cert-manager issues the\nextender's certificate into a Secret the chart names, or you provide the Secret yourself.\nUnset one of them." }}
+{{- end }}
+{{- if and .Values.webhook.enabled .Values.tls.existingSecret (not .Values.tls.caBundle) }}
+{{- fail "\n\nwebhook.enabled with tls.existingSecret needs tls.caBundle (the base64 PEM CA that signed the\nSecret's certificate) so that the API server can verify the extender's /mutate endpoint." }}
+{{- end }}
+{{- if and .Values.agent.privileged (not .Values.agent.enabled) }}
+{{- fail "\n\nagent.privileged is set but agent.enabled is false." }}
+{{- end }}
+{{- if and .Values.scheduler.enabled (not .Values.extender.enabled) }}
+{{- fail "\n\nscheduler.enabled needs extender.enabled: the gputopo-scheduler profile calls the extender for\nevery GPU pod and fails closed when it is absent." }}
+{{- end }}
+{{- end }}
+
+{{/*
+The KubeSchedulerConfiguration of the gputopo scheduler (extender-protocol.md §2).
+*/}}
+{{- define "gputopo.scheduler.config" -}}
+{{- $s := .Values.scheduler }}
+{{- $ext := dict
+  "urlPrefix" (include "gputopo.extender.url" .)
+  "filterVerb" "filter"
+  "prioritizeVerb" "prioritize"
+  "bindVerb" "bind"
+  "weight" (int64 $s.extender.weight)
+  "nodeCacheCapable" true
+  "enableHTTPS" true
+  "tlsConfig" (dict "caFile" "/etc/gputopo/ca/ca.crt")
+  "httpTimeout" $s.extender.httpTimeout
+  "ignorable" $s.extender.ignorable
+  "managedResources" $s.extender.managedResources
+}}
+{{- with $s.extender.preemptVerb }}
+{{- $_ := set $ext "preemptVerb" . }}
+{{- end }}
+{{- $profile := dict "schedulerName" $s.schedulerName }}
+{{- with $s.plugins }}
+{{- $_ := set $profile "plugins" . }}
+{{- end }}
+{{- $le := dict "leaderElect" $s.leaderElection.enabled }}
+{{- if $s.leaderElection.enabled }}
+{{- $_ := set $le "resourceLock" "leases" }}
+{{- $_ := set $le "resourceName" $s.leaderElection.resourceName }}
+{{- $_ := set $le "resourceNamespace" .Release.Namespace }}
+{{- end }}
+{{- $cfg := dict
+  "apiVersion" "kubescheduler.config.k8s.io/v1"
+  "kind" "KubeSchedulerConfiguration"
+  "leaderElection" $le
+  "percentageOfNodesToScore" (int $s.percentageOfNodesToScore)
+  "profiles" (list $profile)
+  "extenders" (list $ext)
+}}
+{{- toYaml $cfg }}
+{{- end }}

@@ -1,0 +1,166 @@
+"""Mutating admission webhook: opt a pod in to the gputopo scheduler by annotation alone.
+
+The Helm chart's optional ``MutatingWebhookConfiguration`` (``webhook.enabled``) sends pod
+CREATE requests to the extender at ``POST /mutate``. A pod that carries at least one
+``gputopo.io/`` annotation and names no scheduler of its own (``spec.schedulerName`` absent,
+empty or ``default-scheduler``, which the API server fills in before admission) gets a JSONPatch
+that sets ``spec.schedulerName`` to ``gputopo-scheduler``. Everything else is admitted unchanged.
+
+The webhook never denies: it only mutates. Its match conditions in the chart repeat the same
+test, so the API server rarely calls it for pods it would leave alone; this function still
+decides on its own and is safe to call with any AdmissionReview.
+
+This module is pure (no I/O). The extender mounts it, e.g.::
+
+    @app.post("/mutate")
+    def mutate(review: dict[str, Any]) -> dict[str, Any]:
+        return mutate_pod(review)
+
+and answers 400 when :func:`mutate_pod` raises :class:`ValueError` (a malformed review).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Mapping
+from typing import Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = [
+    "ADMISSION_API_VERSION",
+    "ANNOTATION_PREFIX",
+    "DEFAULT_SCHEDULER",
+    "GPUTOPO_SCHEDULER",
+    "AdmissionRequest",
+    "AdmissionResponse",
+    "AdmissionReview",
+    "is_opted_in",
+    "mutate_pod",
+    "scheduler_name_patch",
+]
+
+ADMISSION_API_VERSION: Final = "admission.k8s.io/v1"
+ANNOTATION_PREFIX = "gputopo.io/"
+GPUTOPO_SCHEDULER = "gputopo-scheduler"
+DEFAULT_SCHEDULER = "default-scheduler"
+
+
+class GroupVersionKind(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    group: str = ""
+    version: str = ""
+    kind: str = ""
+
+
+class GroupVersionResource(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    group: str = ""
+    version: str = ""
+    resource: str = ""
+
+
+class AdmissionRequest(BaseModel):
+    """The ``request`` of an AdmissionReview (admission.k8s.io/v1); unknown keys are kept."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    uid: str = Field(min_length=1)
+    kind: GroupVersionKind = Field(default_factory=GroupVersionKind)
+    resource: GroupVersionResource = Field(default_factory=GroupVersionResource)
+    sub_resource: str = Field(default="", alias="subResource")
+    operation: str = ""
+    namespace: str = ""
+    name: str = ""
+    object: dict[str, Any] | None = None
+    old_object: dict[str, Any] | None = Field(default=None, alias="oldObject")
+    dry_run: bool = Field(default=False, alias="dryRun")
+
+
+class AdmissionStatus(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    message: str = ""
+    code: int | None = None
+
+
+class AdmissionResponse(BaseModel):
+    """The ``response`` of an AdmissionReview; ``patch`` is base64 of a JSONPatch document."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    uid: str
+    allowed: bool = True
+    patch_type: Literal["JSONPatch"] | None = Field(default=None, alias="patchType")
+    patch: str | None = None
+    warnings: list[str] | None = None
+    status: AdmissionStatus | None = None
+
+
+class AdmissionReview(BaseModel):
+    """An AdmissionReview as the API server sends it (request) or expects it back (response)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    api_version: Literal["admission.k8s.io/v1"] = Field(default="admission.k8s.io/v1", alias="apiVersion")
+    kind: Literal["AdmissionReview"] = "AdmissionReview"
+    request: AdmissionRequest | None = None
+    response: AdmissionResponse | None = None
+
+
+def _has_gputopo_annotation(annotations: Mapping[str, Any] | None) -> bool:
+    return any(isinstance(k, str) and k.startswith(ANNOTATION_PREFIX) for k in (annotations or {}))
+
+
+def is_opted_in(pod: Mapping[str, Any]) -> bool:
+    """True when the pod carries a ``gputopo.io/`` annotation and no scheduler of its own."""
+    metadata = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    if not isinstance(metadata, Mapping) or not isinstance(spec, Mapping):
+        return False
+    if not _has_gputopo_annotation(metadata.get("annotations")):
+        return False
+    return spec.get("schedulerName") in (None, "", DEFAULT_SCHEDULER)
+
+
+def scheduler_name_patch(scheduler_name: str = GPUTOPO_SCHEDULER) -> list[dict[str, str]]:
+    """The JSONPatch (RFC 6902) that sets ``spec.schedulerName``.
+
+    ``add`` on an existing member replaces it (RFC 6902 §4.1), so one operation covers a pod
+    with or without the field.
+    """
+    return [{"op": "add", "path": "/spec/schedulerName", "value": scheduler_name}]
+
+
+def mutate_pod(admission_review: dict[str, Any], scheduler_name: str = GPUTOPO_SCHEDULER) -> dict[str, Any]:
+    """Answer one AdmissionReview (v1): allow, and patch the scheduler name of opted-in pods.
+
+    Raises :class:`ValueError` (a pydantic ``ValidationError``, or for a review without a request)
+    when the input is not an AdmissionReview v1 request; the HTTP layer answers 400 then.
+    """
+    try:
+        review = AdmissionReview.model_validate(admission_review)
+    except ValidationError as exc:
+        raise ValueError(f"not an admission.k8s.io/v1 AdmissionReview: {exc}") from exc
+    request = review.request
+    if request is None:
+        raise ValueError("AdmissionReview has no request")
+
+    response = AdmissionResponse(uid=request.uid, allowed=True)
+    is_pod = request.kind.kind == "Pod" or request.resource.resource == "pods"
+    if (
+        is_pod
+        and request.sub_resource == ""
+        and request.operation == "CREATE"
+        and request.object is not None
+        and is_opted_in(request.object)
+    ):
+        patch = json.dumps(scheduler_name_patch(scheduler_name), separators=(",", ":"))
+        response.patch_type = "JSONPatch"
+        response.patch = base64.b64encode(patch.encode()).decode()
+
+    out = AdmissionReview(response=response)
+    return out.model_dump(by_alias=True, exclude_none=True, include={"api_version", "kind", "response"})
