@@ -187,7 +187,7 @@ def evaluate_pod(
 ) -> list[NodeVerdict]:
     """Verdicts for every node; equivalent nodes are evaluated once."""
     memo: dict[int, Outcome] = {}
-    out = []
+    out: list[NodeVerdict] = []
     append = out.append
     for node in nodes:
         outcome = memo.get(node.key)

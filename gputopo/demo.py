@@ -1,0 +1,151 @@
+"""`gputopo demo`: the whole system on this machine. Builds (or reuses) the pinned upstream binaries,
+starts etcd, kube-apiserver and kube-scheduler, runs the real extender and one real agent per
+simulated GPU node from `examples/cluster.yaml`, submits `examples/jobs.yaml` as pods, and prints
+where each pod went and what `kubectl describe pod` says about it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gputopo.clusterfile import ClusterFileError, load_cluster, load_jobs
+from gputopo.engine.explain import gpu_ranges
+from gputopo.model import PLACEMENT_ANNOTATION, AnnotationError, parse_placement
+
+STALE_AFTER = 10.0
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "demo",
+        help="run gputopo on a local control plane with simulated GPU nodes",
+        description=__doc__,
+    )
+    p.add_argument("--cluster", type=Path, default=Path("examples/cluster.yaml"), help="cluster file (nodes)")
+    p.add_argument("--jobs", type=Path, default=Path("examples/jobs.yaml"), help="jobs file (pods to submit)")
+    p.add_argument("--keep", action="store_true", help="leave the cluster running and print its KUBECONFIG")
+    p.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for the scheduler to decide")
+    return p
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _events_section(describe: str) -> list[str]:
+    lines = describe.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Events:"):
+            return [ln for ln in lines[i + 1 :] if ln.strip() and not ln.lstrip().startswith("----")]
+    return []
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here: the simulator and other commands must not pay for the control-plane modules.
+    from gputopo.localcluster import ControlPlane, ensure_binaries, pod_manifest
+    from gputopo.localcluster.stack import GpuNode, Stack
+
+    try:
+        cluster = load_cluster(args.cluster)
+        jobs = load_jobs(args.jobs)
+    except ClusterFileError as e:
+        print(f"gputopo demo: {e}", file=sys.stderr)
+        return 2
+
+    _say("== upstream binaries (built once per machine from the Go module proxy, then reused)")
+    bin_dir = ensure_binaries(lambda line: _say(f"   {line}"))
+    _say(f"   {bin_dir}")
+
+    cp = ControlPlane(bin_dir, keep=args.keep, die_with_parent=not args.keep, progress=lambda m: _say(f"   {m}"))
+    _say("== control plane: etcd, kube-apiserver (RBAC, TLS, service-account keys)")
+    cp.start()
+    try:
+        kube = cp.client()
+        stack = Stack(cp, kube, stale_after_seconds=STALE_AFTER, progress=lambda m: _say(f"   {m}"))
+        stack.install()
+        _say("== gputopo: extender and a kube-scheduler whose gputopo-scheduler profile calls it")
+        stack.start_extender()
+        stack.start_scheduler()
+        _say(f"== {len(cluster.nodes)} simulated GPU nodes from {args.cluster}, each with its own gputopo-agent")
+        stack.add_nodes([GpuNode(n.name, n.fixture, n.topology, n.labels, n.gpus_in_use) for n in cluster.nodes])
+        stack.wait_published()
+        stale = [n.name for n in cluster.nodes if n.stale]
+        for name in stale:
+            stack.stop_agent(name)
+        if stale:
+            _say(f"   stopped the agent of {', '.join(stale)}; its topology goes stale after {STALE_AFTER:.0f}s")
+            time.sleep(STALE_AFTER + 1)
+        for n in cluster.nodes:
+            _say(f"   {n.name:<16} {n.fixture or 'inline topology':<18} {n.labels.get('gputopo.io/network-leaf', '-')}")
+
+        ns = "demo"
+        kube.create_namespace(ns)
+        pods: list[str] = []
+        _say(f"== submitting {args.jobs}")
+        for job in jobs.jobs:
+            for i in range(job.pods):
+                name = f"{job.name}-{i}"
+                kube.create_pod(
+                    pod_manifest(
+                        name,
+                        namespace=ns,
+                        scheduler_name="gputopo-scheduler",
+                        gpus=job.gpus_per_pod,
+                        annotations=job.pod_annotations(i),
+                    )
+                )
+                pods.append(name)
+            # One job at a time, as the simulator places them, so the outcome reads in file order.
+            _wait_decided(kube, ns, pods[-job.pods :], args.timeout)
+
+        _say("== where each pod went, and why (from kubectl describe pod)")
+        placed = 0
+        for name in pods:
+            pod = kube.get_pod(ns, name)
+            node = pod["spec"].get("nodeName")
+            events = _events_section(kube.describe_pod(ns, name))
+            if node:
+                placed += 1
+                gpus = ""
+                ann = pod["metadata"].get("annotations", {}).get(PLACEMENT_ANNOTATION)
+                if ann:
+                    try:
+                        gpus = f" GPUs {gpu_ranges(parse_placement(ann).gpus)}"
+                    except AnnotationError:
+                        gpus = ""
+                _say(f"\n+ {name} -> {node}{gpus}")
+            else:
+                _say(f"\n- {name}: pending")
+            for line in events:
+                if "TopologyPlacement" in line or "FailedScheduling" in line or "Scheduled" in line:
+                    _say("    " + " ".join(line.split()))
+        _say(f"\n{placed}/{len(pods)} pods placed.")
+        if args.keep:
+            cp.detach()
+            _say("\nThe cluster keeps running. Try:")
+            _say(f"  export KUBECONFIG={cp.kubeconfig}")
+            _say(f"  {cp.kubectl} describe pod -n {ns} {pods[0]}")
+            _say(f"  .venv/bin/gputopo topo {cluster.nodes[0].name}")
+            _say(f"  .venv/bin/gputopo explain -n {ns} {pods[-1]}")
+            _say(f"Stop it with: kill {' '.join(str(p) for p in cp.owned_pids())}")
+        return 0
+    finally:
+        if not args.keep:
+            _say("== tearing down (only the processes this demo started)")
+            cp.teardown()
+
+
+def _wait_decided(kube: Any, ns: str, names: list[str], timeout: float) -> None:
+    """Until each pod is bound or the scheduler has said why it cannot be."""
+    deadline = time.monotonic() + timeout
+    pending = set(names)
+    while pending and time.monotonic() < deadline:
+        for name in list(pending):
+            bound = kube.get_pod(ns, name)["spec"].get("nodeName")
+            if bound or any(e.reason == "FailedScheduling" for e in kube.pod_events(ns, name)):
+                pending.discard(name)
+        if pending:
+            time.sleep(0.3)
