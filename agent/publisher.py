@@ -1,0 +1,297 @@
+"""Publish a node's topology to its own Node, and heartbeat through a Lease (design.md).
+
+The Node is written only when the content of `gputopo.io/topology`, `gputopo.io/gpus-in-use` or a
+`gputopo.io/*` label differs from what the Node carries (nothing time-varying is published), so a
+steady node causes no Node writes at all. Liveness is the Lease `gputopo-agent-<node>`, renewed
+every heartbeatSeconds; heartbeats never touch the Node.
+
+The Kubernetes client sits behind the small `NodeApi` protocol so unit tests use a fake. API errors
+are retried with exponential backoff and then reported as a result: nothing here raises into the
+agent loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Protocol, TypeVar
+
+from gputopo.model import (
+    GPUS_IN_USE_ANNOTATION,
+    NODE_LABEL_KEYS,
+    TOPOLOGY_ANNOTATION,
+    NodeTopology,
+    format_gpus_in_use,
+    node_labels,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+LEASE_PREFIX = "gputopo-agent-"
+
+
+def lease_name(node: str) -> str:
+    return f"{LEASE_PREFIX}{node}"
+
+
+@dataclass(frozen=True)
+class NodeMeta:
+    """The parts of a Node the agent reads: its annotations and labels."""
+
+    annotations: Mapping[str, str]
+    labels: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class LeaseSpec:
+    holder: str
+    renew_time: datetime
+    duration_s: int
+
+
+class NodeApi(Protocol):
+    """The API calls the agent makes; raise kubernetes ApiException (or a connection error) on failure."""
+
+    def read_node_meta(self, name: str) -> NodeMeta: ...
+
+    def patch_node_meta(self, name: str, annotations: Mapping[str, str], labels: Mapping[str, str]) -> None: ...
+
+    def renew_lease(self, namespace: str, name: str, spec: LeaseSpec) -> None:
+        """Update an existing Lease; ApiException(status=404) when it does not exist."""
+        ...
+
+    def create_lease(self, namespace: str, name: str, spec: LeaseSpec) -> None: ...
+
+
+class PublishResult(StrEnum):
+    """Outcome of one publish; also the `result` label of gputopo_agent_publish_total."""
+
+    CHANGED = "changed"
+    UNCHANGED = "unchanged"
+    ERROR = "error"
+
+
+# --------------------------------------------------------------------------------------------------
+# Pure: what the Node should carry, and what differs
+
+
+def desired_metadata(
+    topology: NodeTopology, gpus_in_use: frozenset[int] | None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """(annotations, labels) for this topology; the in-use annotation only when it is known."""
+    annotations = {TOPOLOGY_ANNOTATION: topology.to_annotation()}
+    if gpus_in_use is not None:
+        annotations[GPUS_IN_USE_ANNOTATION] = format_gpus_in_use(gpus_in_use)
+    return annotations, node_labels(topology)
+
+
+def _same_json(a: str | None, b: str) -> bool:
+    if a is None:
+        return False
+    if a == b:
+        return True
+    try:
+        return bool(json.loads(a) == json.loads(b))
+    except ValueError:
+        return False
+
+
+def metadata_changes(
+    current: NodeMeta, annotations: Mapping[str, str], labels: Mapping[str, str]
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The annotations and labels whose content differs from the Node (JSON compared as values)."""
+    ann = {k: v for k, v in annotations.items() if not _same_json(current.annotations.get(k), v)}
+    lab = {k: v for k, v in labels.items() if k in NODE_LABEL_KEYS and current.labels.get(k) != v}
+    return ann, lab
+
+
+# --------------------------------------------------------------------------------------------------
+# Retries
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff: `base`, `base*factor`, … capped at `cap`, for at most `attempts` tries."""
+
+    base_s: float = 0.5
+    factor: float = 2.0
+    cap_s: float = 8.0
+    attempts: int = 4
+
+    def delays(self) -> list[float]:
+        return [min(self.cap_s, self.base_s * self.factor**i) for i in range(self.attempts - 1)]
+
+
+def _status(e: BaseException) -> int | None:
+    status = getattr(e, "status", None)
+    return status if isinstance(status, int) else None
+
+
+def is_retryable(e: BaseException) -> bool:
+    """Server-side and throttling errors and lost connections are retried; other client errors
+    (403 RBAC, 422 invalid) would only fail again the same way."""
+    status = _status(e)
+    if status is None or status == 0:
+        return True
+    return status in (408, 409, 429) or status >= 500
+
+
+def call_with_retry(fn: Callable[[], T], backoff: Backoff, sleep: Callable[[float], bool], what: str) -> T:
+    """Run fn, retrying retryable errors after each delay; `sleep` returns True when told to stop."""
+    delays = backoff.delays()
+    for attempt in range(backoff.attempts):
+        try:
+            return fn()
+        except Exception as e:
+            last = attempt == backoff.attempts - 1
+            if last or not is_retryable(e):
+                raise
+            log.warning(
+                "API call failed; retrying",
+                extra={"call": what, "status": _status(e), "attempt": attempt + 1, "error": _short(e)},
+            )
+            if sleep(delays[attempt]):
+                raise
+    raise AssertionError("unreachable")  # the loop either returns or raises
+
+
+def _short(e: BaseException) -> str:
+    reason = getattr(e, "reason", None)
+    return str(reason) if reason else (str(e).splitlines() or [type(e).__name__])[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# Publisher
+
+
+class Publisher:
+    """Writes this node's annotations and labels on change and renews its Lease."""
+
+    def __init__(
+        self,
+        api: NodeApi,
+        node: str,
+        namespace: str,
+        lease_duration_s: int,
+        sleep: Callable[[float], bool],
+        backoff: Backoff = Backoff(),
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self._api = api
+        self._node = node
+        self._namespace = namespace
+        self._lease = lease_name(node)
+        self._duration = lease_duration_s
+        self._sleep = sleep
+        self._backoff = backoff
+        self._now = now
+
+    def publish(self, topology: NodeTopology, gpus_in_use: frozenset[int] | None) -> PublishResult:
+        annotations, labels = desired_metadata(topology, gpus_in_use)
+        try:
+            current = call_with_retry(
+                lambda: self._api.read_node_meta(self._node), self._backoff, self._sleep, "get node"
+            )
+            ann, lab = metadata_changes(current, annotations, labels)
+            if not ann and not lab:
+                return PublishResult.UNCHANGED
+            call_with_retry(
+                lambda: self._api.patch_node_meta(self._node, ann, lab), self._backoff, self._sleep, "patch node"
+            )
+        except Exception as e:
+            log.error("publishing to the Node failed", extra={"node": self._node, "error": _short(e)})
+            return PublishResult.ERROR
+        log.info("published topology", extra={"node": self._node, "annotations": sorted(ann), "labels": sorted(lab)})
+        return PublishResult.CHANGED
+
+    def heartbeat(self) -> bool:
+        """Renew (or create) the Lease; False when that failed after retries."""
+        spec = LeaseSpec(holder=self._node, renew_time=self._now(), duration_s=self._duration)
+
+        def renew_or_create() -> None:
+            try:
+                self._api.renew_lease(self._namespace, self._lease, spec)
+            except Exception as e:
+                if _status(e) != 404:
+                    raise
+                self._api.create_lease(self._namespace, self._lease, spec)
+
+        try:
+            call_with_retry(renew_or_create, self._backoff, self._sleep, "renew lease")
+        except Exception as e:
+            log.error("renewing the Lease failed", extra={"lease": self._lease, "error": _short(e)})
+            return False
+        return True
+
+
+# --------------------------------------------------------------------------------------------------
+# The real API
+
+
+MICROTIME = "%Y-%m-%dT%H:%M:%S.%fZ"
+
+
+class KubeNodeApi:
+    """NodeApi on the official `kubernetes` client (in-cluster config unless a kubeconfig is given)."""
+
+    def __init__(self, kubeconfig: str | None = None, timeout_s: float = 10.0) -> None:
+        from kubernetes import client, config
+
+        if kubeconfig:
+            config.load_kube_config(config_file=kubeconfig)
+        else:
+            config.load_incluster_config()
+        self._client: Any = client
+        self._core: Any = client.CoreV1Api()
+        self._coord: Any = client.CoordinationV1Api()
+        self._timeout = timeout_s
+
+    def read_node_meta(self, name: str) -> NodeMeta:
+        node = self._core.read_node(name, _request_timeout=self._timeout)
+        meta = node.metadata
+        return NodeMeta(annotations=dict(meta.annotations or {}), labels=dict(meta.labels or {}))
+
+    def patch_node_meta(self, name: str, annotations: Mapping[str, str], labels: Mapping[str, str]) -> None:
+        metadata: dict[str, Any] = {}
+        if annotations:
+            metadata["annotations"] = dict(annotations)
+        if labels:
+            metadata["labels"] = dict(labels)
+        # A merge patch touches only the named keys; other annotations and labels stay as they are.
+        self._core.patch_node(
+            name,
+            {"metadata": metadata},
+            _content_type="application/merge-patch+json",
+            _request_timeout=self._timeout,
+        )
+
+    def renew_lease(self, namespace: str, name: str, spec: LeaseSpec) -> None:
+        body = {
+            "spec": {
+                "holderIdentity": spec.holder,
+                "renewTime": spec.renew_time.astimezone(UTC).strftime(MICROTIME),
+                "leaseDurationSeconds": spec.duration_s,
+            }
+        }
+        self._coord.patch_namespaced_lease(
+            name, namespace, body, _content_type="application/merge-patch+json", _request_timeout=self._timeout
+        )
+
+    def create_lease(self, namespace: str, name: str, spec: LeaseSpec) -> None:
+        c = self._client
+        lease = c.V1Lease(
+            metadata=c.V1ObjectMeta(name=name, namespace=namespace, labels={"app.kubernetes.io/name": "gputopo-agent"}),
+            spec=c.V1LeaseSpec(
+                holder_identity=spec.holder,
+                renew_time=spec.renew_time,
+                acquire_time=spec.renew_time,
+                lease_duration_seconds=spec.duration_s,
+            ),
+        )
+        self._coord.create_namespaced_lease(namespace, lease, _request_timeout=self._timeout)

@@ -1,0 +1,453 @@
+"""The NVML adapter against a fake pynvml that reproduces real systems and failures."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.nvml_backend import (
+    HealthTracker,
+    LinkCounters,
+    LinkVerdict,
+    NvmlAdapter,
+    NvmlUnavailableError,
+    assess_link_errors,
+    fabric_clique,
+    normalize_bus_id,
+    nvlink_generation,
+)
+from gputopo.model import DegradedLink, Health, LinkState, NodeTopology
+from gputopo.systems import GB200_CLIQUE, build_system
+from tests.agent.fake_pynvml import (
+    GB200_CLUSTER_UUID,
+    NVML_GPU_FABRIC_STATE_COMPLETED,
+    NVML_GPU_FABRIC_STATE_IN_PROGRESS,
+    NVML_NVLINK_DEVICE_TYPE_GPU,
+    NVML_NVLINK_DEVICE_TYPE_UNKNOWN,
+    NVML_SUCCESS,
+    SYSTEM_WIRING,
+    FakeFabric,
+    FakeNvml,
+    NVMLError,
+    NVMLError_DriverNotLoaded,
+    NVMLError_FunctionNotFound,
+    NVMLError_LibraryNotFound,
+    fake_system,
+    invisible_switch_wiring,
+    nvml_bus,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def adapter(fake: FakeNvml, sysfs: Path, clock: Clock | None = None) -> NvmlAdapter:
+    return NvmlAdapter(fake, sysfs_root=sysfs, clock=clock or Clock())
+
+
+def discover(fake: FakeNvml, sysfs: Path) -> NodeTopology:
+    return adapter(fake, sysfs).discover().topology
+
+
+# --------------------------------------------------------------------------------------------------
+# Whole systems: the adapter rebuilds each named system's topology from its wiring
+
+
+@pytest.mark.parametrize(
+    "system",
+    [
+        pytest.param("dgx-1v", id="dgx-1v hybrid cube mesh: direct links give the NV1/NV2 matrix"),
+        pytest.param("dgx-a100", id="dgx-a100 six NVSwitches x2 links: NV12 every pair, nvswitch"),
+        pytest.param("dgx-h100", id="dgx-h100 four NVSwitches 4/5/5/4 links: NV18 every pair, no fabric"),
+        pytest.param("hgx-h200", id="hgx-h200 through NVSwitch: NV18 every pair"),
+        pytest.param("hgx-a100-4", id="hgx-a100-4 direct mesh: NV4 every pair"),
+        pytest.param("a100-pcie-bridged", id="a100 pcie bridged pairs: NV12 on the pairs only"),
+        pytest.param("a100-pcie-bridged-nonadjacent", id="bridged pairs need not be adjacent indices"),
+        pytest.param("l40s-4", id="l40s NVLink NotSupported: no links, health ok"),
+        pytest.param("rtx4090-8", id="rtx4090 PCIe only: no links"),
+        pytest.param("gb200-tray", id="gb200 tray: invisible switches count as NVSwitch, fabric clique"),
+    ],
+)
+def test_adapter_rebuilds_named_system(system: str, tmp_path: Path) -> None:
+    expected = build_system(system).model_copy(update={"nics": ()})
+    got = discover(fake_system(system), tmp_path)
+    assert got.nvlink.links == expected.nvlink.links
+    assert got == expected
+
+
+def test_dgx1v_rows_sum_to_six_links(tmp_path: Path) -> None:
+    got = discover(fake_system("dgx-1v"), tmp_path)
+    assert [sum(r) for r in got.nvlink.links] == [6] * 8
+    assert got.link_count(0, 5) == 0  # GPU0-GPU5 is SYS on a DGX-1V
+
+
+def test_links_are_enumerated_by_state_not_capability(tmp_path: Path) -> None:
+    # B200: capability says TRUE for all 36 indices; only the state call rejects index 18.
+    fake = fake_system("gb200-tray")
+    got = discover(fake, tmp_path)
+    assert fake.calls["nvmlDeviceGetNvLinkCapability"] == 0
+    assert fake.max_link_index_asked == 18
+    assert got.link_count(0, 1) == 18
+
+
+def test_unresolvable_remote_gpu_counts_as_switch(tmp_path: Path) -> None:
+    fake = fake_system("dgx-h100")
+    for gpu in fake.gpus:  # a VM: the remote says GPU but its bus id is nowhere on this node
+        for lk in gpu.links or []:
+            lk.remote_type = NVML_NVLINK_DEVICE_TYPE_GPU
+            lk.remote_bus = b"FFFFFFFF:FF:FF.F"
+    got = discover(fake, tmp_path)
+    assert got.nvlink.nvswitch
+    assert got.link_count(2, 6) == 18
+
+
+def test_unknown_remote_type_counts_as_switch(tmp_path: Path) -> None:
+    fake = fake_system("dgx-a100")
+    for gpu in fake.gpus:
+        for lk in gpu.links or []:
+            lk.remote_type = NVML_NVLINK_DEVICE_TYPE_UNKNOWN
+    assert discover(fake, tmp_path).link_count(0, 7) == 12
+
+
+def test_remote_type_function_missing_falls_back_to_remote_bus(tmp_path: Path) -> None:
+    fake = fake_system("dgx-1v")
+    for gpu in fake.gpus:
+        for lk in gpu.links or []:
+            lk.remote_type_error = NVMLError_FunctionNotFound
+    got = discover(fake, tmp_path)
+    assert got.nvlink.links == build_system("dgx-1v").nvlink.links
+    assert not got.nvlink.nvswitch
+
+
+def test_numa_prefers_sysfs_over_memory_affinity(tmp_path: Path) -> None:
+    fake = fake_system("l40s-4")  # affinity mask says NUMA 0 for GPU0
+    dev = tmp_path / "bus" / "pci" / "devices" / build_system("l40s-4").gpus[0].pci_bus_id
+    dev.mkdir(parents=True)
+    (dev / "numa_node").write_text("1\n")
+    got = discover(fake, tmp_path)
+    assert got.gpus[0].numa_node == 1
+    assert got.gpus[1].numa_node == 0
+
+
+def test_numa_never_uses_gpu_numa_node_id(tmp_path: Path) -> None:
+    fake = fake_system("dgx-h100")
+    discover(fake, tmp_path)
+    assert fake.calls["nvmlDeviceGetNumaNodeId"] == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Link state and error counters
+
+
+def test_switch_link_down_is_reported_and_not_counted(tmp_path: Path) -> None:
+    fake = fake_system("dgx-h100")
+    ad = adapter(fake, tmp_path)
+    assert ad.discover().topology.degraded_links == ()
+    assert fake.gpus[3].links is not None
+    fake.gpus[3].links[5].active = False
+    got = ad.discover().topology
+    assert got.degraded_links == (DegradedLink(gpu=3, link=5, state=LinkState.DOWN, detail="link not active"),)
+    assert [got.link_count(3, j) for j in range(8) if j != 3] == [17] * 7
+    assert got.link_count(0, 1) == 18
+    assert got.gpus[3].health is Health.DEGRADED
+    assert "NVLink link 5 down" in got.gpus[3].reasons
+
+
+def test_direct_link_down_lowers_the_pair_on_both_sides(tmp_path: Path) -> None:
+    fake = fake_system("dgx-1v")
+    links = fake.gpus[0].links or []
+    to_gpu3 = next(i for i, lk in enumerate(links) if lk.remote_bus == fake.gpus[3].bus_id)
+    links[to_gpu3].active = False
+    got = discover(fake, tmp_path)
+    assert (got.link_count(0, 3), got.link_count(3, 0)) == (1, 1)
+    assert got.degraded_links[0].gpu == 0
+
+
+def test_all_links_of_a_gpu_going_down_are_reported(tmp_path: Path) -> None:
+    fake = fake_system("a100-pcie-bridged")
+    ad = adapter(fake, tmp_path)
+    ad.discover()
+    for lk in fake.gpus[1].links or []:  # the bridge came off
+        lk.active = False
+    got = ad.discover().topology
+    assert len([d for d in got.degraded_links if d.gpu == 1]) == 12
+    assert got.link_count(0, 1) == 0
+
+
+def test_never_active_links_are_not_degraded(tmp_path: Path) -> None:
+    fake = fake_system("a100-pcie-bridged")
+    for gpu in fake.gpus:  # PCIe cards without a bridge: links enumerate but none is up
+        for lk in gpu.links or []:
+            lk.active = False
+    got = discover(fake, tmp_path)
+    assert got.degraded_links == ()
+    assert all(g.health is Health.OK for g in got.gpus)
+
+
+@pytest.mark.parametrize(
+    ("counter", "delta", "state", "reason_part"),
+    [
+        pytest.param(0, 1, LinkState.DEGRADED, "1 replay errors", id="one replay error degrades the link"),
+        pytest.param(1, 2, LinkState.DEGRADED, "2 recovery errors", id="recovery errors degrade the link"),
+        pytest.param(2, 2000, LinkState.DEGRADED, "CRC errors at 200/s", id="crc flit at 200/s degrades"),
+        pytest.param(3, 1000, LinkState.DEGRADED, "CRC errors at 100/s", id="crc data at exactly 100/s degrades"),
+        pytest.param(2, 50, None, "CRC errors below 100/s", id="crc below 100/s only warns"),
+        pytest.param(0, 0, None, None, id="no change: healthy"),
+    ],
+)
+def test_error_counters_rising_between_cycles(
+    counter: int, delta: int, state: LinkState | None, reason_part: str | None, tmp_path: Path
+) -> None:
+    fake = fake_system("dgx-h100")
+    clock = Clock()
+    ad = adapter(fake, tmp_path, clock)
+    ad.discover()
+    link = (fake.gpus[1].links or [])[2]
+    link.counters[counter] += delta
+    clock.now = 10.0
+    got = ad.discover().topology
+    if state is None:
+        assert got.degraded_links == ()
+        assert got.link_count(1, 0) == 18
+        assert got.gpus[1].health is Health.OK
+    else:
+        assert [(d.gpu, d.link, d.state) for d in got.degraded_links] == [(1, 2, state)]
+        assert got.link_count(1, 0) == 17
+        assert got.gpus[1].health is Health.DEGRADED
+    if reason_part is None:
+        assert got.gpus[1].reasons == ()
+    else:
+        assert any(reason_part in r for r in got.gpus[1].reasons), got.gpus[1].reasons
+
+
+def test_degraded_verdict_holds_for_the_window_then_clears(tmp_path: Path) -> None:
+    fake = fake_system("dgx-h100")
+    clock = Clock()
+    ad = adapter(fake, tmp_path, clock)
+    ad.discover()
+    (fake.gpus[0].links or [])[0].counters[0] += 1
+    clock.now = 10.0
+    first = ad.discover().topology
+    clock.now = 20.0  # no new errors, but inside the 60 s window: same verdict, same words
+    second = ad.discover().topology
+    clock.now = 75.0
+    third = ad.discover().topology
+    assert first.degraded_links == second.degraded_links != ()
+    assert first.to_annotation() == second.to_annotation()
+    assert third.degraded_links == ()
+
+
+def test_counters_not_supported_are_skipped(tmp_path: Path) -> None:
+    fake = fake_system("dgx-h100")
+    for gpu in fake.gpus:
+        for lk in gpu.links or []:
+            lk.counters_supported = False
+    ad = adapter(fake, tmp_path)
+    result = ad.discover()
+    assert result.topology.degraded_links == ()
+    assert any("error counters" in n for n in result.notes)
+
+
+@pytest.mark.parametrize(
+    ("prev", "cur", "elapsed", "expected"),
+    [
+        pytest.param(None, LinkCounters(replay=5), 10.0, LinkVerdict(), id="first reading is only a baseline"),
+        pytest.param(
+            LinkCounters(replay=5), LinkCounters(replay=6), 10.0,
+            LinkVerdict(degraded=True, detail="1 replay errors in 10 s"), id="replay rise degrades",
+        ),
+        pytest.param(
+            LinkCounters(recovery=1), LinkCounters(replay=1, recovery=2), 60.0,
+            LinkVerdict(degraded=True, detail="1 replay and 1 recovery errors in 60 s"), id="both named",
+        ),
+        pytest.param(
+            LinkCounters(crc_flit=10), LinkCounters(crc_flit=990, crc_data=20), 10.0,
+            LinkVerdict(degraded=True, detail="CRC errors at 100/s (limit 100/s)"), id="flit plus data reach 100/s",
+        ),
+        pytest.param(
+            LinkCounters(crc_data=0), LinkCounters(crc_data=999), 10.0,
+            LinkVerdict(warning=True, detail="CRC errors below 100/s"), id="99.9/s only warns",
+        ),
+        pytest.param(LinkCounters(replay=9), LinkCounters(replay=0), 10.0, LinkVerdict(), id="reset counter"),
+    ],
+)  # fmt: skip
+def test_assess_link_errors(
+    prev: LinkCounters | None, cur: LinkCounters, elapsed: float, expected: LinkVerdict
+) -> None:
+    assert assess_link_errors(prev, cur, elapsed) == expected
+
+
+def test_health_tracker_keeps_first_wording_while_errors_continue() -> None:
+    tracker = HealthTracker(hold_s=60.0)
+    key = ("GPU-x", 0)
+    tracker.observe(key, LinkCounters(), 0.0)
+    a = tracker.observe(key, LinkCounters(replay=1), 10.0)
+    b = tracker.observe(key, LinkCounters(replay=4), 20.0)
+    assert a == b and a.degraded
+
+
+# --------------------------------------------------------------------------------------------------
+# Fabric, memory health, MIG, lost GPUs
+
+
+@pytest.mark.parametrize(
+    ("state", "status", "cluster", "clique", "expected"),
+    [
+        pytest.param(NVML_GPU_FABRIC_STATE_COMPLETED, NVML_SUCCESS, GB200_CLUSTER_UUID, 4026, GB200_CLIQUE,
+                     id="gb200 completed and successful: GFD clique string"),
+        pytest.param(NVML_GPU_FABRIC_STATE_COMPLETED, NVML_SUCCESS, bytes(16), 0, None,
+                     id="h100 completed with zero uuid: no clique"),
+        pytest.param(NVML_GPU_FABRIC_STATE_COMPLETED, 23, GB200_CLUSTER_UUID, 4026, None,
+                     id="insufficient resources status: no clique"),
+        pytest.param(NVML_GPU_FABRIC_STATE_IN_PROGRESS, NVML_SUCCESS, GB200_CLUSTER_UUID, 4026, None,
+                     id="registration in progress: no clique"),
+    ],
+)  # fmt: skip
+def test_fabric_clique(state: int, status: int, cluster: bytes, clique: int, expected: str | None) -> None:
+    assert fabric_clique(state, status, cluster, clique) == expected
+
+
+@pytest.mark.parametrize(
+    ("fabric", "expected"),
+    [
+        pytest.param(FakeFabric(cluster_uuid=GB200_CLUSTER_UUID, clique_id=4026), GB200_CLIQUE, id="valid clique"),
+        pytest.param(FakeFabric(cluster_uuid=bytes(16)), None, id="zero uuid ignored"),
+        pytest.param(None, None, id="fabric NotSupported ignored"),
+    ],
+)
+def test_fabric_through_the_adapter(fabric: FakeFabric | None, expected: str | None, tmp_path: Path) -> None:
+    fake = fake_system("gb200-tray")
+    for gpu in fake.gpus:
+        gpu.fabric = fabric
+    got = discover(fake, tmp_path)
+    assert (got.fabric.clique if got.fabric else None) == expected
+
+
+def test_fabric_degraded_bandwidth_degrades_the_gpu(tmp_path: Path) -> None:
+    fake = fake_system("gb200-tray")
+    fake.gpus[2].fabric = FakeFabric(cluster_uuid=GB200_CLUSTER_UUID, clique_id=4026, health_mask=0xA9)
+    got = discover(fake, tmp_path)
+    assert got.gpus[2].health is Health.DEGRADED
+    assert got.gpus[0].health is Health.OK
+
+
+@pytest.mark.parametrize(
+    ("remapped", "mig", "health", "reason_part"),
+    [
+        pytest.param((0, 0, 1, 0), (0, 0), Health.DEGRADED, "row remapping pending", id="remap pending: degraded"),
+        pytest.param((0, 3, 0, 1), (0, 0), Health.FAILED, "row remapping failed", id="remap failure: failed"),
+        pytest.param((2, 0, 0, 0), (1, 1), Health.OK, "MIG mode enabled", id="MIG enabled: noted, still ok"),
+        pytest.param(None, None, Health.OK, None, id="NotSupported everywhere: ok, no reasons"),
+    ],
+)
+def test_memory_health_and_mig(
+    remapped: tuple[int, int, int, int] | None,
+    mig: tuple[int, int] | None,
+    health: Health,
+    reason_part: str | None,
+    tmp_path: Path,
+) -> None:
+    fake = fake_system("dgx-a100")
+    fake.gpus[4].remapped = remapped
+    fake.gpus[4].mig = mig
+    got = discover(fake, tmp_path)
+    assert got.gpus[4].health is health
+    if reason_part is None:
+        assert got.gpus[4].reasons == ()
+    else:
+        assert any(reason_part in r for r in got.gpus[4].reasons)
+
+
+def test_lost_gpu_is_failed_with_a_reason_and_others_still_discovered(tmp_path: Path) -> None:
+    fake = fake_system("dgx-h100")
+    fake.gpus[6].lost = True
+    got = discover(fake, tmp_path)
+    assert got.gpus[6].health is Health.FAILED
+    assert "GPU is lost" in got.gpus[6].reasons[0]
+    assert got.link_count(6, 0) == 0
+    assert got.link_count(0, 1) == 18
+
+
+def test_not_supported_calls_are_recorded_as_notes(tmp_path: Path) -> None:
+    result = adapter(fake_system("l40s-4"), tmp_path).discover()
+    assert "NVLink: NotSupported" in result.notes
+    assert "MIG mode: NotSupported" in result.notes
+
+
+# --------------------------------------------------------------------------------------------------
+# Init and small pure helpers
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        pytest.param(NVMLError_LibraryNotFound, id="no libnvidia-ml: clear error"),
+        pytest.param(NVMLError_DriverNotLoaded, id="driver not loaded: clear error"),
+    ],
+)
+def test_no_driver_is_one_clear_error(error: type[NVMLError], tmp_path: Path) -> None:
+    fake = FakeNvml([], init_error=error)
+    with pytest.raises(NvmlUnavailableError, match="NVIDIA driver not available"):
+        adapter(fake, tmp_path).open()
+
+
+def test_close_shuts_nvml_down_once(tmp_path: Path) -> None:
+    fake = fake_system("l40s-4")
+    ad = adapter(fake, tmp_path)
+    ad.discover()
+    ad.close()
+    ad.close()
+    assert fake.calls["nvmlShutdown"] == 1
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        pytest.param(b"00000000:18:00.0", "0000:18:00.0", id="bytes with 8-digit domain"),
+        pytest.param(b"00000000:8A:00.0", "0000:8a:00.0", id="upper-case hex lowered"),
+        pytest.param("00000008:01:00.0", "0008:01:00.0", id="grace non-zero domain"),
+        pytest.param("0000:c1:00.1", "0000:c1:00.1", id="already sysfs form"),
+        pytest.param(b"00000000:18:00.0\x00", "0000:18:00.0", id="trailing NUL from a char array"),
+    ],
+)
+def test_normalize_bus_id(raw: bytes | str, expected: str) -> None:
+    assert normalize_bus_id(raw) == expected
+
+
+def test_nvml_bus_round_trips_through_normalisation() -> None:
+    assert normalize_bus_id(nvml_bus("0000:9d:00.0")) == "0000:9d:00.0"
+
+
+@pytest.mark.parametrize(
+    ("enum", "generation"),
+    [(1, 1), (2, 2), (3, 2), (4, 3), (5, 3), (6, 4), (7, 5), (8, 6), (0, 0), (42, 0)],
+    ids=["1.0", "2.0", "2.2", "3.0", "3.1", "4.0", "5.0", "6.0", "invalid", "future enum unknown"],
+)
+def test_nvlink_generation_from_version_enum(enum: int, generation: int) -> None:
+    assert nvlink_generation(enum) == generation
+
+
+def test_fake_wiring_covers_every_named_system() -> None:
+    from gputopo.systems import SYSTEMS, VARIANTS
+
+    assert set(SYSTEM_WIRING) == set(SYSTEMS) | set(VARIANTS)
+    assert len(invisible_switch_wiring(3)(0, [])) == 3
+
+
+def test_import_pynvml_raises_no_future_warning() -> None:
+    # The deprecated PyPI `pynvml` package warns on import; only nvidia-ml-py may provide the module.
+    proc = subprocess.run(
+        [sys.executable, "-W", "error::FutureWarning", "-c", "import pynvml; assert hasattr(pynvml, 'nvmlInit')"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,220 @@
+"""Publishing: change detection, labels, Lease heartbeats, retries with backoff."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from agent.memory_api import InMemoryNodeApi
+from agent.publisher import (
+    Backoff,
+    LeaseSpec,
+    Publisher,
+    PublishResult,
+    call_with_retry,
+    desired_metadata,
+    is_retryable,
+    lease_name,
+    metadata_changes,
+)
+from gputopo.model import (
+    GPUS_IN_USE_ANNOTATION,
+    LABEL_GPU_MEMORY_GIB,
+    LABEL_NVLINK_DOMAIN,
+    LABEL_NVSWITCH,
+    LABEL_RDMA,
+    TOPOLOGY_ANNOTATION,
+    DegradedLink,
+    LinkState,
+    NodeTopology,
+    NvlinkInfo,
+    node_labels,
+    parse_topology,
+)
+from gputopo.systems import build_system
+
+NODE = "gpu-07"
+NS = "gputopo-system"
+
+
+class Sleeps:
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+
+    def __call__(self, seconds: float) -> bool:
+        self.delays.append(seconds)
+        return False  # never told to stop
+
+
+class WallClock:
+    def __init__(self) -> None:
+        self.t = datetime(2025, 1, 1, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        self.t += timedelta(seconds=30)
+        return self.t
+
+
+def make(api: InMemoryNodeApi | None = None) -> tuple[Publisher, InMemoryNodeApi, Sleeps]:
+    api = api or InMemoryNodeApi(NODE, annotations={"other/keep": "x"}, labels={"gputopo.io/network-leaf": "leaf-3"})
+    sleeps = Sleeps()
+    return Publisher(api, NODE, NS, lease_duration_s=120, sleep=sleeps, now=WallClock()), api, sleeps
+
+
+def with_link_down(topo: NodeTopology, gpu: int, link: int) -> NodeTopology:
+    links = [list(r) for r in topo.nvlink.links]
+    for j in range(len(links)):
+        if j != gpu:
+            links[gpu][j] -= 1
+            links[j][gpu] -= 1
+    nvlink = NvlinkInfo(
+        generation=topo.nvlink.generation,
+        gbps_per_link=topo.nvlink.gbps_per_link,
+        nvswitch=topo.nvlink.nvswitch,
+        links=tuple(tuple(r) for r in links),
+    )
+    down = DegradedLink(gpu=gpu, link=link, state=LinkState.DOWN, detail="link not active")
+    return topo.model_copy(update={"nvlink": nvlink, "degraded_links": (down,)})
+
+
+H100 = build_system("dgx-h100", NODE)
+
+
+def test_first_publish_writes_annotations_and_labels_only_once() -> None:
+    pub, api, _ = make()
+    assert pub.publish(H100, frozenset({0, 5})) is PublishResult.CHANGED
+    assert pub.publish(H100, frozenset({0, 5})) is PublishResult.UNCHANGED
+    assert pub.publish(H100, frozenset({5, 0})) is PublishResult.UNCHANGED
+    assert api.calls["patch_node"] == 1
+    assert parse_topology(api.annotations[TOPOLOGY_ANNOTATION]) == H100
+    assert api.annotations[GPUS_IN_USE_ANNOTATION] == "[0,5]"
+    assert {k: api.labels[k] for k in node_labels(H100)} == {
+        LABEL_NVLINK_DOMAIN: "8",
+        LABEL_NVSWITCH: "true",
+        LABEL_RDMA: "infiniband",
+        LABEL_GPU_MEMORY_GIB: "80",
+    }
+    assert api.annotations["other/keep"] == "x"  # other keys are never touched
+    assert api.labels["gputopo.io/network-leaf"] == "leaf-3"
+
+
+@pytest.mark.parametrize(
+    ("after", "in_use_after", "patched_annotations"),
+    [
+        pytest.param(with_link_down(H100, 3, 5), frozenset({0}), {TOPOLOGY_ANNOTATION}, id="link down: topology only"),
+        pytest.param(H100, frozenset({0, 1}), {GPUS_IN_USE_ANNOTATION}, id="pod takes a GPU: in-use only"),
+        pytest.param(H100, None, set(), id="in-use unknown: annotation left alone, no write"),
+    ],
+)
+def test_a_change_patches_only_what_changed(
+    after: NodeTopology, in_use_after: frozenset[int] | None, patched_annotations: set[str]
+) -> None:
+    pub, api, _ = make()
+    pub.publish(H100, frozenset({0}))
+    result = pub.publish(after, in_use_after)
+    assert result is (PublishResult.CHANGED if patched_annotations else PublishResult.UNCHANGED)
+    if patched_annotations:
+        assert set(api.patches[-1][0]) == patched_annotations
+        assert api.patches[-1][1] == {}  # labels did not change
+    assert len(api.patches) == (2 if patched_annotations else 1)
+
+
+def test_label_change_is_published() -> None:
+    pub, api, _ = make()
+    pub.publish(build_system("dgx-1v", NODE), frozenset())
+    pub.publish(H100, frozenset())
+    assert api.patches[-1][1][LABEL_NVLINK_DOMAIN] == "8"
+    assert api.labels[LABEL_NVLINK_DOMAIN] == "8"
+
+
+def test_same_json_with_other_spacing_is_not_a_change() -> None:
+    api = InMemoryNodeApi(NODE)
+    _, labels = desired_metadata(H100, frozenset({2}))
+    pretty = json.dumps(json.loads(H100.to_annotation()), indent=2)
+    api.annotations = {TOPOLOGY_ANNOTATION: pretty, GPUS_IN_USE_ANNOTATION: "[ 2 ]"}
+    api.labels = dict(labels)
+    pub, _, _ = make(api)
+    assert pub.publish(H100, frozenset({2})) is PublishResult.UNCHANGED
+    assert api.calls["patch_node"] == 0
+
+
+def test_metadata_changes_ignores_foreign_labels() -> None:
+    from agent.publisher import NodeMeta
+
+    current = NodeMeta(annotations={}, labels={"gputopo.io/network-spine": "a"})
+    ann, lab = metadata_changes(current, {}, {"gputopo.io/network-spine": "b", LABEL_RDMA: "none"})
+    assert (ann, lab) == ({}, {LABEL_RDMA: "none"})
+
+
+def test_heartbeat_creates_then_renews_the_lease_and_never_touches_the_node() -> None:
+    pub, api, _ = make()
+    assert pub.heartbeat()
+    first = api.leases[(NS, lease_name(NODE))]
+    assert pub.heartbeat()
+    second = api.leases[(NS, "gputopo-agent-gpu-07")]
+    assert (api.calls["create_lease"], api.calls["renew_lease"]) == (1, 2)
+    assert second.renew_time > first.renew_time
+    assert second == LeaseSpec(holder=NODE, renew_time=second.renew_time, duration_s=120)
+    assert api.calls["read_node"] == api.calls["patch_node"] == 0
+
+
+@pytest.mark.parametrize(
+    ("errors", "result", "sleeps"),
+    [
+        pytest.param([ApiException(status=500)] * 2, PublishResult.CHANGED, [0.5, 1.0], id="two 500s then success"),
+        pytest.param([ApiException(status=429)], PublishResult.CHANGED, [0.5], id="throttled once then success"),
+        pytest.param([ConnectionRefusedError()], PublishResult.CHANGED, [0.5], id="connection refused is retried"),
+        pytest.param([ApiException(status=503)] * 4, PublishResult.ERROR, [0.5, 1.0, 2.0], id="gives up after 4 tries"),
+        pytest.param([ApiException(status=403)], PublishResult.ERROR, [], id="403 forbidden is not retried"),
+    ],
+)
+def test_api_errors_retried_with_exponential_backoff(
+    errors: list[BaseException], result: PublishResult, sleeps: list[float]
+) -> None:
+    pub, api, slept = make()
+    api.fail_next = list(errors)
+    assert pub.publish(H100, frozenset()) is result  # never raises
+    assert slept.delays == sleeps
+    assert (TOPOLOGY_ANNOTATION in api.annotations) is (result is PublishResult.CHANGED)
+
+
+def test_heartbeat_failure_is_reported_not_raised() -> None:
+    pub, api, slept = make()
+    api.fail_next = [ApiException(status=500)] * 4
+    assert pub.heartbeat() is False
+    assert slept.delays == [0.5, 1.0, 2.0]
+    assert pub.heartbeat() is True
+
+
+def test_retry_stops_when_told_to_stop() -> None:
+    calls = []
+
+    def fail() -> None:
+        calls.append(1)
+        raise ApiException(status=500)
+
+    with pytest.raises(ApiException):
+        call_with_retry(fail, Backoff(), lambda _s: True, "x")
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    ("error", "retry"),
+    [
+        (ApiException(status=500), True),
+        (ApiException(status=409), True),
+        (ApiException(status=422), False),
+        (ApiException(status=404), False),
+        (TimeoutError(), True),
+    ],
+    ids=["server error", "conflict", "invalid", "not found", "timeout"],
+)
+def test_is_retryable(error: BaseException, retry: bool) -> None:
+    assert is_retryable(error) is retry
+
+
+def test_backoff_is_capped() -> None:
+    assert Backoff(base_s=1, factor=3, cap_s=5, attempts=5).delays() == [1, 3, 5, 5]
