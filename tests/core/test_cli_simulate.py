@@ -1,0 +1,113 @@
+"""`gputopo simulate`: output formats, the examples, and one clear error line for bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gputopo.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = ROOT / "examples" / "cluster.yaml"
+JOBS = ROOT / "examples" / "jobs.yaml"
+
+
+def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    rc = main(["simulate", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("policy", ["gputopo", "default", "random"])
+def test_json_output_has_placements_unplaced_and_summary(capsys: pytest.CaptureFixture[str], policy: str) -> None:
+    rc, out, _ = _run(capsys, "--cluster", str(CLUSTER), "--jobs", str(JOBS), "--output", "json", "--policy", policy)
+    assert rc == 0
+    doc = json.loads(out)
+    assert list(doc) == ["placements", "unplaced", "summary"]
+    for p in doc["placements"]:
+        assert list(p) == ["pod", "node", "gpus", "score", "reason"]
+        assert isinstance(p["gpus"], list) and 0 <= p["score"] <= 10 and p["reason"]
+    for u in doc["unplaced"]:
+        assert list(u) == ["pod", "reasons"]
+        assert u["reasons"].startswith("0/11 nodes are available: ")
+    assert doc["summary"]["policy"] == policy
+    assert len(doc["placements"]) + len(doc["unplaced"]) == doc["summary"]["pods"] == 12
+
+
+def test_examples_show_every_feature_under_gputopo(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _run(capsys, "--cluster", str(CLUSTER), "--jobs", str(JOBS), "--output", "json")
+    assert rc == 0
+    doc = json.loads(out)
+    where = {p["pod"]: (p["node"], p["gpus"]) for p in doc["placements"]}
+    assert {where[f"llama-70b-pp-{i}"][0] for i in range(4)} == {f"dgx-h100-{i}" for i in range(1, 5)}
+    assert where["llama-405b-fp8-0"][0].startswith("hgx-h200")
+    assert where["resnet-tp4-0"] == ("dgx-1v-1", [4, 5, 6, 7])
+    assert "no full NVLink clique was free" in next(
+        p["reason"] for p in doc["placements"] if p["pod"] == "whisper-preferred-0"
+    )
+    (late,) = doc["unplaced"]
+    assert late["pod"] == "gpt-tp8-late-0"
+    assert "GPU topology stale" in late["reasons"] and "fewer than 8 free GPUs" in late["reasons"]
+    assert doc["summary"]["groupsWithinOne"] == {"spine": 1, "leaf": 1}
+    assert doc["summary"]["podsWithBrokenRequests"] == {}
+
+
+def test_text_output_names_node_gpus_and_reason_per_pod(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _run(capsys, "--cluster", str(CLUSTER), "--jobs", str(JOBS))
+    assert rc == 0
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("resnet-tp4-0"))
+    assert "dgx-1v-1" in line and "4-7" in line and "form a full NVLink clique" in line
+    assert "gpt-tp8-late-0  0/11 nodes are available:" in out
+    assert "Summary" in out and "multi-GPU pods on a full NVLink clique" in out and "stranded GPUs" in out
+
+
+def test_default_policy_text_says_what_kubernetes_would_do(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _run(capsys, "--cluster", str(CLUSTER), "--jobs", str(JOBS), "--policy", "default", "--seed", "1")
+    assert rc == 0
+    assert "kube-scheduler (LeastAllocated) chose" in out and "Insufficient nvidia.com/gpu" in out
+
+
+BAD_JOB = "jobs:\n  - name: bad\n    gpusPerPod: 2\n    annotations: {gputopo.io/nvlink: maybe}\n"
+
+
+@pytest.mark.parametrize(
+    ("cluster", "jobs", "expected"),
+    [
+        (None, "missing.yaml", "missing.yaml: cannot read"),
+        ("nodes: [", None, "not valid YAML"),
+        ("nodes:\n  - name: n1\n    fixture: dgx-h900\n", None, "nodes[0] (n1).fixture: unknown system 'dgx-h900'"),
+        (None, BAD_JOB, 'jobs[0] (bad).annotations: invalid annotation gputopo.io/nvlink="maybe"'),
+        (None, "jobs:\n  - name: x\n", "jobs[0] (x).gpusPerPod"),
+    ],
+)
+def test_bad_input_gives_one_error_line_and_exit_code_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, cluster: str | None, jobs: str | None, expected: str
+) -> None:
+    cluster_path, jobs_path = str(CLUSTER), str(JOBS)
+    if cluster is not None:
+        (tmp_path / "cluster.yaml").write_text(cluster)
+        cluster_path = str(tmp_path / "cluster.yaml")
+    if jobs == "missing.yaml":
+        jobs_path = str(tmp_path / "missing.yaml")
+    elif jobs is not None:
+        (tmp_path / "jobs.yaml").write_text(jobs)
+        jobs_path = str(tmp_path / "jobs.yaml")
+    rc, out, err = _run(capsys, "--cluster", cluster_path, "--jobs", jobs_path)
+    assert rc == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1 and expected in err
+    assert "Traceback" not in err
+
+
+def test_unknown_policy_is_an_argument_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--cluster", str(CLUSTER), "--jobs", str(JOBS), "--policy", "best"])
+    assert exc.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_no_subcommand_prints_help_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "simulate" in capsys.readouterr().err
