@@ -88,7 +88,10 @@ def _load_yaml(path: Path) -> Any:
     except OSError as e:
         raise ClusterFileError(f"{path}: cannot read ({e.strerror})") from None
     except yaml.YAMLError as e:
-        raise ClusterFileError(f"{path}: not valid YAML ({e})") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ClusterFileError(f"{path}: not valid YAML{where} ({problem})") from None
 
 
 def _explain(path: Path, err: ValidationError, data: Any, list_key: str) -> ClusterFileError:

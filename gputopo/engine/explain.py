@@ -35,10 +35,14 @@ def describe_gpus(node: str, outcome: Outcome) -> str:
     label = f"GPUs {gpu_ranges(gpus)} on {node}"
     if choice is not None and choice.clique and bw is not None:
         via = "via NVSwitch" if bw.via == "nvswitch" else "direct links"
-        return f"{label} form a full NVLink clique (NV{bw.min_links} {via})" + _leftover(outcome)
+        caveat = (
+            ", some with degraded links: no healthy clique was free" if outcome.components.get("health") == 0.0 else ""
+        )
+        return f"{label} form a full NVLink clique (NV{bw.min_links} {via}{caveat})" + _leftover(outcome)
     if outcome.components.get("clique", 0.0) >= 1.0:  # nvlink: ignore
         return f"{label} are free (NVLink not requested)" + _leftover(outcome)
-    return f"{label} are the best-connected free set; no full NVLink clique was free (PCIe between some pairs)"
+    path = "PCIe only" if choice is not None and choice.linked_pairs == 0 else "PCIe between some pairs"
+    return f"{label} are the best-connected free set; no full NVLink clique was free ({path})"
 
 
 def _leftover(outcome: Outcome) -> str:

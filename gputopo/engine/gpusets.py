@@ -23,6 +23,7 @@ class GpuChoice:
     min_links: int
     remaining_clique: int  # largest clique left among the candidates not taken
     remaining_free: int
+    linked_pairs: int = 0  # chosen GPU pairs joined by NVLink
 
 
 def _numa_span(shape: Shape, mask: int) -> int:
@@ -59,7 +60,7 @@ def choose_clique(shape: Shape, candidates: int, k: int, near_nic: int = 0) -> G
         return None
     s = best[1]
     rest = candidates & ~s
-    return GpuChoice(tuple(bits(s)), True, best[0][0], largest_clique(shape, rest), popcount(rest))
+    return GpuChoice(tuple(bits(s)), True, best[0][0], largest_clique(shape, rest), popcount(rest), k * (k - 1) // 2)
 
 
 @lru_cache(maxsize=65536)
@@ -83,8 +84,9 @@ def choose_connected(shape: Shape, candidates: int, k: int, near_nic: int = 0) -
     s = best[1]
     g = bits(s)
     rest = candidates & ~s
-    clique = connected_pairs(shape.adj, s) == k * (k - 1) // 2
-    return GpuChoice(tuple(g), clique, shape.min_link(tuple(g)), largest_clique(shape, rest), popcount(rest))
+    linked = connected_pairs(shape.adj, s)
+    clique = linked == k * (k - 1) // 2
+    return GpuChoice(tuple(g), clique, shape.min_link(tuple(g)), largest_clique(shape, rest), popcount(rest), linked)
 
 
 @lru_cache(maxsize=65536)
@@ -106,5 +108,6 @@ def choose_any(shape: Shape, candidates: int, k: int, near_nic: int = 0) -> GpuC
     s = best[1]
     g = tuple(bits(s))
     rest = candidates & ~s
-    clique = connected_pairs(shape.adj, s) == k * (k - 1) // 2
-    return GpuChoice(g, clique, shape.min_link(g), largest_clique(shape, rest), popcount(rest))
+    linked = connected_pairs(shape.adj, s)
+    clique = linked == k * (k - 1) // 2
+    return GpuChoice(g, clique, shape.min_link(g), largest_clique(shape, rest), popcount(rest), linked)

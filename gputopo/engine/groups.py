@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gputopo.engine.placement import NodeVerdict, Outcome, evaluate_node, rank
+from gputopo.engine.placement import NodeVerdict, Outcome, evaluate_node, evaluate_pod, rank
 from gputopo.engine.reasons import Reason
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.snapshot import NodeState, with_in_use
@@ -131,7 +131,7 @@ def plan_group(
 
     # One member per node. Members may differ in GPU count; plan for the most demanding one.
     demanding = max((m.request for _, m in staged), key=lambda r: (r.gpus, r.min_gpu_memory_mib or 0))
-    feasible = rank([NodeVerdict(node, evaluate_node(node, demanding, weights)) for node in nodes])
+    feasible = rank(evaluate_pod(nodes, demanding, weights))
     required = lead.required_tier
     if required:
         domains: dict[str, list[NodeVerdict]] = {}
@@ -177,7 +177,7 @@ def _plan_packed(
     assignments: list[Assignment] = []
     used_switch: dict[str, str | None] = {}
     for stage, member in staged:
-        verdicts = rank([NodeVerdict(n, evaluate_node(n, member.request, weights)) for n in current.values()])
+        verdicts = rank(evaluate_pod(current.values(), member.request, weights))
         if not verdicts:
             return GroupFailure(
                 group,

@@ -106,9 +106,11 @@ def evaluate_node(node: NodeState, req: PodRequest, weights: ScoreWeights = DEFA
             return _fail(Reason.NVLINK_DEGRADED, _degraded_detail(node, k))
 
     free = good & ~node.in_use_mask
-    if popcount(free) < k:
-        if needs_nvlink and popcount(eligible & ~node.in_use_mask) >= k:
+    if popcount(free) < k and needs_nvlink and popcount(eligible & ~node.in_use_mask) >= k:
+        if req.nvlink is not NvlinkPolicy.PREFERRED:
             return _fail(Reason.NVLINK_DEGRADED, _degraded_detail(node, k))
+        free = eligible & ~node.in_use_mask  # preferred: degraded GPUs rather than nothing (scored lower)
+    if popcount(free) < k:
         return _fail(
             Reason.INSUFFICIENT_FREE_GPUS,
             f"{popcount(free)} of {shape.n} GPUs free (in use: {_gpu_list(node.in_use_mask) or 'none'}), pod needs {k}",
@@ -127,7 +129,12 @@ def evaluate_node(node: NodeState, req: PodRequest, weights: ScoreWeights = DEFA
                 Reason.NO_FREE_CLIQUE, f"free GPUs {_gpu_list(free)} hold no fully NVLink-connected set of {k}", k=k
             )
     elif req.nvlink is NvlinkPolicy.PREFERRED:
-        choice = choose_clique(shape, free, k, near) or choose_connected(shape, free, k, near)
+        healthy_free = free & ~node.impaired_mask
+        choice = (
+            choose_clique(shape, healthy_free, k, near)
+            or choose_clique(shape, free, k, near)
+            or choose_connected(shape, free, k, near)
+        )
     else:
         choice = choose_any(shape, free, k, near)
     assert choice is not None  # free has at least k GPUs, so some k-set exists

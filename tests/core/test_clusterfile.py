@@ -40,7 +40,7 @@ nodes:
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [
-        pytest.param("nodes: [", "not valid YAML", id="bad-yaml"),
+        pytest.param("nodes: [", "not valid YAML at line 1", id="bad-yaml"),
         pytest.param("items: []", "expected a mapping with a 'nodes' list", id="wrong-top-key"),
         pytest.param(
             "nodes:\n  - name: a\n    fixture: dgx-9000\n",

@@ -118,3 +118,12 @@ def test_stage_clause_names_the_shared_leaf_and_the_stages() -> None:
     third = plan.assignments[2]
     assert stage_clause(plan, third) == "stage 2/5 shares leaf leaf-2 with stages 3-4"
     assert stage_clause(plan, plan.assignments[0]) == "stage 0/5 shares leaf leaf-1 with stage 1"
+
+
+@pytest.mark.parametrize(
+    ("system", "k", "words"),
+    [("l40s-4", 4, "(PCIe only)"), ("a100-pcie-bridged", 4, "(PCIe between some pairs)")],
+)
+def test_best_connected_fallback_says_whether_any_nvlink_is_used(system: str, k: int, words: str) -> None:
+    ranked = rank(evaluate_pod([node(system, "x")], parse_pod_request({"gputopo.io/nvlink": "preferred"}, k)))
+    assert words in placement_sentence("x", ranked[0].outcome, None)

@@ -281,3 +281,14 @@ def test_extender_priority_is_clamped_to_0_10(score: float, expected: int) -> No
 def test_extender_priority_is_monotonic() -> None:
     values = [to_extender_priority(i / 1000) for i in range(1001)]
     assert values == sorted(values)
+
+
+def test_preferred_pod_falls_back_onto_degraded_gpus_with_a_lower_score() -> None:
+    doc = json.loads(build_system("hgx-a100-4").to_annotation())
+    doc["degradedLinks"] = [{"gpu": g, "link": 0, "state": "down", "detail": ""} for g in (0, 1)]
+    doc["nvlink"]["links"][0][1] = doc["nvlink"]["links"][1][0] = 3
+    n = node_state("d", parse_topology(json.dumps(doc)))
+    preferred = evaluate_node(n, req(4, nvlink="preferred"))  # type: ignore[arg-type]
+    assert preferred.code is Code.SUCCESS and preferred.components["health"] == 0.0
+    assert evaluate_node(n, req(4)).reason is Reason.NVLINK_DEGRADED  # type: ignore[arg-type]
+    assert evaluate_node(n, req(2, nvlink="preferred")).gpus == (2, 3)  # type: ignore[arg-type]
