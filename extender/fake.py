@@ -1,0 +1,180 @@
+"""An in-memory ClusterSource for unit tests and demos: objects, resourceVersions, watches, 410 Gone.
+
+It behaves like the API server where the extender depends on it: list returns a resourceVersion,
+watch replays changes after it (or raises GoneError once `compact()` dropped them), a merge patch of
+metadata returns the new object, a Binding sets `spec.nodeName` (409 when already bound), and events
+are recorded. `down = True` makes every call fail like an unreachable API server.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from extender.kube import JSON, ApiError, GoneError, Kind, WatchEvent
+
+
+def _key(obj: Mapping[str, Any]) -> tuple[str, str]:
+    meta = obj.get("metadata") or {}
+    return str(meta.get("namespace") or ""), str(meta["name"])
+
+
+class FakeSource:
+    def __init__(self, namespace: str = "gputopo-system") -> None:
+        self.namespace = namespace
+        self._lock = threading.Condition()
+        self._rv = 0
+        self._objects: dict[Kind, dict[tuple[str, str], JSON]] = {"nodes": {}, "pods": {}, "leases": {}}
+        self._log: dict[Kind, list[tuple[int, WatchEvent]]] = {"nodes": [], "pods": [], "leases": []}
+        self._compacted: dict[Kind, int] = {"nodes": 0, "pods": 0, "leases": 0}
+        self.bindings: list[tuple[str, str, str, str]] = []
+        self.events: list[JSON] = []
+        self.patches: list[tuple[str, str, JSON]] = []
+        self.calls: list[str] = []
+        self.down = False
+        self.fail_binding: ApiError | None = None
+        self.closed = False
+
+    # ------------------------------------------------------------------ test helpers
+
+    def _check(self, call: str) -> None:
+        self.calls.append(call)
+        if self.down:
+            raise ApiError(0, "connection refused (fake API server is down)")
+
+    def _store(self, kind: Kind, etype: str, obj: JSON) -> JSON:
+        with self._lock:
+            self._rv += 1
+            obj = copy.deepcopy(obj)
+            obj.setdefault("metadata", {})["resourceVersion"] = str(self._rv)
+            if etype == "DELETED":
+                self._objects[kind].pop(_key(obj), None)
+            else:
+                self._objects[kind][_key(obj)] = obj
+            self._log[kind].append((self._rv, WatchEvent(etype, copy.deepcopy(obj))))
+            self._lock.notify_all()
+            return copy.deepcopy(obj)
+
+    def put(self, kind: Kind, obj: JSON) -> JSON:
+        """Create or replace an object (ADDED or MODIFIED event)."""
+        exists = _key(obj) in self._objects[kind]
+        return self._store(kind, "MODIFIED" if exists else "ADDED", obj)
+
+    def delete(self, kind: Kind, namespace: str, name: str) -> None:
+        obj = self._objects[kind].get((namespace, name))
+        if obj is not None:
+            self._store(kind, "DELETED", obj)
+
+    def get(self, kind: Kind, namespace: str, name: str) -> JSON | None:
+        obj = self._objects[kind].get((namespace, name))
+        return copy.deepcopy(obj) if obj is not None else None
+
+    def compact(self) -> None:
+        """Forget the watch history: watches from older resourceVersions now get 410 Gone."""
+        with self._lock:
+            for kind in self._log:
+                self._log[kind].clear()
+                self._compacted[kind] = self._rv
+
+    # ------------------------------------------------------------------ ClusterSource
+
+    def list_objects(self, kind: Kind) -> tuple[list[JSON], str]:
+        self._check(f"list {kind}")
+        with self._lock:
+            items = [copy.deepcopy(o) for o in self._objects[kind].values()]
+            if kind == "leases":
+                items = [o for o in items if o["metadata"].get("namespace") == self.namespace]
+            return items, str(self._rv)
+
+    def watch(self, kind: Kind, resource_version: str, *, timeout_seconds: int) -> Iterator[WatchEvent]:
+        self._check(f"watch {kind}")
+        since = int(resource_version or 0)
+        with self._lock:
+            if since < self._compacted[kind]:
+                raise GoneError(410, f"too old resource version: {since} ({self._compacted[kind]})", "Expired")
+        while True:
+            with self._lock:
+                pending = [ev for rv, ev in self._log[kind] if rv > since]
+                if not pending:
+                    if timeout_seconds <= 0 or not self._lock.wait(timeout_seconds):
+                        return
+                    continue
+            for ev in pending:
+                if kind == "leases" and ev.object["metadata"].get("namespace") != self.namespace:
+                    since = int(ev.object["metadata"]["resourceVersion"])
+                    continue
+                since = int(ev.object["metadata"]["resourceVersion"])
+                yield ev
+            if timeout_seconds <= 0:
+                return
+
+    def get_pod(self, namespace: str, name: str) -> JSON:
+        self._check(f"get pod {namespace}/{name}")
+        obj = self.get("pods", namespace, name)
+        if obj is None:
+            raise ApiError(404, f'pods "{name}" not found', "NotFound")
+        return obj
+
+    def list_pods(self, *, field_selector: str = "", label_selector: str = "") -> list[JSON]:
+        self._check(f"list pods {field_selector}{label_selector}")
+        out = []
+        for obj in self._objects["pods"].values():
+            if field_selector:
+                key, _, value = field_selector.partition("=")
+                assert key == "spec.nodeName", key
+                if (obj.get("spec") or {}).get("nodeName") != value:
+                    continue
+            if label_selector:
+                key, _, value = label_selector.partition("=")
+                if (obj["metadata"].get("labels") or {}).get(key) != value:
+                    continue
+            out.append(copy.deepcopy(obj))
+        return out
+
+    def patch_pod_metadata(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        annotations: Mapping[str, str | None],
+        labels: Mapping[str, str | None] | None = None,
+    ) -> JSON:
+        self._check(f"patch pod {namespace}/{name}")
+        obj = self.get("pods", namespace, name)
+        if obj is None:
+            raise ApiError(404, f'pods "{name}" not found', "NotFound")
+        meta = obj["metadata"]
+        for field, values in (("annotations", annotations), ("labels", labels or {})):
+            current = dict(meta.get(field) or {})
+            for k, v in values.items():
+                if v is None:
+                    current.pop(k, None)
+                else:
+                    current[k] = v
+            meta[field] = current
+        self.patches.append((namespace, name, {"annotations": dict(annotations), "labels": dict(labels or {})}))
+        return self.put("pods", obj)
+
+    def create_binding(self, namespace: str, name: str, uid: str, node: str) -> None:
+        self._check(f"bind {namespace}/{name} {node}")
+        if self.fail_binding is not None:
+            raise self.fail_binding
+        obj = self.get("pods", namespace, name)
+        if obj is None:
+            raise ApiError(404, f'pods "{name}" not found', "NotFound")
+        if uid and obj["metadata"].get("uid") != uid:
+            raise ApiError(409, "Precondition failed: UID in precondition does not match", "Conflict")
+        if (obj.get("spec") or {}).get("nodeName"):
+            raise ApiError(409, f'pod {name} is already assigned to node "{obj["spec"]["nodeName"]}"', "Conflict")
+        obj.setdefault("spec", {})["nodeName"] = node
+        self.bindings.append((namespace, name, uid, node))
+        self.put("pods", obj)
+
+    def create_event(self, namespace: str, event: JSON) -> None:
+        self._check(f"event {namespace}")
+        self.events.append(copy.deepcopy(event))
+
+    def close(self) -> None:
+        self.closed = True

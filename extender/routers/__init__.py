@@ -1,0 +1,1 @@
+"""HTTP routers of the extender: the scheduler verbs and the health/metrics endpoints."""

@@ -1,0 +1,197 @@
+"""Test support (used by tests/extender and usable by e2e): builders for Node, Pod and Lease objects shaped as
+the API server returns them, a fake clock, and the `env` fixture: an app wired to the in-memory FakeSource with
+the informers driven synchronously. Imports pytest and the TestClient, so only tests import it."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from extender.app import create_app
+from extender.cache import ClusterCache
+from extender.fake import FakeSource
+from extender.kube import KINDS, Informer
+from extender.settings import Settings
+from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION
+from gputopo.systems import build_system
+
+warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
+from fastapi.testclient import TestClient  # noqa: E402
+
+NS = "gputopo-system"
+T0 = 1_800_000_000.0  # the fake clock's start (2027-01-15)
+JSON = dict[str, Any]
+
+
+class FakeClock:
+    def __init__(self, now: float = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def rfc3339(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def node_obj(
+    name: str,
+    fixture: str | None = "dgx-h100",
+    *,
+    in_use: list[int] | None = None,
+    leaf: str | None = None,
+    spine: str | None = None,
+    topology_text: str | None = None,
+) -> JSON:
+    ann: dict[str, str] = {}
+    if topology_text is not None:
+        ann[TOPOLOGY_ANNOTATION] = topology_text
+    elif fixture is not None:
+        ann[TOPOLOGY_ANNOTATION] = build_system(fixture, name).to_annotation()
+    if in_use:
+        ann[GPUS_IN_USE_ANNOTATION] = json.dumps(in_use)
+    labels = {"kubernetes.io/hostname": name}
+    if leaf:
+        labels["gputopo.io/network-leaf"] = leaf
+    if spine:
+        labels["gputopo.io/network-spine"] = spine
+    return {"metadata": {"name": name, "labels": labels, "annotations": ann}, "spec": {}, "status": {}}
+
+
+def lease_obj(node: str, renew: float, namespace: str = NS) -> JSON:
+    return {
+        "metadata": {"name": f"gputopo-agent-{node}", "namespace": namespace},
+        "spec": {"holderIdentity": node, "renewTime": rfc3339(renew), "leaseDurationSeconds": 120},
+    }
+
+
+def pod_obj(
+    name: str,
+    gpus: int = 8,
+    annotations: Mapping[str, str] | None = None,
+    *,
+    namespace: str = "default",
+    uid: str | None = None,
+    node: str | None = None,
+    phase: str = "Pending",
+) -> JSON:
+    spec: JSON = {
+        "schedulerName": "gputopo-scheduler",
+        "containers": [
+            {
+                "name": "main",
+                "image": "busybox",
+                "resources": {"limits": {"nvidia.com/gpu": str(gpus)}, "requests": {"nvidia.com/gpu": str(gpus)}},
+            }
+        ],
+    }
+    if node:
+        spec["nodeName"] = node
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": uid or f"uid-{namespace}-{name}",
+            "annotations": dict(annotations or {}),
+        },
+        "spec": spec,
+        "status": {"phase": phase},
+    }
+
+
+def gputopo_pod(name: str, gpus: int = 8, **ann: str) -> JSON:
+    annotations = {"gputopo.io/nvlink": "required"}
+    annotations.update({f"gputopo.io/{k.replace('_', '-')}": v for k, v in ann.items()})
+    return pod_obj(name, gpus, annotations)
+
+
+def args(pod: JSON, names: list[str], *, lower: bool = False) -> JSON:
+    """ExtenderArgs as kube-scheduler sends them (Go field names, Nodes: null) or old-style lower case."""
+    if lower:
+        return {"pod": pod, "nodenames": names}
+    return {"Pod": pod, "Nodes": None, "NodeNames": names}
+
+
+def sync(cache: ClusterCache, source: FakeSource) -> None:
+    """One full list of every kind, as the informers do on start."""
+    for kind in KINDS:
+        Informer(source, kind, cache).relist()
+
+
+@dataclass
+class Env:
+    source: FakeSource
+    clock: FakeClock
+    client: TestClient
+    settings: Settings
+
+    @property
+    def cache(self) -> ClusterCache:
+        cache: ClusterCache = self.client.app.state.cache  # type: ignore[attr-defined]
+        return cache
+
+    def add_nodes(self, *nodes: JSON, lease: bool = True) -> None:
+        for n in nodes:
+            self.source.put("nodes", n)
+            if lease:
+                self.source.put("leases", lease_obj(n["metadata"]["name"], self.clock.now))
+        self.resync()
+
+    def add_pods(self, *pods: JSON) -> None:
+        for p in pods:
+            self.source.put("pods", p)
+        self.resync()
+
+    def renew_leases(self) -> None:
+        """Every agent heartbeats now."""
+        for name in list(self.cache.nodes):
+            self.source.put("leases", lease_obj(name, self.clock.now))
+        self.resync()
+
+    def resync(self) -> None:
+        sync(self.cache, self.source)
+
+    def filter(self, pod: JSON, names: list[str], *, lower: bool = False) -> JSON:
+        r = self.client.post("/filter", json=args(pod, names, lower=lower))
+        assert r.status_code == 200, r.text
+        out: JSON = r.json()
+        return out
+
+    def prioritize(self, pod: JSON, names: list[str], *, lower: bool = False) -> dict[str, int]:
+        r = self.client.post("/prioritize", json=args(pod, names, lower=lower))
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert isinstance(body, list)
+        return {h["Host"]: h["Score"] for h in body}
+
+    def bind(self, pod: JSON, node: str) -> str:
+        meta = pod["metadata"]
+        r = self.client.post(
+            "/bind",
+            json={"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": node},
+        )
+        assert r.status_code == 200, r.text
+        error: str = r.json()["Error"]
+        return error
+
+
+@pytest.fixture
+def env() -> Iterator[Env]:
+    source = FakeSource(NS)
+    clock = FakeClock()
+    settings = Settings(namespace=NS, stale_after_seconds=120, reservation_timeout_seconds=120)
+    app = create_app(settings, cluster=source, clock=clock, watch=False)
+    with TestClient(app) as client:
+        e = Env(source, clock, client, settings)
+        e.resync()
+        yield e

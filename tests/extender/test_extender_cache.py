@@ -1,0 +1,184 @@
+"""The cluster cache: list+watch with 410 relist, Lease staleness on the injected clock, assumed
+allocations rebuilt from placement annotations after a restart, serving while the API is down."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from extender.cache import ClusterCache
+from extender.fake import FakeSource
+from extender.kube import Informer, start_informers
+from extender.testing import JSON, NS, Env, FakeClock, gputopo_pod, lease_obj, node_obj, pod_obj, sync
+from gputopo.engine.reasons import Reason
+from gputopo.model import PLACEMENT_ANNOTATION, parse_pod_request
+
+
+def placed(name: str, node: str, gpus: list[int], *, bound: bool = True, phase: str = "Running") -> JSON:
+    ann = {
+        "gputopo.io/nvlink": "required",
+        PLACEMENT_ANNOTATION: json.dumps({"node": node, "gpus": gpus, "score": 9, "reason": "r"}),
+    }
+    return pod_obj(name, len(gpus), ann, node=node if bound else None, phase=phase)
+
+
+def test_watch_events_update_the_cache(env: Env) -> None:
+    env.add_nodes(node_obj("n1"))
+    inf = Informer(env.source, "nodes", env.cache)
+    inf.relist()
+    env.source.put("nodes", node_obj("n1", in_use=[0, 1, 2]))
+    env.source.put("nodes", node_obj("n2", "l40s-4"))
+    inf.watch_once(timeout_seconds=0)
+    assert env.cache.node_for("n1").in_use == frozenset({0, 1, 2})
+    assert "n2" in env.cache.nodes
+    env.source.delete("nodes", "", "n2")
+    inf.watch_once(timeout_seconds=0)
+    assert "n2" not in env.cache.nodes
+
+
+def test_a_410_gone_watch_relists(env: Env) -> None:
+    inf = Informer(env.source, "nodes", env.cache)
+    inf.relist()
+    assert inf.relists == 1
+    env.source.put("nodes", node_obj("late"))
+    env.source.compact()  # the change happened, but the watch history is gone
+    inf.watch_once(timeout_seconds=0)
+    assert inf.relists == 2
+    assert "late" in env.cache.nodes
+
+
+def test_informer_threads_sync_reconnect_and_keep_serving_when_the_api_is_down() -> None:
+    source = FakeSource(NS)
+    clock = FakeClock()
+    source.put("nodes", node_obj("n1"))
+    source.put("leases", lease_obj("n1", clock.now))
+    cache = ClusterCache(clock=clock, lease_namespace=NS)
+    started = start_informers(source, cache, watch_timeout_seconds=1, backoff_initial=0.01, backoff_max=0.05)
+    try:
+        for inf, _ in started:
+            assert inf.synced.wait(10)
+        assert cache.ready
+        source.down = True  # the API server goes away: the informers retry with backoff
+        source.put("nodes", node_obj("n2"))  # a change made while we could not watch
+        source.down = False
+        deadline = threading.Event()
+        for _ in range(1000):  # bounded wait for the reconnect; no timing asserted
+            if "n2" in cache.nodes:
+                break
+            deadline.wait(0.01)
+        assert "n2" in cache.nodes
+        source.down = True
+        out = cache.evaluate(["n1"], parse_pod_request({}, 8))
+        assert out[0].fits  # still answered from the cache
+    finally:
+        for inf, _t in started:
+            inf.stop.set()
+        source.down = False
+        for _, t in started:
+            t.join(5)
+
+
+def test_readiness_waits_for_the_first_full_sync() -> None:
+    cache = ClusterCache()
+    assert not cache.ready
+    source = FakeSource()
+    Informer(source, "nodes", cache).relist()
+    Informer(source, "pods", cache).relist()
+    assert not cache.ready
+    Informer(source, "leases", cache).relist()
+    assert cache.ready
+
+
+@pytest.mark.parametrize(
+    ("lease_age", "expected"),
+    [(0, None), (119, None), (121, Reason.TOPOLOGY_STALE), (None, Reason.TOPOLOGY_STALE)],
+    ids=["fresh lease", "just inside staleAfterSeconds", "older than staleAfterSeconds", "no lease at all"],
+)
+def test_staleness_follows_the_lease_and_the_clock(env: Env, lease_age: float | None, expected: Reason | None) -> None:
+    env.add_nodes(node_obj("n1"), lease=False)
+    if lease_age is not None:
+        env.source.put("leases", lease_obj("n1", env.clock.now - lease_age))
+        env.resync()
+    assert env.cache.states(["n1"])[0].problem is expected
+
+
+def test_a_node_goes_stale_when_its_agent_stops_without_any_event(env: Env) -> None:
+    env.add_nodes(node_obj("n1"))
+    pod = gputopo_pod("t", 8)
+    assert env.filter(pod, ["n1"])["NodeNames"] == ["n1"]
+    env.clock.advance(121)
+    assert env.filter(pod, ["n1"])["FailedAndUnresolvableNodes"] == {"n1": "GPU topology stale"}
+    env.source.put("leases", lease_obj("n1", env.clock.now))  # the agent is back
+    env.resync()
+    assert env.filter(pod, ["n1"])["NodeNames"] == ["n1"]
+
+
+def test_leases_in_other_namespaces_are_ignored(env: Env) -> None:
+    env.add_nodes(node_obj("n1"), lease=False)
+    env.source.put("leases", lease_obj("n1", env.clock.now, namespace="kube-node-lease"))
+    env.resync()
+    assert env.cache.states(["n1"])[0].problem is Reason.TOPOLOGY_STALE
+
+
+@pytest.mark.parametrize(
+    ("node", "reason", "detail"),
+    [
+        (node_obj("n1", None), Reason.TOPOLOGY_MISSING, "no gputopo.io/topology annotation"),
+        (node_obj("n1", topology_text="{oops"), Reason.TOPOLOGY_INVALID, "not JSON"),
+        (node_obj("n1", topology_text='{"version": 2, "gpus": []}'), Reason.TOPOLOGY_INVALID, "schema version"),
+    ],
+    ids=["no topology annotation", "topology not JSON", "unknown schema version"],
+)
+def test_topology_problems_carry_the_parse_error(
+    env: Env, node: dict[str, object], reason: Reason, detail: str
+) -> None:
+    env.add_nodes(node)
+    state = env.cache.states(["n1"])[0]
+    assert state.problem is reason
+    assert detail in state.problem_detail
+
+
+def test_in_use_is_agent_report_plus_assumed_placements(env: Env) -> None:
+    env.add_nodes(node_obj("n1", in_use=[0]))
+    env.add_pods(
+        placed("bound", "n1", [1, 2]),
+        placed("annotated-not-bound", "n1", [3], bound=False, phase="Pending"),
+        placed("finished", "n1", [4, 5], phase="Succeeded"),
+        placed("bound-elsewhere", "n2", [6]),
+    )
+    assert env.cache.node_for("n1").in_use == frozenset({0, 1, 2, 3})
+
+
+def test_a_restarted_extender_rebuilds_assumed_gpus_from_placement_annotations(env: Env) -> None:
+    env.add_nodes(node_obj("n1"), node_obj("n2"))
+    first = gputopo_pod("first", 8)
+    env.add_pods(first)
+    assert env.bind(first, "n1") == ""
+    # A new cache (a restarted extender, or a second replica) lists the same API state.
+    fresh = ClusterCache(clock=env.clock, lease_namespace=NS)
+    sync(fresh, env.source)
+    assert fresh.node_for("n1").in_use == frozenset(range(8))
+    outcomes = fresh.evaluate(["n1", "n2"], parse_pod_request({}, 8))
+    assert [o.fits for o in outcomes] == [False, True]
+
+
+def test_deleting_a_pod_frees_its_assumed_gpus(env: Env) -> None:
+    env.add_nodes(node_obj("n1"))
+    env.add_pods(placed("p", "n1", [0, 1, 2, 3]))
+    assert env.cache.node_for("n1").in_use == frozenset({0, 1, 2, 3})
+    env.source.delete("pods", "default", "p")
+    inf = Informer(env.source, "pods", env.cache)
+    inf.relist()
+    assert env.cache.node_for("n1").in_use == frozenset()
+
+
+def test_a_pod_does_not_compete_with_its_own_earlier_placement(env: Env) -> None:
+    """A bind that wrote the annotation but never completed must not block the pod's own retry."""
+    env.add_nodes(node_obj("n1"))
+    pod = placed("retry", "n1", list(range(8)), bound=False, phase="Pending")
+    env.add_pods(pod)
+    assert env.filter(pod, ["n1"])["NodeNames"] == ["n1"]
+    other = gputopo_pod("other", 8)
+    assert env.filter(other, ["n1"])["FailedNodes"] == {"n1": "fewer than 8 free GPUs"}

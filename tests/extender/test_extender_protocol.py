@@ -1,0 +1,265 @@
+"""Contract tests: kube-scheduler-shaped payloads for every verb, both key casings."""
+
+from __future__ import annotations
+
+import pytest
+
+from extender.testing import Env, args, gputopo_pod, lease_obj, node_obj, pod_obj
+from gputopo.engine.reasons import summarize_failures
+
+NODES = ["h100-a", "h100-b", "l40s-a"]
+
+
+@pytest.fixture
+def cluster(env: Env) -> Env:
+    env.add_nodes(node_obj("h100-a"), node_obj("h100-b", in_use=[0, 1]), node_obj("l40s-a", "l40s-4"))
+    return env
+
+
+@pytest.mark.parametrize("lower", [False, True], ids=["go-cased with Nodes null", "lower-cased legacy keys"])
+def test_filter_answers_with_go_field_names(cluster: Env, lower: bool) -> None:
+    out = cluster.filter(gputopo_pod("train", 4), NODES, lower=lower)
+    assert set(out) == {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
+    assert out["NodeNames"] == ["h100-a", "h100-b"]
+    assert out["FailedAndUnresolvableNodes"] == {"l40s-a": "fewer than 4 NVLink-connected GPUs"}
+    assert out["FailedNodes"] == {}
+    assert out["Error"] == ""
+
+
+def test_filter_accepts_camel_case_nodenames_spelling(cluster: Env) -> None:
+    r = cluster.client.post("/filter", json={"Pod": gputopo_pod("t", 8), "nodeNames": ["h100-a", "h100-b"]})
+    assert r.json()["NodeNames"] == ["h100-a"]
+
+
+@pytest.mark.parametrize("lower", [False, True], ids=["go-cased", "lower-cased"])
+def test_prioritize_returns_a_json_array_of_host_scores(cluster: Env, lower: bool) -> None:
+    r = cluster.client.post("/prioritize", json=args(gputopo_pod("train", 4), ["h100-a", "h100-b"], lower=lower))
+    body = r.json()
+    assert isinstance(body, list)
+    assert [set(h) for h in body] == [{"Host", "Score"}] * 2
+    scores = {h["Host"]: h["Score"] for h in body}
+    assert all(0 <= s <= 10 for s in scores.values())
+    # h100-b already has GPUs 0-1 in use: taking 4 more packs it fuller, so it scores at least as well
+    assert scores["h100-b"] >= scores["h100-a"]
+
+
+def test_prioritize_scores_nodes_that_do_not_fit_zero(cluster: Env) -> None:
+    scores = cluster.prioritize(gputopo_pod("train", 8), NODES)
+    assert scores == {"h100-a": 10, "h100-b": 0, "l40s-a": 0}
+
+
+@pytest.mark.parametrize(
+    "pod",
+    [
+        pod_obj("plain", 8),
+        pod_obj("cpu-only", 0),
+        pod_obj("placement-only", 8, {"gputopo.io/placement": "{}"}),
+        pod_obj("other-annotations", 2, {"example.com/team": "ml"}),
+    ],
+    ids=["plain GPU pod", "CPU pod", "only gputopo's own output annotation", "foreign annotations"],
+)
+def test_pods_without_gputopo_annotations_pass_through(cluster: Env, pod: dict[str, object]) -> None:
+    names = [*NODES, "not-a-gpu-node"]
+    out = cluster.filter(pod, names)
+    assert out["NodeNames"] == names
+    assert out["FailedNodes"] == {} and out["FailedAndUnresolvableNodes"] == {}
+    assert cluster.prioritize(pod, names) == dict.fromkeys(names, 5)
+
+
+def test_filter_never_returns_a_node_that_was_not_asked_about(cluster: Env) -> None:
+    out = cluster.filter(gputopo_pod("t", 1), ["h100-b", "ghost"])
+    returned = set(out["NodeNames"]) | set(out["FailedNodes"]) | set(out["FailedAndUnresolvableNodes"])
+    assert returned == {"h100-b", "ghost"}
+    assert out["FailedAndUnresolvableNodes"]["ghost"] == "GPU topology not reported"
+
+
+def test_filter_with_full_node_list_echoes_surviving_node_objects(cluster: Env) -> None:
+    items = [{"metadata": {"name": n, "labels": {"x": "y"}}} for n in NODES]
+    r = cluster.client.post(
+        "/filter", json={"Pod": gputopo_pod("t", 8), "Nodes": {"metadata": {}, "items": items}, "NodeNames": None}
+    )
+    out = r.json()
+    assert out["Nodes"]["items"] == [items[0]]
+    assert out["NodeNames"] == ["h100-a"]
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"", "empty"),
+        (b"[]", "JSON object"),
+        (b'{"NodeNames": ["a"]}', "Pod: Field required"),
+        (b'{"Pod": null, "NodeNames": ["a"]}', "Pod"),
+        (b'{"Pod": {"spec": {}}, "NodeNames": ["a"]}', "Pod.metadata is missing"),
+        (b'{"Pod": {"metadata": {"name": "p"}}, "NodeNames": "a"}', "NodeNames"),
+        (
+            b'{"Pod": {"metadata": {"name": "p"}, "spec": {"containers": [{"resources": '
+            b'{"limits": {"nvidia.com/gpu": "two"}}}]}}, "NodeNames": []}',
+            "containers[0].resources.limits.nvidia.com/gpu",
+        ),
+    ],
+    ids=[
+        "malformed JSON",
+        "empty body",
+        "array instead of object",
+        "missing Pod",
+        "null Pod",
+        "Pod without metadata",
+        "NodeNames not a list",
+        "GPU quantity not a number",
+    ],
+)
+@pytest.mark.parametrize("verb", ["filter", "prioritize", "preempt"])
+def test_malformed_requests_get_400_naming_the_problem(env: Env, verb: str, body: bytes, needle: str) -> None:
+    if verb == "preempt" and needle == "NodeNames":
+        pytest.skip("preempt requests have no NodeNames")
+    r = env.client.post(f"/{verb}", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+    assert needle in r.json()["Error"]
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"PodName": "p", "PodNamespace": "default"}, "Node: Field required"),
+        ({"PodNamespace": "default", "Node": "n"}, "PodName: Field required"),
+        ({"PodName": "", "PodNamespace": "default", "Node": "n"}, "PodName"),
+    ],
+    ids=["missing Node", "missing PodName", "empty PodName"],
+)
+def test_malformed_bind_gets_400(env: Env, body: dict[str, str], needle: str) -> None:
+    r = env.client.post("/bind", json=body)
+    assert r.status_code == 400
+    assert needle in r.json()["Error"]
+
+
+def test_bind_accepts_lower_case_keys(cluster: Env) -> None:
+    cluster.add_pods(gputopo_pod("t", 2))
+    r = cluster.client.post(
+        "/bind", json={"podName": "t", "podNamespace": "default", "podUID": "uid-default-t", "node": "h100-a"}
+    )
+    assert r.json() == {"Error": ""}
+    assert cluster.source.bindings == [("default", "t", "uid-default-t", "h100-a")]
+
+
+def test_an_unexpected_failure_is_reported_in_error_not_as_500(cluster: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*_: object, **__: object) -> None:
+        raise RuntimeError("cache exploded")
+
+    monkeypatch.setattr(cluster.cache, "evaluate", boom)
+    r = cluster.client.post("/filter", json=args(gputopo_pod("t", 4), NODES))
+    assert r.status_code == 200
+    assert "cache exploded" in r.json()["Error"]
+    r = cluster.client.post("/prioritize", json=args(gputopo_pod("t", 4), NODES))
+    assert r.status_code == 200
+    assert r.json() == [{"Host": n, "Score": 5} for n in NODES]
+
+
+def test_failure_messages_aggregate_into_the_failed_scheduling_text(env: Env) -> None:
+    env.add_nodes(
+        node_obj("ok-but-busy", in_use=[0, 1, 2, 3, 4]),
+        node_obj("pcie", "l40s-4"),
+        node_obj("pcie-2", "l40s-4"),
+        node_obj("no-topology", None),
+    )
+    env.add_nodes(node_obj("stale-1"), node_obj("stale-2"), lease=False)
+    env.source.put("leases", lease_obj("stale-1", env.clock.now - 1000))
+    env.resync()
+    names = ["ok-but-busy", "pcie", "pcie-2", "no-topology", "stale-1", "stale-2"]
+    out = env.filter(gputopo_pod("t", 4), names)
+    assert out["NodeNames"] == []
+    messages = [*out["FailedNodes"].values(), *out["FailedAndUnresolvableNodes"].values()]
+    assert summarize_failures(messages, len(names)) == (
+        "0/6 nodes are available: 1 GPU topology not reported, 1 fewer than 4 free GPUs, "
+        "2 GPU topology stale, 2 fewer than 4 NVLink-connected GPUs."
+    )
+    assert out["FailedNodes"] == {"ok-but-busy": "fewer than 4 free GPUs"}  # preemption could help there
+
+
+def test_nodes_with_too_few_gpus_are_unresolvable(cluster: Env) -> None:
+    out = cluster.filter(pod_obj("big", 16, {"gputopo.io/nvlink": "ignore"}), NODES)
+    assert out["FailedAndUnresolvableNodes"] == dict.fromkeys(NODES, "fewer than 16 GPUs")
+    assert out["FailedNodes"] == {}
+
+
+@pytest.mark.parametrize(
+    ("annotations", "needle"),
+    [
+        ({"gputopo.io/nvlink": "sometimes"}, 'gputopo.io/nvlink="sometimes"'),
+        ({"gputopo.io/min-gpu-memory": "lots"}, "gputopo.io/min-gpu-memory"),
+        ({"gputopo.io/group": "g"}, "needs gputopo.io/group-size"),
+        ({"gputopo.io/colour": "blue"}, "unknown gputopo annotation"),
+    ],
+    ids=["bad nvlink value", "bad memory quantity", "group without size", "unknown annotation"],
+)
+def test_a_malformed_annotation_fails_every_node_with_one_message(
+    cluster: Env, annotations: dict[str, str], needle: str
+) -> None:
+    before = cluster.cache.generation
+    out = cluster.filter(pod_obj("bad", 4, annotations), NODES)
+    assert out["NodeNames"] == []
+    assert out["FailedNodes"] == {}
+    messages = set(out["FailedAndUnresolvableNodes"].values())
+    assert len(messages) == 1 and set(out["FailedAndUnresolvableNodes"]) == set(NODES)
+    assert needle in messages.pop()
+    assert cluster.cache.generation == before  # nothing about the cluster changed
+
+
+def test_preempt_drops_nodes_that_cannot_fit_even_without_their_victims(env: Env) -> None:
+    env.add_nodes(node_obj("busy", in_use=[0, 1, 2, 3]), node_obj("tiny", "l40s-4"), node_obj("victim-node"))
+    victim = pod_obj(
+        "low",
+        8,
+        {"gputopo.io/placement": '{"node":"victim-node","gpus":[0,1,2,3,4,5,6,7],"score":10,"reason":"r"}'},
+        node="victim-node",
+        phase="Running",
+    )
+    env.add_pods(victim)
+    body = {
+        "Pod": gputopo_pod("high", 8),
+        "NodeNameToVictims": None,
+        "NodeNameToMetaVictims": {
+            "victim-node": {"Pods": [{"UID": "uid-default-low"}], "NumPDBViolations": 0},
+            "tiny": {"Pods": [{"UID": "whatever"}], "NumPDBViolations": 0},
+            "busy": {"Pods": [{"UID": "unknown-plain-pod"}], "NumPDBViolations": 1},
+        },
+    }
+    r = env.client.post("/preempt", json=body)
+    assert r.status_code == 200
+    kept = r.json()["NodeNameToMetaVictims"]
+    # tiny has 4 GPUs: no victim helps. busy's victim is unknown to gputopo, so it is kept.
+    assert kept == {
+        "victim-node": {"Pods": [{"UID": "uid-default-low"}], "NumPDBViolations": 0},
+        "busy": {"Pods": [{"UID": "unknown-plain-pod"}], "NumPDBViolations": 1},
+    }
+
+
+def test_preempt_for_a_plain_pod_returns_candidates_unchanged(cluster: Env) -> None:
+    body = {"pod": pod_obj("plain", 1), "nodeNameToMetaVictims": {"l40s-a": {"pods": [{"uid": "x"}]}}}
+    r = cluster.client.post("/preempt", json=body)
+    assert r.json() == {"NodeNameToMetaVictims": {"l40s-a": {"Pods": [{"UID": "x"}], "NumPDBViolations": 0}}}
+
+
+def test_health_readiness_and_metrics(cluster: Env) -> None:
+    assert cluster.client.get("/healthz").json() == {"status": "ok"}
+    assert cluster.client.get("/readyz").status_code == 200
+    cluster.filter(gputopo_pod("t", 8), NODES)
+    cluster.filter(pod_obj("plain", 8), NODES)
+    text = cluster.client.get("/metrics").text
+    assert 'gputopo_extender_request_duration_seconds_count{verb="filter"} 2.0' in text
+    assert 'gputopo_extender_decisions_total{outcome="feasible",reason="",verb="filter"} 1.0' in text
+    assert 'gputopo_extender_decisions_total{outcome="pass_through",reason="",verb="filter"} 1.0' in text
+    assert "gputopo_extender_cache_age_seconds 0.0" in text
+
+
+def test_the_mutating_webhook_is_served_at_mutate(env: Env) -> None:
+    review = {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {"uid": "u-1", "object": pod_obj("p", 1, {"gputopo.io/nvlink": "required"})},
+    }
+    r = env.client.post("/mutate", json=review)
+    assert r.status_code == 200
+    assert r.json()["response"]["uid"] == "u-1"
+    assert env.client.post("/mutate", content=b"[]").status_code == 400
