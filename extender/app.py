@@ -115,10 +115,10 @@ def _mount_webhook(app: FastAPI, metrics: Metrics) -> None:
             review = await request.json()
             if not isinstance(review, dict):
                 raise ValueError("an AdmissionReview object is expected")
-        except ValueError as e:
+            answer = mutate_pod(review)
+        except ValueError as e:  # malformed JSON or a review mutate_pod cannot read: the client's fault
             metrics.decision("mutate", "bad_request")
             return Response(to_json({"Error": f"malformed AdmissionReview: {e}"}), 400, media_type="application/json")
-        answer = mutate_pod(review)
         metrics.decision("mutate", "answered")
         metrics.duration.labels("mutate").observe(time.perf_counter() - start)
         return Response(to_json(answer), media_type="application/json")

@@ -435,7 +435,8 @@ class ClusterCache:
             elif kind == "pods":
                 self.upsert_pod(obj, deleted=event_type == "DELETED")
             else:
-                self._upsert_lease(obj, deleted=event_type == "DELETED")
+                if not self._upsert_lease(obj, deleted=event_type == "DELETED"):
+                    return  # a fresh node's heartbeat: no verdict can change, keep the generation
             self.generation += 1
 
     # nodes
@@ -490,12 +491,16 @@ class ClusterCache:
 
     # leases
 
-    def _upsert_lease(self, obj: JSON, *, deleted: bool = False, rebuild: bool = True) -> None:
+    def _upsert_lease(self, obj: JSON, *, deleted: bool = False, rebuild: bool = True) -> bool:
+        """Record an agent heartbeat. True when it may change a verdict (the node was stale, or the
+        Lease went away); a renewal of a fresh node's Lease is not a change."""
         meta = obj.get("metadata") or {}
         name = str(meta.get("name") or "")
         if not name.startswith(LEASE_PREFIX) or meta.get("namespace", self.lease_namespace) != self.lease_namespace:
-            return
+            return False
         node = name[len(LEASE_PREFIX) :]
+        entry = self.nodes.get(node)
+        was_fresh = entry is not None and self.clock() <= entry.deadline
         spec = obj.get("spec") or {}
         renew = parse_time(str(spec.get("renewTime") or spec.get("acquireTime") or ""))
         if deleted or renew is None:
@@ -504,6 +509,7 @@ class ClusterCache:
             self.leases[node] = renew
         if rebuild and node in self.nodes:
             self.nodes[node].deadline = self._deadline(node)
+        return deleted or renew is None or not was_fresh
 
     # pods
 

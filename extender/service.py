@@ -83,6 +83,7 @@ class Extender:
     """One extender instance: a cache, optionally an API source (None in snapshot mode), metrics."""
 
     RECENT_PODS = 4096
+    REUSE_SECONDS = 2.0  # a filter's outcomes answer the prioritize that follows within this window
 
     def __init__(self, cache: ClusterCache, source: ClusterSource | None, metrics: Metrics | None = None) -> None:
         self.cache = cache
@@ -94,6 +95,7 @@ class Extender:
         self._group_locks: dict[GroupKey, threading.Lock] = collections.defaultdict(threading.Lock)
         self._locks_lock = threading.Lock()
         self.instance = socket.gethostname()
+        self._last_outcomes: tuple[tuple[object, ...], float, dict[str, Outcome]] | None = None
 
     # ------------------------------------------------------------------ decisions
 
@@ -117,7 +119,17 @@ class Extender:
         self._remember(info)
         if req.is_group:
             return self._group_decision(info, req, names)
+        # kube-scheduler calls prioritize right after filter for the same pod, with the nodes that
+        # passed: answer it from the filter's outcomes while nothing in the cache has changed.
+        key = (info.uid or info.ref, req, self.cache.generation)
+        last = self._last_outcomes
+        now = self.cache.clock()
+        if last is not None and last[0] == key and 0 <= now - last[1] < self.REUSE_SECONDS:
+            by_name = last[2]
+            if all(n in by_name for n in names):
+                return Decision("evaluated", names, [by_name[n] for n in names], request=req)
         outcomes = self.cache.evaluate(names, req, pod_uid=info.uid)
+        self._last_outcomes = (key, now, dict(zip(names, outcomes, strict=True)))
         return Decision("evaluated", names, outcomes, request=req)
 
     def filter(self, info: PodInfo, names: Sequence[str]) -> FilterAnswer:

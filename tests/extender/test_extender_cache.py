@@ -182,3 +182,23 @@ def test_a_pod_does_not_compete_with_its_own_earlier_placement(env: Env) -> None
     assert env.filter(pod, ["n1"])["NodeNames"] == ["n1"]
     other = gputopo_pod("other", 8)
     assert env.filter(other, ["n1"])["FailedNodes"] == {"n1": "fewer than 8 free GPUs"}
+
+
+def test_prioritize_right_after_filter_reuses_the_filter_outcomes(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    env.add_nodes(node_obj("n1"), node_obj("n2"))
+    calls: list[int] = []
+    real = env.cache.evaluate
+
+    def counting(*a: object, **kw: object) -> object:
+        calls.append(1)
+        return real(*a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(env.cache, "evaluate", counting)
+    pod = gputopo_pod("t", 4)
+    assert env.filter(pod, ["n1", "n2"])["NodeNames"] == ["n1", "n2"]
+    env.cache.apply("leases", "MODIFIED", lease_obj("n1", env.clock.now))  # a fresh node's heartbeat
+    assert set(env.prioritize(pod, ["n1", "n2"])) == {"n1", "n2"}
+    assert len(calls) == 1, "the heartbeat changed nothing, so prioritize answered from filter"
+    env.add_pods(pod_obj("other", 4, node="n1"))  # a real change: recompute
+    env.prioritize(pod, ["n1", "n2"])
+    assert len(calls) == 2

@@ -263,3 +263,4 @@ def test_the_mutating_webhook_is_served_at_mutate(env: Env) -> None:
     assert r.status_code == 200
     assert r.json()["response"]["uid"] == "u-1"
     assert env.client.post("/mutate", content=b"[]").status_code == 400
+    assert env.client.post("/mutate", json={"kind": "AdmissionReview", "request": "not an object"}).status_code == 400
