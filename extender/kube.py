@@ -127,7 +127,7 @@ class KubeSource:
         path: str,
         *,
         query: list[tuple[str, str]] | None = None,
-        body: str | None = None,
+        body: JSON | None = None,  # a dict: the client encodes it (a pre-encoded str would be sent as a JSON string)
         content_type: str = "application/json",
         timeout: float | tuple[float, float] | None = None,
     ) -> Any:
@@ -241,7 +241,7 @@ class KubeSource:
         return self._json(
             "PATCH",
             f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(name)}",
-            body=json.dumps({"metadata": meta}),
+            body={"metadata": meta},
             content_type="application/merge-patch+json",
         )
 
@@ -252,10 +252,10 @@ class KubeSource:
             "metadata": {"name": name, "namespace": namespace, **({"uid": uid} if uid else {})},
             "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         }
-        self._json("POST", f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(name)}/binding", body=json.dumps(body))
+        self._json("POST", f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(name)}/binding", body=body)
 
     def create_event(self, namespace: str, event: JSON) -> None:
-        self._json("POST", f"/api/v1/namespaces/{quote(namespace)}/events", body=json.dumps(event))
+        self._json("POST", f"/api/v1/namespaces/{quote(namespace)}/events", body=dict(event))
 
     def close(self) -> None:
         self._client.close()
