@@ -94,11 +94,13 @@ def placement_sentence(
     weights: ScoreWeights = DEFAULT_WEIGHTS,
 ) -> str:
     parts = [describe_gpus(node, outcome)]
+    staged = False
     if plan is not None and member is not None:
         a = plan.for_member(member)
         if a is not None:
             parts.append(stage_clause(plan, a))
-    if runner is not None:
+            staged = True
+    if runner is not None and not staged:  # a group member's node comes from the plan, not a race
         parts.append(
             f"runner-up {runner.name} {why_lost(outcome, runner.outcome, weights)}"
             f" (score {to_extender_priority(runner.outcome.score)} vs {to_extender_priority(outcome.score)})"

@@ -13,6 +13,10 @@ from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.snapshot import NodeState
 from gputopo.model import NetworkKind, NvlinkPolicy, PodRequest, format_mib
 
+# A pod that names no HBM minimum is steered gently off GPUs with more than this, keeping large-HBM
+# GPUs (H200, B200) free for the pods that need them.
+UNASKED_HBM_MIB = 80 * 1024
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -174,7 +178,7 @@ def _success(
         else choice.remaining_clique / min(free_clique, choice.remaining_free),
         "memory": (req.min_gpu_memory_mib / min(node.memory_mib[i] for i in choice.gpus))
         if req.min_gpu_memory_mib
-        else 1.0,
+        else min(1.0, UNASKED_HBM_MIB / min(node.memory_mib[i] for i in choice.gpus)),
         "nic": popcount(chosen & near) / k if near or req.network is not NetworkKind.ANY else 1.0,
         "health": 0.0 if chosen & node.impaired_mask else (0.5 if node.impaired_mask else 1.0),
     }

@@ -38,7 +38,7 @@ from gputopo.engine.placement import evaluate_pod, rank
 from gputopo.engine.reasons import summarize_failures
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, LINK_SCORE, ScoreWeights, to_extender_priority
 from gputopo.engine.snapshot import NodeState, Shape, shape_of, with_in_use
-from gputopo.model import AnnotationError, Health, LinkType, parse_pod_request
+from gputopo.model import AnnotationError, Health, LinkType, is_gputopo_pod, parse_pod_request
 from gputopo.sim.checks import broken_requests
 from gputopo.sim.metrics import DEFAULT_PP_MESSAGE_BYTES, DEFAULT_TP_MESSAGE_BYTES, Summary, summarize
 from gputopo.sim.records import Decision, PodPlacement, SimPod, UnplacedPod
@@ -86,7 +86,7 @@ def prepare_pods(jobs: Sequence[JobSpec], tiers: TierConfig = DEFAULT_TIERS) -> 
                 req = parse_pod_request(job.pod_annotations(i), job.gpus_per_pod, tiers.names)
             except AnnotationError as e:
                 raise JobInputError(j, job.name, e) from None
-            pods.append(SimPod(f"{job.name}-{i}", job.name, i, req))
+            pods.append(SimPod(f"{job.name}-{i}", job.name, i, req, is_gputopo_pod(job.pod_annotations(i))))
         out.append(tuple(pods))
     return out
 
@@ -215,14 +215,17 @@ class _Run:
 
     # -- default and random -------------------------------------------------------------------------
 
-    def blind(self, pod: SimPod, group_size: int) -> None:
+    def blind(self, pod: SimPod, group_size: int, policy: str | None = None) -> None:
+        """Place like a topology-blind scheduler: `policy` overrides the run's (plain pods under
+        gputopo are placed the way kube-scheduler and the device plugin would, as the extender passes
+        them through)."""
         k = pod.request.gpus
         feasible = [i for i in range(len(self.nodes)) if popcount(self.free_mask(i)) >= k]
         if not feasible:
             reasons = summarize_failures([INSUFFICIENT_GPU] * len(self.nodes), len(self.nodes))
             self.unplaced.append(UnplacedPod(pod.name, pod.job, reasons))
             return
-        if self.policy == "default":
+        if (policy or self.policy) == "default":
             i, score, tied = self._least_allocated(feasible, k)
             free = self.free_mask(i)
             shape = self.hw[i].shape
@@ -246,7 +249,7 @@ class _Run:
             if gpus:
                 why += f"; random GPU{'s' if k > 1 else ''} {gpu_ranges(gpus)}"
         why += _clique_note(shape, gpus)
-        broken = broken_requests(self.nodes[i], gpus, pod.request)
+        broken = broken_requests(self.nodes[i], gpus, pod.request) if pod.opted_in else []
         if broken:
             why += "; blind to the pod's annotations: " + "; ".join(words for _, words in broken)
         if group_size > 1:
@@ -297,7 +300,12 @@ def simulate(
         if not pods:
             continue
         is_group = len(pods) > 1 or pods[0].request.is_group
-        if policy == "gputopo":
+        if policy == "gputopo" and not pods[0].opted_in:
+            for pod in pods:  # the extender passes plain pods through: kube-scheduler decides alone
+                t0 = time.perf_counter()
+                run.blind(pod, 1, "default")
+                run.decisions.append(Decision(pod.job, 1, time.perf_counter() - t0))
+        elif policy == "gputopo":
             t0 = time.perf_counter()
             if is_group:
                 run.gputopo_group(pods)

@@ -203,7 +203,7 @@ def summarize(
     broken: dict[str, set[str]] = {}
     for p in all_pods:
         pl = placed.get(p.name)
-        if pl is not None:
+        if pl is not None and p.opted_in:  # a plain pod asked for nothing, so it breaks nothing
             for kind, _ in broken_requests(by_name[pl.node], pl.gpus, p.request):
                 broken.setdefault(kind, set()).add(p.name)
 

@@ -16,6 +16,9 @@ def node(
     return node_state(name, build_system(fixture, name), labels=labels, in_use=frozenset(in_use))
 
 
-def job(name: str, gpus: int, pods: int = 1, **annotations: str) -> JobSpec:
+def job(name: str, gpus: int, pods: int = 1, *, plain: bool = False, **annotations: str) -> JobSpec:
+    """A job that opts in to gputopo (nvlink: required unless given), or a `plain` one without annotations."""
     ann = {f"gputopo.io/{k.replace('_', '-')}": v for k, v in annotations.items()}
+    if not plain:
+        ann.setdefault("gputopo.io/nvlink", "required")
     return JobSpec(name=name, pods=pods, gpus_per_pod=gpus, annotations=ann)

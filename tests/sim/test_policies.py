@@ -122,3 +122,12 @@ def test_random_can_undercut_the_best_placement_only_by_breaking_requests() -> N
         assert s.exhaustive is not None and s.exhaustive.ratio is not None
         if s.exhaustive.ratio < 1:
             assert "spread" in s.broken and "broke requests" in s.exhaustive_note
+
+
+def test_plain_pods_are_placed_as_kube_scheduler_would_even_under_gputopo() -> None:
+    nodes = [node("a", "dgx-h100"), node("b", "l40s-4")]
+    jobs = [job("notebook", 1, plain=True)]
+    gputopo = simulate(nodes, jobs, "gputopo")
+    default = simulate(nodes, jobs, "default")
+    assert [(p.node, p.gpus) for p in gputopo.placements] == [(p.node, p.gpus) for p in default.placements]
+    assert "kube-scheduler (LeastAllocated)" in gputopo.placements[0].reason
