@@ -311,3 +311,41 @@ def test_agent_republishes_gpus_in_use_and_extender_respects_them(
     stack.wait_node_annotation(node, "gputopo.io/gpus-in-use", lambda v: v == "[0,1,2,3,4,5]")
     pod = gputopo_pod(kube, namespace, test_id, "pair", 2)
     assert placement(kube, namespace, pod)[1] == [6, 7]
+
+
+def _cli(stack: Stack, *args: str) -> str:
+    import subprocess
+
+    exe = stack._exe("gputopo")
+    done = subprocess.run(
+        [exe, *args, f"--kubeconfig={stack.cp.kubeconfig}", f"--stale-after-seconds={STALE_AFTER}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_gputopo_topo_shows_a_live_node_like_nvidia_smi(stack: Stack, nodes: Nodes) -> None:
+    (dgx1,) = nodes.add(GpuNode("dgx1v", "dgx-1v", in_use=[1]))
+    out = _cli(stack, "topo", dgx1)
+    assert "GPU0  X     NV1   NV1   NV2   NV2   SYS" in out
+    assert "GPUs in use: 1" in out
+    assert "(fresh)" in out
+    assert "gputopo.io/nvlink-domain=4" in out
+
+
+def test_gputopo_explain_lists_every_verdict_and_changes_nothing(
+    kube: KubeClient, stack: Stack, nodes: Nodes, namespace: str, test_id: str
+) -> None:
+    h100, l40s = nodes.add(GpuNode("h100", "dgx-h100"), GpuNode("l40s", "l40s-4"))
+    pod = gputopo_pod(kube, namespace, test_id, "tp8", 8)
+    node, _, _ = placement(kube, namespace, pod)
+    before = kube.get_pod(namespace, pod)["metadata"]["resourceVersion"]
+    out = _cli(stack, "explain", "-n", namespace, pod)
+    assert f"Bound to {node}, GPUs 0-7" in out
+    assert f"{h100}" in out and "fits" in out
+    assert f"{l40s}" in out and "fewer than 8 GPUs: node has 4 GPUs, pod needs 8" in out
+    assert kube.get_pod(namespace, pod)["metadata"]["resourceVersion"] == before

@@ -215,6 +215,14 @@ class KubeSource:
             raise err
         return WatchEvent(etype, obj)
 
+    def get_node(self, name: str) -> JSON:
+        return self._json("GET", f"/api/v1/nodes/{quote(name)}")
+
+    def get_lease(self, name: str) -> JSON:
+        return self._json(
+            "GET", f"/apis/coordination.k8s.io/v1/namespaces/{quote(self.namespace)}/leases/{quote(name)}"
+        )
+
     def get_pod(self, namespace: str, name: str) -> JSON:
         return self._json("GET", f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(name)}")
 

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The main job on a fresh machine: set up, then run the local demo (a real etcd, kube-apiserver and
+# kube-scheduler with simulated GPU nodes, the real extender and agents) on the files in examples/.
+# Extra arguments go to `gputopo demo` (for example --keep).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY="${PYTHON:-python3}"
+if [[ ! -x .venv/bin/python ]]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e .
+exec .venv/bin/gputopo demo "$@"
