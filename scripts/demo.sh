@@ -5,10 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY="${PYTHON:-python3}"
-if [[ ! -x .venv/bin/python ]]; then
-  "$PY" -m venv .venv
-fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e .
+source scripts/venv.sh
 exec .venv/bin/gputopo demo "$@"

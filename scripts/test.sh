@@ -5,12 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY="${PYTHON:-python3}"
-if [[ ! -x .venv/bin/python ]]; then
-  "$PY" -m venv .venv
-fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[dev]'
+source scripts/venv.sh '[dev]'
 
 echo "== control-plane binaries (built once per machine from the Go module proxy, then cached)"
 BIN="$(bash e2e/build_binaries.sh)"

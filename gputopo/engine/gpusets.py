@@ -56,11 +56,7 @@ def choose_clique(shape: Shape, candidates: int, k: int, near_nic: int = 0) -> G
         )
         if best is None or rank > best[0]:  # strict: on ties the lowest indices (found first) win
             best = (rank, s)
-    if best is None:
-        return None
-    s = best[1]
-    rest = candidates & ~s
-    return GpuChoice(tuple(bits(s)), True, best[0][0], largest_clique(shape, rest), popcount(rest), k * (k - 1) // 2)
+    return None if best is None else _choice(shape, candidates, best[1])
 
 
 @lru_cache(maxsize=65536)
@@ -79,14 +75,7 @@ def choose_connected(shape: Shape, candidates: int, k: int, near_nic: int = 0) -
         )
         if best is None or rank > best[0]:
             best = (rank, s)
-    if best is None:
-        return None
-    s = best[1]
-    g = bits(s)
-    rest = candidates & ~s
-    linked = connected_pairs(shape.adj, s)
-    clique = linked == k * (k - 1) // 2
-    return GpuChoice(tuple(g), clique, shape.min_link(tuple(g)), largest_clique(shape, rest), popcount(rest), linked)
+    return None if best is None else _choice(shape, candidates, best[1])
 
 
 @lru_cache(maxsize=65536)
@@ -103,11 +92,14 @@ def choose_any(shape: Shape, candidates: int, k: int, near_nic: int = 0) -> GpuC
         )
         if best is None or rank > best[0]:
             best = (rank, s)
-    if best is None:
-        return None
-    s = best[1]
-    g = tuple(bits(s))
-    rest = candidates & ~s
-    linked = connected_pairs(shape.adj, s)
-    clique = linked == k * (k - 1) // 2
-    return GpuChoice(g, clique, shape.min_link(g), largest_clique(shape, rest), popcount(rest), linked)
+    return None if best is None else _choice(shape, candidates, best[1])
+
+
+def _choice(shape: Shape, candidates: int, chosen: int) -> GpuChoice:
+    g = tuple(bits(chosen))
+    rest = candidates & ~chosen
+    linked = connected_pairs(shape.adj, chosen)
+    k = len(g)
+    return GpuChoice(
+        g, linked == k * (k - 1) // 2, shape.min_link(g), largest_clique(shape, rest), popcount(rest), linked
+    )

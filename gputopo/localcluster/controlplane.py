@@ -498,20 +498,13 @@ class ControlPlane:
             *extra_args,
         ]
         url = f"https://{HOST}:{port}/healthz"
-        self._components[name] = _Component(
-            name=name,
-            argv=argv,
-            log_path=self.dir / f"scheduler-{safe}.log",
-            ready=lambda: _http_ok(url, ctx=_insecure_ctx()),
-        )
         try:
-            self._start(name)
+            return self.start_process(
+                name, argv, ready=lambda: _http_ok(url, ctx=_insecure_ctx()), log_name=f"scheduler-{safe}"
+            )
         except BaseException:
-            c = self._components.pop(name)
-            self._removed_pids.extend(c.started_pids)
             self._scheduler_ports.pop(name, None)
             raise
-        return name
 
     def start_process(
         self,
@@ -520,13 +513,14 @@ class ControlPlane:
         *,
         ready: Callable[[], bool],
         env: Mapping[str, str] | None = None,
+        log_name: str | None = None,
     ) -> str:
-        """Run another process (the extender, an agent) as a managed component: logged into the
-        directory, stopped with the rest, restartable by name. Waits until ``ready()``."""
+        """Run a process (a scheduler, the extender, an agent) as a managed component: logged into
+        the directory, stopped with the rest, restartable by name. Waits until ``ready()``."""
         self._require_started()
         if name in self._components:
             raise ControlPlaneError(f"component {name!r} exists; use restart()")
-        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
+        safe = log_name or "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
         self._components[name] = _Component(
             name=name, argv=list(argv), log_path=self.dir / f"{safe}.log", ready=ready, env=dict(env or {})
         )
