@@ -349,3 +349,37 @@ def test_gputopo_explain_lists_every_verdict_and_changes_nothing(
     assert f"{h100}" in out and "fits" in out
     assert f"{l40s}" in out and "fewer than 8 GPUs: node has 4 GPUs, pod needs 8" in out
     assert kube.get_pod(namespace, pod)["metadata"]["resourceVersion"] == before
+
+
+def test_scheduler_reaches_the_extender_over_https_verified_against_its_ca(
+    kube: KubeClient, control_plane: ControlPlane, nodes: Nodes, namespace: str, test_id: str
+) -> None:
+    (node,) = nodes.add(GpuNode("h100", "dgx-h100"))
+    tls = Stack(control_plane, kube, scheduler_name="gputopo-tls", extender_name="gputopo-extender-tls", tls=True)
+    tls.start_extender()
+    assert tls.extender_url.startswith("https://") and tls.ca_file is not None
+    other_ca = tls.serving_cert("other")[0]  # a CA that did not sign the running extender's certificate
+    wrong = control_plane.start_gputopo_scheduler(
+        tls.extender_url, name="gputopo-tls-wrong-ca", profile="gputopo-tls", ca_file=other_ca
+    )
+    try:
+        kube.create_pod(
+            pod_manifest(
+                "tp4",
+                namespace=namespace,
+                scheduler_name="gputopo-tls",
+                gpus=4,
+                annotations={"gputopo.io/nvlink": "required"},
+                node_selector={TEST_LABEL: test_id},
+            )
+        )
+        assert "certificate signed by unknown authority" in failed_scheduling(kube, namespace, "tp4", "x509")
+    finally:
+        control_plane.remove(wrong)
+    try:
+        tls.start_scheduler()
+        kube.patch_node(node, {"metadata": {"labels": {"e2e.gputopo.io/nudge": "1"}}})  # retry the pod now
+        assert placement(kube, namespace, "tp4")[0] == node
+    finally:
+        control_plane.remove(tls.scheduler_name)
+        control_plane.remove(tls.extender_name)

@@ -73,6 +73,7 @@ class ExtenderConfig:
     ignorable: bool = False
     # (name, ignoredByScheduler)
     managed_resources: tuple[tuple[str, bool], ...] = (("nvidia.com/gpu", False),)
+    ca_file: Path | None = None  # tlsConfig.caFile: verify the extender's serving certificate
 
     def to_config(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -84,6 +85,8 @@ class ExtenderConfig:
             "ignorable": self.ignorable,
             "managedResources": [{"name": n, "ignoredByScheduler": ignored} for n, ignored in self.managed_resources],
         }
+        if self.ca_file is not None:
+            out["tlsConfig"] = {"caFile": str(self.ca_file)}
         for key, verb in (
             ("filterVerb", self.filter_verb),
             ("prioritizeVerb", self.prioritize_verb),
@@ -537,16 +540,20 @@ class ControlPlane:
         extender_url: str,
         *,
         name: str = GPUTOPO_PROFILE,
+        profile: str = GPUTOPO_PROFILE,
         http_timeout: str = "5s",
         weight: int = 5,
         ignorable: bool = False,
+        ca_file: Path | None = None,
         **kwargs: Any,
     ) -> str:
-        """A scheduler with the single profile ``gputopo-scheduler`` calling the extender at
-        ``extender_url`` for filter, prioritize and bind (nodeCacheCapable, managedResources
-        nvidia.com/gpu, DefaultPreemption off)."""
-        ext = ExtenderConfig(url=extender_url, http_timeout=http_timeout, weight=weight, ignorable=ignorable)
-        return self.start_scheduler(name, profile=GPUTOPO_PROFILE, extender=ext, **kwargs)
+        """A scheduler with the single profile ``profile`` calling the extender at ``extender_url``
+        for filter, prioritize and bind (nodeCacheCapable, managedResources nvidia.com/gpu,
+        DefaultPreemption off); over HTTPS verified against ``ca_file`` when given."""
+        ext = ExtenderConfig(
+            url=extender_url, http_timeout=http_timeout, weight=weight, ignorable=ignorable, ca_file=ca_file
+        )
+        return self.start_scheduler(name, profile=profile, extender=ext, **kwargs)
 
     def start_plain_scheduler(self, *, name: str = PLAIN_PROFILE, **kwargs: Any) -> str:
         """A scheduler with the single profile ``plain-scheduler`` and no extender."""

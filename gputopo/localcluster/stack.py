@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import ssl
+import subprocess
 import sys
 import time
 import urllib.request
@@ -104,9 +106,9 @@ class GpuNode:
         return build_system(self.fixture or "dgx-h100", self.name)
 
 
-def _http_ok(url: str) -> bool:
+def _http_ok(url: str, ctx: ssl.SSLContext | None = None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=1) as r:
+        with urllib.request.urlopen(url, timeout=1, context=ctx) as r:
             return bool(r.status == 200)
     except OSError:
         return False
@@ -127,6 +129,8 @@ class Stack:
         interval_seconds: float = 1,
         reservation_timeout_seconds: float = 120,
         scheduler_name: str = "gputopo-scheduler",
+        extender_name: str = EXTENDER,
+        tls: bool = False,
         progress: Callable[[str], None] | None = None,
     ) -> None:
         self.cp = cp
@@ -136,7 +140,10 @@ class Stack:
         self.heartbeat_seconds = heartbeat_seconds
         self.interval_seconds = interval_seconds
         self.reservation_timeout_seconds = reservation_timeout_seconds
-        self.scheduler_name = scheduler_name
+        self.scheduler_name = scheduler_name  # also the profile pods name in schedulerName
+        self.extender_name = extender_name
+        self.tls = tls
+        self.ca_file: Path | None = None
         self.extender_url = ""
         self.nodes: dict[str, GpuNode] = {}
         self.dir = cp.dir / "gputopo"
@@ -174,11 +181,65 @@ class Stack:
         token = self.kube.create_token(self.namespace, sa, bound_node=bound_node)
         return self.cp.write_kubeconfig(self.dir / f"{name}.kubeconfig", token=token, user=name)
 
+    def serving_cert(self, label: str = "tls") -> tuple[Path, Path, Path]:
+        """A throwaway CA and a serving certificate for 127.0.0.1 (what the chart generates in-cluster),
+        in a directory of their own per `label`: (ca.crt, tls.crt, tls.key)."""
+        d = self.dir / f"{self.extender_name}-{label}"
+        d.mkdir(exist_ok=True)
+        ca_key, ca, key, csr, crt = (d / n for n in ("ca.key", "ca.crt", "tls.key", "tls.csr", "tls.crt"))
+        ext = d / "san.cnf"
+        ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        for argv in (
+            [
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                ca_key,
+                "-out",
+                ca,
+                "-days",
+                "2",
+                "-subj",
+                "/CN=gputopo-local-ca",
+            ],
+            ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=gputopo-extender"],
+            [
+                "x509",
+                "-req",
+                "-in",
+                csr,
+                "-CA",
+                ca,
+                "-CAkey",
+                ca_key,
+                "-CAcreateserial",
+                "-out",
+                crt,
+                "-days",
+                "2",
+                "-extfile",
+                ext,
+            ],
+        ):
+            subprocess.run(["openssl", *map(str, argv)], check=True, capture_output=True)
+        return ca, crt, key
+
     def start_extender(self, *, extra_args: Sequence[str] = ()) -> str:
-        """Run `gputopo-extender` with its own service-account token; returns its URL."""
-        kubeconfig = self._token_kubeconfig(EXTENDER_SA, EXTENDER)
+        """Run `gputopo-extender` with its own service-account token (over HTTPS when `tls`); returns its URL."""
+        kubeconfig = self._token_kubeconfig(EXTENDER_SA, self.extender_name)
         self._extender_port = self._extender_port or free_port()
-        self.extender_url = f"http://127.0.0.1:{self._extender_port}"
+        scheme = "https" if self.tls else "http"
+        self.extender_url = f"{scheme}://127.0.0.1:{self._extender_port}"
+        tls_args: list[str] = []
+        ready_ctx: ssl.SSLContext | None = None
+        if self.tls:
+            ca, crt, key = self.serving_cert()
+            self.ca_file = ca
+            tls_args = [f"--tls-cert-file={crt}", f"--tls-key-file={key}"]
+            ready_ctx = ssl.create_default_context(cafile=str(ca))
         argv = [
             self._exe("gputopo-extender"),
             "--host=127.0.0.1",
@@ -187,18 +248,23 @@ class Stack:
             f"--namespace={self.namespace}",
             f"--stale-after-seconds={self.stale_after_seconds}",
             f"--reservation-timeout-seconds={self.reservation_timeout_seconds}",
+            *tls_args,
             *extra_args,
         ]
-        self._say("starting gputopo-extender")
-        self.cp.start_process(EXTENDER, argv, ready=lambda: _http_ok(f"{self.extender_url}/readyz"))
+        self._say(f"starting gputopo-extender ({scheme})")
+        self.cp.start_process(
+            self.extender_name, argv, ready=lambda: _http_ok(f"{self.extender_url}/readyz", ready_ctx)
+        )
         return self.extender_url
 
     def restart_extender(self) -> None:
-        self.cp.restart(EXTENDER)
+        self.cp.restart(self.extender_name)
 
     def start_scheduler(self, **kwargs: Any) -> str:
-        self._say("starting kube-scheduler with the gputopo-scheduler profile")
-        return self.cp.start_gputopo_scheduler(self.extender_url, name=self.scheduler_name, **kwargs)
+        self._say(f"starting kube-scheduler with the {self.scheduler_name} profile")
+        return self.cp.start_gputopo_scheduler(
+            self.extender_url, name=self.scheduler_name, profile=self.scheduler_name, ca_file=self.ca_file, **kwargs
+        )
 
     # ---------------------------------------------------------------- nodes and agents
 
