@@ -220,7 +220,9 @@ class ClusterCache:
         self._verdicts: OrderedDict[PodRequest, _VerdictTable] = OrderedDict()
         self.synced: set[Kind] = set()
         self.last_heard = 0.0
-        self.generation = 0  # bumps on every change; cheap "did anything change" for callers
+        # Bumps on every change that can alter a verdict (node states, leases, reservations); a pod
+        # event bumps it only when it changes a node's GPUs in use. Cheap "did anything change".
+        self.generation = 0
 
     # ------------------------------------------------------------------ readiness
 
@@ -433,7 +435,10 @@ class ClusterCache:
                 else:
                     self._upsert_node(obj)
             elif kind == "pods":
+                # upsert_pod bumps the generation itself, only when a node's GPUs in use changed: a new
+                # pending pod (most pod events) cannot change any verdict.
                 self.upsert_pod(obj, deleted=event_type == "DELETED")
+                return
             else:
                 if not self._upsert_lease(obj, deleted=event_type == "DELETED"):
                     return  # a fresh node's heartbeat: no verdict can change, keep the generation
@@ -559,8 +564,7 @@ class ClusterCache:
                 touched.add(rec.placed_node)
             for node in touched:
                 if node:
-                    self._rebuild(node)
-            self.generation += 1
+                    self._rebuild(node)  # bumps the generation
             return None if deleted else rec
 
     def group_members(self, key: GroupKey) -> list[PodRecord]:

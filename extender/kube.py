@@ -113,7 +113,14 @@ class KubeSource:
             k8s_config.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
         else:
             k8s_config.load_incluster_config(client_configuration=cfg)
-        cfg.connection_pool_maxsize = 16
+        # Binds run on the server's worker threads (anyio's default limit is 40), each making several
+        # API calls: a smaller pool discards connections under load, and every new one costs a TLS
+        # handshake on both sides.
+        cfg.connection_pool_maxsize = 64
+        # The kubeconfig loader's refresh hook re-assigns `host` before every request, and the client
+        # then re-reads the proxy settings from the whole environment each time. Pin the proxy it
+        # resolved at start-up (the same value) so requests skip that scan.
+        cfg.proxy = cfg.proxy
         self._client: Any = k8s_client.ApiClient(configuration=cfg)
         self._api_exception: type[Exception] = k8s_client.ApiException
         self.namespace = namespace

@@ -19,9 +19,9 @@ from extender.cache import ClusterCache, GroupKey, PodRecord, Reservation, Slot
 from extender.kube import JSON, ApiError, ClusterSource
 from extender.metrics import Metrics
 from extender.wire import ExtenderPreemptionArgs, MetaVictims, PodInfo, pod_info
-from gputopo.engine.explain import placement_sentence, runner_up, why_lost
+from gputopo.engine.explain import placement_sentence, why_lost
 from gputopo.engine.groups import GroupFailure, Member, group_waiting_message, plan_group
-from gputopo.engine.placement import NodeVerdict, Outcome, evaluate_node, fail_invalid, rank
+from gputopo.engine.placement import NodeVerdict, Outcome, evaluate_node, fail_invalid
 from gputopo.engine.reasons import Code, Reason, code_for, message
 from gputopo.engine.scoring import to_extender_priority
 from gputopo.engine.snapshot import NodeState, node_state
@@ -341,14 +341,7 @@ class Extender:
         if not outcome.fits:
             return f"node {node} no longer fits pod {info.ref}: {outcome.message}", outcome
         score = to_extender_priority(outcome.score)
-        ranked = rank(
-            [
-                NodeVerdict(st, o)
-                for st, o in self.cache.evaluate_states(list(self.cache.nodes), req, pod_uid=info.uid)
-                if o.fits and st.name != node
-            ]
-        )
-        runner = runner_up(node, ranked)
+        runner = self._runner_up(node, req, info.uid)
         plan = res.plan if res is not None else None
         sentence = placement_sentence(node, outcome, runner, plan, info.name, self.cache.weights)
         stage = None
@@ -372,6 +365,20 @@ class Extender:
             stage=stage,
         )
         return placement, outcome
+
+    def _runner_up(self, node: str, req: PodRequest, pod_uid: str) -> NodeVerdict | None:
+        """The best other feasible node: `runner_up(node, rank(...))` over every cached node, in one pass
+        (no verdict list, no sort of the whole cluster on every bind)."""
+        best: NodeVerdict | None = None
+        best_key: tuple[float, str] | None = None
+        success = Code.SUCCESS
+        for st, o in self.cache.evaluate_states(list(self.cache.nodes), req, pod_uid=pod_uid):
+            if o.code is not success or st.name == node:
+                continue
+            key = (-o.score, st.name)
+            if best_key is None or key < best_key:
+                best, best_key = NodeVerdict(st, o), key
+        return best
 
     def _fresh_read(self, source: ClusterSource, node: str) -> None:
         """Pods annotated for or bound to `node`, straight from the API, into the cache."""
