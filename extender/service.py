@@ -12,6 +12,7 @@ import logging
 import socket
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -96,6 +97,12 @@ class Extender:
         self._locks_lock = threading.Lock()
         self.instance = socket.gethostname()
         self._last_outcomes: tuple[tuple[object, ...], float, dict[str, Outcome]] | None = None
+        # Events explain a bind that already happened: posted off the bind's critical path.
+        self._events = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gputopo-events")
+
+    def flush_events(self, timeout: float = 10.0) -> None:
+        """Wait until the events queued so far are posted (tests, shutdown)."""
+        self._events.submit(lambda: None).result(timeout=timeout)
 
     # ------------------------------------------------------------------ decisions
 
@@ -380,19 +387,6 @@ class Extender:
                 best, best_key = NodeVerdict(st, o), key
         return best
 
-    def _fresh_read(self, source: ClusterSource, node: str) -> None:
-        """Pods annotated for or bound to `node`, straight from the API, into the cache."""
-        seen: set[str] = set()
-        queries = [{"field_selector": f"spec.nodeName={node}"}]
-        if len(node) <= MAX_LABEL_VALUE:
-            queries.append({"label_selector": f"{NODE_LABEL}={node}"})
-        for q in queries:
-            for obj in source.list_pods(**q):
-                uid = str((obj.get("metadata") or {}).get("uid") or "")
-                if uid not in seen:
-                    seen.add(uid)
-                    self.cache.upsert_pod(obj)
-
     def _conflict(self, source: ClusterSource, node: str, uid: str, gpus: frozenset[int]) -> str | None:
         """After writing our placement: another live pod claiming any of the same GPUs on the node?"""
         if len(node) > MAX_LABEL_VALUE:
@@ -414,30 +408,37 @@ class Extender:
         except ApiError as e:
             log.warning("could not remove placement annotation", extra={"pod": f"{namespace}/{name}", "error": str(e)})
 
+    def _recall(self, uid: str, ref: str) -> PodInfo | None:
+        """The pod as its filter call carried it moments ago (saves a GET per bind)."""
+        with self._recent_lock:
+            info = self._recent.get(uid) if uid else self._recent.get(ref)
+        return info if info is not None and (not uid or info.uid == uid) else None
+
     def _bind_api(self, source: ClusterSource, namespace: str, name: str, uid: str, node: str) -> str:
         ref = f"{namespace}/{name}"
-        try:
-            pod = source.get_pod(namespace, name)
-        except ApiError as e:
-            return f"cannot read pod {ref}: {e}"
-        info = pod_info(pod)
-        if uid and info.uid and info.uid != uid:
-            return f"pod {ref} has uid {info.uid}, the scheduler asked to bind uid {uid}"
-        if info.node_name == node:
-            self.cache.upsert_pod(pod)
-            return ""  # already bound there: a retried bind succeeds
-        if info.node_name:
-            return f"pod {ref} is already bound to node {info.node_name}"
+        info = self._recall(uid, ref)
+        if info is None:
+            try:
+                pod = source.get_pod(namespace, name)
+            except ApiError as e:
+                return f"cannot read pod {ref}: {e}"
+            info = pod_info(pod)
+            if uid and info.uid and info.uid != uid:
+                return f"pod {ref} has uid {info.uid}, the scheduler asked to bind uid {uid}"
+            if info.node_name == node:
+                self.cache.upsert_pod(pod)
+                return ""  # already bound there: a retried bind succeeds
+            if info.node_name:
+                return f"pod {ref} is already bound to node {info.node_name}"
+        # (a recalled pod that was bound meanwhile is caught by the Binding's 409 below)
         if not is_gputopo_pod(info.annotations):
             return self._post_binding(source, info, node)
         try:
             req = parse_pod_request(info.annotations, info.gpus, self.cache.tier_names)
         except AnnotationError as e:
             return str(e)
-        try:
-            self._fresh_read(source, node)
-        except ApiError as e:
-            return f"cannot read the pods on node {node}: {e}"
+        # Choose from the cache (it holds this process's claims at once); another replica's fresh
+        # claim is caught by the conflict check after ours is written.
         placement, _ = self._choose(info, req, node)
         if isinstance(placement, str):
             return placement
@@ -463,7 +464,7 @@ class Extender:
             return err
         if req.group:
             self.cache.pin((namespace, req.group), name)
-        self._event(source, info, placement.reason)
+        self._events.submit(self._event, source, info, placement.reason)
         log.info(
             "bound",
             extra={

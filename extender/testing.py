@@ -181,6 +181,7 @@ class Env:
             json={"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": node},
         )
         assert r.status_code == 200, r.text
+        self.client.app.state.extender.flush_events()  # type: ignore[attr-defined]
         error: str = r.json()["Error"]
         return error
 

@@ -92,8 +92,9 @@ def test_bind_refuses_a_node_that_no_longer_fits_and_writes_nothing(cluster: Env
     assert cluster.source.bindings == [] and cluster.source.patches == []
 
 
-def test_bind_sees_pods_annotated_for_the_node_by_another_replica(cluster: Env) -> None:
-    """A fresh API read before choosing GPUs: another replica's placement is not in our cache yet."""
+def test_bind_backs_off_when_another_replica_already_claimed_the_gpus(cluster: Env) -> None:
+    """Another replica's placement is not in our cache yet: our claim is written, the check after it
+    finds the overlap, ours is retracted and nothing is bound (kube-scheduler retries the pod)."""
     pod = gputopo_pod("mine", 8)
     cluster.add_pods(pod)
     theirs = pod_obj(
@@ -109,8 +110,12 @@ def test_bind_sees_pods_annotated_for_the_node_by_another_replica(cluster: Env) 
     theirs["metadata"]["labels"] = {NODE_LABEL: "gpu-07"}
     cluster.source.put("pods", theirs)  # no resync: the watch has not delivered it
     err = cluster.bind(pod, "gpu-07")
-    assert "fewer than 8 free GPUs" in err
+    assert "were just claimed by pod default/theirs; retry" in err
     assert cluster.source.bindings == []
+    mine = cluster.source.get_pod("default", "mine")
+    assert PLACEMENT_ANNOTATION not in mine["metadata"].get("annotations", {}), "our claim was retracted"
+    cluster.resync()  # once the watch delivers theirs, the retry sees the GPUs taken
+    assert "fewer than 8 free GPUs" in cluster.bind(pod, "gpu-07")
 
 
 def test_bind_backs_off_when_a_concurrent_placement_claims_the_same_gpus(
