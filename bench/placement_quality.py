@@ -11,7 +11,8 @@ gputopo/sim/core.py and docs/simulator.md for what each policy does and what eac
    where the requested GPUs first reach `--load` times the cluster's GPUs (default 1.05, so the
    cluster fills and a queue is left). The trace says nothing about what the pods need from the links,
    so every multi-GPU pod is annotated `gputopo.io/nvlink: preferred` (placed with or without a
-   clique, so all three policies face the same feasibility by GPU count).
+   clique, so all three policies face the same feasibility by GPU count) and every 1-GPU pod
+   `gputopo.io/nvlink: ignore` (it opts in, as on a cluster that runs gputopo for all GPU pods).
 
    The trace has no link layout; each (GPU model, GPUs per node) maps to a named system:
 
@@ -182,7 +183,9 @@ def alibaba_jobs(capacity: int, load: float) -> list[JobSpec]:
             gpus = int(r["num_gpu"])
             if gpus == 0:
                 continue
-            ann = {"gputopo.io/nvlink": "preferred"} if gpus > 1 else {}
+            # Every GPU pod opts in, as on a cluster running gputopo (e.g. through its webhook): a
+            # 1-GPU pod needs no NVLink, but gputopo still picks the GPU that fragments least.
+            ann = {"gputopo.io/nvlink": "preferred" if gpus > 1 else "ignore"}
             jobs.append(JobSpec(name=r["name"], pods=1, gpus_per_pod=gpus, annotations=ann))
             asked += gpus
             if asked >= capacity * load:
@@ -387,7 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         multi = sum(1 for j in jobs if j.gpus_per_pod > 1)
         asked = sum(j.gpus_per_pod for j in jobs)
         print(
-            f"  {len(jobs)} GPU pods in file order ({multi} multi-GPU, annotated nvlink: preferred), "
+            f"  {len(jobs)} GPU pods in file order ({multi} multi-GPU, annotated nvlink: preferred; "
+            "1-GPU pods nvlink: ignore), "
             f"{asked} GPUs asked = {asked / capacity:.2f}x capacity; fractional GPUs count as 1, 0-GPU pods skipped"
         )
         results = run_policies(nodes, jobs, args.seed)
