@@ -96,7 +96,7 @@ class Extender:
         self._group_locks: dict[GroupKey, threading.Lock] = collections.defaultdict(threading.Lock)
         self._locks_lock = threading.Lock()
         self.instance = socket.gethostname()
-        self._last_outcomes: tuple[tuple[object, ...], float, dict[str, Outcome]] | None = None
+        self._last_outcomes: tuple[tuple[object, ...], float, list[str], list[Outcome]] | None = None
         # Events explain a bind that already happened: posted off the bind's critical path.
         self._events = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gputopo-events")
 
@@ -132,11 +132,16 @@ class Extender:
         last = self._last_outcomes
         now = self.cache.clock()
         if last is not None and last[0] == key and 0 <= now - last[1] < self.REUSE_SECONDS:
-            by_name = last[2]
-            if all(n in by_name for n in names):
+            last_names, last_outcomes = last[2], last[3]
+            if names == last_names:  # the same list: compared in C, no per-node Python work
+                return Decision("evaluated", names, last_outcomes, request=req)
+            by_name = dict(zip(last_names, last_outcomes, strict=True))
+            try:
                 return Decision("evaluated", names, [by_name[n] for n in names], request=req)
+            except KeyError:
+                pass  # a node the filter did not see: evaluate afresh
         outcomes = self.cache.evaluate(names, req, pod_uid=info.uid)
-        self._last_outcomes = (key, now, dict(zip(names, outcomes, strict=True)))
+        self._last_outcomes = (key, now, list(names), outcomes)
         return Decision("evaluated", names, outcomes, request=req)
 
     def filter(self, info: PodInfo, names: Sequence[str]) -> FilterAnswer:
@@ -163,15 +168,12 @@ class Extender:
             return [(n, NEUTRAL_SCORE) for n in names], d
         if d.priorities is not None:
             return list(zip(names, d.priorities, strict=True)), d
-        memo: dict[int, int] = {}  # outcomes are shared between equivalent nodes: quantise each once
-        out = []
+        # Outcomes are shared between equivalent nodes: quantise each distinct one once, then map
+        # node by node with C-level iteration (thousands of nodes per call).
         success = Code.SUCCESS
-        for n, o in zip(d.names, d.outcomes, strict=True):
-            score = memo.get(id(o))
-            if score is None:
-                score = memo[id(o)] = to_extender_priority(o.score) if o.code is success else 0
-            out.append((n, score))
-        return out, d
+        distinct = {id(o): o for o in d.outcomes}
+        prio = {k: (to_extender_priority(o.score) if o.code is success else 0) for k, o in distinct.items()}
+        return list(zip(d.names, map(prio.__getitem__, map(id, d.outcomes)), strict=True)), d
 
     # ------------------------------------------------------------------ groups
 
