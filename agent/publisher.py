@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -182,8 +183,16 @@ class Publisher:
         sleep: Callable[[float], bool],
         backoff: Backoff = Backoff(),
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
+        reverify_s: float = 300.0,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._api = api
+        # What the Node is known to carry, and when that was last read back: an unchanged discovery
+        # costs no API call at all until `reverify_s` passes (then a read repairs external edits).
+        self._confirmed: tuple[dict[str, str], dict[str, str]] | None = None
+        self._confirmed_at = 0.0
+        self._reverify_s = reverify_s
+        self._monotonic = monotonic
         self._node = node
         self._namespace = namespace
         self._lease = lease_name(node)
@@ -194,19 +203,25 @@ class Publisher:
 
     def publish(self, topology: NodeTopology, gpus_in_use: frozenset[int] | None) -> PublishResult:
         annotations, labels = desired_metadata(topology, gpus_in_use)
+        desired = (dict(annotations), dict(labels))
+        if self._confirmed == desired and self._monotonic() - self._confirmed_at < self._reverify_s:
+            return PublishResult.UNCHANGED
         try:
             current = call_with_retry(
                 lambda: self._api.read_node_meta(self._node), self._backoff, self._sleep, "get node"
             )
             ann, lab = metadata_changes(current, annotations, labels)
-            if not ann and not lab:
-                return PublishResult.UNCHANGED
-            call_with_retry(
-                lambda: self._api.patch_node_meta(self._node, ann, lab), self._backoff, self._sleep, "patch node"
-            )
+            if ann or lab:
+                call_with_retry(
+                    lambda: self._api.patch_node_meta(self._node, ann, lab), self._backoff, self._sleep, "patch node"
+                )
         except Exception as e:
+            self._confirmed = None
             log.error("publishing to the Node failed", extra={"node": self._node, "error": _short(e)})
             return PublishResult.ERROR
+        self._confirmed, self._confirmed_at = desired, self._monotonic()
+        if not ann and not lab:
+            return PublishResult.UNCHANGED
         log.info("published topology", extra={"node": self._node, "annotations": sorted(ann), "labels": sorted(lab)})
         return PublishResult.CHANGED
 

@@ -124,7 +124,7 @@ class SimTime:
 def bench_simulated_hour(system: str, interval: float = 10.0, heartbeat: float = 30.0) -> None:
     sim = SimTime(3600.0)
     api = InMemoryNodeApi(NODE)
-    publisher = Publisher(api, NODE, "gputopo-system", lease_duration_s=120, sleep=sim.wait)
+    publisher = Publisher(api, NODE, "gputopo-system", lease_duration_s=120, sleep=sim.wait, monotonic=sim.clock)
     agent = Agent(
         FixtureBackend(system, NODE), NoneInUse(), publisher, AgentMetrics(), interval, heartbeat, sim, clock=sim.clock
     )

@@ -53,7 +53,7 @@ def setup(tmp_path: Path, end: float) -> tuple[Agent, InMemoryNodeApi, FakeTime,
     in_use_file = tmp_path / "in-use.json"
     ft = FakeTime(end)
     api = InMemoryNodeApi(NODE)
-    publisher = Publisher(api, NODE, "ns", lease_duration_s=120, sleep=ft.wait)
+    publisher = Publisher(api, NODE, "ns", lease_duration_s=120, sleep=ft.wait, reverify_s=120.0, monotonic=ft.clock)
     metrics = AgentMetrics()
     agent = Agent(FileBackend(topo_file), InUseFile(in_use_file), publisher, metrics, 10.0, 30.0, ft, clock=ft.clock)
     return agent, api, ft, metrics, topo_file, in_use_file
@@ -63,7 +63,7 @@ def test_steady_state_writes_the_node_once_and_renews_the_lease(tmp_path: Path) 
     agent, api, _, metrics, _, _ = setup(tmp_path, end=300.0)
     agent.run()
     assert api.calls["patch_node"] == 1  # the first publish; nothing after
-    assert api.calls["read_node"] == 30  # one comparison per 10 s cycle
+    assert api.calls["read_node"] == 3  # t = 0, then a read-back every 120 s: 120, 240
     assert api.calls["create_lease"] + api.calls["renew_lease"] - 1 == 10  # t = 0, 30, …, 270
     assert metrics.registry.get_sample_value("gputopo_agent_publish_total", {"result": "unchanged"}) == 29
     assert metrics.registry.get_sample_value("gputopo_agent_publish_total", {"result": "changed"}) == 1
@@ -139,3 +139,11 @@ def test_discovery_duration_is_observed(tmp_path: Path) -> None:
     agent, _, _, metrics, _, _ = setup(tmp_path, end=1.0)
     agent.cycle()
     assert metrics.registry.get_sample_value("gputopo_agent_discovery_duration_seconds_count") == 1
+
+
+def test_an_external_edit_of_the_node_is_repaired_at_the_next_read_back(tmp_path: Path) -> None:
+    agent, api, ft, _, _, _ = setup(tmp_path, end=300.0)
+    ft.at(50.0, lambda: api.annotations.pop("gputopo.io/topology"))  # someone strips our annotation
+    agent.run()
+    assert "gputopo.io/topology" in api.annotations, "restored when the 120 s read-back saw it missing"
+    assert api.calls["patch_node"] == 2
