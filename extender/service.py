@@ -304,20 +304,16 @@ class Extender:
             return self._bind_api(self.source, namespace, name, uid, node)
 
     def _bind_snapshot(self, namespace: str, name: str, uid: str, node: str) -> str:
-        with self._recent_lock:
-            info = self._recent.get(uid) or self._recent.get(f"{namespace}/{name}")
+        info = self._recall(uid, f"{namespace}/{name}")
         if info is None or not is_gputopo_pod(info.annotations):
             return ""  # snapshot mode has no API to bind through; nothing to account for
         existing = self.cache.pods.get(info.uid or info.ref)
         if existing is not None and existing.node_name == node:
             return ""
-        try:
-            req = parse_pod_request(info.annotations, info.gpus, self.cache.tier_names)
-        except AnnotationError as e:
-            return str(e)
-        placement, _ = self._choose(info, req, node)
-        if isinstance(placement, str):
-            return placement
+        chosen = self._placement_for(info, node)
+        if isinstance(chosen, str):
+            return chosen
+        placement, req = chosen
         obj: JSON = {
             "metadata": {
                 "name": name,
@@ -410,6 +406,15 @@ class Extender:
         except ApiError as e:
             log.warning("could not remove placement annotation", extra={"pod": f"{namespace}/{name}", "error": str(e)})
 
+    def _placement_for(self, info: PodInfo, node: str) -> tuple[Placement, PodRequest] | str:
+        """The placement this pod gets on `node` now, or why it cannot have one."""
+        try:
+            req = parse_pod_request(info.annotations, info.gpus, self.cache.tier_names)
+        except AnnotationError as e:
+            return str(e)
+        placement, _ = self._choose(info, req, node)
+        return placement if isinstance(placement, str) else (placement, req)
+
     def _recall(self, uid: str, ref: str) -> PodInfo | None:
         """The pod as its filter call carried it moments ago (saves a GET per bind)."""
         with self._recent_lock:
@@ -435,15 +440,12 @@ class Extender:
         # (a recalled pod that was bound meanwhile is caught by the Binding's 409 below)
         if not is_gputopo_pod(info.annotations):
             return self._post_binding(source, info, node)
-        try:
-            req = parse_pod_request(info.annotations, info.gpus, self.cache.tier_names)
-        except AnnotationError as e:
-            return str(e)
         # Choose from the cache (it holds this process's claims at once); another replica's fresh
         # claim is caught by the conflict check after ours is written.
-        placement, _ = self._choose(info, req, node)
-        if isinstance(placement, str):
-            return placement
+        chosen = self._placement_for(info, node)
+        if isinstance(chosen, str):
+            return chosen
+        placement, req = chosen
         labels: dict[str, str | None] = {NODE_LABEL: node if len(node) <= MAX_LABEL_VALUE else None}
         try:
             patched = source.patch_pod_metadata(

@@ -33,20 +33,17 @@ def find_binaries() -> Path | None:
     if env_dir:
         d = Path(env_dir)
         return d if all((d / b).is_file() for b in REQUIRED_BINARIES) else None
-    proc = subprocess.run(
-        ["bash", str(BUILD_SCRIPT), "--check"],
-        capture_output=True,
-        text=True,
-        env=_script_env(),
-        check=False,
-    )
-    if proc.returncode != 0:
-        return None
-    return Path(proc.stdout.strip().splitlines()[-1])
+    complete, bin_dir = _check()
+    return bin_dir if complete else None
 
 
 def expected_bin_dir() -> Path:
     """The directory the build script uses (whether or not it is complete)."""
+    return _check()[1]
+
+
+def _check() -> tuple[bool, Path]:
+    """Ask the build script, without building: (all binaries present, their directory)."""
     proc = subprocess.run(
         ["bash", str(BUILD_SCRIPT), "--check"],
         capture_output=True,
@@ -54,7 +51,7 @@ def expected_bin_dir() -> Path:
         env=_script_env(),
         check=False,
     )
-    return Path(proc.stdout.strip().splitlines()[-1])
+    return proc.returncode == 0, Path(proc.stdout.strip().splitlines()[-1])
 
 
 def ensure_binaries(progress: Callable[[str], None] | None = None) -> Path:
