@@ -119,9 +119,12 @@ def run(args: argparse.Namespace) -> int:
                 _say(f"\n+ {name} -> {node}{gpus}")
             else:
                 _say(f"\n- {name}: pending")
+            shown: set[str] = set()
             for line in events:
-                if "TopologyPlacement" in line or "FailedScheduling" in line or "Scheduled" in line:
-                    _say("    " + " ".join(line.split()))
+                text = " ".join(line.split())
+                if text not in shown and any(r in line for r in ("TopologyPlacement", "FailedScheduling", "Scheduled")):
+                    shown.add(text)  # a retried pod repeats its FailedScheduling event
+                    _say("    " + text)
         _say(f"\n{placed}/{len(pods)} pods placed.")
         if args.keep:
             cp.detach()

@@ -49,8 +49,8 @@ def test_examples_show_every_feature_under_gputopo(capsys: pytest.CaptureFixture
         p["reason"] for p in doc["placements"] if p["pod"] == "whisper-preferred-0"
     )
     (late,) = doc["unplaced"]
-    assert late["pod"] == "gpt-tp8-late-0"
-    assert "GPU topology stale" in late["reasons"] and "fewer than 8 free GPUs" in late["reasons"]
+    assert late["pod"] == "gpt-tp4-late-0"
+    assert "GPU topology stale" in late["reasons"] and "fewer than 4 NVLink-connected GPUs" in late["reasons"]
     assert doc["summary"]["groupsWithinOne"] == {"spine": 1, "leaf": 1}
     assert doc["summary"]["podsWithBrokenRequests"] == {}
 
@@ -60,14 +60,16 @@ def test_text_output_names_node_gpus_and_reason_per_pod(capsys: pytest.CaptureFi
     assert rc == 0
     line = next(ln for ln in out.splitlines() if ln.strip().startswith("resnet-tp4-0"))
     assert "dgx-1v-1" in line and "4-7" in line and "form a full NVLink clique" in line
-    assert "gpt-tp8-late-0  0/11 nodes are available:" in out
+    assert "gpt-tp4-late-0  0/11 nodes are available:" in out
     assert "Summary" in out and "multi-GPU pods on a full NVLink clique" in out and "stranded GPUs" in out
 
 
 def test_default_policy_text_says_what_kubernetes_would_do(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = _run(capsys, "--cluster", str(CLUSTER), "--jobs", str(JOBS), "--policy", "default", "--seed", "1")
     assert rc == 0
-    assert "kube-scheduler (LeastAllocated) chose" in out and "Insufficient nvidia.com/gpu" in out
+    assert "kube-scheduler (LeastAllocated) chose" in out
+    broken = next(ln for ln in out.splitlines() if "pods placed against their requests" in ln)
+    assert "required-tier" in broken and "nvlink" in broken, "blind to tiers and cliques, default breaks both"
 
 
 BAD_JOB = "jobs:\n  - name: bad\n    gpusPerPod: 2\n    annotations: {gputopo.io/nvlink: maybe}\n"
