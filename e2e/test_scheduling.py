@@ -383,3 +383,72 @@ def test_scheduler_reaches_the_extender_over_https_verified_against_its_ca(
     finally:
         control_plane.remove(tls.scheduler_name)
         control_plane.remove(tls.extender_name)
+
+
+def test_mutating_webhook_lets_the_annotation_alone_opt_a_pod_in(
+    kube: KubeClient, control_plane: ControlPlane, nodes: Nodes, namespace: str, test_id: str
+) -> None:
+    import base64
+
+    (node,) = nodes.add(GpuNode("h100", "dgx-h100"))
+    # The webhook is served by an extender over HTTPS (the apiserver calls webhooks only over TLS).
+    hook = Stack(control_plane, kube, extender_name="gputopo-extender-webhook", tls=True)
+    hook.start_extender()
+    assert hook.ca_file is not None
+    name = f"gputopo-e2e-{test_id}"[:63]
+    config = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": name},
+        "webhooks": [
+            {
+                "name": "pods.gputopo.io",
+                "clientConfig": {
+                    "url": f"{hook.extender_url}/mutate",
+                    "caBundle": base64.b64encode(hook.ca_file.read_bytes()).decode(),
+                },
+                "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"]}],
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+                "sideEffects": "None",
+                "admissionReviewVersions": ["v1"],
+                "failurePolicy": "Fail",
+                "timeoutSeconds": 5,
+            }
+        ],
+    }
+    kube.apply([config])
+    try:
+        annotated = pod_manifest(
+            "opted-in",
+            namespace=namespace,
+            gpus=4,
+            annotations={"gputopo.io/nvlink": "required"},
+            node_selector={TEST_LABEL: test_id},
+        )  # schedulerName: default-scheduler, as a user would leave it
+        plain = pod_manifest("not-opted-in", namespace=namespace, gpus=1, node_selector={TEST_LABEL: test_id})
+        # A new webhook configuration takes a moment to reach the admission chain: probe until a
+        # pod comes back mutated (probes select no node, so they never schedule), then go.
+        deadline = time.monotonic() + 30
+        for attempt in range(1000):
+            probe = {
+                **annotated,
+                "metadata": {**annotated["metadata"], "name": f"probe-{attempt}"},
+                "spec": {**annotated["spec"], "nodeSelector": {"e2e.gputopo.io/probe": "matches-no-node"}},
+            }
+            try:
+                mutated = kube.create_pod(probe)["spec"]["schedulerName"] == "gputopo-scheduler"
+                kube.delete_pod(namespace, f"probe-{attempt}")
+            except KubeApiError:
+                mutated = False
+            if mutated:
+                break
+            assert time.monotonic() < deadline, "the webhook never became active"
+            time.sleep(0.5)
+        kube.create_pod(annotated)
+        kube.create_pod(plain)
+        assert kube.get_pod(namespace, "opted-in")["spec"]["schedulerName"] == "gputopo-scheduler"
+        assert kube.get_pod(namespace, "not-opted-in")["spec"]["schedulerName"] == "default-scheduler"
+        assert placement(kube, namespace, "opted-in")[0] == node
+    finally:
+        kube.request("DELETE", f"/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/{name}")
+        control_plane.remove(hook.extender_name)
