@@ -296,9 +296,10 @@ def test_agent_that_stops_heartbeating_makes_its_node_stale(
     # The agent comes back: its Lease makes the node usable again. kube-scheduler does not watch
     # Leases, so the waiting pod is retried on the next cluster event (here a node label) or after
     # its 5-minute unschedulable flush (extender-protocol.md, gotcha 2).
+    restarted = time.time()
     stack.cp.start_component(stack.agent_component(node))
-    stack.wait_published([node])
-    time.sleep(1)
+    stack.wait_heartbeat(node, after=restarted)
+    time.sleep(0.5)  # the extender's Lease watch delivers the renewal
     kube.patch_node(node, {"metadata": {"labels": {"e2e.gputopo.io/nudge": "1"}}})
     assert placement(kube, namespace, pod)[0] == node
 

@@ -343,6 +343,23 @@ class Stack:
             time.sleep(0.3)
         raise TimeoutError(f"agents did not publish within {timeout:.0f}s: {', '.join(missing)}")
 
+    def wait_heartbeat(self, node: str, *, after: float, timeout: float = 30.0) -> None:
+        """Until the agent's Lease was renewed later than `after` (epoch seconds)."""
+        from datetime import datetime
+
+        path = f"/apis/coordination.k8s.io/v1/namespaces/{self.namespace}/leases/gputopo-agent-{node}"
+        deadline = time.monotonic() + timeout
+        renewed = ""
+        while time.monotonic() < deadline:
+            try:
+                renewed = str(self.kube.request("GET", path).get("spec", {}).get("renewTime") or "")
+            except KubeApiError:
+                renewed = ""
+            if renewed and datetime.fromisoformat(renewed.replace("Z", "+00:00")).timestamp() > after:
+                return
+            time.sleep(0.3)
+        raise TimeoutError(f"agent of {node} did not renew its Lease within {timeout:.0f}s; last renewTime {renewed!r}")
+
     def wait_node_annotation(
         self, node: str, key: str, predicate: Callable[[str | None], bool], *, timeout: float = 30.0
     ) -> str | None:
