@@ -8,11 +8,6 @@ from fastapi import Depends, Request
 
 from extender.metrics import Metrics
 from extender.service import Extender
-from extender.settings import Settings
-
-
-def get_settings(request: Request) -> Settings:
-    return cast(Settings, request.app.state.settings)
 
 
 def get_extender(request: Request) -> Extender:
@@ -23,6 +18,5 @@ def get_metrics(request: Request) -> Metrics:
     return cast(Metrics, request.app.state.metrics)
 
 
-SettingsDep = Annotated[Settings, Depends(get_settings)]
 ExtenderDep = Annotated[Extender, Depends(get_extender)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -365,6 +365,3 @@ def start_informers(
         t.start()
         out.append((inf, t))
     return out
-
-
-Clock = Callable[[], float]

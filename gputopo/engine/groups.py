@@ -12,7 +12,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gputopo.engine.placement import NodeVerdict, Outcome, evaluate_node, evaluate_pod, rank
-from gputopo.engine.reasons import Reason
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.snapshot import NodeState, with_in_use
 from gputopo.model import NetworkKind, NvlinkPolicy, PodRequest, Spread
@@ -219,6 +218,3 @@ def _switches(assignments: Sequence[Assignment], tiers: TierConfig) -> dict[str,
 
 def group_waiting_message(group: str, present: int, size: int) -> str:
     return f"group {group}: {present}/{size} pods exist, waiting"
-
-
-GROUP_REASONS = (Reason.GROUP_WAITING, Reason.GROUP_NO_PLAN, Reason.GROUP_PLANNED_ELSEWHERE)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from gputopo.engine.cliques import mask_of
 from gputopo.engine.reasons import Reason
-from gputopo.model import Health, NetworkKind, NodeTopology, PcieDistance
+from gputopo.engine.scoring import NEAR_NIC
+from gputopo.model import Health, NetworkKind, NodeTopology
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 
@@ -111,14 +112,6 @@ class NodeState:
                 m |= n.near_mask
         return m
 
-    def best_nic_gbps(self, kind: NetworkKind = NetworkKind.ANY) -> float:
-        rates = [
-            n.rate_gbps
-            for n in self.nics
-            if n.active and (kind in (NetworkKind.ANY, NetworkKind.RDMA) or n.kind == kind.value)
-        ]
-        return max(rates, default=0.0)
-
 
 def locate(labels: Mapping[str, str], topology: NodeTopology | None, tiers: TierConfig) -> dict[str, str | None]:
     """Each tier's switch id, qualified by the wider tiers above it (ToR names repeat per spine)."""
@@ -174,7 +167,7 @@ def node_state(
             kind=nic.rdma_kind,
             active=nic.active,
             rate_gbps=nic.rate_gbps,
-            near_mask=mask_of([g for g, d in enumerate(nic.gpu_affinity) if d in (PcieDistance.PIX, PcieDistance.PXB)]),
+            near_mask=mask_of([g for g, d in enumerate(nic.gpu_affinity) if d in NEAR_NIC]),
         )
         for nic in topology.nics
     )
