@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -14,6 +14,8 @@ from gputopo.engine.snapshot import NodeState, node_state
 from gputopo.model import ANN_GROUP, ANN_GROUP_SIZE, ANN_STAGE, NodeTopology
 from gputopo.systems import UnknownSystemError, build_system
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class ClusterFileError(ValueError):
@@ -109,15 +111,20 @@ def _explain(path: Path, err: ValidationError, data: Any, list_key: str) -> Clus
     return ClusterFileError(f"{path}: " + "; ".join(msgs))
 
 
+def _load(p: Path, model: type[M], list_key: str) -> M:
+    """Read, check the top-level shape, validate; every error names the file and the entry."""
+    data = _load_yaml(p)
+    if not isinstance(data, Mapping) or list_key not in data:
+        raise ClusterFileError(f"{p}: expected a mapping with a '{list_key}' list")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _explain(p, e, data, list_key) from None
+
+
 def load_cluster(path: Path | str) -> ClusterSpec:
     p = Path(path)
-    data = _load_yaml(p)
-    if not isinstance(data, Mapping) or "nodes" not in data:
-        raise ClusterFileError(f"{p}: expected a mapping with a 'nodes' list")
-    try:
-        spec = ClusterSpec.model_validate(data)
-    except ValidationError as e:
-        raise _explain(p, e, data, "nodes") from None
+    spec = _load(p, ClusterSpec, "nodes")
     for i, n in enumerate(spec.nodes):
         try:
             topo = n.resolve_topology()
@@ -132,14 +139,7 @@ def load_cluster(path: Path | str) -> ClusterSpec:
 
 
 def load_jobs(path: Path | str) -> JobsSpec:
-    p = Path(path)
-    data = _load_yaml(p)
-    if not isinstance(data, Mapping) or "jobs" not in data:
-        raise ClusterFileError(f"{p}: expected a mapping with a 'jobs' list")
-    try:
-        return JobsSpec.model_validate(data)
-    except ValidationError as e:
-        raise _explain(p, e, data, "jobs") from None
+    return _load(Path(path), JobsSpec, "jobs")
 
 
 def cluster_states(spec: ClusterSpec, tiers: TierConfig = DEFAULT_TIERS) -> list[NodeState]:

@@ -191,10 +191,11 @@ def run(args: argparse.Namespace) -> int:
     as_if = " as if the pod were not placed" if info.node_name or placed else ""
     print(f"Verdicts now{as_if} ({decision.kind.replace('_', ' ')}), best first:")
     rows: list[tuple[int, int, str, str, str, str, str]] = []
-    for name, o in zip(decision.names, decision.outcomes, strict=True):
-        prio = decision.priorities[decision.names.index(name)] if decision.priorities is not None else None
+    # A group plan's priorities override the outcome scores (planned node 10, others 0).
+    planned = decision.priorities
+    for i, (name, o) in enumerate(zip(decision.names, decision.outcomes, strict=True)):
         if o.code is Code.SUCCESS:
-            score = prio if prio is not None else to_extender_priority(o.score)
+            score = planned[i] if planned is not None else to_extender_priority(o.score)
             rows.append((0, -score, name, "fits", str(score), gpu_ranges(o.gpus) or "-", describe_gpus(name, o)))
         else:
             verdict = "unresolvable" if o.code is Code.UNRESOLVABLE else "unschedulable"

@@ -25,6 +25,7 @@ from extender.wire import (
     ExtenderArgs,
     ExtenderBindingArgs,
     ExtenderPreemptionArgs,
+    PodInfo,
     WireError,
     pod_info,
 )
@@ -67,6 +68,12 @@ async def _parse(request: Request, model: type[M]) -> M:
         raise BadRequest(_describe(e)) from None
 
 
+async def _scheduling_args(request: Request) -> tuple[ExtenderArgs, list[str], PodInfo]:
+    """What filter and prioritize both read: the args, the candidate node names, the pod."""
+    args = await _parse(request, ExtenderArgs)
+    return args, args.candidate_names(), pod_info(args.pod)
+
+
 def _bad(verb: str, metrics: Metrics, err: BadRequest | WireError) -> Response:
     text = err.message if isinstance(err, BadRequest) else str(err)
     metrics.decision(verb, "bad_request")
@@ -86,9 +93,7 @@ def _timed(metrics: Metrics, verb: str) -> Callable[[], None]:
 async def filter_(request: Request, extender: ExtenderDep, metrics: MetricsDep) -> Response:
     done = _timed(metrics, "filter")
     try:
-        args = await _parse(request, ExtenderArgs)
-        names = args.candidate_names()
-        info = pod_info(args.pod)
+        args, names, info = await _scheduling_args(request)
     except (BadRequest, WireError) as e:
         done()
         return _bad("filter", metrics, e)
@@ -126,9 +131,7 @@ async def filter_(request: Request, extender: ExtenderDep, metrics: MetricsDep) 
 async def prioritize(request: Request, extender: ExtenderDep, metrics: MetricsDep) -> Response:
     done = _timed(metrics, "prioritize")
     try:
-        args = await _parse(request, ExtenderArgs)
-        names = args.candidate_names()
-        info = pod_info(args.pod)
+        _, names, info = await _scheduling_args(request)
     except (BadRequest, WireError) as e:
         done()
         return _bad("prioritize", metrics, e)
