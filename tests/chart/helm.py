@@ -8,11 +8,14 @@ that need helm skip with that explanation when none is found.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -129,3 +132,15 @@ def scheduler_config(docs: Sequence[Doc]) -> Doc:
 
 def ci_values_files() -> list[Path]:
     return sorted(CI_DIR.glob("*-values.yaml"))
+
+
+@functools.cache
+def values_doc() -> ModuleType:
+    """scripts/chart_values_doc.py, the generator of the chart README's values table."""
+    path = ROOT / "scripts" / "chart_values_doc.py"
+    spec = importlib.util.spec_from_file_location("chart_values_doc", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

@@ -26,6 +26,7 @@ from tests.chart.helm import (
     env_of,
     one,
     render,
+    render_fails,
     scheduler_config,
 )
 
@@ -362,9 +363,56 @@ def test_agent_daemonset_runs_on_gpu_nodes_unprivileged_by_default() -> None:
     assert volumes["pod-resources"]["hostPath"] == {"path": "/var/lib/kubelet/pod-resources", "type": "Directory"}
     assert mounts["sysfs"]["readOnly"] is True
     assert volumes["sysfs"]["hostPath"]["path"] == "/sys"
+    assert env["GPUTOPO_DEVICE_PLUGIN"] == "true"
+    assert env["GPUTOPO_DEVICE_PLUGIN_DIR"] == "/var/lib/kubelet/device-plugins"
+    assert env["GPUTOPO_RESOURCE_NAME"] == "nvidia.com/gpu"
+    assert env["GPUTOPO_DEVICE_LIST_STRATEGY"] == "envvar"
+    assert env["GPUTOPO_PREFERRED_ALLOCATION"] == "placement"
+    assert volumes["device-plugins"]["hostPath"] == {"path": "/var/lib/kubelet/device-plugins", "type": "Directory"}
+    # The device-plugin directory is the one host path the agent may write (its gRPC socket).
     for m in c["volumeMounts"]:
-        if "hostPath" in volumes[m["name"]]:
+        if "hostPath" in volumes[m["name"]] and m["name"] != "device-plugins":
             assert m["readOnly"] is True, m["name"]
+
+
+@pytest.mark.parametrize(
+    ("sets", "env_value", "mounted"),
+    [
+        ({}, "true", True),
+        ({"agent__devicePlugin__enabled": "false"}, "false", False),
+    ],
+    ids=["plugin-on-by-default", "plugin-off-mounts-no-writable-host-path"],
+)
+def test_agent_device_plugin_is_on_by_default_and_its_dir_is_mounted_only_when_on(
+    sets: dict[str, str], env_value: str, mounted: bool
+) -> None:
+    ds = one(render(**sets), "DaemonSet", component="agent")
+    c = container(ds)
+    env = env_of(c)
+    assert env["GPUTOPO_DEVICE_PLUGIN"] == env_value
+    assert ("GPUTOPO_DEVICE_PLUGIN_DIR" in env) is mounted
+    assert ("device-plugins" in {m["name"] for m in c["volumeMounts"]}) is mounted
+    assert ("device-plugins" in {v["name"] for v in _pod_spec(ds)["volumes"]}) is mounted
+    writable_host = [
+        m["name"]
+        for m in c["volumeMounts"]
+        if not m.get("readOnly") and "hostPath" in {v["name"]: v for v in _pod_spec(ds)["volumes"]}[m["name"]]
+    ]
+    assert writable_host == (["device-plugins"] if mounted else [])
+
+
+@pytest.mark.parametrize(
+    ("value", "accepted"),
+    [("cdi-cri", True), ("cdi-annotations", True), ("volume-mounts", False), ("", False)],
+)
+def test_agent_device_list_strategy_is_checked_by_the_schema(value: str, accepted: bool) -> None:
+    if accepted:
+        env = env_of(
+            container(one(render(agent__devicePlugin__deviceListStrategy=value), "DaemonSet", component="agent"))
+        )
+        assert env["GPUTOPO_DEVICE_LIST_STRATEGY"] == value
+    else:
+        assert "deviceListStrategy" in render_fails(agent__devicePlugin__deviceListStrategy=value)
 
 
 def test_agent_is_privileged_only_when_values_ask() -> None:
@@ -372,10 +420,13 @@ def test_agent_is_privileged_only_when_values_ask() -> None:
     assert sc["privileged"] is True
 
 
-def test_agent_rbac_patches_nodes_and_writes_leases_only() -> None:
+def test_agent_rbac_patches_nodes_reads_pods_and_writes_leases_only() -> None:
     docs = render()
     cluster_role = one(docs, "ClusterRole", component="agent")
-    assert _rules(cluster_role) == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+    assert _rules(cluster_role) == [
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    ]
     role = one(docs, "Role", component="agent")
     assert role["metadata"]["namespace"] == NAMESPACE
     assert _rules(role) == [
