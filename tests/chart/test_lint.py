@@ -62,3 +62,11 @@ def test_schema_rejects_invalid_values(sets: dict[str, str], expected: str) -> N
 )
 def test_impossible_combinations_fail_with_an_actionable_message(sets: dict[str, str], expected: str) -> None:
     assert expected in render_fails(**sets)
+
+
+def test_template_without_kube_version_names_the_required_version() -> None:
+    # helm assumes Kubernetes 1.20 when it has no cluster; the chart must refuse that loudly.
+    proc = run_helm(["template", "gputopo", str(CHART)], check=False)
+    assert proc.returncode != 0
+    assert "requires kubeVersion: >=1.30.0-0" in proc.stderr
+    assert run_helm(["template", "gputopo", str(CHART), "--kube-version", KUBE_VERSION]).returncode == 0
