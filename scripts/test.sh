@@ -16,10 +16,10 @@ echo "== ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 echo "== mypy --strict"
-.venv/bin/mypy gputopo extender agent tests e2e bench
+.venv/bin/mypy gputopo extender agent tests e2e bench conftest.py
 echo "== pytest (unit + e2e)"
 set +e
-.venv/bin/pytest "$@"
+.venv/bin/pytest --e2e "$@"
 rc=$?
 set -e
 if [[ $rc -eq 5 ]]; then
