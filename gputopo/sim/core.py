@@ -10,11 +10,10 @@ Policies:
   `nvidia.com/gpu` (the fraction of the node's GPUs still free after the pod lands; the stock profile
   scores CPU and memory only, which for GPU pods is no better). Equal scores are broken at random, as
   kube-scheduler does (seeded here). Inside the node the NVIDIA device plugin picks GPUs with
-  go-gpuallocator's best-effort policy: the set with the highest sum of pairwise link scores
-  (`gputopo.engine.scoring.LINK_SCORE`: 100 per NVLink link plus the PCIe path score). Simplified: the
-  real policy also scores how the remaining GPUs partition; on the named systems it picks the same
-  sets. gputopo annotations (HBM minimum, NVLink, network, tiers, groups) are invisible to it, so the
-  pods of a group are placed one by one and a group may end up partly placed.
+  go-gpuallocator's best-effort policy (`gputopo.engine.besteffort`: the best partition of the free
+  GPUs into sets of the pod's size by pairwise link scores, then its best set). gputopo annotations
+  (HBM minimum, NVLink, network, tiers, groups) are invisible to it, so the pods of a group are placed
+  one by one and a group may end up partly placed.
 - `random`: a random node among those with enough free GPUs, random free GPUs on it (seeded).
 
 Every pod of the jobs file is treated as running under the gputopo scheduler: annotations it leaves
@@ -27,18 +26,17 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
-from itertools import combinations
 
 from gputopo.clusterfile import JobSpec
+from gputopo.engine.besteffort import ScoreMatrix, best_effort_scores, pair_scores
 from gputopo.engine.cliques import bits, mask_of, popcount
 from gputopo.engine.explain import gpu_ranges, placement_sentence, runner_up
 from gputopo.engine.groups import GroupFailure, Member, group_waiting_message, plan_group
 from gputopo.engine.placement import evaluate_pod, rank
 from gputopo.engine.reasons import summarize_failures
-from gputopo.engine.scoring import DEFAULT_WEIGHTS, LINK_SCORE, ScoreWeights, to_extender_priority
+from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights, to_extender_priority
 from gputopo.engine.snapshot import NodeState, Shape, shape_of, with_in_use
-from gputopo.model import AnnotationError, Health, LinkType, is_gputopo_pod, parse_pod_request
+from gputopo.model import AnnotationError, Health, is_gputopo_pod, parse_pod_request
 from gputopo.sim.checks import broken_requests
 from gputopo.sim.metrics import DEFAULT_PP_MESSAGE_BYTES, DEFAULT_TP_MESSAGE_BYTES, Summary, summarize
 from gputopo.sim.records import Decision, PodPlacement, SimPod, UnplacedPod
@@ -100,6 +98,7 @@ class _Hw:
     shape: Shape | None
     usable: int  # healthy GPUs (the device plugin does not advertise failed ones)
     total: int
+    scores: ScoreMatrix = ()  # go-gpuallocator's pair scores, computed once per node
 
 
 def _hw(node: NodeState) -> _Hw:
@@ -108,24 +107,7 @@ def _hw(node: NodeState) -> _Hw:
         return _Hw(None, 0, 0)
     n = len(topo.gpus)
     failed = mask_of([g.index for g in topo.gpus if g.health is Health.FAILED])
-    return _Hw(shape_of(topo), ((1 << n) - 1) & ~failed, n)
-
-
-def _pair_score(shape: Shape, a: int, b: int) -> int:
-    same_cpu = shape.numa[a] is not None and shape.numa[a] == shape.numa[b]
-    pcie = LINK_SCORE[LinkType.SAME_CPU] if same_cpu else LINK_SCORE[LinkType.CROSS_CPU]
-    return pcie + LINK_SCORE[LinkType.NVLINK] * shape.links[a][b]
-
-
-@lru_cache(maxsize=65536)
-def best_effort_gpus(shape: Shape, free: int, k: int) -> tuple[int, ...]:
-    """go-gpuallocator best effort: the k free GPUs with the highest sum of pairwise link scores."""
-    best: tuple[int, tuple[int, ...]] | None = None
-    for combo in combinations(bits(free), k):
-        total = sum(_pair_score(shape, a, b) for i, a in enumerate(combo) for b in combo[i + 1 :])
-        if best is None or total > best[0]:
-            best = (total, combo)
-    return best[1] if best is not None else ()
+    return _Hw(shape_of(topo), ((1 << n) - 1) & ~failed, n, pair_scores(topo))
 
 
 def _clique_note(shape: Shape | None, gpus: Sequence[int]) -> str:
@@ -229,7 +211,8 @@ class _Run:
             i, score, tied = self._least_allocated(feasible, k)
             free = self.free_mask(i)
             shape = self.hw[i].shape
-            gpus = best_effort_gpus(shape, free, k) if shape is not None and k else ()
+            # kubelet offers the free GPUs in index order, as go-gpuallocator's own allocator does.
+            gpus = best_effort_scores(self.hw[i].scores, bits(free), (), k) if shape is not None and k else ()
             name = self.nodes[i].name
             total = self.hw[i].total
             left = popcount(free) - k

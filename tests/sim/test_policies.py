@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from gputopo.engine.snapshot import NodeState, shape_of
+from gputopo.engine.besteffort import best_effort
+from gputopo.engine.cliques import bits
+from gputopo.engine.snapshot import NodeState
 from gputopo.sim import simulate
-from gputopo.sim.core import best_effort_gpus
 from gputopo.systems import build_system
 from tests.sim.helpers import job, node
 
@@ -77,7 +78,9 @@ def test_default_breaks_least_allocated_ties_with_the_seed() -> None:
     [
         ("dgx-1v", 0xFF, 4, {0, 1, 2, 3}),  # a full quad has the most NVLink links
         ("dgx-1v", 0xFE, 4, {4, 5, 6, 7}),
-        ("dgx-1v", 0xFF, 2, {0, 3}),  # an NV2 pair on one socket
+        # An NV2 pair on one socket, behind one PCIe switch (both PIX to mlx5_0); the pairing of all
+        # eight GPUs around it ({0,4} {1,5} {2,3} {6,7}) scores highest.
+        ("dgx-1v", 0xFF, 2, {2, 3}),
         ("a100-pcie-bridged", 0xFF, 2, {0, 1}),  # a bridged pair
         ("l40s-4", 0b1111, 2, {0, 1}),  # same socket beats cross socket
     ],
@@ -85,7 +88,7 @@ def test_default_breaks_least_allocated_ties_with_the_seed() -> None:
 def test_device_plugin_best_effort_maximises_pairwise_link_score(
     fixture: str, free: int, k: int, expected: set[int]
 ) -> None:
-    assert set(best_effort_gpus(shape_of(build_system(fixture)), free, k)) == expected
+    assert set(best_effort(build_system(fixture), bits(free), (), k)) == expected
 
 
 def test_gputopo_places_groups_all_or_nothing_while_default_places_them_in_part() -> None:
