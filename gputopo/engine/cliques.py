@@ -1,8 +1,8 @@
-"""NVLink clique search over GPU bitmasks. Exact (enumerates every candidate set) and deterministic.
+"""NVLink clique search over GPU bitmasks. Exact and deterministic.
 
-GPUs are bits; `adj[i]` is the mask of GPUs with at least one NVLink link to GPU i. Nodes have at most
-a few dozen GPUs, so exhaustive search over masks is cheap, and results are memoised by the caller on
-(shape, usable mask, size).
+GPUs are bits; `adj[i]` is the mask of GPUs with at least one NVLink link to GPU i. Enumerating cliques
+is exponential in the node's size, so callers bound it (gpusets.py) and memoise results on (shape,
+usable mask, size); the largest clique is a branch and bound, quick on the regular wiring of real nodes.
 """
 
 from __future__ import annotations
@@ -52,10 +52,26 @@ def k_cliques(adj: tuple[int, ...], candidates: int, k: int) -> Iterator[int]:
 
 def max_clique_size(adj: tuple[int, ...], candidates: int) -> int:
     """Size of the largest fully connected set inside `candidates` (0 for an empty mask)."""
+    size, _ = max_clique_within(adj, candidates, None)
+    assert size is not None  # no limit, so always answered
+    return size
+
+
+class _OverLimit(Exception):
+    pass
+
+
+def max_clique_within(adj: tuple[int, ...], candidates: int, limit: int | None) -> tuple[int | None, int]:
+    """`max_clique_size` and the branch steps it took; (None, steps) once more than `limit` steps were
+    needed, so a caller with a work budget can stop instead of waiting on a dense irregular node."""
     best = 0
+    steps = 0
 
     def expand(size: int, cand: int) -> None:
-        nonlocal best
+        nonlocal best, steps
+        steps += 1
+        if limit is not None and steps > limit:
+            raise _OverLimit
         if not cand:
             best = max(best, size)
             return
@@ -69,8 +85,11 @@ def max_clique_size(adj: tuple[int, ...], candidates: int) -> int:
             cand ^= low
             expand(size + 1, cand & adj[i])
 
-    expand(0, candidates)
-    return best
+    try:
+        expand(0, candidates)
+    except _OverLimit:
+        return None, steps
+    return best, steps
 
 
 def connected_pairs(adj: tuple[int, ...], mask: int) -> int:

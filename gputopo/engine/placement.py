@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gputopo.engine.cliques import bits, mask_of, popcount
-from gputopo.engine.cost import REFERENCE_BUSBW_GBPS, SetBandwidth, intra_node_bandwidth
+from gputopo.engine.cost import REFERENCE_BUSBW_GBPS, Estimate, SetBandwidth, intra_node_bandwidth, tp_estimate
 from gputopo.engine.gpusets import GpuChoice, choose_any, choose_clique, choose_connected, largest_clique
 from gputopo.engine.reasons import Code, Reason, code_for, message
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
@@ -32,6 +32,7 @@ class Outcome:
     choice: GpuChoice | None = None
     bandwidth: SetBandwidth | None = None
     free_clique: int = 0  # largest free clique on the node before this pod
+    estimate: Estimate | None = None  # the pod's all-reduce over these GPUs (gputopo.io/message-size)
 
     @property
     def fits(self) -> bool:
@@ -184,12 +185,17 @@ def _success(
     }
     return Outcome(
         code=Code.SUCCESS,
+        # A node too irregular to search fully within the budget: say so rather than claim the best set.
+        detail=f"GPUs {_gpu_list(chosen)} are the best set found within the search budget, not proven best"
+        if choice.truncated
+        else "",
         gpus=choice.gpus,
         score=weights.combine(components),
         components=components,
         choice=choice,
         bandwidth=bw,
         free_clique=free_clique,
+        estimate=tp_estimate(req.message_bytes, bw, k),
     )
 
 
