@@ -267,15 +267,16 @@ def test_extender_deployment_is_hardened_and_probed_over_https() -> None:
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
 
 
-def test_extender_cluster_role_reads_nodes_but_never_writes_them() -> None:
+def test_extender_cluster_role_reads_nodes_and_pods_and_writes_only_bindings_and_events() -> None:
     role = one(render(), "ClusterRole", component="extender")
     assert _verbs_on(role, "", "nodes") == {"get", "list", "watch"}
     assert not _verbs_on(role, "", "nodes") & WRITE_VERBS
     assert not _verbs_on(role, "", "nodes/status")
-    assert _verbs_on(role, "", "pods") == {"get", "list", "watch", "patch"}
+    # The Binding carries the placement annotation: no Pod write other than pods/binding.
+    assert _verbs_on(role, "", "pods") == {"get", "list", "watch"}
     assert _verbs_on(role, "", "pods/binding") == {"create"}
     assert _verbs_on(role, "", "events") == {"create"}
-    assert _verbs_on(role, "events.k8s.io", "events") == {"create"}
+    assert not _verbs_on(role, "events.k8s.io", "events")
     extender_role = one(render(), "Role", component="extender")
     assert _verbs_on(extender_role, "coordination.k8s.io", "leases") == {"get", "list", "watch"}
 
