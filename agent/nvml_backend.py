@@ -2,21 +2,23 @@
 
 Everything NVML-specific lives here and ends as a `gputopo.model.NodeTopology` (without NICs; those
 come from sysfs). The library is reached through the `NvmlLib` protocol so tests pass a fake module.
-Facts and rules follow `nvml-and-nodes.md`:
 
 - links are enumerated by `nvmlDeviceGetNvLinkState` until it raises InvalidArgument/NotSupported;
-  never by capability, never up to the binding's NVML_NVLINK_MAX_LINKS (§0.3);
+  never by capability (TRUE for every index on B200), never up to the binding's NVML_NVLINK_MAX_LINKS;
 - NV# = direct(i, j) + min(switch(i), switch(j)), remote type GPU counted by bus id, SWITCH or an
-  unresolvable remote counted as a switch link (§3.1, §3.2);
-- a fabric clique only for state COMPLETED, status SUCCESS and a non-zero cluster UUID (§4);
-- NVLink error counters are compared between cycles with DCGM's thresholds (§5.2, §5.4);
-- NotSupported / FunctionNotFound / InvalidArgument mean "absent" (§2.6).
+  unresolvable remote counted as a switch link;
+- a fabric clique only for state COMPLETED, status SUCCESS and a non-zero cluster UUID;
+- each NVLink error counter is compared between cycles on its own with DCGM's thresholds; one the
+  GPU does not support is absent, one that cannot be compared this cycle makes the link's health
+  unknown, which is published as a degraded GPU with a reason, never as healthy;
+- NotSupported / FunctionNotFound / InvalidArgument mean "absent".
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import struct
 import time
 import uuid
 from collections import Counter
@@ -26,7 +28,16 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
 from agent.sysfs import pci_numa_node
-from gputopo.model import DegradedLink, FabricInfo, GpuInfo, Health, LinkState, NodeTopology, NvlinkInfo
+from gputopo.model import (
+    MAX_REASONS,
+    DegradedLink,
+    FabricInfo,
+    GpuInfo,
+    Health,
+    LinkState,
+    NodeTopology,
+    NvlinkInfo,
+)
 from gputopo.systems import NVLINK_GBPS_PER_LINK
 
 log = logging.getLogger(__name__)
@@ -48,6 +59,8 @@ FABRIC_STATE_COMPLETED = 3
 NVML_SUCCESS = 0
 AFFINITY_SCOPE_NODE = 0
 MIG_ENABLE = 1
+# The health reason that marks a GPU in MIG mode; the device plugin refuses such a node by it.
+MIG_REASON = "MIG mode enabled: the GPU is partitioned and has no NVLink peer-to-peer"
 MIB = 1024 * 1024
 
 # Not a link count: only stops a faulty library that never rejects a link index from looping forever.
@@ -56,11 +69,29 @@ _LINK_SCAN_GUARD = 128
 # nvmlDeviceGetNvLinkVersion returns an enum, not the generation (1.0, 2.0, 2.2, 3.0, 3.1, 4.0, 5.0, 6.0).
 _NVLINK_VERSION_TO_GENERATION = {1: 1, 2: 2, 3: 2, 4: 3, 5: 3, 6: 4, 7: 5, 8: 6}
 
-# DCGM's NVLink health rules (dcgmGpuHardwareLimits.h): CRC matters at 100/s and above; any replay
-# or recovery error fails the link. A verdict is held for DCGM's 60 s watch window so one burst does
-# not make the published topology flap every cycle.
+# DCGM's NVLink health rules (dcgmGpuHardwareLimits.h, DcgmHealthWatch::MonitorNVLink4Fields): every
+# counter is judged on its own and one that is not supported is skipped; any replay or recovery error
+# fails the link; flit CRC and data CRC each fail it at 100/s and warn below. A verdict is held for
+# DCGM's 60 s watch window so one burst does not make the published topology flap every cycle.
 CRC_ERRORS_PER_SECOND_LIMIT = 100.0
 HEALTH_HOLD_SECONDS = 60.0
+
+# The counters read per link: (LinkCounters field, nvmlNvLinkErrorCounter_t, words for reasons).
+# Each is read on its own: Hopper and later drivers may refuse one (DCGM shows the CRC totals as N/A
+# on H100) while the others still work, and replay/recovery must keep being watched there.
+_COUNTERS = (
+    ("replay", ERR_DL_REPLAY, "replay"),
+    ("recovery", ERR_DL_RECOVERY, "recovery"),
+    ("crc_flit", ERR_DL_CRC_FLIT, "flit CRC"),
+    ("crc_data", ERR_DL_CRC_DATA, "data CRC"),
+)
+_FATAL_COUNTERS = ("replay", "recovery")
+_COUNTER_WORDS = {name: words for name, _, words in _COUNTERS}
+
+# nvmlGpuFabricInfo_v2_t as libnvidia-ml writes it (nvml.h): unsigned version, unsigned char
+# clusterUuid[16], nvmlReturn_t status, unsigned cliqueId, nvmlGpuFabricState_t state (an unsigned
+# char, padded to 4), unsigned healthMask: 36 bytes, the size in nvmlGpuFabricInfo_v2 = 0x02000024.
+_FABRIC_V2 = struct.Struct("<I16sIIB3xI")
 
 
 class NvmlUnavailableError(RuntimeError):
@@ -72,6 +103,8 @@ class NvmlLib(Protocol):
 
     @property
     def NVMLError(self) -> type[Exception]: ...
+    @property
+    def NVMLError_GpuIsLost(self) -> type[Exception]: ...
     @property
     def NVMLError_NotSupported(self) -> type[Exception]: ...
     @property
@@ -152,6 +185,36 @@ def nvlink_matrix(direct: Sequence[Mapping[int, int]], switch: Sequence[int]) ->
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class FabricReading:
+    """The fields of nvmlGpuFabricInfo_v2_t the adapter uses."""
+
+    state: int
+    status: int
+    cluster_uuid: bytes
+    clique_id: int
+    health_mask: int
+
+
+def decode_fabric_info(info: Any) -> FabricReading | None:
+    """Read a filled fabric-info struct from its memory in the C layout, whatever the binding declares.
+
+    nvidia-ml-py 12.560.30 declares `clusterUuid` as `c_char * 80` where the C struct has 16 bytes, so
+    its Python struct is 100 bytes while NVML fills only the 36 of the v2 layout: the binding's
+    `status`, `cliqueId`, `state` and `healthMask` fields then read zeros. 12.570 and 12.575 declare
+    `c_char * 16`: the right size, but a char array reads back cut at the first NUL and UTF-8 decoded
+    to str (raising on most UUIDs). 13.x declares `c_uint8 * 16`, matching C. The bytes NVML wrote
+    are right for all three.
+    """
+    if ctypes.sizeof(info) < _FABRIC_V2.size:
+        return None
+    raw = ctypes.string_at(ctypes.addressof(info), _FABRIC_V2.size)
+    _version, cluster_uuid, status, clique_id, state, health_mask = _FABRIC_V2.unpack(raw)
+    return FabricReading(
+        state=state, status=status, cluster_uuid=cluster_uuid, clique_id=clique_id, health_mask=health_mask
+    )
+
+
 def fabric_clique(state: int, status: int, cluster_uuid: bytes, clique_id: int) -> str | None:
     """GFD's `<clusterUUID>.<cliqueId>`, or None unless registration completed successfully.
 
@@ -166,49 +229,103 @@ def fabric_clique(state: int, status: int, cluster_uuid: bytes, clique_id: int) 
 
 @dataclass(frozen=True)
 class LinkCounters:
-    """NVLink data-link error counters of one link at one instant."""
+    """NVLink data-link error counters of one link at one instant.
 
-    replay: int = 0
-    recovery: int = 0
-    crc_flit: int = 0
-    crc_data: int = 0
+    None: no value this time. A counter named in `failed` exists but its read failed; any other None
+    is a counter this GPU does not support (absent, not a problem).
+    """
+
+    replay: int | None = 0
+    recovery: int | None = 0
+    crc_flit: int | None = 0
+    crc_data: int | None = 0
+    failed: tuple[str, ...] = ()
+
+    def value(self, name: str) -> int | None:
+        v: int | None = getattr(self, name)
+        return v
+
+
+# A counter's last good value and when it was read: (monotonic seconds, value).
+Baseline = Mapping[str, tuple[float, int]]
 
 
 @dataclass(frozen=True)
 class LinkVerdict:
-    """Outcome of comparing two counter readings: degraded (not counted), a warning, or nothing."""
+    """Outcome of comparing a reading with the baselines: at most one of degraded (not counted), unknown
+    (cannot be checked now: reported, never taken for healthy) or a warning, with the words why."""
 
     degraded: bool = False
+    unknown: bool = False
     warning: bool = False
     detail: str = ""
 
 
-def assess_link_errors(prev: LinkCounters | None, cur: LinkCounters, elapsed_s: float) -> LinkVerdict:
-    """DCGM's rule on two successive readings: replay/recovery rise or CRC ≥ 100/s → degraded;
-    a smaller CRC rise → warning only. A counter that went down was reset: start again."""
-    if prev is None or elapsed_s <= 0:
-        return LinkVerdict()
-    d_replay = cur.replay - prev.replay
-    d_recovery = cur.recovery - prev.recovery
-    d_crc = (cur.crc_flit - prev.crc_flit) + (cur.crc_data - prev.crc_data)
-    if min(d_replay, d_recovery, cur.crc_flit - prev.crc_flit, cur.crc_data - prev.crc_data) < 0:
-        return LinkVerdict()
-    window = f"{elapsed_s:.0f} s"
-    if d_replay > 0 or d_recovery > 0:
-        what = []
-        if d_replay:
-            what.append(f"{d_replay} replay")
-        if d_recovery:
-            what.append(f"{d_recovery} recovery")
-        return LinkVerdict(degraded=True, detail=" and ".join(what) + f" errors in {window}")
-    rate = d_crc / elapsed_s
-    if rate >= CRC_ERRORS_PER_SECOND_LIMIT:
-        return LinkVerdict(
-            degraded=True, detail=f"CRC errors at {rate:.0f}/s (limit {CRC_ERRORS_PER_SECOND_LIMIT:.0f}/s)"
-        )
-    if d_crc > 0:
-        return LinkVerdict(warning=True, detail=f"CRC errors below {CRC_ERRORS_PER_SECOND_LIMIT:.0f}/s")
+def assess_link_errors(baseline: Baseline, cur: LinkCounters, now: float) -> LinkVerdict:
+    """DCGM's rule, counter by counter, on the current reading against each counter's last good one.
+
+    Degraded: a replay or recovery rise, or flit or data CRC at 100/s or more (each on its own).
+    Unknown: a counter that has a baseline but no usable value now (its read failed, it stopped being
+    readable, or it went backwards because something reset it). Warning: a smaller CRC rise. A counter
+    without a baseline (the first reading) or read at the same instant gives nothing yet.
+    """
+    degraded: list[str] = []
+    unknown: list[str] = []
+    warnings: list[str] = []
+    for name, _, words in _COUNTERS:
+        value = cur.value(name)
+        base = baseline.get(name)
+        if name in cur.failed:
+            unknown.append(f"{words} counter unreadable")
+            continue
+        if base is None:
+            continue
+        at, prev = base
+        if value is None:
+            unknown.append(f"{words} counter no longer readable")
+            continue
+        elapsed = now - at
+        if elapsed <= 0:
+            continue
+        delta = value - prev
+        if delta < 0:
+            unknown.append(f"{words} counter went backwards (reset)")
+        elif delta == 0:
+            continue
+        elif name in _FATAL_COUNTERS:
+            degraded.append(f"{delta} {words} errors in {elapsed:.0f} s")
+        elif (rate := delta / elapsed) >= CRC_ERRORS_PER_SECOND_LIMIT:
+            degraded.append(f"{words} errors at {rate:.0f}/s (limit {CRC_ERRORS_PER_SECOND_LIMIT:.0f}/s)")
+        else:
+            warnings.append(f"{words} errors below {CRC_ERRORS_PER_SECOND_LIMIT:.0f}/s")
+    if degraded:
+        return LinkVerdict(degraded=True, detail=", ".join(degraded))
+    if unknown:
+        return LinkVerdict(unknown=True, detail=", ".join(unknown))
+    if warnings:
+        return LinkVerdict(warning=True, detail=", ".join(warnings))
     return LinkVerdict()
+
+
+def _links_phrase(links: Sequence[int]) -> str:
+    """`link 5`, `links 3, 5` or `links 0-17`: consecutive runs folded."""
+    if len(links) == 1:
+        return f"link {links[0]}"
+    runs: list[list[int]] = []
+    for i in sorted(links):
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return "links " + ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
+
+
+def _bounded(reasons: Sequence[str]) -> tuple[str, ...]:
+    """Distinct reasons, cut to the wire model's MAX_REASONS with a count of the rest."""
+    unique = tuple(dict.fromkeys(reasons))
+    if len(unique) <= MAX_REASONS:
+        return unique
+    return (*unique[: MAX_REASONS - 1], f"and {len(unique) - MAX_REASONS + 1} more reasons")
 
 
 def _worst(a: Health, b: Health) -> Health:
@@ -228,31 +345,44 @@ class _HeldVerdict:
 
 @dataclass
 class HealthTracker:
-    """Counter readings, links ever seen active, and held verdicts, keyed by (GPU UUID, link)."""
+    """Per-counter baselines, links ever seen active, and held verdicts, keyed by (GPU UUID, link)."""
 
     hold_s: float = HEALTH_HOLD_SECONDS
-    readings: dict[tuple[str, int], tuple[float, LinkCounters]] = field(default_factory=dict)
+    baselines: dict[tuple[str, int], dict[str, tuple[float, int]]] = field(default_factory=dict)
     ever_active: set[tuple[str, int]] = field(default_factory=set)
     held: dict[tuple[str, int], _HeldVerdict] = field(default_factory=dict)
 
     def observe(self, key: tuple[str, int], counters: LinkCounters, now: float) -> LinkVerdict:
-        prev = self.readings.get(key)
-        self.readings[key] = (now, counters)
-        verdict = assess_link_errors(prev[1] if prev else None, counters, now - prev[0] if prev else 0.0)
+        baseline = self.baselines.setdefault(key, {})
+        verdict = assess_link_errors(baseline, counters, now)
+        for name, _, _ in _COUNTERS:
+            value = counters.value(name)
+            # A failed or vanished counter keeps its last good value, so the next good read is still
+            # compared over the whole gap instead of starting again (a hole that would read healthy).
+            if value is not None and (name not in baseline or now > baseline[name][0]):
+                baseline[name] = (now, value)
         held = self.held.get(key)
         if held is not None and now >= held.until:
             del self.held[key]
             held = None
-        if not (verdict.degraded or verdict.warning):
-            return held.verdict if held else verdict
-        if held is not None and held.verdict.degraded and not verdict.degraded:
-            return held.verdict  # a warning neither clears nor extends a degraded verdict
-        if held is not None and held.verdict.degraded == verdict.degraded:
-            # Same verdict again: extend it but keep the first wording, so the Node is not rewritten.
-            held.until = now + self.hold_s
-            return held.verdict
-        self.held[key] = _HeldVerdict(verdict, now + self.hold_s)
-        return verdict
+        if verdict.degraded:
+            if held is not None and held.verdict.degraded:
+                # Same verdict again: extend it but keep the first wording, so the Node is not rewritten.
+                held.until = now + self.hold_s
+                return held.verdict
+            self.held[key] = _HeldVerdict(verdict, now + self.hold_s)
+            return verdict
+        if held is not None and held.verdict.degraded:
+            return held.verdict  # neither a warning nor missing data clears a degraded verdict
+        if verdict.unknown:
+            return verdict  # not held: it ends as soon as the counters can be compared again
+        if verdict.warning:
+            if held is not None:
+                held.until = now + self.hold_s
+                return held.verdict
+            self.held[key] = _HeldVerdict(verdict, now + self.hold_s)
+            return verdict
+        return held.verdict if held else verdict
 
 
 # --------------------------------------------------------------------------------------------------
@@ -401,18 +531,28 @@ class NvmlAdapter:
             if gpu.generation == 0:
                 version = self._try("NVLink version", lib.nvmlDeviceGetNvLinkVersion, h, link)
                 gpu.generation = nvlink_generation(int(version)) if version is not None else 0
-            counters = self._counters(h, link)
-            if counters is not None:
-                entry.verdict = self._tracker.observe((gpu.uuid, link), counters, now)
+            entry.verdict = self._tracker.observe((gpu.uuid, link), self._counters(h, gpu, link), now)
 
-    def _counters(self, h: Any, link: int) -> LinkCounters | None:
-        values = []
-        for ctr in (ERR_DL_REPLAY, ERR_DL_RECOVERY, ERR_DL_CRC_FLIT, ERR_DL_CRC_DATA):
-            v = self._try("NVLink error counters", self._lib.nvmlDeviceGetNvLinkErrorCounter, h, link, ctr)
-            if v is None:
-                return None
-            values.append(int(v))
-        return LinkCounters(*values)
+    def _counters(self, h: Any, gpu: _Gpu, link: int) -> LinkCounters:
+        """Each counter on its own: NotSupported leaves that one absent, any other error marks it failed."""
+        values: dict[str, int | None] = {}
+        failed: list[str] = []
+        for name, ctr, words in _COUNTERS:
+            try:
+                values[name] = int(self._lib.nvmlDeviceGetNvLinkErrorCounter(h, link, ctr))
+            except self._absent as e:
+                values[name] = None
+                self._notes.append(f"NVLink {words} error counter: {type(e).__name__.removeprefix('NVMLError_')}")
+            except self._lib.NVMLError as e:
+                if isinstance(e, self._lib.NVMLError_GpuIsLost):
+                    raise  # the whole GPU is gone, not one counter
+                values[name] = None
+                failed.append(name)
+                log.warning(
+                    "NVLink error counter read failed",
+                    extra={"gpu": gpu.index, "link": link, "counter": name, "error": str(e)},
+                )
+        return LinkCounters(**values, failed=tuple(failed))
 
     def _read_health(self, h: Any, gpu: _Gpu) -> None:
         rows = self._try("remapped rows", self._lib.nvmlDeviceGetRemappedRows, h)
@@ -426,7 +566,7 @@ class NvmlAdapter:
                 gpu.reasons.append("HBM row remapping pending: the GPU needs a reset")
         mig = self._try("MIG mode", self._lib.nvmlDeviceGetMigMode, h)
         if mig is not None and int(mig[0]) == MIG_ENABLE:
-            gpu.reasons.append("MIG mode enabled: the GPU is partitioned and has no NVLink peer-to-peer")
+            gpu.reasons.append(MIG_REASON)
 
     def _read_fabric(self, h: Any, gpu: _Gpu) -> None:
         try:
@@ -436,8 +576,12 @@ class NvmlAdapter:
             return
         if self._try("GPU fabric", self._lib.nvmlDeviceGetGpuFabricInfoV, h, ctypes.byref(info)) is None:
             return
-        gpu.clique = fabric_clique(int(info.state), int(info.status), bytes(info.clusterUuid), int(info.cliqueId))
-        if gpu.clique is not None and int(getattr(info, "healthMask", 0)) & 0x3 == 1:
+        fabric = decode_fabric_info(info)
+        if fabric is None:
+            self._notes.append("GPU fabric: the binding's fabric-info struct is smaller than NVML's v2")
+            return
+        gpu.clique = fabric_clique(fabric.state, fabric.status, fabric.cluster_uuid, fabric.clique_id)
+        if gpu.clique is not None and fabric.health_mask & 0x3 == 1:
             # healthMask bits 0-1 are DEGRADED_BW: 1 = TRUE, 2 = FALSE, 0 = not supported.
             gpu.health = _worst(gpu.health, Health.DEGRADED)
             gpu.reasons.append("NVLink fabric reports degraded bandwidth")
@@ -451,6 +595,8 @@ class NvmlAdapter:
         degraded: list[DegradedLink] = []
         for g in gpus:
             any_active = any(lk.active for lk in g.links)
+            down: list[int] = []
+            unknown: dict[str, list[int]] = {}
             for lk in g.links:
                 if not lk.active:
                     # Expected when the GPU uses NVLink at all or this link was once up; an unwired
@@ -459,8 +605,7 @@ class NvmlAdapter:
                         degraded.append(
                             DegradedLink(gpu=g.index, link=lk.index, state=LinkState.DOWN, detail="link not active")
                         )
-                        g.health = _worst(g.health, Health.DEGRADED)
-                        g.reasons.append(f"NVLink link {lk.index} down")
+                        down.append(lk.index)
                     continue
                 if lk.verdict.degraded:
                     degraded.append(
@@ -469,6 +614,10 @@ class NvmlAdapter:
                     g.health = _worst(g.health, Health.DEGRADED)
                     g.reasons.append(f"NVLink link {lk.index} degraded: {lk.verdict.detail}")
                     continue
+                if lk.verdict.unknown:
+                    # Still counted: nothing says the link is bad, only that its health cannot be
+                    # checked now, so the GPU is reported degraded (never healthy) with the reason.
+                    unknown.setdefault(lk.verdict.detail, []).append(lk.index)
                 if lk.verdict.warning:
                     g.reasons.append(f"NVLink link {lk.index}: {lk.verdict.detail}")
                 if lk.remote_type == DEVICE_TYPE_IBMNPU:
@@ -481,6 +630,13 @@ class NvmlAdapter:
                     # NCCL and PyTorch assume an invisible NVSwitch.
                     switch[g.index] += 1
                     nvswitch = True
+            # One reason per kind, not per link: a 36-link GPU would otherwise overflow MAX_REASONS.
+            if down:
+                g.health = _worst(g.health, Health.DEGRADED)
+                g.reasons.append(f"NVLink {_links_phrase(down)} down")
+            for detail, links in unknown.items():
+                g.health = _worst(g.health, Health.DEGRADED)
+                g.reasons.append(f"NVLink {_links_phrase(links)} health unknown: {detail}")
         generations = [g.generation for g in gpus if g.generation]
         generation = max(generations, default=0)
         cliques = Counter(g.clique for g in gpus if g.clique)
@@ -500,7 +656,7 @@ class NvmlAdapter:
                     pci_bus_id=g.bus_id,
                     numa_node=g.numa,
                     health=g.health,
-                    reasons=tuple(dict.fromkeys(g.reasons)),
+                    reasons=_bounded(g.reasons),
                 )
                 for g in gpus
             ),

@@ -1,4 +1,4 @@
-"""The named real systems of design.md, built from the public facts in reference/topologies.md.
+"""The named real systems, built from public facts (nvidia-smi and NCCL captures, vendor guides).
 
 Each builder returns a `NodeTopology` exactly as the agent would publish it for a healthy node of that
 kind. Details that no public capture provides (marked synthetic there) are chosen plainly and noted.
@@ -21,8 +21,25 @@ from gputopo.model import (
 
 _UUID_NS = uuid.UUID("6c1d0e3c-8a55-4b0e-9d55-6770757470f0")
 
-# Per-link, per-direction NVLink rate in GB/s by generation (topologies.md, "NVLink per generation").
-NVLINK_GBPS_PER_LINK = {2: 25.0, 3: 25.0, 4: 25.0, 5: 50.0}
+# Per-link, per-direction NVLink rate in GB/s by generation: the per-GPU bidirectional figure NVIDIA
+# publishes, halved and divided by the GPU's link count.
+# 1: P100, 4 links, 160 GB/s per GPU → 20.      2: V100, 6 links, 300 GB/s → 25.
+# 3: A100, 12 links, 600 GB/s → 25.             4: H100/H200, 18 links, 900 GB/s → 25.
+# 5: B200/GB200, 18 links, 1.8 TB/s → 50 (`nvidia-smi nvlink -s` on GB200 shows 53.125 GB/s raw).
+# 6: Rubin, 3.6 TB/s per GPU (NVIDIA's NVLink page) over 36 links (third-party tables; NVIDIA has not
+#    published a link count) → 50. Unverified on hardware: no Rubin capture is public yet.
+NVLINK_GBPS_PER_LINK = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 50.0, 6: 50.0}
+
+# GPU memory as NVML reports it (nvmlDeviceGetMemoryInfo total, nvidia-smi's MiB column), never the
+# marketing size: a pod asking for 32Gi does not fit a "32GB" V100, so the fixtures must not let it.
+# Sources are public nvidia-smi captures.
+V100_SXM2_32GB_MIB = 32510  # Tesla V100-SXM2-32GB: "0MiB / 32510MiB" in many public captures
+A100_80GB_MIB = 81920  # A100-SXM4-80GB (NVIDIA/nccl-tests #228) and A100 80GB PCIe alike
+H100_80GB_HBM3_MIB = 81559  # NVIDIA H100 80GB HBM3 (modal-labs/modal-client #2797)
+H200_MIB = 143771  # NVIDIA H200 141GB: "0MiB / 143771MiB" (public HGX H200 captures)
+L40S_MIB = 46068  # NVIDIA L40S (modal-labs/modal-client #2797)
+RTX4090_MIB = 24564  # NVIDIA GeForce RTX 4090 (RLinf/RLinf #255)
+GB200_MIB = 189471  # NVIDIA GB200 "186GB": "0MiB / 189471MiB" (public GB200 NVL72 tray captures)
 
 P, X, B, N, S = PcieDistance.PIX, PcieDistance.PXB, PcieDistance.PHB, PcieDistance.NODE, PcieDistance.SYS
 
@@ -107,7 +124,7 @@ def dgx_1v(node: str = "dgx-1v") -> NodeTopology:
     # mlx5_0 is PIX to GPU2/3 as in the public capture; the other three extend the pattern per pair.
     nic_pairs = [("mlx5_0", (2, 3), "08"), ("mlx5_1", (0, 1), "05"), ("mlx5_2", (6, 7), "8b"), ("mlx5_3", (4, 5), "84")]
     return NodeTopology(
-        gpus=_gpus("dgx-1v", node, "Tesla V100-SXM2-32GB", 32768, [f"0000:{b}:00.0" for b in buses], numa),
+        gpus=_gpus("dgx-1v", node, "Tesla V100-SXM2-32GB", V100_SXM2_32GB_MIB, [f"0000:{b}:00.0" for b in buses], numa),
         nvlink=NvlinkInfo(generation=2, gbps_per_link=NVLINK_GBPS_PER_LINK[2], nvswitch=False, links=links),
         nics=tuple(
             _nic(
@@ -134,7 +151,7 @@ def dgx_a100(node: str = "dgx-a100") -> NodeTopology:
         aff = [X if g in pair else S for g in range(8)]
         nics.append(_nic(f"mlx5_{k}", LinkLayer.INFINIBAND, 200, numa[pair[0]], f"0000:{nic_buses[k]}:00.0", aff))
     return NodeTopology(
-        gpus=_gpus("dgx-a100", node, "NVIDIA A100-SXM4-80GB", 81920, [f"0000:{b}:00.0" for b in buses], numa),
+        gpus=_gpus("dgx-a100", node, "NVIDIA A100-SXM4-80GB", A100_80GB_MIB, [f"0000:{b}:00.0" for b in buses], numa),
         nvlink=NvlinkInfo(generation=3, gbps_per_link=NVLINK_GBPS_PER_LINK[3], nvswitch=True, links=_uniform(8, 12)),
         nics=tuple(nics),
     )
@@ -158,17 +175,17 @@ def _hopper_8(system: str, node: str, model: str, memory_mib: int, same_socket: 
 
 def dgx_h100(node: str = "dgx-h100") -> NodeTopology:
     """DGX H100: 8x H100 80GB on 4 NVSwitches (NV18 every pair), 8x NDR InfiniBand, one PIX per GPU."""
-    return _hopper_8("dgx-h100", node, "NVIDIA H100 80GB HBM3", 81559, N)
+    return _hopper_8("dgx-h100", node, "NVIDIA H100 80GB HBM3", H100_80GB_HBM3_MIB, N)
 
 
 def dgx_h100_sys_nics(node: str = "dgx-h100-sys-nics") -> NodeTopology:
     """HGX H100 variant (NVIDIA/nccl #1264) whose same-socket NICs report SYS instead of NODE."""
-    return _hopper_8("dgx-h100", node, "NVIDIA H100 80GB HBM3", 81559, S)
+    return _hopper_8("dgx-h100", node, "NVIDIA H100 80GB HBM3", H100_80GB_HBM3_MIB, S)
 
 
 def hgx_h200(node: str = "hgx-h200") -> NodeTopology:
     """HGX H200: 8x H200 141GB on NVSwitch (NV18 every pair), 8x NDR InfiniBand, DGX H100 layout."""
-    return _hopper_8("hgx-h200", node, "NVIDIA H200", 143771, N)
+    return _hopper_8("hgx-h200", node, "NVIDIA H200", H200_MIB, N)
 
 
 def hgx_a100_4(node: str = "hgx-a100-4") -> NodeTopology:
@@ -187,7 +204,7 @@ def hgx_a100_4(node: str = "hgx-a100-4") -> NodeTopology:
         for g in range(4)
     ]
     return NodeTopology(
-        gpus=_gpus("hgx-a100-4", node, "NVIDIA A100-SXM4-80GB", 81920, [f"0000:{b}:00.0" for b in buses], numa),
+        gpus=_gpus("hgx-a100-4", node, "NVIDIA A100-SXM4-80GB", A100_80GB_MIB, [f"0000:{b}:00.0" for b in buses], numa),
         nvlink=NvlinkInfo(generation=3, gbps_per_link=NVLINK_GBPS_PER_LINK[3], nvswitch=False, links=_uniform(4, 4)),
         nics=tuple(nics),
     )
@@ -204,7 +221,9 @@ def a100_pcie_bridged(
         _nic("mlx5_1", LinkLayer.ETHERNET, 100, 1, "0000:99:00.0", [S, S, S, S, X, X, N, N]),
     ]
     return NodeTopology(
-        gpus=_gpus("a100-pcie-bridged", node, "NVIDIA A100 80GB PCIe", 81920, [f"0000:{b}:00.0" for b in buses], numa),
+        gpus=_gpus(
+            "a100-pcie-bridged", node, "NVIDIA A100 80GB PCIe", A100_80GB_MIB, [f"0000:{b}:00.0" for b in buses], numa
+        ),
         nvlink=NvlinkInfo(
             generation=3, gbps_per_link=NVLINK_GBPS_PER_LINK[3], nvswitch=False, links=_pairs(8, pairs, 12)
         ),
@@ -226,7 +245,7 @@ def l40s_4(node: str = "l40s-4") -> NodeTopology:
         _nic("mlx5_1", LinkLayer.ETHERNET, 100, 1, "0000:c1:00.1", [S, S, N, N]),
     ]
     return NodeTopology(
-        gpus=_gpus("l40s-4", node, "NVIDIA L40S", 46068, [f"0000:{b}:00.0" for b in buses], numa),
+        gpus=_gpus("l40s-4", node, "NVIDIA L40S", L40S_MIB, [f"0000:{b}:00.0" for b in buses], numa),
         nvlink=NvlinkInfo(generation=0, gbps_per_link=0, nvswitch=False, links=_uniform(4, 0)),
         nics=tuple(nics),
     )
@@ -237,7 +256,7 @@ def rtx4090_8(node: str = "rtx4090-8") -> NodeTopology:
     numa = [0, 0, 0, 0, 1, 1, 1, 1]
     buses = ["1a", "1b", "3d", "3e", "9c", "9d", "bc", "bd"]
     return NodeTopology(
-        gpus=_gpus("rtx4090-8", node, "NVIDIA GeForce RTX 4090", 24564, [f"0000:{b}:00.0" for b in buses], numa),
+        gpus=_gpus("rtx4090-8", node, "NVIDIA GeForce RTX 4090", RTX4090_MIB, [f"0000:{b}:00.0" for b in buses], numa),
         nvlink=NvlinkInfo(generation=0, gbps_per_link=0, nvswitch=False, links=_uniform(8, 0)),
     )
 
@@ -261,7 +280,7 @@ def gb200_tray(node: str = "gb200-tray", clique: str = GB200_CLIQUE) -> NodeTopo
         for name, bus, nn in nic_spec
     ]
     return NodeTopology(
-        gpus=_gpus("gb200-tray", node, "NVIDIA GB200", 190464, buses, numa),
+        gpus=_gpus("gb200-tray", node, "NVIDIA GB200", GB200_MIB, buses, numa),
         nvlink=NvlinkInfo(generation=5, gbps_per_link=NVLINK_GBPS_PER_LINK[5], nvswitch=True, links=_uniform(4, 18)),
         fabric=FabricInfo(clique=clique),
         nics=tuple(nics),
@@ -280,7 +299,7 @@ SYSTEMS: dict[str, Callable[[str], NodeTopology]] = {
     "gb200-tray": gb200_tray,
 }
 
-# Test variants named in topologies.md; not part of design.md's table but accepted by name.
+# Test variants: not among the named systems above but accepted by name.
 VARIANTS: dict[str, Callable[[str], NodeTopology]] = {
     "dgx-h100-sys-nics": dgx_h100_sys_nics,
     "a100-pcie-bridged-nonadjacent": a100_pcie_bridged_nonadjacent,

@@ -1,9 +1,11 @@
 """A fake `pynvml` for the NVML adapter's tests: same names, same error classes, same quirks.
 
-It reproduces what the real binding does where it matters (nvml-and-nodes.md): bus ids come back as
-bytes with an 8-digit upper-case domain; `nvmlDeviceGetNvLinkState` raises NotSupported on GPUs
-without NVLink and InvalidArgument past the last link; `nvmlDeviceGetNvLinkCapability` answers TRUE
-for every index (the B200 trap); fabric info is filled into a caller-allocated ctypes struct.
+It reproduces what the real binding does where it matters: bus ids come back as bytes with an 8-digit
+upper-case domain; `nvmlDeviceGetNvLinkState` raises NotSupported on GPUs without NVLink and
+InvalidArgument past the last link; `nvmlDeviceGetNvLinkCapability` answers TRUE for every index (the
+B200 trap); each NVLink error counter can be unsupported or fail on its own; fabric info is written,
+as libnvidia-ml writes it, in the C v2 layout into a caller-allocated struct declared the way either
+nvidia-ml-py 12.560.30 or a later release declares it.
 Systems are built from their wiring (which peer or switch each link goes to), not from the
 expected NV# matrix.
 """
@@ -11,6 +13,7 @@ expected NV# matrix.
 from __future__ import annotations
 
 import ctypes
+import struct
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,8 +34,16 @@ NVML_GPU_FABRIC_STATE_IN_PROGRESS = 2
 NVML_GPU_FABRIC_STATE_COMPLETED = 3
 NVML_SUCCESS = 0
 NVML_ERROR_INSUFFICIENT_RESOURCES = 23
+NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
+NVML_NVLINK_ERROR_DL_REPLAY = 0
+NVML_NVLINK_ERROR_DL_RECOVERY = 1
+NVML_NVLINK_ERROR_DL_CRC_FLIT = 2
+NVML_NVLINK_ERROR_DL_CRC_DATA = 3
+NVML_DEVICE_UUID_BUFFER_SIZE = 80
+NVML_GPU_FABRIC_UUID_LEN = 16
+nvmlGpuFabricInfo_v2 = 0x02000024  # NVML_STRUCT_VERSION: sizeof(nvmlGpuFabricInfo_v2_t) = 36, version 2
 
-# nvmlDeviceGetNvLinkVersion enum values per GPU family (topologies.md, "NVLink per generation").
+# nvmlDeviceGetNvLinkVersion enum values per GPU family (NVML_NVLINK_VERSION_*).
 VERSION_V100 = 2  # NVLink 2.0
 VERSION_A100 = 4  # NVLink 3.0
 VERSION_H100 = 6  # NVLink 4.0
@@ -47,6 +58,7 @@ class NVMLError(Exception):
         12: "NVML Shared Library Not Found",
         13: "Function Not Found",
         15: "GPU is lost",
+        25: "Argument version mismatch",
         999: "Unknown Error",
     }
 
@@ -91,15 +103,67 @@ class NVMLError_GpuIsLost(NVMLError):
 ErrorClass = type[NVMLError]
 
 
-class c_nvmlGpuFabricInfoV_t(ctypes.Structure):
+class _PrintableStructure(ctypes.Structure):
+    """pynvml's struct base: every bytes attribute comes back UTF-8 decoded to str."""
+
+    def __getattribute__(self, name: str) -> Any:
+        res = super().__getattribute__(name)
+        return res.decode() if isinstance(res, bytes) else res
+
+
+class c_nvmlGpuFabricInfoV_t(_PrintableStructure):
+    """nvidia-ml-py 13.x (13.615.71 checked): matches C, 36 bytes, `clusterUuid` a byte array."""
+
     _fields_ = [
         ("version", ctypes.c_uint),
-        ("clusterUuid", ctypes.c_uint8 * 16),
+        ("clusterUuid", ctypes.c_uint8 * NVML_GPU_FABRIC_UUID_LEN),
         ("status", ctypes.c_uint),
         ("cliqueId", ctypes.c_uint32),
         ("state", ctypes.c_uint),
         ("healthMask", ctypes.c_uint32),
     ]
+
+    def __init__(self) -> None:
+        super().__init__(version=nvmlGpuFabricInfo_v2)
+
+
+class c_nvmlGpuFabricInfoV_t_12_570(_PrintableStructure):
+    """nvidia-ml-py 12.570.86 and 12.575.51: the right size, but `clusterUuid` is `c_char * 16`, which
+    reads back cut at the first NUL and decoded to str."""
+
+    _fields_ = [
+        ("version", ctypes.c_uint),
+        ("clusterUuid", ctypes.c_char * NVML_GPU_FABRIC_UUID_LEN),
+        ("status", ctypes.c_uint),
+        ("cliqueId", ctypes.c_uint32),
+        ("state", ctypes.c_uint),
+        ("healthMask", ctypes.c_uint32),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__(version=nvmlGpuFabricInfo_v2)
+
+
+class c_nvmlGpuFabricInfoV_t_12_560(_PrintableStructure):
+    """nvidia-ml-py 12.560.30: `clusterUuid` declared as an 80-byte char array, so the struct is 100 bytes
+    and every field after it sits past the 36 bytes NVML writes."""
+
+    _fields_ = [
+        ("version", ctypes.c_uint),
+        ("clusterUuid", ctypes.c_char * NVML_DEVICE_UUID_BUFFER_SIZE),
+        ("status", ctypes.c_uint),
+        ("cliqueId", ctypes.c_uint32),
+        ("state", ctypes.c_uint),
+        ("healthMask", ctypes.c_uint32),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__(version=nvmlGpuFabricInfo_v2)
+
+
+# nvmlGpuFabricInfo_v2_t as libnvidia-ml fills it: version, clusterUuid[16], status, cliqueId,
+# state (unsigned char + 3 padding bytes), healthMask.
+_FABRIC_V2_C = struct.Struct("<I16sIIB3xI")
 
 
 @dataclass
@@ -126,9 +190,11 @@ class FakeLink:
     remote_bus: bytes = b"00000000:05:00.0"
     active: bool = True
     version: int = VERSION_H100
-    # replay, recovery, crc_flit, crc_data
+    # replay, recovery, crc_flit, crc_data (NVML_NVLINK_ERROR_DL_* order)
     counters: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
     counters_supported: bool = True
+    # Per counter index: the error its read raises instead of answering (NotSupported: absent).
+    counter_errors: dict[int, ErrorClass] = field(default_factory=dict)
     remote_type_error: ErrorClass | None = None
 
 
@@ -170,11 +236,16 @@ class FakeNvml:
     NVMLError_LibraryNotFound = NVMLError_LibraryNotFound
     NVMLError_FunctionNotFound = NVMLError_FunctionNotFound
     NVMLError_GpuIsLost = NVMLError_GpuIsLost
-    c_nvmlGpuFabricInfoV_t = c_nvmlGpuFabricInfoV_t
 
-    def __init__(self, gpus: Sequence[FakeGpu], init_error: ErrorClass | None = None) -> None:
+    def __init__(
+        self,
+        gpus: Sequence[FakeGpu],
+        init_error: ErrorClass | None = None,
+        fabric_struct: type[ctypes.Structure] = c_nvmlGpuFabricInfoV_t,
+    ) -> None:
         self.gpus = list(gpus)
         self.init_error = init_error
+        self.c_nvmlGpuFabricInfoV_t = fabric_struct
         self.calls: Counter[str] = Counter()
         self.max_link_index_asked = -1
         self.initialised = False
@@ -260,6 +331,8 @@ class FakeNvml:
             raise NVMLError_NotSupported()
         if not 0 <= counter < 4:
             raise NVMLError_InvalidArgument()
+        if counter in lk.counter_errors:
+            raise lk.counter_errors[counter]()
         return lk.counters[counter]
 
     def nvmlDeviceGetMigMode(self, h: Handle) -> list[int]:
@@ -279,12 +352,14 @@ class FakeNvml:
         if gpu.fabric is None:
             raise NVMLError_NotSupported()
         info = ref._obj  # ctypes.byref(struct) keeps the struct here
+        address = ctypes.addressof(info)
+        version = ctypes.c_uint.from_address(address).value
+        if version != nvmlGpuFabricInfo_v2:
+            raise NVMLError(NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        # The library knows only the C layout: it writes these 36 bytes whatever Python declared.
         f = gpu.fabric
-        info.state = f.state
-        info.status = f.status
-        info.cliqueId = f.clique_id
-        info.healthMask = f.health_mask
-        ctypes.memmove(info.clusterUuid, f.cluster_uuid, 16)
+        raw = _FABRIC_V2_C.pack(version, f.cluster_uuid, f.status, f.clique_id, f.state, f.health_mask)
+        ctypes.memmove(address, raw, len(raw))
         return NVML_SUCCESS
 
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from agent.nvml_backend import (
+    Baseline,
     HealthTracker,
     LinkCounters,
     LinkVerdict,
@@ -19,14 +22,18 @@ from agent.nvml_backend import (
     normalize_bus_id,
     nvlink_generation,
 )
-from gputopo.model import DegradedLink, Health, LinkState, NodeTopology
-from gputopo.systems import GB200_CLIQUE, build_system
+from gputopo.model import MAX_REASONS, DegradedLink, Health, LinkState, NodeTopology
+from gputopo.systems import GB200_CLIQUE, NVLINK_GBPS_PER_LINK, build_system
 from tests.agent.fake_pynvml import (
     GB200_CLUSTER_UUID,
     NVML_GPU_FABRIC_STATE_COMPLETED,
     NVML_GPU_FABRIC_STATE_IN_PROGRESS,
     NVML_NVLINK_DEVICE_TYPE_GPU,
     NVML_NVLINK_DEVICE_TYPE_UNKNOWN,
+    NVML_NVLINK_ERROR_DL_CRC_DATA,
+    NVML_NVLINK_ERROR_DL_CRC_FLIT,
+    NVML_NVLINK_ERROR_DL_RECOVERY,
+    NVML_NVLINK_ERROR_DL_REPLAY,
     NVML_SUCCESS,
     SYSTEM_WIRING,
     FakeFabric,
@@ -34,7 +41,12 @@ from tests.agent.fake_pynvml import (
     NVMLError,
     NVMLError_DriverNotLoaded,
     NVMLError_FunctionNotFound,
+    NVMLError_GpuIsLost,
     NVMLError_LibraryNotFound,
+    NVMLError_NotSupported,
+    c_nvmlGpuFabricInfoV_t,
+    c_nvmlGpuFabricInfoV_t_12_560,
+    c_nvmlGpuFabricInfoV_t_12_570,
     fake_system,
     invisible_switch_wiring,
     nvml_bus,
@@ -197,9 +209,9 @@ def test_never_active_links_are_not_degraded(tmp_path: Path) -> None:
     [
         pytest.param(0, 1, LinkState.DEGRADED, "1 replay errors", id="one replay error degrades the link"),
         pytest.param(1, 2, LinkState.DEGRADED, "2 recovery errors", id="recovery errors degrade the link"),
-        pytest.param(2, 2000, LinkState.DEGRADED, "CRC errors at 200/s", id="crc flit at 200/s degrades"),
-        pytest.param(3, 1000, LinkState.DEGRADED, "CRC errors at 100/s", id="crc data at exactly 100/s degrades"),
-        pytest.param(2, 50, None, "CRC errors below 100/s", id="crc below 100/s only warns"),
+        pytest.param(2, 2000, LinkState.DEGRADED, "flit CRC errors at 200/s", id="crc flit at 200/s degrades"),
+        pytest.param(3, 1000, LinkState.DEGRADED, "data CRC errors at 100/s", id="crc data at exactly 100/s degrades"),
+        pytest.param(2, 50, None, "flit CRC errors below 100/s", id="crc below 100/s only warns"),
         pytest.param(0, 0, None, None, id="no change: healthy"),
     ],
 )
@@ -245,44 +257,250 @@ def test_degraded_verdict_holds_for_the_window_then_clears(tmp_path: Path) -> No
     assert third.degraded_links == ()
 
 
-def test_counters_not_supported_are_skipped(tmp_path: Path) -> None:
+def test_counters_not_supported_anywhere_are_absent_not_unknown(tmp_path: Path) -> None:
     fake = fake_system("dgx-h100")
     for gpu in fake.gpus:
         for lk in gpu.links or []:
             lk.counters_supported = False
-    ad = adapter(fake, tmp_path)
+    clock = Clock()
+    ad = adapter(fake, tmp_path, clock)
+    ad.discover()
+    clock.now = 10.0
     result = ad.discover()
-    assert result.topology.degraded_links == ()
-    assert any("error counters" in n for n in result.notes)
+    assert result.topology == build_system("dgx-h100").model_copy(update={"nics": ()})
+    assert "NVLink replay error counter: NotSupported" in result.notes
+
+
+REPLAY, RECOVERY, FLIT, DATA = (
+    NVML_NVLINK_ERROR_DL_REPLAY,
+    NVML_NVLINK_ERROR_DL_RECOVERY,
+    NVML_NVLINK_ERROR_DL_CRC_FLIT,
+    NVML_NVLINK_ERROR_DL_CRC_DATA,
+)
 
 
 @pytest.mark.parametrize(
-    ("prev", "cur", "elapsed", "expected"),
+    ("unsupported", "counter", "delta", "reason_part"),
     [
-        pytest.param(None, LinkCounters(replay=5), 10.0, LinkVerdict(), id="first reading is only a baseline"),
+        pytest.param((FLIT, DATA), REPLAY, 1, "1 replay errors", id="hopper crc N/A: replay still degrades"),
+        pytest.param((FLIT, DATA), RECOVERY, 3, "3 recovery errors", id="hopper crc N/A: recovery still degrades"),
+        pytest.param((DATA,), FLIT, 1500, "flit CRC errors at 150/s", id="data crc N/A: flit crc still rated"),
+        pytest.param((REPLAY, RECOVERY), DATA, 1000, "data CRC errors at 100/s", id="only crc readable: still rated"),
+    ],
+)
+def test_an_unsupported_counter_does_not_switch_off_the_others(
+    unsupported: tuple[int, ...], counter: int, delta: int, reason_part: str, tmp_path: Path
+) -> None:
+    fake = fake_system("dgx-h100")
+    for gpu in fake.gpus:
+        for lk in gpu.links or []:
+            lk.counter_errors = dict.fromkeys(unsupported, NVMLError_NotSupported)
+    clock = Clock()
+    ad = adapter(fake, tmp_path, clock)
+    assert ad.discover().topology.gpus[2].health is Health.OK
+    (fake.gpus[2].links or [])[7].counters[counter] += delta
+    clock.now = 10.0
+    got = ad.discover().topology
+    assert [(d.gpu, d.link, d.state) for d in got.degraded_links] == [(2, 7, LinkState.DEGRADED)]
+    assert any(reason_part in r for r in got.gpus[2].reasons), got.gpus[2].reasons
+    assert all(g.health is Health.OK for g in got.gpus if g.index != 2)
+
+
+def test_flit_and_data_crc_are_rated_separately(tmp_path: Path) -> None:
+    # 60/s flit + 60/s data: 120/s together, but neither reaches DCGM's 100/s on its own.
+    fake = fake_system("dgx-h100")
+    clock = Clock()
+    ad = adapter(fake, tmp_path, clock)
+    ad.discover()
+    link = (fake.gpus[0].links or [])[0]
+    link.counters[FLIT] += 600
+    link.counters[DATA] += 600
+    clock.now = 10.0
+    got = ad.discover().topology
+    assert got.degraded_links == ()
+    assert got.gpus[0].health is Health.OK
+    assert got.gpus[0].reasons == ("NVLink link 0: flit CRC errors below 100/s, data CRC errors below 100/s",)
+
+
+# --------------------------------------------------------------------------------------------------
+# Stale counters: health that cannot be checked is reported as unknown, never as healthy
+
+
+def _stale_after(change: str, fake: FakeNvml) -> None:
+    link = (fake.gpus[4].links or [])[3]
+    if change == "read fails":
+        link.counter_errors = {REPLAY: NVMLError}
+    elif change == "all reads fail":
+        link.counter_errors = dict.fromkeys((REPLAY, RECOVERY, FLIT, DATA), NVMLError)
+    elif change == "counter goes backwards":
+        link.counters[FLIT] = 0
+    elif change == "counter stops being supported":
+        link.counter_errors = {RECOVERY: NVMLError_NotSupported}
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
         pytest.param(
-            LinkCounters(replay=5), LinkCounters(replay=6), 10.0,
+            "read fails", "NVLink link 3 health unknown: replay counter unreadable", id="failed read is unknown"
+        ),
+        pytest.param(
+            "all reads fail",
+            "NVLink link 3 health unknown: replay counter unreadable, recovery counter unreadable, "
+            "flit CRC counter unreadable, data CRC counter unreadable",
+            id="no fresh read at all is unknown",
+        ),
+        pytest.param(
+            "counter goes backwards",
+            "NVLink link 3 health unknown: flit CRC counter went backwards (reset)",
+            id="reset counter is unknown",
+        ),
+        pytest.param(
+            "counter stops being supported",
+            "NVLink link 3 health unknown: recovery counter no longer readable",
+            id="counter that vanished is unknown",
+        ),
+    ],
+)
+def test_stale_counters_are_reported_unknown_never_healthy(change: str, reason: str, tmp_path: Path) -> None:
+    fake = fake_system("dgx-h100")
+    (fake.gpus[4].links or [])[3].counters[FLIT] = 5
+    clock = Clock()
+    ad = adapter(fake, tmp_path, clock)
+    ad.discover()
+    _stale_after(change, fake)
+    clock.now = 10.0
+    got = ad.discover().topology
+    assert got.gpus[4].health is Health.DEGRADED
+    assert got.gpus[4].reasons == (reason,)
+    assert got.degraded_links == ()  # not known bad: the link stays counted
+    assert got.link_count(4, 0) == 18
+    assert all(g.health is Health.OK for g in got.gpus if g.index != 4)
+
+
+def test_unknown_clears_once_counters_compare_again_and_errors_in_the_gap_still_count(tmp_path: Path) -> None:
+    fake = fake_system("dgx-h100")
+    clock = Clock()
+    ad = adapter(fake, tmp_path, clock)
+    ad.discover()
+    link = (fake.gpus[1].links or [])[0]
+    link.counter_errors = {REPLAY: NVMLError}
+    link.counters[REPLAY] += 1  # a replay error while the counter cannot be read
+    clock.now = 10.0
+    assert ad.discover().topology.gpus[1].health is Health.DEGRADED
+    link.counter_errors = {}
+    clock.now = 20.0
+    got = ad.discover().topology  # compared with the last good reading, across the gap
+    assert got.degraded_links == (
+        DegradedLink(gpu=1, link=0, state=LinkState.DEGRADED, detail="1 replay errors in 20 s"),
+    )
+    clock.now = 100.0  # past the hold window, nothing new: healthy again
+    assert ad.discover().topology.gpus[1].health is Health.OK
+
+
+def test_a_held_degraded_verdict_is_not_softened_by_a_failed_read(tmp_path: Path) -> None:
+    fake = fake_system("dgx-h100")
+    clock = Clock()
+    ad = adapter(fake, tmp_path, clock)
+    ad.discover()
+    link = (fake.gpus[0].links or [])[1]
+    link.counters[RECOVERY] += 1
+    clock.now = 10.0
+    first = ad.discover().topology
+    link.counter_errors = {RECOVERY: NVMLError}
+    clock.now = 20.0
+    assert ad.discover().topology.degraded_links == first.degraded_links != ()
+
+
+def test_a_36_link_gpu_stays_within_the_reason_bound(tmp_path: Path) -> None:
+    fake = fake_system("gb200-tray")
+    for gpu in fake.gpus:
+        gpu.links = invisible_switch_wiring(36)(0, [])
+    clock = Clock()
+    ad = adapter(fake, tmp_path, clock)
+    ad.discover()
+    for lk in fake.gpus[0].links or []:
+        lk.counter_errors = {REPLAY: NVMLError}
+    for lk in (fake.gpus[1].links or [])[:35]:
+        lk.active = False
+    for i, lk in enumerate(fake.gpus[2].links or []):
+        lk.counters[REPLAY] += i + 1  # 36 different details: one reason each, cut at the bound
+    clock.now = 10.0
+    got = ad.discover().topology
+    assert got.gpus[0].reasons == ("NVLink links 0-35 health unknown: replay counter unreadable",)
+    assert got.gpus[1].reasons == ("NVLink links 0-34 down",)
+    assert len(got.gpus[2].reasons) == MAX_REASONS
+    assert got.gpus[2].reasons[-1] == f"and {36 - MAX_REASONS + 1} more reasons"
+    assert len(got.degraded_links) == 35 + 36
+
+
+def test_gpu_lost_while_reading_a_counter_fails_the_gpu(tmp_path: Path) -> None:
+    fake = fake_system("dgx-h100")
+    (fake.gpus[5].links or [])[0].counter_errors = {FLIT: NVMLError_GpuIsLost}
+    got = discover(fake, tmp_path)
+    assert got.gpus[5].health is Health.FAILED
+    assert got.gpus[4].health is Health.OK
+
+
+def at(when: float, **values: int) -> Baseline:
+    return {name: (when, v) for name, v in values.items()}
+
+
+@pytest.mark.parametrize(
+    ("baseline", "cur", "now", "expected"),
+    [
+        pytest.param({}, LinkCounters(replay=5), 10.0, LinkVerdict(), id="first reading is only a baseline"),
+        pytest.param(
+            at(0.0, replay=5), LinkCounters(replay=6), 10.0,
             LinkVerdict(degraded=True, detail="1 replay errors in 10 s"), id="replay rise degrades",
         ),
         pytest.param(
-            LinkCounters(recovery=1), LinkCounters(replay=1, recovery=2), 60.0,
-            LinkVerdict(degraded=True, detail="1 replay and 1 recovery errors in 60 s"), id="both named",
+            at(0.0, replay=0, recovery=1), LinkCounters(replay=1, recovery=2), 60.0,
+            LinkVerdict(degraded=True, detail="1 replay errors in 60 s, 1 recovery errors in 60 s"), id="both named",
         ),
         pytest.param(
-            LinkCounters(crc_flit=10), LinkCounters(crc_flit=990, crc_data=20), 10.0,
-            LinkVerdict(degraded=True, detail="CRC errors at 100/s (limit 100/s)"), id="flit plus data reach 100/s",
+            at(0.0, crc_flit=10), LinkCounters(crc_flit=1010), 10.0,
+            LinkVerdict(degraded=True, detail="flit CRC errors at 100/s (limit 100/s)"), id="flit at 100/s degrades",
         ),
         pytest.param(
-            LinkCounters(crc_data=0), LinkCounters(crc_data=999), 10.0,
-            LinkVerdict(warning=True, detail="CRC errors below 100/s"), id="99.9/s only warns",
+            at(0.0, crc_flit=10, crc_data=0), LinkCounters(crc_flit=990, crc_data=20), 10.0,
+            LinkVerdict(warning=True, detail="flit CRC errors below 100/s, data CRC errors below 100/s"),
+            id="flit 98/s plus data 2/s: each below the limit, only warns",
         ),
-        pytest.param(LinkCounters(replay=9), LinkCounters(replay=0), 10.0, LinkVerdict(), id="reset counter"),
+        pytest.param(
+            at(0.0, crc_data=0), LinkCounters(crc_data=999), 10.0,
+            LinkVerdict(warning=True, detail="data CRC errors below 100/s"), id="99.9/s only warns",
+        ),
+        pytest.param(
+            at(0.0, replay=9), LinkCounters(replay=0), 10.0,
+            LinkVerdict(unknown=True, detail="replay counter went backwards (reset)"), id="reset counter is unknown",
+        ),
+        pytest.param(
+            at(0.0, replay=0), LinkCounters(replay=None, failed=("replay",)), 10.0,
+            LinkVerdict(unknown=True, detail="replay counter unreadable"), id="failed read is unknown",
+        ),
+        pytest.param(
+            {}, LinkCounters(crc_flit=None, failed=("crc_flit",)), 10.0,
+            LinkVerdict(unknown=True, detail="flit CRC counter unreadable"), id="failed first read is unknown",
+        ),
+        pytest.param(
+            at(0.0, crc_data=4), LinkCounters(crc_data=None), 10.0,
+            LinkVerdict(unknown=True, detail="data CRC counter no longer readable"), id="vanished counter is unknown",
+        ),
+        pytest.param(
+            {}, LinkCounters(crc_flit=None, crc_data=None), 10.0, LinkVerdict(), id="unsupported counters are absent",
+        ),
+        pytest.param(
+            at(0.0, replay=0, crc_flit=0), LinkCounters(replay=1, crc_flit=-1), 10.0,
+            LinkVerdict(degraded=True, detail="1 replay errors in 10 s"), id="degraded outranks unknown",
+        ),
+        pytest.param(
+            at(10.0, replay=0), LinkCounters(replay=3), 10.0, LinkVerdict(), id="same instant: nothing to rate yet",
+        ),
     ],
 )  # fmt: skip
-def test_assess_link_errors(
-    prev: LinkCounters | None, cur: LinkCounters, elapsed: float, expected: LinkVerdict
-) -> None:
-    assert assess_link_errors(prev, cur, elapsed) == expected
+def test_assess_link_errors(baseline: Baseline, cur: LinkCounters, now: float, expected: LinkVerdict) -> None:
+    assert assess_link_errors(baseline, cur, now) == expected
 
 
 def test_health_tracker_keeps_first_wording_while_errors_continue() -> None:
@@ -329,6 +547,44 @@ def test_fabric_through_the_adapter(fabric: FakeFabric | None, expected: str | N
         gpu.fabric = fabric
     got = discover(fake, tmp_path)
     assert (got.fabric.clique if got.fabric else None) == expected
+
+
+@pytest.mark.parametrize(
+    "struct_type",
+    [
+        pytest.param(c_nvmlGpuFabricInfoV_t, id="nvidia-ml-py 13.x: clusterUuid is c_uint8[16]"),
+        pytest.param(c_nvmlGpuFabricInfoV_t_12_570, id="nvidia-ml-py 12.570-12.575: clusterUuid is char[16], a str"),
+        pytest.param(c_nvmlGpuFabricInfoV_t_12_560, id="nvidia-ml-py 12.560.30: clusterUuid declared char[80]"),
+    ],
+)
+def test_fabric_clique_and_health_read_with_either_binding_layout(
+    struct_type: type[ctypes.Structure], tmp_path: Path
+) -> None:
+    fake = fake_system("gb200-tray")
+    fake.c_nvmlGpuFabricInfoV_t = struct_type
+    fake.gpus[1].fabric = FakeFabric(cluster_uuid=GB200_CLUSTER_UUID, clique_id=4026, health_mask=0xA9)
+    got = discover(fake, tmp_path)
+    assert got.fabric is not None and got.fabric.clique == GB200_CLIQUE
+    assert [g.health for g in got.gpus] == [Health.OK, Health.DEGRADED, Health.OK, Health.OK]
+
+
+@pytest.mark.parametrize(
+    ("struct_type", "fields_right"),
+    [
+        pytest.param(c_nvmlGpuFabricInfoV_t_12_570, True, id="12.570-12.575: only clusterUuid unusable"),
+        pytest.param(c_nvmlGpuFabricInfoV_t_12_560, False, id="12.560.30: fields after clusterUuid read zeros too"),
+    ],
+)
+def test_old_binding_attributes_cannot_be_trusted_for_fabric_info(
+    struct_type: type[ctypes.Structure], fields_right: bool
+) -> None:
+    # Why the adapter reads the bytes NVML wrote instead of the binding's fields.
+    fake = fake_system("gb200-tray")
+    info: Any = struct_type()
+    fake.nvmlDeviceGetGpuFabricInfoV(fake.nvmlDeviceGetHandleByIndex(0), ctypes.byref(info))
+    with pytest.raises(UnicodeDecodeError):
+        _ = info.clusterUuid  # char arrays come back decoded to str, and 0x9c... is not UTF-8
+    assert ((info.state, info.cliqueId) == (3, 4026)) is fields_right
 
 
 def test_fabric_degraded_bandwidth_degrades_the_gpu(tmp_path: Path) -> None:
@@ -433,6 +689,23 @@ def test_nvml_bus_round_trips_through_normalisation() -> None:
 )
 def test_nvlink_generation_from_version_enum(enum: int, generation: int) -> None:
     assert nvlink_generation(enum) == generation
+
+
+@pytest.mark.parametrize(
+    ("version_enum", "generation", "gbps"),
+    [(1, 1, 20.0), (2, 2, 25.0), (3, 2, 25.0), (4, 3, 25.0), (5, 3, 25.0), (6, 4, 25.0), (7, 5, 50.0), (8, 6, 50.0)],
+    ids=["1.0 P100", "2.0 V100", "2.2", "3.0 A100", "3.1", "4.0 H100", "5.0 B200", "6.0 Rubin"],
+)
+def test_every_nvlink_version_publishes_its_per_link_rate(
+    version_enum: int, generation: int, gbps: float, tmp_path: Path
+) -> None:
+    fake = fake_system("dgx-1v")
+    for gpu in fake.gpus:
+        for lk in gpu.links or []:
+            lk.version = version_enum
+    got = discover(fake, tmp_path).nvlink
+    assert (got.generation, got.gbps_per_link) == (generation, gbps)
+    assert NVLINK_GBPS_PER_LINK[generation] == gbps
 
 
 def test_fake_wiring_covers_every_named_system() -> None:

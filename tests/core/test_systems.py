@@ -1,10 +1,13 @@
-"""Every named real system matches the public facts in reference/topologies.md."""
+"""Every named real system matches the public facts about the real box (nvidia-smi, NCCL captures)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gputopo.model import LinkLayer, PcieDistance, node_labels
+from gputopo.engine.placement import evaluate_node
+from gputopo.engine.reasons import Code, Reason
+from gputopo.engine.snapshot import node_state
+from gputopo.model import LinkLayer, PcieDistance, node_labels, parse_pod_request
 from gputopo.systems import GB200_CLIQUE, SYSTEMS, UnknownSystemError, build_system
 
 DGX1V_LINKS = [
@@ -32,7 +35,7 @@ def pairs(n: int, ps: list[tuple[int, int]], v: int) -> list[list[int]]:
 
 # name, GPU count, model substring, HBM MiB, links, nvswitch, largest clique, NIC count, NIC layer, NIC rate
 CASES = [
-    ("dgx-1v", 8, "V100", 32768, DGX1V_LINKS, False, 4, 4, LinkLayer.INFINIBAND, 100),
+    ("dgx-1v", 8, "V100", 32510, DGX1V_LINKS, False, 4, 4, LinkLayer.INFINIBAND, 100),
     ("dgx-a100", 8, "A100-SXM4-80GB", 81920, uniform(8, 12), True, 8, 8, LinkLayer.INFINIBAND, 200),
     ("dgx-h100", 8, "H100 80GB", 81559, uniform(8, 18), True, 8, 8, LinkLayer.INFINIBAND, 400),
     ("hgx-h200", 8, "H200", 143771, uniform(8, 18), True, 8, 8, LinkLayer.INFINIBAND, 400),
@@ -51,7 +54,7 @@ CASES = [
     ),
     ("l40s-4", 4, "L40S", 46068, uniform(4, 0), False, 1, 2, LinkLayer.ETHERNET, 100),
     ("rtx4090-8", 8, "RTX 4090", 24564, uniform(8, 0), False, 1, 0, None, 0),
-    ("gb200-tray", 4, "GB200", 190464, uniform(4, 18), True, 4, 4, LinkLayer.INFINIBAND, 400),
+    ("gb200-tray", 4, "GB200", 189471, uniform(4, 18), True, 4, 4, LinkLayer.INFINIBAND, 400),
 ]
 
 
@@ -84,7 +87,7 @@ def test_named_system_matches_public_facts(
     assert all(n.link_layer is layer and n.rate_gbps == rate and len(n.gpu_affinity) == count for n in t.nics)
 
 
-def test_every_design_md_system_is_covered() -> None:
+def test_every_named_system_is_covered() -> None:
     assert {c[0] for c in CASES} == set(SYSTEMS)
 
 
@@ -94,6 +97,22 @@ def test_every_design_md_system_is_covered() -> None:
 )
 def test_seed_gpu_types_publish_their_hbm_label(name: str, gib: str) -> None:
     assert node_labels(build_system(name))["gputopo.io/gpu-memory-gib"] == gib
+
+
+@pytest.mark.parametrize(
+    ("system", "marketed", "reported"),
+    [
+        pytest.param("dgx-1v", "32Gi", "32510Mi", id="V100-SXM2-32GB reports 32510 MiB, not 32 GiB"),
+        pytest.param("gb200-tray", "186Gi", "189471Mi", id="GB200 186GB reports 189471 MiB, not 186 GiB"),
+    ],
+)
+def test_marketed_hbm_size_does_not_fit_but_the_reported_one_does(system: str, marketed: str, reported: str) -> None:
+    # A pod written from the spec sheet would be placed on the fixture and then fail on the real GPU.
+    node = node_state(system, build_system(system))
+    refused = evaluate_node(node, parse_pod_request({"gputopo.io/min-gpu-memory": marketed}, 1))
+    fits = evaluate_node(node, parse_pod_request({"gputopo.io/min-gpu-memory": reported}, 1))
+    assert (refused.code, refused.reason) == (Code.UNRESOLVABLE, Reason.INSUFFICIENT_GPU_MEMORY)
+    assert fits.code is Code.SUCCESS
 
 
 def test_dgx_h100_has_one_pix_nic_per_gpu_and_node_within_the_socket() -> None:
