@@ -2,8 +2,8 @@
 
 Topology backends (`--backend`): `nvml` (NVML plus sysfs NICs), `fixture:NAME` (a named real system
 from gputopo.systems) and `file:PATH` (a gputopo.io/topology document, re-read every cycle so tests
-can change it mid-run). GPUs in use: the kubelet PodResources API on real nodes, or `--in-use-file`
-(a JSON list of indices, re-read every cycle) for simulated ones.
+can change it mid-run). GPUs in use, per pod: the kubelet PodResources API on real nodes, or `--in-use-file` (a
+gputopo.io/gpus-in-use value, either version, re-read every cycle) for simulated ones.
 """
 
 from __future__ import annotations
@@ -15,7 +15,14 @@ from typing import Protocol
 
 from agent.nvml_backend import NvmlAdapter, NvmlLib, load_pynvml
 from agent.sysfs import read_nics
-from gputopo.model import AnnotationError, NodeTopology, parse_gpus_in_use, parse_topology
+from gputopo.model import (
+    GPU_RESOURCE,
+    AnnotationError,
+    GpusInUse,
+    NodeTopology,
+    parse_gpus_in_use_report,
+    parse_topology,
+)
 from gputopo.systems import SYSTEMS, VARIANTS, UnknownSystemError, build_system
 
 log = logging.getLogger(__name__)
@@ -132,36 +139,50 @@ class InUseError(RuntimeError):
 
 
 class InUseSource(Protocol):
-    def gpus_in_use(self, topology: NodeTopology) -> frozenset[int]: ...
+    def gpus_in_use(self, topology: NodeTopology) -> GpusInUse: ...
 
     def close(self) -> None: ...
+
+
+class _HasUid(Protocol):
+    @property
+    def uid(self) -> str: ...
+
+
+class PodLookup(Protocol):
+    """What attribution needs of the node-local pod view (agent.pods.LocalPods satisfies it)."""
+
+    def get(self, namespace: str, name: str) -> _HasUid | None: ...
+
+    def refresh(self) -> None: ...
 
 
 class NoneInUse:
     """Simulated nodes without an in-use file: nothing is in use."""
 
-    def gpus_in_use(self, topology: NodeTopology) -> frozenset[int]:
-        return frozenset()
+    def gpus_in_use(self, topology: NodeTopology) -> GpusInUse:
+        return GpusInUse()
 
     def close(self) -> None:
         pass
 
 
 class InUseFile:
-    """A JSON list of GPU indices, re-read every cycle; a missing file means none in use."""
+    """A gputopo.io/gpus-in-use value on disk (a list of indices, or the per-pod version 2 object),
+    re-read every cycle; a missing file means none in use."""
 
     def __init__(self, path: Path) -> None:
         self._path = path
 
-    def gpus_in_use(self, topology: NodeTopology) -> frozenset[int]:
+    def gpus_in_use(self, topology: NodeTopology) -> GpusInUse:
         try:
             text = self._path.read_text()
         except FileNotFoundError:
-            return frozenset()
+            return GpusInUse()
         except OSError as e:
             raise InUseError(f"cannot read in-use file {self._path}: {e.strerror or e}") from None
         try:
-            return parse_gpus_in_use(text.strip() or "[]", len(topology.gpus))
+            return parse_gpus_in_use_report(text.strip() or "[]", len(topology.gpus))
         except AnnotationError as e:
             raise InUseError(f"in-use file {self._path}: {e.why}") from None
 
@@ -170,27 +191,46 @@ class InUseFile:
 
 
 class PodResourcesInUse:
-    """GPUs allocated to containers per the kubelet, mapped from UUIDs to this node's indices."""
+    """GPUs allocated to containers per the kubelet, mapped from UUIDs to this node's indices and from
+    (namespace, name) to pod UIDs through `pods`; without `pods` (or for pods it does not know yet)
+    the GPUs are reported as `other`."""
 
-    def __init__(self, socket_path: Path, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, socket_path: Path, timeout_s: float = 5.0, pods: PodLookup | None = None, resource: str = GPU_RESOURCE
+    ) -> None:
         from agent.podresources.client import PodResourcesClient  # grpc loads only where it is used
 
-        self._client = PodResourcesClient(socket_path, timeout_s)
+        self._client = PodResourcesClient(socket_path, timeout_s, resource)
+        self._pods = pods
         self._reported_unknown: set[str] = set()
+        self._unattributed: frozenset[tuple[str, str]] = frozenset()
 
-    def gpus_in_use(self, topology: NodeTopology) -> frozenset[int]:
-        from agent.podresources.client import PodResourcesError, indices_in_use
+    def _uid(self, namespace: str, name: str) -> str | None:
+        if self._pods is None:
+            return None
+        pod = self._pods.get(namespace, name)
+        return None if pod is None else pod.uid
+
+    def gpus_in_use(self, topology: NodeTopology) -> GpusInUse:
+        from agent.podresources.client import PodResourcesError, per_pod_in_use
 
         try:
             allocation = self._client.gpu_allocation()
         except PodResourcesError as e:
             raise InUseError(str(e)) from None
-        found, unknown = indices_in_use(allocation, {g.uuid: g.index for g in topology.gpus})
+        index = {g.uuid: g.index for g in topology.gpus}
+        report, unknown, unattributed = per_pod_in_use(allocation, index, self._uid)
+        if self._pods is not None and set(unattributed) - self._unattributed:
+            # A pod the local view has not seen yet (just admitted): look again now rather than
+            # publish it as `other` for a cycle. Pods that stay unknown do not trigger this again.
+            self._pods.refresh()
+            report, unknown, unattributed = per_pod_in_use(allocation, index, self._uid)
+        self._unattributed = frozenset(unattributed)
         new_unknown = set(unknown) - self._reported_unknown
         if new_unknown:
             self._reported_unknown |= new_unknown
             log.warning("device ids in use that name no GPU of this node", extra={"ids": sorted(new_unknown)})
-        return found
+        return report
 
     def close(self) -> None:
         self._client.close()

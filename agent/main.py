@@ -27,21 +27,30 @@ from agent.backends import (
     InUseFile,
     InUseSource,
     NoneInUse,
+    PodLookup,
     PodResourcesInUse,
     TopologyBackend,
     make_backend,
 )
+from agent.deviceplugin.devices import DeviceListStrategy, MigModeError
+from agent.deviceplugin.plugin import DevicePlugin, PluginConfig, TopologyTap
+from agent.deviceplugin.preferred import PreferredAllocation
+from agent.deviceplugin.server import DEFAULT_PLUGIN_DIR
 from agent.metrics import AgentMetrics
 from agent.nvml_backend import NvmlLib, NvmlUnavailableError
 from agent.podresources.client import DEFAULT_SOCKET
+from agent.pods import KubeLocalPods, KubePodSource, LocalPods, StaticLocalPods
 from agent.publisher import KubeNodeApi, NodeApi, Publisher, PublishResult
 from agent.runner import Agent
 from gputopo.jsonlog import configure_logging
+from gputopo.model import GPU_RESOURCE
 from gputopo.render import render_topology
 
 log = logging.getLogger("agent")
 
 PROG = "gputopo-agent"
+# An extended resource name: <DNS subdomain>/<name>, as the kubelet's device manager accepts it.
+_RESOURCE_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 
 
 class AgentSettings(BaseSettings):
@@ -60,6 +69,11 @@ class AgentSettings(BaseSettings):
     kubeconfig: str | None = None
     metrics_port: int = Field(default=9401, ge=0, le=65535)
     log_level: str = "info"
+    device_plugin: bool = False
+    device_plugin_dir: Path = DEFAULT_PLUGIN_DIR
+    resource_name: str = Field(default=GPU_RESOURCE, pattern=_RESOURCE_NAME)
+    device_list_strategy: DeviceListStrategy = DeviceListStrategy.ENVVAR
+    preferred_allocation: PreferredAllocation = PreferredAllocation.PLACEMENT
 
     @field_validator("backend")
     @classmethod
@@ -90,10 +104,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-seconds", type=float, help="Lease renewal period (default 30)")
     p.add_argument("--sysfs-root", help="root of class/infiniband and bus/pci (default /sys)")
     p.add_argument("--podresources-socket", help=f"kubelet PodResources socket (default {DEFAULT_SOCKET})")
-    p.add_argument("--in-use-file", help="simulated nodes: JSON list of GPU indices in use, re-read every cycle")
+    p.add_argument(
+        "--in-use-file", help="simulated nodes: a gpus-in-use value (index list or per-pod object), re-read every cycle"
+    )
     p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config)")
     p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9401, 0 = off)")
     p.add_argument("--log-level", help="debug, info, warning or error (default info)")
+    p.add_argument(
+        "--device-plugin",
+        action=argparse.BooleanOptionalAction,
+        help="serve the kubelet device plugin for the GPUs, following gputopo placements (default off; not --once)",
+    )
+    p.add_argument("--device-plugin-dir", help=f"kubelet device plugin directory (default {DEFAULT_PLUGIN_DIR})")
+    p.add_argument("--resource-name", help=f"extended resource the device plugin serves (default {GPU_RESOURCE})")
+    p.add_argument(
+        "--device-list-strategy",
+        choices=[s.value for s in DeviceListStrategy],
+        help="how Allocate names the GPUs to the NVIDIA Container Toolkit (default envvar)",
+    )
+    p.add_argument(
+        "--preferred-allocation",
+        choices=[s.value for s in PreferredAllocation],
+        help="placement: the pod's gputopo placement, else best effort (default); besteffort: ignore placements",
+    )
     p.add_argument("--once", action="store_true", help="discover once and exit")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--print", action="store_true", help="with --once: show the topology like nvidia-smi topo -m")
@@ -114,6 +147,11 @@ def load_settings(args: argparse.Namespace) -> AgentSettings:
         "kubeconfig",
         "metrics_port",
         "log_level",
+        "device_plugin",
+        "device_plugin_dir",
+        "resource_name",
+        "device_list_strategy",
+        "preferred_allocation",
     ]
     given: dict[str, Any] = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     return AgentSettings(**given)
@@ -134,12 +172,54 @@ def default_node_name(settings: AgentSettings) -> str:
     return arg if kind == "fixture" else socket.gethostname()
 
 
-def make_in_use(settings: AgentSettings) -> InUseSource:
+def make_in_use(settings: AgentSettings, pods: PodLookup | None = None) -> InUseSource:
+    """`pods` (the node-local pod view) attributes the kubelet's GPUs to pod UIDs; without it every
+    GPU in use is published as `other`."""
     if settings.in_use_file is not None:
         return InUseFile(settings.in_use_file)
-    if settings.backend == "nvml":
-        return PodResourcesInUse(settings.podresources_socket)
+    if settings.backend == "nvml" or settings.device_plugin:  # a kubelet allocates: it knows the truth
+        return PodResourcesInUse(settings.podresources_socket, pods=pods, resource=settings.resource_name)
     return NoneInUse()
+
+
+PodsFactory = Callable[[AgentSettings, str], KubeLocalPods | StaticLocalPods]
+
+
+def make_local_pods(
+    settings: AgentSettings, node: str, once: bool, factory: PodsFactory | None = None
+) -> KubeLocalPods | StaticLocalPods | None:
+    """The node-local pod view (list+watch of this node's pods) when something reads it: the device plugin,
+    or the per-pod attribution of the kubelet's PodResources. `--once` runs without one."""
+    uses_podresources = settings.backend == "nvml" and settings.in_use_file is None
+    if once or not (settings.device_plugin or uses_podresources):
+        return None
+    if factory is not None:
+        return factory(settings, node)
+    return KubeLocalPods(node, KubePodSource(settings.kubeconfig), resource=settings.resource_name)
+
+
+def start_device_plugin(
+    settings: AgentSettings, node: str, backend: TopologyBackend, pods: LocalPods | None
+) -> DevicePlugin:
+    """Serve and register; raises BackendError (no first topology), MigModeError, OSError or ValueError."""
+    config = PluginConfig(
+        resource_name=settings.resource_name,
+        plugin_dir=settings.device_plugin_dir,
+        device_list_strategy=settings.device_list_strategy,
+        preferred_allocation=settings.preferred_allocation,
+    )
+    plugin = DevicePlugin(config, pods if pods is not None else StaticLocalPods(node))
+    plugin.start(backend.discover())
+    log.info(
+        "device plugin started",
+        extra={
+            "resource": config.resource_name,
+            "dir": str(config.plugin_dir),
+            "strategy": config.device_list_strategy.value,
+            "preferred": config.preferred_allocation.value,
+        },
+    )
+    return plugin
 
 
 def _fail(message: str, code: int = 1) -> int:
@@ -152,7 +232,7 @@ def run_once_output(backend: TopologyBackend, in_use: InUseSource, as_json: bool
     if as_json:
         return topology.to_annotation()
     try:
-        used: frozenset[int] | None = in_use.gpus_in_use(topology)
+        used: frozenset[int] | None = in_use.gpus_in_use(topology).all
     except InUseError as e:
         log.warning("GPUs in use unknown", extra={"error": str(e)})
         used = None
@@ -163,6 +243,7 @@ def main(
     argv: Sequence[str] | None = None,
     node_api_factory: Callable[[AgentSettings], NodeApi] | None = None,
     nvml_lib: Callable[[], NvmlLib] | None = None,
+    local_pods_factory: PodsFactory | None = None,
 ) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -181,7 +262,12 @@ def main(
         backend = make_backend(settings.backend, node, settings.sysfs_root, nvml_lib)
     except (BackendSpecError, NvmlUnavailableError) as e:
         return _fail(str(e))
-    in_use = make_in_use(settings)
+    try:
+        pods = make_local_pods(settings, node, args.once, local_pods_factory)
+    except Exception as e:
+        backend.close()
+        return _fail(f"cannot configure the Kubernetes client: {e}")
+    in_use = make_in_use(settings, pods)
     try:
         if args.once and (args.print or args.json):
             try:
@@ -189,10 +275,12 @@ def main(
             except BackendError as e:
                 return _fail(str(e))
             return 0
-        return _run(settings, node, backend, in_use, args.once, node_api_factory)
+        return _run(settings, node, backend, in_use, args.once, node_api_factory, pods)
     finally:
         in_use.close()
         backend.close()
+        if pods is not None:
+            pods.close()
 
 
 def _run(
@@ -202,6 +290,7 @@ def _run(
     in_use: InUseSource,
     once: bool,
     node_api_factory: Callable[[AgentSettings], NodeApi] | None,
+    pods: LocalPods | None = None,
 ) -> int:
     stop = threading.Event()
     try:
@@ -217,6 +306,13 @@ def _run(
         sleep=stop.wait,
     )
     metrics = AgentMetrics()
+    plugin: DevicePlugin | None = None
+    if settings.device_plugin and not once:
+        try:
+            plugin = start_device_plugin(settings, node, backend, pods)
+        except (BackendError, MigModeError, OSError, ValueError) as e:
+            return _fail(f"cannot start the device plugin: {e}")
+        backend = TopologyTap(backend, plugin.update)  # every discovery cycle updates the plugin's devices
     agent = Agent(backend, in_use, publisher, metrics, settings.interval_seconds, settings.heartbeat_seconds, stop)
     if once:
         result = agent.cycle()
@@ -238,7 +334,11 @@ def _run(
         "agent started",
         extra={"node": node, "backend": backend.description, "interval_s": settings.interval_seconds},
     )
-    agent.run()
+    try:
+        agent.run()
+    finally:
+        if plugin is not None:
+            plugin.stop()
     log.info("agent stopped", extra={"node": node})
     return 0
 

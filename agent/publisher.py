@@ -1,4 +1,4 @@
-"""Publish a node's topology to its own Node, and heartbeat through a Lease (design.md).
+"""Publish a node's topology to its own Node, and heartbeat through a Lease.
 
 The Node is written only when the content of `gputopo.io/topology`, `gputopo.io/gpus-in-use` or a
 `gputopo.io/*` label differs from what the Node carries (nothing time-varying is published), so a
@@ -25,8 +25,8 @@ from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,
     NODE_LABEL_KEYS,
     TOPOLOGY_ANNOTATION,
+    GpusInUse,
     NodeTopology,
-    format_gpus_in_use,
     node_labels,
 )
 
@@ -82,13 +82,11 @@ class PublishResult(StrEnum):
 # Pure: what the Node should carry, and what differs
 
 
-def desired_metadata(
-    topology: NodeTopology, gpus_in_use: frozenset[int] | None
-) -> tuple[dict[str, str], dict[str, str]]:
+def desired_metadata(topology: NodeTopology, gpus_in_use: GpusInUse | None) -> tuple[dict[str, str], dict[str, str]]:
     """(annotations, labels) for this topology; the in-use annotation only when it is known."""
     annotations = {TOPOLOGY_ANNOTATION: topology.to_annotation()}
     if gpus_in_use is not None:
-        annotations[GPUS_IN_USE_ANNOTATION] = format_gpus_in_use(gpus_in_use)
+        annotations[GPUS_IN_USE_ANNOTATION] = gpus_in_use.to_annotation()
     return annotations, node_labels(topology)
 
 
@@ -201,7 +199,7 @@ class Publisher:
         self._backoff = backoff
         self._now = now
 
-    def publish(self, topology: NodeTopology, gpus_in_use: frozenset[int] | None) -> PublishResult:
+    def publish(self, topology: NodeTopology, gpus_in_use: GpusInUse | None) -> PublishResult:
         annotations, labels = desired_metadata(topology, gpus_in_use)
         desired = (dict(annotations), dict(labels))
         if self._confirmed == desired and self._monotonic() - self._confirmed_at < self._reverify_s:

@@ -15,7 +15,7 @@ from typing import Protocol
 from agent.backends import BackendError, InUseError, InUseSource, TopologyBackend
 from agent.metrics import AgentMetrics
 from agent.publisher import Publisher, PublishResult
-from gputopo.model import NodeTopology
+from gputopo.model import GpusInUse, NodeTopology
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class StopSignal(Protocol):
 @dataclass(frozen=True)
 class CycleResult:
     topology: NodeTopology | None
-    gpus_in_use: frozenset[int] | None
+    gpus_in_use: GpusInUse | None
     published: PublishResult | None
 
 
@@ -55,10 +55,10 @@ class Agent:
         self._heartbeat = heartbeat_s
         self._stop = stop
         self._clock = clock
-        self._last_in_use: frozenset[int] | None = None
+        self._last_in_use: GpusInUse | None = None
         self.discovery_ok = False
 
-    def discover(self) -> tuple[NodeTopology, frozenset[int] | None]:
+    def discover(self) -> tuple[NodeTopology, GpusInUse | None]:
         """Topology plus GPUs in use; an in-use failure keeps the last known value (or None)."""
         start = self._clock()
         try:

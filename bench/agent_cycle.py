@@ -7,8 +7,11 @@
    intervals against an in-memory NodeApi for a bounded time, counting Node patches against Lease
    renewals; then the same loop on a simulated clock at the production settings for one hour.
    Target: zero Node writes after the first publish; only the Lease renews.
+3. The device plugin over its real gRPC unix socket: GetPreferredAllocation latency when the
+   admitted pod has a placement (among running pods that do not match) and when it falls back to
+   best effort, and Allocate latency, over a bounded number of calls each.
 
-    .venv/bin/python bench/agent_cycle.py [--system dgx-h100] [--cycles 2000] [--seconds 3]
+    .venv/bin/python bench/agent_cycle.py [--system dgx-h100] [--cycles 2000] [--seconds 3] [--calls 2000]
 """
 
 from __future__ import annotations
@@ -18,18 +21,26 @@ import logging
 import resource
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+import grpc
+
 from agent.backends import FixtureBackend, InUseSource, NoneInUse
+from agent.deviceplugin import api_pb2, api_pb2_grpc
+from agent.deviceplugin.plugin import DevicePlugin, PluginConfig
 from agent.memory_api import InMemoryNodeApi
 from agent.metrics import AgentMetrics
+from agent.pods import StaticLocalPods
 from agent.publisher import Publisher
 from agent.runner import Agent
-from gputopo.model import NodeTopology
+from gputopo.model import PLACEMENT_ANNOTATION, GpusInUse, NodeTopology, Placement
+from gputopo.systems import build_system
 
 NODE = "bench-node"
 
@@ -40,9 +51,9 @@ class Alternating:
     def __init__(self) -> None:
         self.n = 0
 
-    def gpus_in_use(self, topology: NodeTopology) -> frozenset[int]:
+    def gpus_in_use(self, topology: NodeTopology) -> GpusInUse:
         self.n += 1
-        return frozenset({self.n % len(topology.gpus)})
+        return GpusInUse(other=frozenset({self.n % len(topology.gpus)}))
 
     def close(self) -> None:
         pass
@@ -137,6 +148,73 @@ def bench_simulated_hour(system: str, interval: float = 10.0, heartbeat: float =
     print(f"Node reads/min:                   {api.calls['read_node'] / 60:.2f}")
 
 
+def bench_pod(name: str, gpus: tuple[int, ...] | None, count: int, phase: str, second: int) -> dict[str, Any]:
+    ann = {}
+    if gpus is not None:
+        ann[PLACEMENT_ANNOTATION] = Placement(node=NODE, gpus=gpus, score=1, reason="bench").to_annotation()
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": "bench",
+            "uid": f"uid-{name}",
+            "creationTimestamp": f"2026-01-01T00:{second // 60 % 60:02d}:{second % 60:02d}Z",
+            "annotations": ann,
+        },
+        "spec": {"containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": str(count)}}}]},
+        "status": {"phase": phase},
+    }
+
+
+def bench_device_plugin(system: str, calls: int) -> None:
+    topology = build_system(system, NODE)
+    uuids = [g.uuid for g in topology.gpus]
+    # Running pods hold GPUs 0-3 (their placements are not available); the admitted pod asks for 2 of 4-7.
+    running = [bench_pod(f"run-{i}", (i,), 1, "Running", i) for i in range(4)]
+    pods = StaticLocalPods(NODE, running)
+    with tempfile.TemporaryDirectory(prefix="gputopo-bench-") as tmp:
+        plugin = DevicePlugin(PluginConfig(plugin_dir=Path(tmp), poll_s=5.0), pods)
+        plugin.start(topology)
+        assert plugin.server is not None
+        channel = grpc.insecure_channel(f"unix://{plugin.server.socket_path}")
+        stub = api_pb2_grpc.DevicePluginStub(channel)
+        free = uuids[4:]
+
+        def ask(size: int) -> tuple[float, list[str]]:
+            req = api_pb2.PreferredAllocationRequest(
+                container_requests=[
+                    api_pb2.ContainerPreferredAllocationRequest(available_deviceIDs=free, allocation_size=size)
+                ]
+            )
+            t0 = time.perf_counter()
+            resp = stub.GetPreferredAllocation(req, timeout=10)
+            return time.perf_counter() - t0, list(resp.container_responses[0].deviceIDs)
+
+        def allocate(ids: list[str]) -> float:
+            req = api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids)])
+            t0 = time.perf_counter()
+            stub.Allocate(req, timeout=10)
+            return time.perf_counter() - t0
+
+        placed, best, alloc = [], [], []
+        for i in range(calls):
+            # A new pending pod each time, so every call identifies a pod and answers from its placement.
+            gpus = (4 + i % 4, 4 + (i + 1) % 4)
+            pods.set_objects([*running, bench_pod(f"p{i}", gpus, 2, "Pending", 100 + i)])
+            took, answer = ask(2)
+            assert answer == [uuids[g] for g in gpus], answer
+            placed.append(took)
+            alloc.append(allocate(answer))
+        pods.set_objects([*running, bench_pod("plain", None, 2, "Pending", 1)])
+        for _ in range(calls):
+            best.append(ask(2)[0])
+        channel.close()
+        plugin.stop()
+    print(f"== device plugin over its unix socket, fixture:{system}, {calls} calls each")
+    print(f"GetPreferredAllocation, placement: {ms(placed)}")
+    print(f"GetPreferredAllocation, besteffort: {ms(best)}")
+    print(f"Allocate (envvar):                 {ms(alloc)}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--system", default="dgx-h100")
@@ -144,11 +222,13 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=3.0, help="wall time of the real-loop run")
     p.add_argument("--interval", type=float, default=0.02, help="real-loop discovery interval")
     p.add_argument("--heartbeat", type=float, default=0.1, help="real-loop Lease interval")
+    p.add_argument("--calls", type=int, default=2000, help="device plugin calls per measured RPC")
     args = p.parse_args()
     logging.disable(logging.INFO)  # the loop logs each publish; keep the figures readable
     bench_cycles(args.system, args.cycles)
     bench_real_loop(args.system, args.seconds, args.interval, args.heartbeat)
     bench_simulated_hour(args.system)
+    bench_device_plugin(args.system, args.calls)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Wire models of every gputopo annotation and label (design.md, "Node annotations" and "Pod annotations").
+"""Wire models of every gputopo annotation and label (docs/annotations.md describes them for users).
 
 These are the only shapes that cross process boundaries between the agent, the extender, the CLI and
 the simulator. They validate strictly: an unknown schema version or a malformed value is an error that
@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass, field
+from decimal import ROUND_CEILING, Decimal
 from enum import IntEnum, StrEnum
 from typing import Annotated, Any, Literal
 
@@ -35,6 +37,7 @@ ANN_NETWORK = "gputopo.io/network"
 ANN_SPREAD = "gputopo.io/spread"
 ANN_REQUIRED_TIER = "gputopo.io/required-tier"
 ANN_PREFERRED_TIER = "gputopo.io/preferred-tier"
+ANN_MESSAGE_SIZE = "gputopo.io/message-size"
 POD_OPT_IN_ANNOTATIONS = (
     ANN_NVLINK,
     ANN_MIN_GPU_MEMORY,
@@ -45,6 +48,7 @@ POD_OPT_IN_ANNOTATIONS = (
     ANN_SPREAD,
     ANN_REQUIRED_TIER,
     ANN_PREFERRED_TIER,
+    ANN_MESSAGE_SIZE,
 )
 # Written by gputopo itself; present on pods but not part of the user's request.
 POD_OUTPUT_ANNOTATIONS = (PLACEMENT_ANNOTATION,)
@@ -125,31 +129,69 @@ class LinkLayer(StrEnum):
 # --------------------------------------------------------------------------------------------------
 # gputopo.io/topology
 
+# Value bounds. They stop a corrupt or hostile document from costing the extender real work or breaking
+# arithmetic (a 0 MiB GPU divides by zero in scoring, an infinite rate poisons every comparison), while
+# leaving wide headroom over real hardware:
+# - 64 GPUs per node: the largest single hosts ship 16 (DGX-2, HGX-2), NVL72 trays hold 4 per host;
+#   64 also keeps the NVLink matrix at 4,096 entries and GPU bitmasks small.
+# - 64 NVLink links between two GPUs or per GPU: an H100/B200 has 18 in all.
+# - 100,000 Gb/s for an NVLink link or a NIC: today's fastest NICs run at 800 Gb/s (1.6 Tb/s next).
+# - 1 PiB of memory per GPU: the largest HBM today is 288 GB.
+# - 64 NICs per node, 256 characters per name or identifier, 1,024 per free-text detail.
+MAX_GPUS_PER_NODE = 64
+MAX_NVLINKS = 64
+MAX_LINK_GBPS = 100_000.0
+MAX_GPU_MEMORY_MIB = 1024**3
+MAX_NICS_PER_NODE = 64
+MAX_NAME_LENGTH = 256
+MAX_TEXT_LENGTH = 1024
+MAX_REASONS = 32
+
+_Name = Annotated[str, Field(max_length=MAX_NAME_LENGTH)]
+_Text = Annotated[str, Field(max_length=MAX_TEXT_LENGTH)]
+_Gbps = Annotated[float, Field(ge=0, le=MAX_LINK_GBPS, allow_inf_nan=False)]
+_NumaNode = Annotated[int, Field(ge=-1, le=4096)]  # -1: the kernel does not know
+
 
 class GpuInfo(_Wire):
-    index: Annotated[int, Field(ge=0)]
-    uuid: str
-    model: str
-    memory_mib: Annotated[int, Field(alias="memoryMiB", ge=0)]
-    pci_bus_id: str = Field(alias="pciBusId", default="")
-    numa_node: int | None = Field(alias="numaNode", default=None)
+    index: Annotated[int, Field(ge=0, lt=MAX_GPUS_PER_NODE)]
+    uuid: _Name
+    model: _Name
+    memory_mib: Annotated[int, Field(alias="memoryMiB", ge=0, le=MAX_GPU_MEMORY_MIB)]
+    pci_bus_id: _Name = Field(alias="pciBusId", default="")
+    numa_node: _NumaNode | None = Field(alias="numaNode", default=None)
     health: Health = Health.OK
-    reasons: tuple[str, ...] = ()
+    reasons: Annotated[tuple[_Text, ...], Field(max_length=MAX_REASONS)] = ()
+
+    @model_validator(mode="after")
+    def _memory_known_unless_failed(self) -> GpuInfo:
+        # A GPU that fell off the bus reports no memory; it is never chosen, so 0 is harmless there.
+        # Anywhere else 0 MiB is a corrupt report (and would divide by zero in scoring).
+        if self.memory_mib == 0 and self.health is not Health.FAILED:
+            raise ValueError(f"GPU {self.index}: memoryMiB must be > 0 unless the GPU is failed")
+        return self
 
 
 class NvlinkInfo(_Wire):
-    generation: Annotated[int, Field(ge=0)] = 0
-    gbps_per_link: Annotated[float, Field(alias="gbpsPerLink", ge=0)] = 0.0
+    generation: Annotated[int, Field(ge=0, le=64)] = 0
+    gbps_per_link: _Gbps = Field(alias="gbpsPerLink", default=0.0)
     nvswitch: bool = False
-    links: tuple[tuple[int, ...], ...] = ()
+    links: Annotated[
+        tuple[
+            Annotated[tuple[Annotated[int, Field(ge=0, le=MAX_NVLINKS)], ...], Field(max_length=MAX_GPUS_PER_NODE)], ...
+        ],
+        Field(max_length=MAX_GPUS_PER_NODE),
+    ] = ()
 
     @field_validator("links")
     @classmethod
     def _square_symmetric(cls, links: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
         n = len(links)
+        # Every row's length first: the symmetry check below reads links[j][i] for rows not seen yet.
         for i, row in enumerate(links):
             if len(row) != n:
                 raise ValueError(f"links row {i} has {len(row)} entries, expected {n}")
+        for i, row in enumerate(links):
             if row[i] != 0:
                 raise ValueError(f"links[{i}][{i}] must be 0")
             for j, v in enumerate(row):
@@ -161,24 +203,26 @@ class NvlinkInfo(_Wire):
 
 
 class DegradedLink(_Wire):
-    gpu: Annotated[int, Field(ge=0)]
-    link: Annotated[int, Field(ge=0)]
+    gpu: Annotated[int, Field(ge=0, lt=MAX_GPUS_PER_NODE)]
+    link: Annotated[int, Field(ge=0, lt=MAX_NVLINKS)]
     state: LinkState
-    detail: str = ""
+    detail: _Text = ""
 
 
 class FabricInfo(_Wire):
-    clique: str
+    clique: _Name
 
 
 class NicInfo(_Wire):
-    name: str
+    name: _Name
     link_layer: LinkLayer = Field(alias="linkLayer")
-    state: str
-    rate_gbps: Annotated[float, Field(alias="rateGbps", ge=0)]
-    numa_node: int | None = Field(alias="numaNode", default=None)
-    pci_bus_id: str = Field(alias="pciBusId", default="")
-    gpu_affinity: tuple[PcieDistance, ...] = Field(alias="gpuAffinity", default=())
+    state: _Name
+    rate_gbps: _Gbps = Field(alias="rateGbps")
+    numa_node: _NumaNode | None = Field(alias="numaNode", default=None)
+    pci_bus_id: _Name = Field(alias="pciBusId", default="")
+    gpu_affinity: Annotated[tuple[PcieDistance, ...], Field(max_length=MAX_GPUS_PER_NODE)] = Field(
+        alias="gpuAffinity", default=()
+    )
 
     @property
     def active(self) -> bool:
@@ -193,11 +237,13 @@ class NodeTopology(_Wire):
     """The `gputopo.io/topology` document: what one node's GPUs, links and NICs look like."""
 
     version: Literal[1] = 1
-    gpus: tuple[GpuInfo, ...]
+    gpus: Annotated[tuple[GpuInfo, ...], Field(max_length=MAX_GPUS_PER_NODE)]
     nvlink: NvlinkInfo = NvlinkInfo()
-    degraded_links: tuple[DegradedLink, ...] = Field(alias="degradedLinks", default=())
+    degraded_links: Annotated[tuple[DegradedLink, ...], Field(max_length=MAX_GPUS_PER_NODE * MAX_NVLINKS)] = Field(
+        alias="degradedLinks", default=()
+    )
     fabric: FabricInfo | None = None
-    nics: tuple[NicInfo, ...] = ()
+    nics: Annotated[tuple[NicInfo, ...], Field(max_length=MAX_NICS_PER_NODE)] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -240,12 +286,21 @@ def _format_validation(err: ValidationError) -> str:
     return "; ".join(parts[:3]) + (f" (and {len(parts) - 3} more)" if len(parts) > 3 else "")
 
 
+# All of a node's annotations share the API server's 256 KiB limit; a topology of 64 GPUs and NICs needs
+# about 40 KiB.
+MAX_TOPOLOGY_BYTES = 256 * 1024
+
+
 def parse_topology(text: str) -> NodeTopology:
     """Parse a `gputopo.io/topology` annotation value; raise AnnotationError naming what is wrong."""
+    if len(text) > MAX_TOPOLOGY_BYTES:
+        raise AnnotationError(TOPOLOGY_ANNOTATION, text, f"longer than {MAX_TOPOLOGY_BYTES} bytes")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise AnnotationError(TOPOLOGY_ANNOTATION, text, f"not JSON ({e.msg} at position {e.pos})") from None
+    except (ValueError, RecursionError):  # an integer with too many digits, or nesting deeper than Python's stack
+        raise AnnotationError(TOPOLOGY_ANNOTATION, text, "not JSON (a number too long or nesting too deep)") from None
     if not isinstance(data, dict):
         raise AnnotationError(TOPOLOGY_ANNOTATION, text, "must be a JSON object")
     try:
@@ -258,20 +313,101 @@ def parse_topology(text: str) -> NodeTopology:
 # gputopo.io/gpus-in-use
 
 
-def parse_gpus_in_use(text: str, gpu_count: int | None = None) -> frozenset[int]:
-    """Parse `gputopo.io/gpus-in-use`: a JSON list of GPU indices."""
+# Bounds: a node has at most a few dozen GPUs; these only stop a hostile or corrupt value from costing
+# the extender real work. Kubernetes UIDs are 36 characters.
+MAX_IN_USE_BYTES = 64 * 1024
+MAX_IN_USE_PODS = 1024
+MAX_POD_UID_LENGTH = 128
+MAX_GPU_INDEX = 4096
+IN_USE_VERSION = 2
+
+
+@dataclass(frozen=True)
+class GpusInUse:
+    """A node's GPUs in use as its agent reports them: per pod UID, plus `other` (GPUs held by pods the
+    agent cannot attribute, or used outside pods). No GPU is in two pods."""
+
+    pods: Mapping[str, frozenset[int]] = field(default_factory=dict)
+    other: frozenset[int] = frozenset()
+
+    @property
+    def all(self) -> frozenset[int]:
+        used = set(self.other)
+        for gpus in self.pods.values():
+            used |= gpus
+        return frozenset(used)
+
+    def to_annotation(self) -> str:
+        """Version 2, compact, UIDs and indices sorted: unchanged truth always gives the same bytes."""
+        pods = {uid: sorted(self.pods[uid]) for uid in sorted(self.pods) if self.pods[uid]}
+        return json.dumps({"version": IN_USE_VERSION, "pods": pods, "other": sorted(self.other)}, separators=(",", ":"))
+
+
+def _indices(text: str, value: Any, gpu_count: int | None, where: str) -> frozenset[int]:
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise AnnotationError(GPUS_IN_USE_ANNOTATION, text, f"{where}: not a JSON list of GPU indices")
+    limit = MAX_GPU_INDEX if gpu_count is None else gpu_count
+    if any(i < 0 or i >= limit for i in value):
+        raise AnnotationError(GPUS_IN_USE_ANNOTATION, text, f"{where}: index out of range for {limit} GPUs")
+    return frozenset(value)
+
+
+def parse_gpus_in_use_report(text: str, gpu_count: int | None = None) -> GpusInUse:
+    """Parse `gputopo.io/gpus-in-use`: version 2 `{"version":2,"pods":{UID:[...]},"other":[...]}`, or
+    a plain JSON list of indices (version 1, read as all `other`). Raises AnnotationError only."""
+    if len(text) > MAX_IN_USE_BYTES:
+        raise AnnotationError(GPUS_IN_USE_ANNOTATION, text, f"longer than {MAX_IN_USE_BYTES} bytes")
     try:
         data = json.loads(text)
-    except json.JSONDecodeError:
-        raise AnnotationError(GPUS_IN_USE_ANNOTATION, text, "not a JSON list of GPU indices") from None
-    if not isinstance(data, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in data):
-        raise AnnotationError(GPUS_IN_USE_ANNOTATION, text, "not a JSON list of GPU indices")
-    if any(i < 0 or (gpu_count is not None and i >= gpu_count) for i in data):
-        raise AnnotationError(GPUS_IN_USE_ANNOTATION, text, f"index out of range for {gpu_count} GPUs")
-    return frozenset(data)
+    except (ValueError, RecursionError):  # ValueError: bad JSON, or an integer with too many digits
+        raise AnnotationError(
+            GPUS_IN_USE_ANNOTATION, text, "not a JSON list of GPU indices nor a version 2 object"
+        ) from None
+    if isinstance(data, list):
+        return GpusInUse(other=_indices(text, data, gpu_count, "value"))
+    if not isinstance(data, dict):
+        raise AnnotationError(GPUS_IN_USE_ANNOTATION, text, "not a JSON list of GPU indices nor a version 2 object")
+    version = data.get("version")
+    if type(version) is not int or version != IN_USE_VERSION:  # not True, not 2.0
+        raise AnnotationError(
+            GPUS_IN_USE_ANNOTATION,
+            text,
+            f"unsupported version {version!r}; this gputopo reads a plain list (version 1) or version {IN_USE_VERSION}",
+        )
+    unknown = sorted(str(k) for k in data if k not in ("version", "pods", "other"))
+    if unknown:
+        raise AnnotationError(GPUS_IN_USE_ANNOTATION, text, "unknown keys " + ", ".join(unknown[:3]))
+    other = _indices(text, data.get("other", []), gpu_count, "other")
+    raw_pods = data.get("pods", {})
+    if not isinstance(raw_pods, dict):
+        raise AnnotationError(GPUS_IN_USE_ANNOTATION, text, "pods is not an object of pod UID to GPU indices")
+    if len(raw_pods) > MAX_IN_USE_PODS:
+        raise AnnotationError(GPUS_IN_USE_ANNOTATION, text, f"more than {MAX_IN_USE_PODS} pods")
+    pods: dict[str, frozenset[int]] = {}
+    owner: dict[int, str] = {}
+    for uid, value in raw_pods.items():
+        if not uid or len(uid) > MAX_POD_UID_LENGTH:
+            raise AnnotationError(GPUS_IN_USE_ANNOTATION, text, f"pod UID must be 1..{MAX_POD_UID_LENGTH} characters")
+        gpus = _indices(text, value, gpu_count, f"pods[{_short(uid, 40)}]")
+        for i in gpus:
+            if i in owner:
+                raise AnnotationError(GPUS_IN_USE_ANNOTATION, text, f"GPU {i} is in two pods")
+            owner[i] = uid
+        if gpus:  # an empty list says nothing; dropped so equal truth compares equal
+            pods[uid] = gpus
+    both = sorted(other & owner.keys())
+    if both:
+        raise AnnotationError(GPUS_IN_USE_ANNOTATION, text, f"GPU {both[0]} is both in a pod and in other")
+    return GpusInUse(pods=pods, other=other)
+
+
+def parse_gpus_in_use(text: str, gpu_count: int | None = None) -> frozenset[int]:
+    """Every GPU in use on the node (either version), whoever holds it."""
+    return parse_gpus_in_use_report(text, gpu_count).all
 
 
 def format_gpus_in_use(indices: frozenset[int] | set[int] | list[int]) -> str:
+    """A version 1 value (a plain list); agents publish version 2 (`GpusInUse.to_annotation`)."""
     return json.dumps(sorted(set(indices)), separators=(",", ":"))
 
 
@@ -335,29 +471,47 @@ class Spread(StrEnum):
     NONE = "none"
 
 
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
-_QUANTITY_FACTORS = {
-    None: 1,
-    "Ki": 1024,
-    "Mi": 1024**2,
-    "Gi": 1024**3,
-    "Ti": 1024**4,
-    "Pi": 1024**5,
-    "k": 1000,
-    "M": 1000**2,
-    "G": 1000**3,
-    "T": 1000**4,
-    "P": 1000**5,
-}
+# Kubernetes quantities (resource.Quantity's grammar): a signed decimal, then a binary suffix (Ki..Ei), a
+# decimal suffix (n, u, m, k, M..E) or an exponent (e3). The shape and length are checked first, so no
+# value (400 digits, NaN, inf, 1e999999) costs real work; the Kubernetes client's parser then gives the
+# exact Decimal, and anything beyond int64 (how the API server and kubelet account resources) is refused.
+MAX_QUANTITY_CHARS = 64
+MAX_QUANTITY = 2**63 - 1
+_QUANTITY = re.compile(r"^[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]{1,3})?$")
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9._]{0,61}[a-z0-9])?$")
 
 
+def parse_quantity(text: str) -> Decimal:
+    """A Kubernetes quantity (`2`, `500m`, `80Gi`, `1e3`) as an exact Decimal, finite and within ±(2^63-1).
+
+    Raises ValueError saying why; the work is bounded whatever the input."""
+    if len(text) > MAX_QUANTITY_CHARS:
+        raise ValueError(f"not a Kubernetes quantity: longer than {MAX_QUANTITY_CHARS} characters")
+    stripped = text.strip()
+    if not _QUANTITY.match(stripped):
+        raise ValueError("not a Kubernetes quantity such as 2, 500m or 80Gi")
+    # Imported here: the client package takes ~0.2 s to import, and most CLI commands never parse one.
+    from kubernetes.utils.quantity import parse_quantity as parse_k8s_quantity
+
+    value = parse_k8s_quantity(stripped)
+    if not isinstance(value, Decimal) or not value.is_finite() or abs(value) > MAX_QUANTITY:
+        raise ValueError(f"out of range: a Kubernetes quantity is at most {MAX_QUANTITY}")
+    return value
+
+
 def parse_quantity_bytes(text: str) -> int:
-    """Kubernetes quantity (`80Gi`, `100G`, `81920Mi`) to bytes; ValueError otherwise."""
-    m = _QUANTITY.match(text.strip())
-    if not m:
-        raise ValueError("not a Kubernetes quantity such as 80Gi")
-    return int(float(m.group(1)) * _QUANTITY_FACTORS[m.group(2)])
+    """Kubernetes quantity (`80Gi`, `100G`, `81920Mi`) to whole bytes, rounded up as Kubernetes does;
+    ValueError (saying why) otherwise, negative amounts included."""
+    value = parse_quantity(text)
+    if value < 0:
+        raise ValueError("must not be negative")
+    return int(value.to_integral_value(rounding=ROUND_CEILING))
+
+
+# `gputopo.io/message-size`: the bytes of one all-reduce the communication estimate assumes. 1 GiB by
+# default; at most 1 TiB (a larger single collective exceeds any GPU's memory, so it is a typo).
+DEFAULT_MESSAGE_BYTES = 1 << 30
+MAX_MESSAGE_BYTES = 1 << 40
 
 
 def format_mib(mib: int) -> str:
@@ -379,6 +533,7 @@ class PodRequest(BaseModel):
     spread: Spread = Spread.NODE
     required_tier: str | None = None
     preferred_tier: str | None = None
+    message_bytes: int = DEFAULT_MESSAGE_BYTES
 
     @property
     def is_group(self) -> bool:
@@ -386,7 +541,7 @@ class PodRequest(BaseModel):
 
 
 def is_gputopo_pod(annotations: Mapping[str, str] | None) -> bool:
-    """True when the pod opted in (design.md: at least one `gputopo.io/` annotation of the request)."""
+    """True when the pod opted in: at least one `gputopo.io/` annotation of the request."""
     return bool(annotations) and any(
         k.startswith(PREFIX) and k not in POD_OUTPUT_ANNOTATIONS for k in (annotations or {})
     )
@@ -400,6 +555,8 @@ def _enum(key: str, value: str, enum: type[StrEnum]) -> Any:
 
 
 def _int(key: str, value: str, lo: int, hi: int | None = None) -> int:
+    if len(value) > 32:  # before int(): its cost grows with the square of the digits
+        raise AnnotationError(key, value, "must be an integer" + (f" between {lo} and {hi}" if hi is not None else ""))
     try:
         v = int(value.strip())
     except ValueError:
@@ -426,6 +583,15 @@ def parse_pod_request(
             fields["min_gpu_memory_mib"] = -(-parse_quantity_bytes(v) // (1024 * 1024))
         except ValueError as e:
             raise AnnotationError(ANN_MIN_GPU_MEMORY, v, str(e)) from None
+    if ANN_MESSAGE_SIZE in ann:
+        v = ann[ANN_MESSAGE_SIZE]
+        try:
+            size = parse_quantity_bytes(v)
+        except ValueError as e:
+            raise AnnotationError(ANN_MESSAGE_SIZE, v, str(e)) from None
+        if not 1 <= size <= MAX_MESSAGE_BYTES:
+            raise AnnotationError(ANN_MESSAGE_SIZE, v, "must be between 1 byte and 1Ti")
+        fields["message_bytes"] = size
     if ANN_NETWORK in ann:
         fields["network"] = _enum(ANN_NETWORK, ann[ANN_NETWORK], NetworkKind)
     if ANN_SPREAD in ann:
@@ -448,12 +614,12 @@ def parse_pod_request(
             raise AnnotationError(ANN_GROUP_SIZE, ann[ANN_GROUP_SIZE], f"needs {ANN_GROUP} as well")
         fields["group_size"] = _int(ANN_GROUP_SIZE, ann[ANN_GROUP_SIZE], 1, 4096)
     if ANN_STAGE in ann:
-        size = fields.get("group_size")
-        if size is None:
+        group_size = fields.get("group_size")
+        if group_size is None:
             raise AnnotationError(ANN_STAGE, ann[ANN_STAGE], f"needs {ANN_GROUP} and {ANN_GROUP_SIZE}")
-        fields["stage"] = _int(ANN_STAGE, ann[ANN_STAGE], 0, size - 1)
-    if gpus < 0:
-        raise AnnotationError(GPU_RESOURCE, str(gpus), "GPU count must not be negative")
+        fields["stage"] = _int(ANN_STAGE, ann[ANN_STAGE], 0, group_size - 1)
+    if not 0 <= gpus <= MAX_QUANTITY:
+        raise AnnotationError(GPU_RESOURCE, str(gpus), f"GPU count must be between 0 and {MAX_QUANTITY}")
     return PodRequest(**fields)
 
 
@@ -461,22 +627,46 @@ def parse_pod_request(
 # gputopo.io/placement
 
 
+# Anyone who can edit a pod can write this annotation, and its GPU indices become bit positions: bound
+# them to a node's GPUs, and the texts to a few sentences.
+_Sentence = Annotated[str, Field(max_length=4 * MAX_TEXT_LENGTH)]
+_Score = Annotated[int, Field(ge=-MAX_QUANTITY, le=MAX_QUANTITY)]
+
+
 class RunnerUp(_Wire):
-    node: str
-    score: int
-    why: str
+    node: _Name
+    score: _Score
+    why: _Sentence
+
+
+_Millis = Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
+
+
+class CommEstimate(_Wire):
+    """Predicted communication times of a placement (docs/cost-model.md), in milliseconds."""
+
+    message_bytes: Annotated[int, Field(alias="messageBytes", ge=1, le=MAX_MESSAGE_BYTES)]
+    # The pod's all-reduce over its own GPUs; absent for one GPU.
+    all_reduce_ms: _Millis | None = Field(alias="allReduceMs", default=None)
+    # The same all-reduce on the runner-up node's GPUs.
+    runner_up_all_reduce_ms: _Millis | None = Field(alias="runnerUpAllReduceMs", default=None)
+    # A group member: the transfer to the next stage (the last stage: from the previous one).
+    stage_transfer_ms: _Millis | None = Field(alias="stageTransferMs", default=None)
+    # A group member: the all-reduce across the group's members (one rank per member, over the NICs).
+    group_all_reduce_ms: _Millis | None = Field(alias="groupAllReduceMs", default=None)
 
 
 class Placement(_Wire):
     """What gputopo decided for a pod; written at bind time and read back to rebuild assumed GPUs."""
 
-    node: str
-    gpus: tuple[int, ...]
-    score: int
-    reason: str
+    node: _Name
+    gpus: Annotated[tuple[Annotated[int, Field(ge=0, lt=MAX_GPUS_PER_NODE)], ...], Field(max_length=MAX_GPUS_PER_NODE)]
+    score: _Score
+    reason: _Sentence
     runner_up: RunnerUp | None = Field(alias="runnerUp", default=None)
-    group: str | None = None
-    stage: int | None = None
+    group: _Name | None = None
+    stage: Annotated[int, Field(ge=0, le=4096)] | None = None
+    estimate: CommEstimate | None = None
 
     def to_annotation(self) -> str:
         return json.dumps(self.model_dump(mode="json", by_alias=True, exclude_none=True), separators=(",", ":"))

@@ -13,7 +13,14 @@ from agent.memory_api import InMemoryNodeApi
 from agent.metrics import AgentMetrics
 from agent.publisher import Publisher
 from agent.runner import Agent
-from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION, DegradedLink, LinkState, parse_topology
+from gputopo.model import (
+    GPUS_IN_USE_ANNOTATION,
+    TOPOLOGY_ANNOTATION,
+    DegradedLink,
+    GpusInUse,
+    LinkState,
+    parse_topology,
+)
 from gputopo.systems import build_system
 
 NODE = "sim-01"
@@ -106,12 +113,26 @@ def test_link_down_mid_run_republished_within_one_interval(
     assert metrics.registry.get_sample_value("gputopo_agent_nvlink_links_degraded") == 1
 
 
-def test_in_use_file_change_is_republished(tmp_path: Path) -> None:
+NONE = GpusInUse().to_annotation()
+
+
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [
+        pytest.param("[1, 2]", GpusInUse(other=frozenset({1, 2})), id="plain list: all other"),
+        pytest.param(
+            '{"version": 2, "pods": {"uid-a": [2, 1]}, "other": [5]}',
+            GpusInUse(pods={"uid-a": frozenset({1, 2})}, other=frozenset({5})),
+            id="per-pod version 2",
+        ),
+    ],
+)
+def test_in_use_file_change_is_republished_as_version_2(tmp_path: Path, written: str, expected: GpusInUse) -> None:
     agent, api, ft, _, _, in_use_file = setup(tmp_path, end=100.0)
-    ft.at(45.0, lambda: in_use_file.write_text("[1, 2]"))
+    ft.at(45.0, lambda: in_use_file.write_text(written))
     ft.at(75.0, in_use_file.unlink)
     agent.run()
-    assert [p[0].get(GPUS_IN_USE_ANNOTATION) for p in api.patches] == ["[]", "[1,2]", "[]"]
+    assert [p[0].get(GPUS_IN_USE_ANNOTATION) for p in api.patches] == [NONE, expected.to_annotation(), NONE]
 
 
 def test_no_heartbeat_while_discovery_fails(tmp_path: Path) -> None:
@@ -131,7 +152,7 @@ def test_invalid_in_use_file_keeps_last_value(tmp_path: Path) -> None:
     in_use_file.write_text("[3]")
     ft.at(15.0, lambda: in_use_file.write_text("[99]"))  # out of range for 8 GPUs
     agent.run()
-    assert api.annotations[GPUS_IN_USE_ANNOTATION] == "[3]"
+    assert api.annotations[GPUS_IN_USE_ANNOTATION] == GpusInUse(other=frozenset({3})).to_annotation()
     assert api.calls["patch_node"] == 1
 
 

@@ -141,7 +141,7 @@ def test_once_without_output_publishes_and_heartbeats(tmp_path: Path) -> None:
     argv += ["--in-use-file", str(tmp_path / "in-use.json")]
     assert main(argv, node_api_factory=lambda _s: api) == 0
     assert parse_topology(api.annotations[TOPOLOGY_ANNOTATION]) == build_system("dgx-h100", "dgx-01")
-    assert api.annotations[GPUS_IN_USE_ANNOTATION] == "[1]"
+    assert api.annotations[GPUS_IN_USE_ANNOTATION] == '{"version":2,"pods":{},"other":[1]}'
     assert ("gputopo-system", "gputopo-agent-dgx-01") in api.leases
 
 

@@ -28,6 +28,7 @@ from gputopo.model import (
     LABEL_RDMA,
     TOPOLOGY_ANNOTATION,
     DegradedLink,
+    GpusInUse,
     LinkState,
     NodeTopology,
     NvlinkInfo,
@@ -83,14 +84,18 @@ def with_link_down(topo: NodeTopology, gpu: int, link: int) -> NodeTopology:
 H100 = build_system("dgx-h100", NODE)
 
 
+def used(*other: int) -> GpusInUse:
+    return GpusInUse(other=frozenset(other))
+
+
 def test_first_publish_writes_annotations_and_labels_only_once() -> None:
     pub, api, _ = make()
-    assert pub.publish(H100, frozenset({0, 5})) is PublishResult.CHANGED
-    assert pub.publish(H100, frozenset({0, 5})) is PublishResult.UNCHANGED
-    assert pub.publish(H100, frozenset({5, 0})) is PublishResult.UNCHANGED
+    assert pub.publish(H100, used(0, 5)) is PublishResult.CHANGED
+    assert pub.publish(H100, used(0, 5)) is PublishResult.UNCHANGED
+    assert pub.publish(H100, used(5, 0)) is PublishResult.UNCHANGED
     assert api.calls["patch_node"] == 1
     assert parse_topology(api.annotations[TOPOLOGY_ANNOTATION]) == H100
-    assert api.annotations[GPUS_IN_USE_ANNOTATION] == "[0,5]"
+    assert api.annotations[GPUS_IN_USE_ANNOTATION] == '{"version":2,"pods":{},"other":[0,5]}'
     assert {k: api.labels[k] for k in node_labels(H100)} == {
         LABEL_NVLINK_DOMAIN: "8",
         LABEL_NVSWITCH: "true",
@@ -104,16 +109,22 @@ def test_first_publish_writes_annotations_and_labels_only_once() -> None:
 @pytest.mark.parametrize(
     ("after", "in_use_after", "patched_annotations"),
     [
-        pytest.param(with_link_down(H100, 3, 5), frozenset({0}), {TOPOLOGY_ANNOTATION}, id="link down: topology only"),
-        pytest.param(H100, frozenset({0, 1}), {GPUS_IN_USE_ANNOTATION}, id="pod takes a GPU: in-use only"),
+        pytest.param(with_link_down(H100, 3, 5), used(0), {TOPOLOGY_ANNOTATION}, id="link down: topology only"),
+        pytest.param(H100, used(0, 1), {GPUS_IN_USE_ANNOTATION}, id="pod takes a GPU: in-use only"),
+        pytest.param(
+            H100,
+            GpusInUse(pods={"uid-a": frozenset({0})}),
+            {GPUS_IN_USE_ANNOTATION},
+            id="the GPU's pod becomes known: in-use only",
+        ),
         pytest.param(H100, None, set(), id="in-use unknown: annotation left alone, no write"),
     ],
 )
 def test_a_change_patches_only_what_changed(
-    after: NodeTopology, in_use_after: frozenset[int] | None, patched_annotations: set[str]
+    after: NodeTopology, in_use_after: GpusInUse | None, patched_annotations: set[str]
 ) -> None:
     pub, api, _ = make()
-    pub.publish(H100, frozenset({0}))
+    pub.publish(H100, used(0))
     result = pub.publish(after, in_use_after)
     assert result is (PublishResult.CHANGED if patched_annotations else PublishResult.UNCHANGED)
     if patched_annotations:
@@ -122,22 +133,39 @@ def test_a_change_patches_only_what_changed(
     assert len(api.patches) == (2 if patched_annotations else 1)
 
 
+def test_unchanged_per_pod_truth_makes_no_node_write() -> None:
+    """The same truth built in another order is the same bytes: no write, also after re-verifying."""
+    ticks = [0.0]
+    api = InMemoryNodeApi(NODE)
+    pub = Publisher(api, NODE, NS, lease_duration_s=120, sleep=Sleeps(), reverify_s=60.0, monotonic=lambda: ticks[0])
+    first = GpusInUse(pods={"uid-b": frozenset({3, 2}), "uid-a": frozenset({0, 1})}, other=frozenset({7}))
+    again = GpusInUse(pods={"uid-a": frozenset({1, 0}), "uid-b": frozenset({2, 3})}, other=frozenset({7}))
+    assert pub.publish(H100, first) is PublishResult.CHANGED
+    for t in (10.0, 70.0, 200.0):  # 70 and 200 are past reverify_s: the Node is read back, not written
+        ticks[0] = t
+        assert pub.publish(H100, again) is PublishResult.UNCHANGED
+    assert api.calls["patch_node"] == 1
+    assert api.calls["read_node"] == 3
+    assert api.annotations[GPUS_IN_USE_ANNOTATION] == first.to_annotation() == again.to_annotation()
+
+
 def test_label_change_is_published() -> None:
     pub, api, _ = make()
-    pub.publish(build_system("dgx-1v", NODE), frozenset())
-    pub.publish(H100, frozenset())
+    pub.publish(build_system("dgx-1v", NODE), used())
+    pub.publish(H100, used())
     assert api.patches[-1][1][LABEL_NVLINK_DOMAIN] == "8"
     assert api.labels[LABEL_NVLINK_DOMAIN] == "8"
 
 
 def test_same_json_with_other_spacing_is_not_a_change() -> None:
     api = InMemoryNodeApi(NODE)
-    _, labels = desired_metadata(H100, frozenset({2}))
+    _, labels = desired_metadata(H100, used(2))
     pretty = json.dumps(json.loads(H100.to_annotation()), indent=2)
-    api.annotations = {TOPOLOGY_ANNOTATION: pretty, GPUS_IN_USE_ANNOTATION: "[ 2 ]"}
+    in_use = json.dumps(json.loads(used(2).to_annotation()), indent=1)
+    api.annotations = {TOPOLOGY_ANNOTATION: pretty, GPUS_IN_USE_ANNOTATION: in_use}
     api.labels = dict(labels)
     pub, _, _ = make(api)
-    assert pub.publish(H100, frozenset({2})) is PublishResult.UNCHANGED
+    assert pub.publish(H100, used(2)) is PublishResult.UNCHANGED
     assert api.calls["patch_node"] == 0
 
 
@@ -176,7 +204,7 @@ def test_api_errors_retried_with_exponential_backoff(
 ) -> None:
     pub, api, slept = make()
     api.fail_next = list(errors)
-    assert pub.publish(H100, frozenset()) is result  # never raises
+    assert pub.publish(H100, used()) is result  # never raises
     assert slept.delays == sleeps
     assert (TOPOLOGY_ANNOTATION in api.annotations) is (result is PublishResult.CHANGED)
 

@@ -1,0 +1,445 @@
+"""A node-local view of the pods bound to this node: what the device plugin and per-pod reporting read.
+
+`KubeLocalPods` lists and watches pods with `fieldSelector=spec.nodeName=<node>` in a daemon thread
+(410 Gone relists, other errors back off), and `refresh()` does one direct LIST for callers that
+suspect the watch lags. `StaticLocalPods` holds a fixed list for tests and `--once`. A malformed pod
+object is skipped with one log line; the watch thread never dies of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol
+
+from gputopo.model import GPU_RESOURCE, PLACEMENT_ANNOTATION, AnnotationError, Placement, parse_placement
+
+log = logging.getLogger(__name__)
+
+JSON = dict[str, Any]
+TERMINAL_PHASES = ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True)
+class LocalPod:
+    uid: str
+    namespace: str
+    name: str
+    phase: str  # status.phase, "" if absent
+    gpus_requested: int  # max(sum of app containers' limits, max init container limit)
+    container_gpus: tuple[tuple[str, int], ...]  # (container name, GPUs), app containers in spec order, only > 0
+    placement: Placement | None  # gputopo.io/placement when it names THIS node, else None
+    created: float  # metadata.creationTimestamp as epoch seconds
+
+    @property
+    def ref(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+class LocalPods(Protocol):
+    def pods(self) -> Sequence[LocalPod]:
+        """Non-terminated pods bound to this node."""
+        ...
+
+    def get(self, namespace: str, name: str) -> LocalPod | None: ...
+
+    def refresh(self) -> None:
+        """One direct LIST now (used when the view may lag)."""
+        ...
+
+
+class MalformedPodError(ValueError):
+    """A pod object this view cannot read; the message names the field."""
+
+
+def _quantity(value: object, where: str) -> int:
+    # Extended resources are whole numbers; the API server sends them as strings ("2").
+    if isinstance(value, bool):
+        raise MalformedPodError(f"{where} is not an integer: {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        try:
+            n = int(str(value).strip())
+        except ValueError:
+            raise MalformedPodError(f"{where} is not an integer: {value!r}") from None
+    if n < 0:
+        raise MalformedPodError(f"{where} is negative: {n}")
+    return n
+
+
+def _container_gpus(containers: object, resource: str, where: str) -> list[tuple[str, int]]:
+    if containers is None:
+        return []
+    if not isinstance(containers, list):
+        raise MalformedPodError(f"{where} is not a list")
+    out = []
+    for i, c in enumerate(containers):
+        if not isinstance(c, Mapping):
+            raise MalformedPodError(f"{where}[{i}] is not an object")
+        res = c.get("resources") or {}
+        if not isinstance(res, Mapping):
+            raise MalformedPodError(f"{where}[{i}].resources is not an object")
+        # Limits are mandatory for extended resources; requests, if given, must equal them.
+        amount = 0
+        for part in ("limits", "requests"):
+            values = res.get(part) or {}
+            if not isinstance(values, Mapping):
+                raise MalformedPodError(f"{where}[{i}].resources.{part} is not an object")
+            if resource in values:
+                amount = _quantity(values[resource], f"{where}[{i}].resources.{part}[{resource}]")
+                break
+        out.append((str(c.get("name") or f"#{i}"), amount))
+    return out
+
+
+def _epoch(text: object) -> float:
+    if text is None or text == "":
+        return 0.0
+    try:
+        return datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise MalformedPodError(f"metadata.creationTimestamp is not RFC 3339: {text!r}") from None
+
+
+def parse_local_pod(
+    obj: Mapping[str, Any], node: str, resource: str = GPU_RESOURCE
+) -> tuple[LocalPod, AnnotationError | None]:
+    """The LocalPod of a Pod object, plus the placement annotation's error if it could not be read."""
+    meta = obj.get("metadata")
+    if not isinstance(meta, Mapping):
+        raise MalformedPodError("metadata is missing")
+    name, uid = meta.get("name"), meta.get("uid")
+    if not isinstance(name, str) or not name:
+        raise MalformedPodError("metadata.name is missing")
+    if not isinstance(uid, str) or not uid:
+        raise MalformedPodError("metadata.uid is missing")
+    spec = obj.get("spec") or {}
+    status = obj.get("status") or {}
+    annotations = meta.get("annotations") or {}
+    if not isinstance(spec, Mapping) or not isinstance(status, Mapping) or not isinstance(annotations, Mapping):
+        raise MalformedPodError("spec, status or metadata.annotations is not an object")
+    app = _container_gpus(spec.get("containers"), resource, "spec.containers")
+    init = _container_gpus(spec.get("initContainers"), resource, "spec.initContainers")
+    placement, error = None, None
+    text = annotations.get(PLACEMENT_ANNOTATION)
+    if isinstance(text, str):
+        try:
+            parsed = parse_placement(text)
+            placement = parsed if parsed.node == node else None
+        except AnnotationError as e:
+            error = e
+    pod = LocalPod(
+        uid=uid,
+        namespace=str(meta.get("namespace") or "default"),
+        name=name,
+        phase=str(status.get("phase") or ""),
+        gpus_requested=max(sum(n for _, n in app), max((n for _, n in init), default=0)),
+        container_gpus=tuple((c, n) for c, n in app if n > 0),
+        placement=placement,
+        created=_epoch(meta.get("creationTimestamp")),
+    )
+    return pod, error
+
+
+class _Store:
+    """uid → LocalPod under one lock; malformed objects and bad placements are logged once each."""
+
+    def __init__(self, node: str, resource: str) -> None:
+        self.node = node
+        self.resource = resource
+        self._lock = threading.Lock()
+        self._pods: dict[str, LocalPod] = {}
+        self._logged: set[tuple[str, str]] = set()
+
+    def _parse(self, obj: Mapping[str, Any]) -> LocalPod | None:
+        meta = obj.get("metadata") if isinstance(obj, Mapping) else None
+        ident = str(meta.get("uid") or meta.get("name") or "?") if isinstance(meta, Mapping) else "?"
+        try:
+            pod, error = parse_local_pod(obj, self.node, self.resource)
+        except MalformedPodError as e:
+            self._log_once(ident, str(e), "skipping a malformed pod object")
+            return None
+        if error is not None:
+            self._log_once(ident, error.value, "ignoring an unreadable placement annotation", str(error))
+        return pod
+
+    def _log_once(self, ident: str, key: str, message: str, error: str | None = None) -> None:
+        if (ident, key) in self._logged:
+            return
+        self._logged.add((ident, key))
+        log.warning(message, extra={"pod": ident, "error": error or key})
+
+    def replace(self, objs: Iterable[Mapping[str, Any]]) -> None:
+        parsed = [p for p in (self._parse(o) for o in objs) if p is not None]
+        with self._lock:
+            self._pods = {p.uid: p for p in parsed if p.phase not in TERMINAL_PHASES}
+
+    def apply(self, event_type: str, obj: Mapping[str, Any]) -> None:
+        pod = self._parse(obj)
+        if pod is None:
+            return
+        with self._lock:
+            if event_type == "DELETED" or pod.phase in TERMINAL_PHASES:
+                self._pods.pop(pod.uid, None)
+            else:
+                self._pods[pod.uid] = pod
+
+    def pods(self) -> list[LocalPod]:
+        with self._lock:
+            return list(self._pods.values())
+
+    def get(self, namespace: str, name: str) -> LocalPod | None:
+        with self._lock:
+            return next((p for p in self._pods.values() if p.namespace == namespace and p.name == name), None)
+
+
+class StaticLocalPods:
+    """A fixed set of Pod objects (or LocalPods); `set_objects` replaces them (tests change it mid-run)."""
+
+    def __init__(
+        self, node: str, objects: Iterable[Mapping[str, Any] | LocalPod] = (), resource: str = GPU_RESOURCE
+    ) -> None:
+        self._store = _Store(node, resource)
+        self.refreshes = 0
+        self.set_objects(objects)
+
+    def set_objects(self, objects: Iterable[Mapping[str, Any] | LocalPod]) -> None:
+        items = list(objects)
+        self._store.replace(o for o in items if not isinstance(o, LocalPod))
+        for p in items:
+            if isinstance(p, LocalPod) and p.phase not in TERMINAL_PHASES:
+                self._store._pods[p.uid] = p
+
+    def pods(self) -> Sequence[LocalPod]:
+        return self._store.pods()
+
+    def get(self, namespace: str, name: str) -> LocalPod | None:
+        return self._store.get(namespace, name)
+
+    def refresh(self) -> None:
+        self.refreshes += 1
+
+    def close(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------------------------------
+# The API server side
+
+
+class PodsGoneError(RuntimeError):
+    """410 Gone: the watch's resourceVersion was compacted away; relist."""
+
+
+class PodSource(Protocol):
+    """Pods of one node from the API server: list, then watch from the list's resourceVersion."""
+
+    def list_pods(self, node: str) -> tuple[list[JSON], str]: ...
+
+    def watch_pods(self, node: str, resource_version: str, timeout_seconds: int) -> Iterator[tuple[str, JSON]]:
+        """(event type, object) until the watch ends; raises PodsGoneError on 410."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class KubePodSource:
+    """PodSource on the `kubernetes` client, as raw JSON (no typed models): kubeconfig or in-cluster."""
+
+    def __init__(self, kubeconfig: str | None = None, request_timeout: float = 10.0) -> None:
+        from kubernetes import client as k8s_client
+        from kubernetes import config as k8s_config
+
+        cfg: Any = k8s_client.Configuration()
+        if kubeconfig:
+            k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        else:
+            k8s_config.load_incluster_config(client_configuration=cfg)
+        self._client: Any = k8s_client.ApiClient(configuration=cfg)
+        self._api_exception: type[Exception] = k8s_client.ApiException
+        self._timeout = request_timeout
+        self._watching: Any = None
+
+    def _get(self, query: list[tuple[str, str]], timeout: float | tuple[float, float]) -> Any:
+        m, url, hdrs, body, _ = self._client.param_serialize(
+            method="GET",
+            resource_path="/api/v1/pods",
+            query_params=query,
+            header_params={"Accept": "application/json"},
+            auth_settings=["BearerToken"],
+        )
+        try:
+            resp = self._client.call_api(m, url, header_params=hdrs, body=body, _request_timeout=timeout)
+        except self._api_exception as e:
+            if int(getattr(e, "status", 0) or 0) == 410:
+                raise PodsGoneError(str(e)) from None
+            raise
+        if int(resp.status) == 410:
+            raise PodsGoneError("410 Gone")
+        if not 200 <= int(resp.status) <= 299:
+            raise RuntimeError(f"GET /api/v1/pods: HTTP {resp.status}: {(resp.read() or b'')[:200]!r}")
+        return resp
+
+    def list_pods(self, node: str) -> tuple[list[JSON], str]:
+        selector = f"spec.nodeName={node}"
+        doc = json.loads(self._get([("fieldSelector", selector)], self._timeout).read() or b"{}")
+        return list(doc.get("items") or []), str((doc.get("metadata") or {}).get("resourceVersion") or "")
+
+    def watch_pods(self, node: str, resource_version: str, timeout_seconds: int) -> Iterator[tuple[str, JSON]]:
+        query = [
+            ("fieldSelector", f"spec.nodeName={node}"),
+            ("watch", "true"),
+            ("allowWatchBookmarks", "true"),
+            ("resourceVersion", resource_version),
+            ("timeoutSeconds", str(timeout_seconds)),
+        ]
+        raw = self._get(query, (10.0, timeout_seconds + 30.0)).response
+        self._watching = raw
+        try:
+            buf = b""
+            for chunk in raw.stream(65536, decode_content=True):
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    if line.strip():
+                        yield _event(line)
+            if buf.strip():
+                yield _event(buf)
+        finally:
+            self._watching = None
+            raw.release_conn()
+
+    def close(self) -> None:
+        raw = self._watching
+        if raw is not None:
+            # Ends a watch blocked in a read, so the thread that runs it can stop now.
+            with contextlib.suppress(Exception):
+                getattr(raw, "shutdown", raw.close)()
+        self._client.close()
+
+
+def _event(line: bytes) -> tuple[str, JSON]:
+    doc = json.loads(line)
+    etype, obj = str(doc.get("type", "")), doc.get("object") or {}
+    if etype == "ERROR":
+        if int(obj.get("code", 0) or 0) == 410:
+            raise PodsGoneError(str(obj.get("message", "")))
+        raise RuntimeError(f"watch error {obj.get('code')}: {obj.get('message', '')}")
+    return etype, obj
+
+
+def _rv(obj: Mapping[str, Any]) -> int | None:
+    meta = obj.get("metadata")
+    text = meta.get("resourceVersion") if isinstance(meta, Mapping) else None
+    return int(text) if isinstance(text, str) and text.isdigit() else None
+
+
+class KubeLocalPods:
+    """LocalPods kept current by a list+watch thread; `close()` stops the thread."""
+
+    def __init__(
+        self,
+        node: str,
+        source: PodSource,
+        *,
+        resource: str = GPU_RESOURCE,
+        watch_timeout_s: int = 300,
+        backoff_initial_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        start: bool = True,
+    ) -> None:
+        self.node = node
+        self._source = source
+        self._store = _Store(node, resource)
+        self._watch_timeout = watch_timeout_s
+        self._backoff = (backoff_initial_s, backoff_max_s)
+        self._rv = ""
+        self._list_rv: int | None = None  # events older than the latest LIST are stale (see refresh)
+        self._list_lock = threading.Lock()
+        self.synced = threading.Event()
+        self.relists = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"gputopo-pods-{node}", daemon=True)
+        if start:
+            self._thread.start()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def pods(self) -> Sequence[LocalPod]:
+        return self._store.pods()
+
+    def get(self, namespace: str, name: str) -> LocalPod | None:
+        return self._store.get(namespace, name)
+
+    def refresh(self) -> None:
+        """One LIST, applied now; failures are logged and the view stays as it was."""
+        try:
+            self._relist()
+        except Exception as e:
+            log.warning("pod list failed; keeping the watched view", extra={"node": self.node, "error": str(e)})
+
+    def _relist(self) -> None:
+        items, rv = self._source.list_pods(self.node)
+        with self._list_lock:
+            self._store.replace(items)
+            self._rv = rv
+            self._list_rv = int(rv) if rv.isdigit() else None
+            self.relists += 1
+        self.synced.set()
+
+    def _watch_once(self) -> None:
+        try:
+            for etype, obj in self._source.watch_pods(self.node, self._rv, self._watch_timeout):
+                if self._stop.is_set():
+                    return
+                with self._list_lock:
+                    rv = _rv(obj)
+                    # A refresh() from another thread may have listed past this event already.
+                    stale = rv is not None and self._list_rv is not None and rv <= self._list_rv
+                    if etype in ("ADDED", "MODIFIED", "DELETED") and not stale:
+                        self._store.apply(etype, obj)
+                    if rv is not None and not stale:
+                        self._rv = str(rv)
+        except PodsGoneError:
+            log.info("pod watch expired (410 Gone); relisting", extra={"node": self.node})
+            self._relist()
+
+    def _run(self) -> None:
+        delay = self._backoff[0]
+        while not self._stop.is_set():
+            try:
+                if not self.synced.is_set() or not self._rv:
+                    self._relist()
+                started = time.monotonic()
+                self._watch_once()
+                if time.monotonic() - started >= 1.0:
+                    delay = self._backoff[0]
+                else:
+                    # A watch the server ends at once would otherwise turn into a busy loop of requests.
+                    if self._stop.wait(delay):
+                        return
+                    delay = min(self._backoff[1], delay * 2)
+            except Exception as e:
+                if self._stop.is_set():
+                    return
+                log.warning(
+                    "pod list/watch failed; retrying",
+                    extra={"node": self.node, "error": str(e), "retry_in_s": round(delay, 2)},
+                )
+                if self._stop.wait(delay):
+                    return
+                delay = min(self._backoff[1], delay * 2)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._source.close()  # aborts a watch in progress
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
