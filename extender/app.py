@@ -18,10 +18,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from pydantic_core import to_json
+from pydantic_core import from_json, to_json
 
 from extender.cache import ClusterCache
 from extender.kube import ClusterSource, Informer, KubeSource, start_informers
+from extender.limits import RequestGuard
 from extender.metrics import Metrics
 from extender.routers import health, scheduler
 from extender.service import Extender
@@ -97,6 +98,7 @@ def create_app(
     app.include_router(scheduler.router)
     app.include_router(health.router)
     _mount_webhook(app, metrics)
+    app.add_middleware(RequestGuard, max_request_bytes=settings.max_request_bytes)
     return app
 
 
@@ -111,14 +113,23 @@ def _mount_webhook(app: FastAPI, metrics: Metrics) -> None:
     @app.post("/mutate", tags=["webhook"])
     async def mutate(request: Request) -> Response:
         start = time.perf_counter()
+        review: Any = None
         try:
-            review = await request.json()
+            # pydantic-core's parser, not json.loads: it stops at 200 levels of nesting with a ValueError
+            # where the standard library would exhaust the stack.
+            review = from_json(await request.body())
             if not isinstance(review, dict):
                 raise ValueError("an AdmissionReview object is expected")
             answer = mutate_pod(review)
+            outcome = "answered"
         except ValueError as e:  # malformed JSON or a review mutate_pod cannot read: the client's fault
-            metrics.decision("mutate", "bad_request")
-            return Response(to_json({"Error": f"malformed AdmissionReview: {e}"}), 400, media_type="application/json")
-        metrics.decision("mutate", "answered")
+            uid = webhook.review_uid(review)
+            if uid is None:  # nothing to address an AdmissionReview answer to
+                metrics.decision("mutate", "bad_request")
+                body = {"Error": f"malformed AdmissionReview: {e}"}
+                return Response(to_json(body), 400, media_type="application/json")
+            answer = webhook.error_review(uid, f"malformed AdmissionReview: {e}")
+            outcome = "bad_request"
+        metrics.decision("mutate", outcome)
         metrics.duration.labels("mutate").observe(time.perf_counter() - start)
         return Response(to_json(answer), media_type="application/json")

@@ -1,9 +1,10 @@
 """An in-memory ClusterSource for unit tests and demos: objects, resourceVersions, watches, 410 Gone.
 
 It behaves like the API server where the extender depends on it: list returns a resourceVersion,
-watch replays changes after it (or raises GoneError once `compact()` dropped them), a merge patch of
-metadata returns the new object, a Binding sets `spec.nodeName` (409 when already bound), and events
-are recorded. `down = True` makes every call fail like an unreachable API server.
+watch replays changes after it (or raises GoneError once `compact()` dropped them), a Binding sets
+`spec.nodeName` and copies its annotations onto the pod (409 when already bound), and events
+are recorded (409 for a second event of the same name). `down = True` makes every call fail like an
+unreachable API server.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class FakeSource:
         self._compacted: dict[Kind, int] = {"nodes": 0, "pods": 0, "leases": 0}
         self.bindings: list[tuple[str, str, str, str]] = []
         self.events: list[JSON] = []
-        self.patches: list[tuple[str, str, JSON]] = []
+        self.binding_annotations: list[dict[str, str]] = []
         self.calls: list[str] = []
         self.down = False
         self.fail_binding: ApiError | None = None
@@ -117,8 +118,8 @@ class FakeSource:
             raise ApiError(404, f'pods "{name}" not found', "NotFound")
         return obj
 
-    def list_pods(self, *, field_selector: str = "", label_selector: str = "") -> list[JSON]:
-        self._check(f"list pods {field_selector}{label_selector}")
+    def list_pods(self, *, field_selector: str = "") -> list[JSON]:
+        self._check(f"list pods {field_selector}")
         out = []
         for obj in self._objects["pods"].values():
             if field_selector:
@@ -126,38 +127,12 @@ class FakeSource:
                 assert key == "spec.nodeName", key
                 if (obj.get("spec") or {}).get("nodeName") != value:
                     continue
-            if label_selector:
-                key, _, value = label_selector.partition("=")
-                if (obj["metadata"].get("labels") or {}).get(key) != value:
-                    continue
             out.append(copy.deepcopy(obj))
         return out
 
-    def patch_pod_metadata(
-        self,
-        namespace: str,
-        name: str,
-        *,
-        annotations: Mapping[str, str | None],
-        labels: Mapping[str, str | None] | None = None,
-    ) -> JSON:
-        self._check(f"patch pod {namespace}/{name}")
-        obj = self.get("pods", namespace, name)
-        if obj is None:
-            raise ApiError(404, f'pods "{name}" not found', "NotFound")
-        meta = obj["metadata"]
-        for field, values in (("annotations", annotations), ("labels", labels or {})):
-            current = dict(meta.get(field) or {})
-            for k, v in values.items():
-                if v is None:
-                    current.pop(k, None)
-                else:
-                    current[k] = v
-            meta[field] = current
-        self.patches.append((namespace, name, {"annotations": dict(annotations), "labels": dict(labels or {})}))
-        return self.put("pods", obj)
-
-    def create_binding(self, namespace: str, name: str, uid: str, node: str) -> None:
+    def create_binding(
+        self, namespace: str, name: str, uid: str, node: str, *, annotations: Mapping[str, str] | None = None
+    ) -> None:
         self._check(f"bind {namespace}/{name} {node}")
         if self.fail_binding is not None:
             raise self.fail_binding
@@ -169,11 +144,17 @@ class FakeSource:
         if (obj.get("spec") or {}).get("nodeName"):
             raise ApiError(409, f'pod {name} is already assigned to node "{obj["spec"]["nodeName"]}"', "Conflict")
         obj.setdefault("spec", {})["nodeName"] = node
+        if annotations:  # as the API server does: the Binding's annotations land on the pod, same write
+            obj["metadata"]["annotations"] = {**(obj["metadata"].get("annotations") or {}), **annotations}
         self.bindings.append((namespace, name, uid, node))
+        self.binding_annotations.append(dict(annotations or {}))
         self.put("pods", obj)
 
     def create_event(self, namespace: str, event: JSON) -> None:
         self._check(f"event {namespace}")
+        name = (event.get("metadata") or {}).get("name")
+        if name and any((e.get("metadata") or {}).get("name") == name for e in self.events):
+            raise ApiError(409, f'events "{name}" already exists', "AlreadyExists")
         self.events.append(copy.deepcopy(event))
 
     def close(self) -> None:

@@ -59,20 +59,12 @@ class ClusterSource(Protocol):
 
     def get_pod(self, namespace: str, name: str) -> JSON: ...
 
-    def list_pods(self, *, field_selector: str = "", label_selector: str = "") -> list[JSON]: ...
-
-    def patch_pod_metadata(
-        self,
-        namespace: str,
-        name: str,
-        *,
-        annotations: Mapping[str, str | None],
-        labels: Mapping[str, str | None] | None = None,
-    ) -> JSON:
-        """JSON merge patch of the pod's annotations/labels (None deletes a key); returns the pod."""
+    def create_binding(
+        self, namespace: str, name: str, uid: str, node: str, *, annotations: Mapping[str, str] | None = None
+    ) -> None:
+        """POST pods/binding. The API server copies the Binding's annotations onto the pod in the same
+        update that sets spec.nodeName (the pod registry's BindingREST), so one call places and binds."""
         ...
-
-    def create_binding(self, namespace: str, name: str, uid: str, node: str) -> None: ...
 
     def create_event(self, namespace: str, event: JSON) -> None: ...
 
@@ -203,18 +195,31 @@ class KubeSource:
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
                     if line.strip():
-                        yield self._event(line)
+                        yield from self._events(line)
             if buf.strip():
-                yield self._event(buf)
+                yield from self._events(buf)
         finally:
             raw.release_conn()
 
+    @classmethod
+    def _events(cls, line: bytes) -> Iterator[WatchEvent]:
+        """The line's event; none for a line that is not a JSON object (skipped and logged: raising
+        would reconnect from the same resourceVersion and meet the same line again)."""
+        try:
+            doc = json.loads(line)
+        except ValueError as e:
+            log.warning("skipped a watch line that is not JSON", extra={"error": str(e)[:200]})
+            return
+        if not isinstance(doc, dict):
+            log.warning("skipped a watch line that is not a JSON object")
+            return
+        yield cls._event(doc)
+
     @staticmethod
-    def _event(line: bytes) -> WatchEvent:
-        doc = json.loads(line)
+    def _event(doc: JSON) -> WatchEvent:
         etype = str(doc.get("type", ""))
         obj = doc.get("object") or {}
-        if etype == "ERROR":
+        if etype == "ERROR" and isinstance(obj, dict):
             code = int(obj.get("code", 0) or 0)
             err = ApiError(code, str(obj.get("message", "")), str(obj.get("reason", "")))
             if code == 410:
@@ -233,38 +238,24 @@ class KubeSource:
     def get_pod(self, namespace: str, name: str) -> JSON:
         return self._json("GET", f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(name)}")
 
-    def list_pods(self, *, field_selector: str = "", label_selector: str = "") -> list[JSON]:
-        query = []
-        if field_selector:
-            query.append(("fieldSelector", field_selector))
-        if label_selector:
-            query.append(("labelSelector", label_selector))
+    def list_pods(self, *, field_selector: str = "") -> list[JSON]:
+        """Pods matching a field selector (`gputopo topo` reads a node's pods)."""
+        query = [("fieldSelector", field_selector)] if field_selector else []
         items: list[JSON] = self._json("GET", "/api/v1/pods", query=query).get("items") or []
         return items
 
-    def patch_pod_metadata(
-        self,
-        namespace: str,
-        name: str,
-        *,
-        annotations: Mapping[str, str | None],
-        labels: Mapping[str, str | None] | None = None,
-    ) -> JSON:
-        meta: JSON = {"annotations": dict(annotations)}
-        if labels:
-            meta["labels"] = dict(labels)
-        return self._json(
-            "PATCH",
-            f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(name)}",
-            body={"metadata": meta},
-            content_type="application/merge-patch+json",
-        )
-
-    def create_binding(self, namespace: str, name: str, uid: str, node: str) -> None:
+    def create_binding(
+        self, namespace: str, name: str, uid: str, node: str, *, annotations: Mapping[str, str] | None = None
+    ) -> None:
+        meta: JSON = {"name": name, "namespace": namespace}
+        if uid:
+            meta["uid"] = uid
+        if annotations:
+            meta["annotations"] = dict(annotations)
         body: JSON = {
             "apiVersion": "v1",
             "kind": "Binding",
-            "metadata": {"name": name, "namespace": namespace, **({"uid": uid} if uid else {})},
+            "metadata": meta,
             "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         }
         self._json("POST", f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(name)}/binding", body=body)
@@ -327,7 +318,8 @@ class Informer:
             for ev in self.source.watch(self.kind, self.resource_version, timeout_seconds=timeout):
                 if self.stop.is_set():
                     return
-                rv = str((ev.object.get("metadata") or {}).get("resourceVersion") or "")
+                meta = ev.object.get("metadata") if isinstance(ev.object, dict) else None
+                rv = str(meta.get("resourceVersion") or "") if isinstance(meta, dict) else ""
                 if ev.type != "BOOKMARK":
                     self.handler.apply(self.kind, ev.type, ev.object)
                 self.handler.heard_from_api()

@@ -31,6 +31,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stale-after-seconds", type=float, help="a node whose agent Lease is older is stale (120)")
     p.add_argument("--reservation-timeout-seconds", type=float, help="unbound group reservations expire (120)")
     p.add_argument("--snapshot", type=Path, help="serve from a static cluster file, no API server")
+    p.add_argument(
+        "--max-request-bytes", type=int, help="larger request bodies get HTTP 413 unparsed (default 8388608, 8 MiB)"
+    )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error", "critical"], help="(default info)")
     return p.parse_args(argv)
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+KINDS = ("nodes", "pods", "leases")  # extender.kube.KINDS, without importing the API client here
 VERBS = ("filter", "prioritize", "bind", "preempt", "mutate")
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -37,6 +38,21 @@ class Metrics:
         )
         self.cache_age.set_function(cache_age)
         self.cache_nodes = Gauge("gputopo_extender_cache_nodes", "Nodes in the cache.", registry=self.registry)
+        self.placement_mismatches = Counter(
+            "gputopo_extender_placement_mismatches",
+            "Pods whose node reported other GPUs than their placement (once per pod), by whether the "
+            "actual GPUs still form a full NVLink clique.",
+            ["clique"],
+            registry=self.registry,
+        )
+        self.bad_objects = Counter(
+            "gputopo_extender_bad_objects",
+            "Node, Pod and Lease objects the cache could not read (skipped, or a node kept as unreadable), by kind.",
+            ["kind"],
+            registry=self.registry,
+        )
+        for kind in KINDS:
+            self.bad_objects.labels(kind)
         for verb in VERBS:
             self.duration.labels(verb)
 

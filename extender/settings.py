@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from extender.limits import DEFAULT_MAX_REQUEST_BYTES
 from gputopo.engine.scoring import ScoreWeights
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
@@ -29,6 +30,8 @@ class Settings(BaseSettings):
     reservation_timeout_seconds: float = Field(120.0, gt=0)
     snapshot: Path | None = None
     log_level: LogLevel = "info"
+    # Larger request bodies get 413 before they are parsed (extender/limits.py sizes the default).
+    max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=64 * 1024, le=1024**3)
     # Environment only (JSON): GPUTOPO_SCORE_WEIGHTS, and GPUTOPO_TIERS as the chart passes it.
     score_weights: ScoreWeights = ScoreWeights()
     tiers: TierConfig = DEFAULT_TIERS

@@ -17,8 +17,9 @@ from extender.app import create_app
 from extender.cache import ClusterCache
 from extender.fake import FakeSource
 from extender.kube import KINDS, Informer
+from extender.ledger import Ledger
 from extender.settings import Settings
-from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION
+from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION, GpusInUse
 from gputopo.systems import build_system
 
 warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
@@ -49,6 +50,7 @@ def node_obj(
     fixture: str | None = "dgx-h100",
     *,
     in_use: list[int] | None = None,
+    report: GpusInUse | None = None,
     leaf: str | None = None,
     spine: str | None = None,
     topology_text: str | None = None,
@@ -59,7 +61,9 @@ def node_obj(
     elif fixture is not None:
         ann[TOPOLOGY_ANNOTATION] = build_system(fixture, name).to_annotation()
     if in_use:
-        ann[GPUS_IN_USE_ANNOTATION] = json.dumps(in_use)
+        ann[GPUS_IN_USE_ANNOTATION] = json.dumps(in_use)  # version 1, as older agents publish it
+    if report is not None:
+        ann[GPUS_IN_USE_ANNOTATION] = report.to_annotation()
     labels = {"kubernetes.io/hostname": name}
     if leaf:
         labels["gputopo.io/network-leaf"] = leaf
@@ -139,6 +143,10 @@ class Env:
     def cache(self) -> ClusterCache:
         cache: ClusterCache = self.client.app.state.cache  # type: ignore[attr-defined]
         return cache
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.cache.ledger
 
     def add_nodes(self, *nodes: JSON, lease: bool = True) -> None:
         for n in nodes:

@@ -16,7 +16,9 @@ This module is pure (no I/O). The extender mounts it, e.g.::
     def mutate(review: dict[str, Any]) -> dict[str, Any]:
         return mutate_pod(review)
 
-and answers 400 when :func:`mutate_pod` raises :class:`ValueError` (a malformed review).
+and, when :func:`mutate_pod` raises :class:`ValueError` (a malformed review), answers
+:func:`error_review` if the request's uid can be read (the pod is admitted unchanged, the reason is in
+``status`` and in a warning), and HTTP 400 only when it cannot.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ __all__ = [
     "AdmissionRequest",
     "AdmissionResponse",
     "AdmissionReview",
+    "error_review",
     "is_opted_in",
     "mutate_pod",
+    "review_uid",
     "scheduler_name_patch",
 ]
 
@@ -111,8 +115,10 @@ class AdmissionReview(BaseModel):
     response: AdmissionResponse | None = None
 
 
-def _has_gputopo_annotation(annotations: Mapping[str, Any] | None) -> bool:
-    return any(isinstance(k, str) and k.startswith(ANNOTATION_PREFIX) for k in (annotations or {}))
+def _has_gputopo_annotation(annotations: Any) -> bool:
+    if not isinstance(annotations, Mapping):  # absent, or not the object Kubernetes would send
+        return False
+    return any(isinstance(k, str) and k.startswith(ANNOTATION_PREFIX) for k in annotations)
 
 
 def is_opted_in(pod: Mapping[str, Any]) -> bool:
@@ -144,7 +150,7 @@ def mutate_pod(admission_review: dict[str, Any], scheduler_name: str = GPUTOPO_S
     try:
         review = AdmissionReview.model_validate(admission_review)
     except ValidationError as exc:
-        raise ValueError(f"not an admission.k8s.io/v1 AdmissionReview: {exc}") from exc
+        raise ValueError(f"not an admission.k8s.io/v1 AdmissionReview: {_describe(exc)}") from exc
     request = review.request
     if request is None:
         raise ValueError("AdmissionReview has no request")
@@ -162,5 +168,42 @@ def mutate_pod(admission_review: dict[str, Any], scheduler_name: str = GPUTOPO_S
         response.patch_type = "JSONPatch"
         response.patch = base64.b64encode(patch.encode()).decode()
 
+    return _answer(response)
+
+
+def _answer(response: AdmissionResponse) -> dict[str, Any]:
     out = AdmissionReview(response=response)
     return out.model_dump(by_alias=True, exclude_none=True, include={"api_version", "kind", "response"})
+
+
+def _describe(exc: ValidationError) -> str:
+    """The first problems, each with its field path, on one line (the full text repeats the input)."""
+    parts = []
+    for e in exc.errors()[:3]:
+        loc = ".".join(str(p) for p in e["loc"])
+        parts.append(f"{loc}: {e['msg']}" if loc else str(e["msg"]))
+    return "; ".join(parts)
+
+
+def review_uid(review: Any) -> str | None:
+    """``request.uid`` of a review too malformed to answer normally; None when there is none to read."""
+    request = review.get("request") if isinstance(review, Mapping) else None
+    uid = request.get("uid") if isinstance(request, Mapping) else None
+    return uid if isinstance(uid, str) and uid else None
+
+
+# The API server shows warnings to the client and asks that each stay within 120 characters.
+_WARNING_LIMIT = 120
+
+
+def error_review(uid: str, message: str) -> dict[str, Any]:
+    """The answer to a review with a uid that :func:`mutate_pod` could not read.
+
+    The webhook never denies, so the pod is allowed unchanged (what ``failurePolicy: Ignore`` does when
+    the webhook is down); ``status`` carries the reason for the audit log and a warning tells the client.
+    """
+    warning = f"gputopo webhook: {message}"
+    if len(warning) > _WARNING_LIMIT:
+        warning = warning[: _WARNING_LIMIT - 1] + "…"
+    status = AdmissionStatus(code=400, message=message)
+    return _answer(AdmissionResponse(uid=uid, allowed=True, status=status, warnings=[warning]))

@@ -8,13 +8,14 @@ The embedded Pod stays a loose dict: only `pod_info()` reads what the extender n
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gputopo.model import GPU_RESOURCE
+from gputopo.model import GPU_RESOURCE, MAX_QUANTITY, parse_quantity
 
 JSON = dict[str, Any]
 
@@ -58,16 +59,22 @@ class _GoStruct(BaseModel):
         return self.model_dump(by_alias=True, mode="json")
 
 
+# Candidate nodes per call. The largest clusters run 65,000 nodes (GKE); past that a call is not from a
+# real scheduler, and its cost (about 10 µs per unknown name, on the event loop) is refused up front.
+MAX_CANDIDATE_NODES = 100_000
+
+
 class NodeList(_GoStruct):
     """`Nodes` (a v1.NodeList) when the extender is not nodeCacheCapable; items stay raw Node objects."""
 
-    items: list[JSON] | None = Field(default=None, alias="items")
+    items: list[JSON] | None = Field(default=None, alias="items", max_length=MAX_CANDIDATE_NODES)
     metadata: JSON | None = Field(default=None, alias="metadata")
 
     def names(self) -> list[str]:
         out = []
         for i, item in enumerate(self.items or []):
-            name = (item.get("metadata") or {}).get("name")
+            meta = item.get("metadata")
+            name = meta.get("name") if isinstance(meta, Mapping) else None
             if not isinstance(name, str) or not name:
                 raise WireError(f"Nodes.items[{i}].metadata.name is missing")
             out.append(name)
@@ -77,7 +84,7 @@ class NodeList(_GoStruct):
 class ExtenderArgs(_GoStruct):
     pod: JSON = Field(alias="Pod")
     nodes: NodeList | None = Field(default=None, alias="Nodes")
-    node_names: list[str] | None = Field(default=None, alias="NodeNames")
+    node_names: list[str] | None = Field(default=None, alias="NodeNames", max_length=MAX_CANDIDATE_NODES)
 
     def candidate_names(self) -> list[str]:
         if self.node_names is not None:
@@ -136,11 +143,16 @@ class ExtenderPreemptionArgs(_GoStruct):
             return {n: v or MetaVictims() for n, v in self.node_name_to_meta_victims.items()}
         out: dict[str, MetaVictims] = {}
         for node, victims in (self.node_name_to_victims or {}).items():
-            pods = [
-                MetaPod(uid=str((p.get("metadata") or {}).get("uid", ""))) for p in (victims.pods if victims else [])
-            ]
+            pods = [MetaPod(uid=_victim_uid(p)) for p in (victims.pods if victims else [])]
             out[node] = MetaVictims(pods=pods, num_pdb_violations=victims.num_pdb_violations if victims else 0)
         return out
+
+
+def _victim_uid(pod: JSON) -> str:
+    """A victim Pod's UID, "" when it has none: this runs on the fallback path too, so it must not raise."""
+    meta = pod.get("metadata")
+    uid = meta.get("uid") if isinstance(meta, Mapping) else None
+    return uid if isinstance(uid, str) else ""
 
 
 class ExtenderPreemptionResult(_GoStruct):
@@ -172,43 +184,88 @@ class PodInfo:
         return f"{self.namespace}/{self.name}"
 
 
+def _gpu_count(raw: Any, where: str) -> int:
+    """One container's nvidia.com/gpu: a Kubernetes quantity (a string such as "4" or "2k", or a JSON
+    number) that is a whole, non-negative number of GPUs within int64. NaN, infinities, 1e400 and
+    400-digit strings are refused by the shared quantity parser, fast, with the field named."""
+    if isinstance(raw, bool) or not isinstance(raw, str | int | float):
+        raise WireError(f"{where}: {_short(raw)} is not a Kubernetes quantity")
+    if isinstance(raw, float) and not math.isfinite(raw):
+        raise WireError(f"{where}: {raw!r} is not a finite number of GPUs")
+    try:
+        value = parse_quantity(raw if isinstance(raw, str) else repr(raw))
+    except ValueError as e:
+        raise WireError(f"{where}: {_short(raw)}: {e}") from None
+    if value < 0 or value != value.to_integral_value():
+        raise WireError(f"{where}: {_short(raw)} is not a whole, non-negative number of GPUs")
+    return int(value)
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _gpu_quantity(resources: Any, where: str) -> int:
-    if not isinstance(resources, Mapping):
+    if resources is None:
         return 0
-    for kind in ("limits", "requests"):  # the limit is the count (design.md); requests only as a fallback
+    if not isinstance(resources, Mapping):
+        raise WireError(f"{where}.resources must be an object")
+    for kind in ("limits", "requests"):  # the limit is the count; requests only as a fallback
         values = resources.get(kind)
-        if isinstance(values, Mapping) and GPU_RESOURCE in values:
-            raw = values[GPU_RESOURCE]
-            try:
-                number = float(str(raw))
-            except ValueError:
-                raise WireError(f"{where}.resources.{kind}.{GPU_RESOURCE}: {raw!r} is not a number") from None
-            if number < 0 or number != int(number):
-                raise WireError(f"{where}.resources.{kind}.{GPU_RESOURCE}: {raw!r} is not a whole number of GPUs")
-            return int(number)
+        if values is None:
+            continue
+        if not isinstance(values, Mapping):
+            raise WireError(f"{where}.resources.{kind} must be an object")
+        if GPU_RESOURCE in values:
+            return _gpu_count(values[GPU_RESOURCE], f"{where}.resources.{kind}.{GPU_RESOURCE}")
     return 0
+
+
+def _containers(spec: Mapping[str, Any], key: str, where: str) -> list[Mapping[str, Any]]:
+    value = spec.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise WireError(f"{where}.{key} must be a list of containers")
+    for i, c in enumerate(value):
+        if not isinstance(c, Mapping):
+            raise WireError(f"{where}.{key}[{i}] must be a container object")
+    return value
 
 
 def pod_gpus(spec: Mapping[str, Any], where: str = "Pod.spec") -> int:
     """Sum of the containers' nvidia.com/gpu limits; init containers run first, so the pod needs the
     larger of that sum and the largest init container's count (Kubernetes' effective request)."""
     total = 0
-    for i, c in enumerate(spec.get("containers") or []):
-        if isinstance(c, Mapping):
-            total += _gpu_quantity(c.get("resources"), f"{where}.containers[{i}]")
+    for i, c in enumerate(_containers(spec, "containers", where)):
+        total += _gpu_quantity(c.get("resources"), f"{where}.containers[{i}]")
     init = 0
-    for i, c in enumerate(spec.get("initContainers") or []):
-        if isinstance(c, Mapping):
-            init = max(init, _gpu_quantity(c.get("resources"), f"{where}.initContainers[{i}]"))
+    for i, c in enumerate(_containers(spec, "initContainers", where)):
+        init = max(init, _gpu_quantity(c.get("resources"), f"{where}.initContainers[{i}]"))
+    if max(total, init) > MAX_QUANTITY:
+        raise WireError(f"{where}: the containers ask for more than {MAX_QUANTITY} GPUs in all")
     return max(total, init)
 
 
 def _str_map(value: Any, where: str) -> dict[str, str]:
+    """Labels and annotations: Kubernetes only has string values, and the engine reads them as text."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
         raise WireError(f"{where} must be an object of strings")
-    return {str(k): str(v) for k, v in value.items()}
+    for k, v in value.items():
+        if not isinstance(v, str):
+            raise WireError(f"{where}[{_short(k)}] must be a string, not {type(v).__name__}")
+    return dict(value)
+
+
+def _opt_str(value: Any, where: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise WireError(f"{where} must be a string")
+    return value
 
 
 def pod_info(pod: Mapping[str, Any], where: str = "Pod") -> PodInfo:
@@ -225,14 +282,16 @@ def pod_info(pod: Mapping[str, Any], where: str = "Pod") -> PodInfo:
     if not isinstance(spec, Mapping):
         raise WireError(f"{where}.spec must be an object")
     status = pod.get("status") or {}
+    if not isinstance(status, Mapping):
+        raise WireError(f"{where}.status must be an object")
     return PodInfo(
         name=name,
-        namespace=str(meta.get("namespace") or "default"),
-        uid=str(meta.get("uid") or ""),
+        namespace=_opt_str(meta.get("namespace"), f"{where}.metadata.namespace") or "default",
+        uid=_opt_str(meta.get("uid"), f"{where}.metadata.uid"),
         annotations=_str_map(meta.get("annotations"), f"{where}.metadata.annotations"),
         labels=_str_map(meta.get("labels"), f"{where}.metadata.labels"),
         gpus=pod_gpus(spec, f"{where}.spec"),
-        scheduler_name=str(spec.get("schedulerName") or ""),
-        node_name=str(spec.get("nodeName") or ""),
-        phase=str(status.get("phase") or "") if isinstance(status, Mapping) else "",
+        scheduler_name=_opt_str(spec.get("schedulerName"), f"{where}.spec.schedulerName"),
+        node_name=_opt_str(spec.get("nodeName"), f"{where}.spec.nodeName"),
+        phase=_opt_str(status.get("phase"), f"{where}.status.phase"),
     )

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gputopo.engine.explain import describe_gpus, gpu_ranges
+from gputopo.engine.explain import describe_gpus, gpu_ranges, outcome_estimate
 from gputopo.engine.reasons import Code, summarize_failures
 from gputopo.engine.scoring import to_extender_priority
 from gputopo.model import (
@@ -23,7 +23,7 @@ from gputopo.model import (
     PREFIX,
     TOPOLOGY_ANNOTATION,
     AnnotationError,
-    parse_gpus_in_use,
+    parse_gpus_in_use_report,
     parse_placement,
     parse_topology,
 )
@@ -75,8 +75,8 @@ def _source(args: argparse.Namespace) -> Any:
 
 
 def _lease_age(source: Any, node: str) -> float | None:
-    from extender.cache import parse_time
     from extender.kube import ApiError
+    from extender.objects import parse_time
 
     try:
         lease = source.get_lease(f"gputopo-agent-{node}")
@@ -99,22 +99,27 @@ def run_topo(args: argparse.Namespace) -> int:
     except Exception as e:  # no kubeconfig, unreachable server
         print(f"gputopo topo: cannot reach the cluster: {e}", file=sys.stderr)
         return 1
-    ann = (node.get("metadata") or {}).get("annotations") or {}
-    labels = (node.get("metadata") or {}).get("labels") or {}
+    from extender.objects import BadObject, node_metadata
+
+    try:
+        labels, ann = node_metadata(node)
+    except BadObject as e:  # the reason the extender gives the node too
+        print(f"{args.node}: unreadable node object: {e}", file=sys.stderr)
+        return 1
     text = ann.get(TOPOLOGY_ANNOTATION)
     if not text:
         print(f"{args.node}: no {TOPOLOGY_ANNOTATION} annotation (is gputopo-agent running on it?)")
         return 1
     try:
         topology = parse_topology(text)
-        in_use = parse_gpus_in_use(ann.get(GPUS_IN_USE_ANNOTATION, "[]"), len(topology.gpus))
+        report = parse_gpus_in_use_report(ann.get(GPUS_IN_USE_ANNOTATION, "[]"), len(topology.gpus))
     except AnnotationError as e:
         print(f"{args.node}: {e}", file=sys.stderr)
         return 1
     from gputopo.render import render_topology
 
     print(f"Node {args.node}")
-    print(render_topology(topology, in_use))
+    print(render_topology(topology, report.all))
     ours = {k: v for k, v in sorted(labels.items()) if k.startswith(PREFIX)}
     if ours:
         print("Labels: " + ", ".join(f"{k}={v}" for k, v in ours.items()))
@@ -132,11 +137,14 @@ def run_topo(args: argparse.Namespace) -> int:
         raw = (meta.get("annotations") or {}).get(PLACEMENT_ANNOTATION)
         if raw:
             try:
-                placed.append(
-                    f"{meta.get('namespace')}/{meta.get('name')} GPUs {gpu_ranges(parse_placement(raw).gpus)}"
-                )
+                gpus = parse_placement(raw).gpus
             except AnnotationError:
                 continue
+            line = f"{meta.get('namespace')}/{meta.get('name')} GPUs {gpu_ranges(gpus)}"
+            actual = report.pods.get(str(meta.get("uid") or ""))
+            if actual is not None and actual != frozenset(gpus):
+                line += f" (the kubelet gave {gpu_ranges(sorted(actual))})"
+            placed.append(line)
     if placed:
         print("Placed by gputopo: " + "; ".join(placed))
     return 0
@@ -146,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     """`gputopo explain POD`."""
     from extender.cache import ClusterCache
     from extender.kube import ApiError
-    from extender.service import Extender
+    from extender.service import MISMATCH_REASON, Extender
     from extender.wire import WireError, pod_info
 
     try:
@@ -168,8 +176,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"gputopo explain: {e}", file=sys.stderr)
         return 1
     names = sorted(cache.nodes)
+    actual = cache.ledger.reported_gpus(info.node_name, info.uid) if info.node_name else None
+    mismatch = cache.ledger.mismatches.get(info.uid)
     # A placed pod would otherwise compete with itself: judge every node as if it were not there.
-    cache.upsert_pod(pod, deleted=True)
+    cache.forget_pod(pod)
     decision = Extender(cache, None).decide(info, names)
     print(f"Pod {info.ref}: {info.gpus} GPU{'s' if info.gpus != 1 else ''}")
     ours = {k: v for k, v in info.annotations.items() if k.startswith(PREFIX) and k != PLACEMENT_ANNOTATION}
@@ -185,6 +195,13 @@ def run(args: argparse.Namespace) -> int:
             except AnnotationError:
                 pass
         print(line)
+        if mismatch is not None:
+            got, want = gpu_ranges(mismatch.actual), gpu_ranges(mismatch.placed)
+            print(
+                f"Actual GPUs {got} (reported by the node), not the placed {want}: {mismatch.shape} ({MISMATCH_REASON})"
+            )
+        elif actual is not None:
+            print(f"Actual GPUs {gpu_ranges(sorted(actual))} (reported by the node)")
     if decision.kind == "pass_through":
         print("No gputopo.io/ request annotation: gputopo passes this pod through; kube-scheduler alone decides.")
         return 0
@@ -196,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
     for i, (name, o) in enumerate(zip(decision.names, decision.outcomes, strict=True)):
         if o.code is Code.SUCCESS:
             score = planned[i] if planned is not None else to_extender_priority(o.score)
-            rows.append((0, -score, name, "fits", str(score), gpu_ranges(o.gpus) or "-", describe_gpus(name, o)))
+            why = describe_gpus(name, o) + outcome_estimate(o)  # each node's own all-reduce time, to compare
+            rows.append((0, -score, name, "fits", str(score), gpu_ranges(o.gpus) or "-", why))
         else:
             verdict = "unresolvable" if o.code is Code.UNRESOLVABLE else "unschedulable"
             why = o.message if not o.detail or o.detail == o.message else f"{o.message}: {o.detail}"

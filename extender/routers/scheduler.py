@@ -108,7 +108,7 @@ async def filter_(request: Request, extender: ExtenderDep, metrics: MetricsDep) 
         }
         if args.node_names is None and args.nodes is not None:
             keep = set(answer.passed)
-            items = [i for i in args.nodes.items or [] if (i.get("metadata") or {}).get("name") in keep]
+            items = [i for i, n in zip(args.nodes.items or [], names, strict=True) if n in keep]
             body["Nodes"] = {"metadata": args.nodes.metadata or {}, "items": items}
         else:
             body["Nodes"] = None

@@ -1,14 +1,15 @@
-"""Bind: placement annotation first, then the Binding, then the TopologyPlacement event; idempotent."""
+"""Bind: one Binding that carries the placement annotation, then the TopologyPlacement event; idempotent;
+only bound pods (or binds in flight) hold GPUs."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
 from extender.kube import ApiError
-from extender.service import NODE_LABEL
-from extender.testing import Env, gputopo_pod, node_obj, pod_obj
+from extender.testing import JSON, Env, gputopo_pod, node_obj, pod_obj
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
 
 
@@ -22,7 +23,7 @@ def cluster(env: Env) -> Env:
     return env
 
 
-def test_bind_writes_placement_then_binding_then_event(cluster: Env) -> None:
+def test_bind_is_one_binding_carrying_the_placement_then_the_event(cluster: Env) -> None:
     pod = gputopo_pod("train-0", 4)
     cluster.add_pods(pod)
     assert cluster.bind(pod, "gpu-07") == ""
@@ -37,13 +38,18 @@ def test_bind_writes_placement_then_binding_then_event(cluster: Env) -> None:
     assert "gpu-07 form a full NVLink clique (NV18 via NVSwitch)" in placement.reason
     assert placement.runner_up is not None and placement.runner_up.node == "gpu-09"
     assert placement.runner_up.why
-    assert stored["metadata"]["labels"][NODE_LABEL] == "gpu-07"
+    # The predicted all-reduce of the chosen GPUs and the runner-up's travel with the placement.
+    assert placement.estimate is not None and placement.estimate.message_bytes == 1 << 30
+    assert placement.estimate.all_reduce_ms is not None and placement.estimate.all_reduce_ms > 0
+    assert placement.estimate.runner_up_all_reduce_ms is not None
+    assert f"est. 1 GiB all-reduce {placement.estimate.all_reduce_ms:.1f} ms" in placement.reason
+    assert "labels" not in stored["metadata"], "no claim label any more"
     assert stored["spec"]["nodeName"] == "gpu-07"
 
     calls = [c for c in cluster.source.calls if not c.startswith(("list", "watch"))]
-    assert calls.index("patch pod default/train-0") < calls.index("bind default/train-0 gpu-07")
-    assert calls.index("bind default/train-0 gpu-07") < calls.index("event default")
+    assert calls == ["get pod default/train-0", "bind default/train-0 gpu-07", "event default"]
     assert cluster.source.bindings == [("default", "train-0", "uid-default-train-0", "gpu-07")]
+    assert cluster.source.binding_annotations == [{PLACEMENT_ANNOTATION: placement.to_annotation()}]
 
     (event,) = cluster.source.events
     assert event["reason"] == "TopologyPlacement"
@@ -89,69 +95,62 @@ def test_bind_refuses_a_node_that_no_longer_fits_and_writes_nothing(cluster: Env
     cluster.add_pods(pod)
     err = cluster.bind(pod, "gpu-09")
     assert "no longer fits" in err and "fewer than 8 free GPUs" in err
-    assert cluster.source.bindings == [] and cluster.source.patches == []
-
-
-def test_bind_backs_off_when_another_replica_already_claimed_the_gpus(cluster: Env) -> None:
-    """Another replica's placement is not in our cache yet: our claim is written, the check after it
-    finds the overlap, ours is retracted and nothing is bound (kube-scheduler retries the pod)."""
-    pod = gputopo_pod("mine", 8)
-    cluster.add_pods(pod)
-    theirs = pod_obj(
-        "theirs",
-        4,
-        {
-            "gputopo.io/nvlink": "required",
-            PLACEMENT_ANNOTATION: json.dumps(
-                {"node": "gpu-07", "gpus": [0, 1, 2, 3], "score": 9, "reason": "other replica"}
-            ),
-        },
-    )
-    theirs["metadata"]["labels"] = {NODE_LABEL: "gpu-07"}
-    cluster.source.put("pods", theirs)  # no resync: the watch has not delivered it
-    err = cluster.bind(pod, "gpu-07")
-    assert "were just claimed by pod default/theirs; retry" in err
     assert cluster.source.bindings == []
-    mine = cluster.source.get_pod("default", "mine")
-    assert PLACEMENT_ANNOTATION not in mine["metadata"].get("annotations", {}), "our claim was retracted"
-    cluster.resync()  # once the watch delivers theirs, the retry sees the GPUs taken
-    assert "fewer than 8 free GPUs" in cluster.bind(pod, "gpu-07")
+    assert not any(c.startswith("bind") for c in cluster.source.calls)
 
 
-def test_bind_backs_off_when_a_concurrent_placement_claims_the_same_gpus(
-    cluster: Env, monkeypatch: pytest.MonkeyPatch
+def user_placed(name: str, node: str, gpus: list[int], *, bound_to: str | None = None) -> JSON:
+    """A pod whose gputopo.io/placement someone wrote by hand (any pod author can)."""
+    ann = {
+        "gputopo.io/nvlink": "ignore",
+        PLACEMENT_ANNOTATION: json.dumps({"node": node, "gpus": gpus, "score": 9, "reason": "hand-written"}),
+    }
+    return pod_obj(name, len(gpus), ann, node=bound_to)
+
+
+@pytest.mark.parametrize(
+    ("bound_to", "held"),
+    [
+        pytest.param(None, frozenset(), id="unbound: reserves nothing"),
+        pytest.param("gpu-09", frozenset(), id="bound to another node: nothing on the named one"),
+        pytest.param("gpu-07", frozenset(range(8)), id="bound to the named node: honoured"),
+    ],
+)
+def test_a_placement_holds_gpus_only_on_the_node_the_pod_is_bound_to(
+    cluster: Env, bound_to: str | None, held: frozenset[int]
 ) -> None:
-    """Write-then-verify: a claim that lands between our read and our write makes us retract ours."""
-    pod = gputopo_pod("mine", 8)
-    cluster.add_pods(pod)
-    original = cluster.source.patch_pod_metadata
-
-    def racing_patch(namespace: str, name: str, **kw: object) -> dict[str, object]:
-        result = original(namespace, name, **kw)  # type: ignore[arg-type]
-        if name == "mine" and kw["annotations"].get(PLACEMENT_ANNOTATION):  # type: ignore[attr-defined]
-            other = pod_obj(
-                "racer",
-                1,
-                {
-                    "gputopo.io/nvlink": "ignore",
-                    PLACEMENT_ANNOTATION: json.dumps(
-                        {"node": "gpu-07", "gpus": [5], "score": 9, "reason": "other replica"}
-                    ),
-                },
-            )
-            other["metadata"]["labels"] = {NODE_LABEL: "gpu-07"}
-            cluster.source.put("pods", other)
-        return result
-
-    monkeypatch.setattr(cluster.source, "patch_pod_metadata", racing_patch)
-    err = cluster.bind(pod, "gpu-07")
-    assert "just claimed by pod default/racer" in err
-    assert cluster.source.bindings == []
-    stored = cluster.source.get("pods", "default", "mine")
-    assert stored is not None and PLACEMENT_ANNOTATION not in stored["metadata"]["annotations"]
+    """Two unbound pods carrying hand-written placements once blocked two 8-GPU nodes."""
+    cluster.add_pods(user_placed("squatter", "gpu-07", list(range(8)), bound_to=bound_to))
+    assert cluster.ledger.node_for("gpu-07").in_use == held
+    fits = cluster.filter(gputopo_pod("real", 8), ["gpu-07"])["NodeNames"] == ["gpu-07"]
+    assert fits is (bound_to != "gpu-07")
 
 
-def test_a_failed_binding_retracts_the_placement(cluster: Env) -> None:
+def test_gpus_of_a_bind_in_flight_are_taken_for_everyone_else(cluster: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between choosing the GPUs and the Binding's answer, a filter or a bind for another pod sees them."""
+    mine, other = gputopo_pod("mine", 8), gputopo_pod("other", 8)
+    cluster.add_pods(mine, other)
+    seen: list[JSON] = []
+    binds: list[str] = []
+    original = cluster.source.create_binding
+    extender = cluster.client.app.state.extender  # type: ignore[attr-defined]
+
+    def observing(namespace: str, name: str, uid: str, node: str, **kw: Any) -> None:
+        if name == "mine":
+            seen.append(cluster.filter(other, ["gpu-07"]))
+            binds.append(extender.bind("default", "other", "uid-default-other", "gpu-07"))
+        original(namespace, name, uid, node, **kw)
+
+    monkeypatch.setattr(cluster.source, "create_binding", observing)
+    assert cluster.bind(mine, "gpu-07") == ""
+    (during,) = seen
+    assert during["FailedNodes"] == {"gpu-07": "fewer than 8 free GPUs"}
+    assert binds == ["node gpu-07 no longer fits pod default/other: fewer than 8 free GPUs"]
+    assert cluster.source.bindings == [("default", "mine", "uid-default-mine", "gpu-07")]
+    assert cluster.ledger.node_for("gpu-07").in_use == frozenset(range(8))  # now through the bound pod
+
+
+def test_a_failed_binding_writes_no_placement_and_holds_no_gpus(cluster: Env) -> None:
     pod = gputopo_pod("train-0", 4)
     cluster.add_pods(pod)
     cluster.source.fail_binding = ApiError(403, "pods/binding is forbidden", "Forbidden")
@@ -159,7 +158,7 @@ def test_a_failed_binding_retracts_the_placement(cluster: Env) -> None:
     assert "binding pod default/train-0 to node gpu-07 failed" in err and "forbidden" in err
     stored = cluster.source.get("pods", "default", "train-0")
     assert stored is not None and PLACEMENT_ANNOTATION not in stored["metadata"]["annotations"]
-    assert cluster.cache.node_for("gpu-07").in_use == frozenset()
+    assert cluster.ledger.node_for("gpu-07").in_use == frozenset()
 
 
 def test_a_plain_pod_is_bound_without_annotation_or_event(cluster: Env) -> None:
@@ -167,7 +166,7 @@ def test_a_plain_pod_is_bound_without_annotation_or_event(cluster: Env) -> None:
     cluster.add_pods(pod)
     assert cluster.bind(pod, "pcie") == ""
     assert cluster.source.bindings == [("default", "plain", "uid-default-plain", "pcie")]
-    assert cluster.source.patches == [] and cluster.source.events == []
+    assert cluster.source.binding_annotations == [{}] and cluster.source.events == []
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ def test_watch_events_update_the_cache(env: Env) -> None:
     env.source.put("nodes", node_obj("n1", in_use=[0, 1, 2]))
     env.source.put("nodes", node_obj("n2", "l40s-4"))
     inf.watch_once(timeout_seconds=0)
-    assert env.cache.node_for("n1").in_use == frozenset({0, 1, 2})
+    assert env.ledger.node_for("n1").in_use == frozenset({0, 1, 2})
     assert "n2" in env.cache.nodes
     env.source.delete("nodes", "", "n2")
     inf.watch_once(timeout_seconds=0)
@@ -70,7 +70,7 @@ def test_informer_threads_sync_reconnect_and_keep_serving_when_the_api_is_down()
             deadline.wait(0.01)
         assert "n2" in cache.nodes
         source.down = True
-        out = cache.evaluate(["n1"], parse_pod_request({}, 8))
+        out = cache.ledger.evaluate(["n1"], parse_pod_request({}, 8))
         assert out[0].fits  # still answered from the cache
     finally:
         for inf, _t in started:
@@ -101,7 +101,7 @@ def test_staleness_follows_the_lease_and_the_clock(env: Env, lease_age: float | 
     if lease_age is not None:
         env.source.put("leases", lease_obj("n1", env.clock.now - lease_age))
         env.resync()
-    assert env.cache.states(["n1"])[0].problem is expected
+    assert env.ledger.states(["n1"])[0].problem is expected
 
 
 def test_a_node_goes_stale_when_its_agent_stops_without_any_event(env: Env) -> None:
@@ -119,7 +119,7 @@ def test_leases_in_other_namespaces_are_ignored(env: Env) -> None:
     env.add_nodes(node_obj("n1"), lease=False)
     env.source.put("leases", lease_obj("n1", env.clock.now, namespace="kube-node-lease"))
     env.resync()
-    assert env.cache.states(["n1"])[0].problem is Reason.TOPOLOGY_STALE
+    assert env.ledger.states(["n1"])[0].problem is Reason.TOPOLOGY_STALE
 
 
 @pytest.mark.parametrize(
@@ -135,12 +135,12 @@ def test_topology_problems_carry_the_parse_error(
     env: Env, node: dict[str, object], reason: Reason, detail: str
 ) -> None:
     env.add_nodes(node)
-    state = env.cache.states(["n1"])[0]
+    state = env.ledger.states(["n1"])[0]
     assert state.problem is reason
     assert detail in state.problem_detail
 
 
-def test_in_use_is_agent_report_plus_assumed_placements(env: Env) -> None:
+def test_in_use_is_agent_report_plus_placements_of_pods_bound_there(env: Env) -> None:
     env.add_nodes(node_obj("n1", in_use=[0]))
     env.add_pods(
         placed("bound", "n1", [1, 2]),
@@ -148,7 +148,8 @@ def test_in_use_is_agent_report_plus_assumed_placements(env: Env) -> None:
         placed("finished", "n1", [4, 5], phase="Succeeded"),
         placed("bound-elsewhere", "n2", [6]),
     )
-    assert env.cache.node_for("n1").in_use == frozenset({0, 1, 2, 3})
+    # An unbound pod's placement was written by someone else than a bind: it holds nothing.
+    assert env.ledger.node_for("n1").in_use == frozenset({0, 1, 2})
 
 
 def test_a_restarted_extender_rebuilds_assumed_gpus_from_placement_annotations(env: Env) -> None:
@@ -159,41 +160,42 @@ def test_a_restarted_extender_rebuilds_assumed_gpus_from_placement_annotations(e
     # A new cache (a restarted extender, or a second replica) lists the same API state.
     fresh = ClusterCache(clock=env.clock, lease_namespace=NS)
     sync(fresh, env.source)
-    assert fresh.node_for("n1").in_use == frozenset(range(8))
-    outcomes = fresh.evaluate(["n1", "n2"], parse_pod_request({}, 8))
+    assert fresh.ledger.node_for("n1").in_use == frozenset(range(8))
+    outcomes = fresh.ledger.evaluate(["n1", "n2"], parse_pod_request({}, 8))
     assert [o.fits for o in outcomes] == [False, True]
 
 
 def test_deleting_a_pod_frees_its_assumed_gpus(env: Env) -> None:
     env.add_nodes(node_obj("n1"))
     env.add_pods(placed("p", "n1", [0, 1, 2, 3]))
-    assert env.cache.node_for("n1").in_use == frozenset({0, 1, 2, 3})
+    assert env.ledger.node_for("n1").in_use == frozenset({0, 1, 2, 3})
     env.source.delete("pods", "default", "p")
     inf = Informer(env.source, "pods", env.cache)
     inf.relist()
-    assert env.cache.node_for("n1").in_use == frozenset()
+    assert env.ledger.node_for("n1").in_use == frozenset()
 
 
-def test_a_pod_does_not_compete_with_its_own_earlier_placement(env: Env) -> None:
-    """A bind that wrote the annotation but never completed must not block the pod's own retry."""
+def test_an_unbound_pods_placement_blocks_neither_itself_nor_others(env: Env) -> None:
+    """Bind writes the placement in the same call that binds: an unbound pod carrying one did not get
+    it from a bind, so it holds no GPUs."""
     env.add_nodes(node_obj("n1"))
     pod = placed("retry", "n1", list(range(8)), bound=False, phase="Pending")
     env.add_pods(pod)
     assert env.filter(pod, ["n1"])["NodeNames"] == ["n1"]
     other = gputopo_pod("other", 8)
-    assert env.filter(other, ["n1"])["FailedNodes"] == {"n1": "fewer than 8 free GPUs"}
+    assert env.filter(other, ["n1"])["NodeNames"] == ["n1"]
 
 
 def test_prioritize_right_after_filter_reuses_the_filter_outcomes(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     env.add_nodes(node_obj("n1"), node_obj("n2"))
     calls: list[int] = []
-    real = env.cache.evaluate
+    real = env.ledger.evaluate
 
     def counting(*a: object, **kw: object) -> object:
         calls.append(1)
         return real(*a, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(env.cache, "evaluate", counting)
+    monkeypatch.setattr(env.ledger, "evaluate", counting)
     pod = gputopo_pod("t", 4)
     assert env.filter(pod, ["n1", "n2"])["NodeNames"] == ["n1", "n2"]
     env.cache.apply("leases", "MODIFIED", lease_obj("n1", env.clock.now))  # a fresh node's heartbeat

@@ -77,7 +77,7 @@ def test_binding_a_member_records_group_and_stage(cluster: Env) -> None:
     assert (placement.node, placement.group, placement.stage) == (node_a, "llama", 0)
     assert "stage 0/2 shares leaf" in placement.reason
     assert cluster.bind(b, node_b) == ""
-    assert cluster.cache.reservations == {}  # every member bound: the placements carry the GPUs
+    assert cluster.ledger.reservations == {}  # every member bound: the placements carry the GPUs
 
 
 def test_unbound_reservations_are_released_after_the_timeout(cluster: Env) -> None:
@@ -91,7 +91,7 @@ def test_unbound_reservations_are_released_after_the_timeout(cluster: Env) -> No
     out = cluster.filter(gputopo_pod("other", 8), NODES)
     assert node_b in out["NodeNames"]  # released
     assert out["FailedNodes"] == {node_a: "fewer than 8 free GPUs"}  # bound: still held by its placement
-    assert ("default", "llama") not in cluster.cache.reservations
+    assert ("default", "llama") not in cluster.ledger.reservations
 
 
 def test_a_restarted_extender_rebuilds_the_plan_around_bound_members(cluster: Env) -> None:
@@ -103,10 +103,10 @@ def test_a_restarted_extender_rebuilds_the_plan_around_bound_members(cluster: En
     with TestClient(app) as client:
         restarted = Env(cluster.source, cluster.clock, client, cluster.settings)
         restarted.resync()
-        assert restarted.cache.node_for(node_a).in_use == frozenset(range(8))
+        assert restarted.ledger.node_for(node_a).in_use == frozenset(range(8))
         node_b = planned_node(restarted, b)
         assert node_b != node_a
-        res = restarted.cache.reservations[("default", "llama")]
+        res = restarted.ledger.reservations[("default", "llama")]
         assert res.slots["llama-0"].pinned and res.slots["llama-0"].node == node_a
         assert res.slots["llama-1"].node == node_b and not res.slots["llama-1"].pinned
         assert restarted.bind(b, node_b) == ""
@@ -131,12 +131,12 @@ def test_a_replaced_member_triggers_a_new_plan(cluster: Env) -> None:
     a, b = member("llama-0", 0), member("llama-1", 1)
     cluster.add_pods(a, b)
     planned_node(cluster, a)
-    first = cluster.cache.reservations[("default", "llama")]
+    first = cluster.ledger.reservations[("default", "llama")]
     cluster.source.delete("pods", "default", "llama-1")
     c = member("llama-1b", 1)
     cluster.add_pods(c)
     planned_node(cluster, c)
-    again = cluster.cache.reservations[("default", "llama")]
+    again = cluster.ledger.reservations[("default", "llama")]
     assert again is not first and again.members == {"llama-0", "llama-1b"}
 
 

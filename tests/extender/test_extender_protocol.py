@@ -148,7 +148,7 @@ def test_an_unexpected_failure_is_reported_in_error_not_as_500(cluster: Env, mon
     def boom(*_: object, **__: object) -> None:
         raise RuntimeError("cache exploded")
 
-    monkeypatch.setattr(cluster.cache, "evaluate", boom)
+    monkeypatch.setattr(cluster.ledger, "evaluate", boom)
     r = cluster.client.post("/filter", json=args(gputopo_pod("t", 4), NODES))
     assert r.status_code == 200
     assert "cache exploded" in r.json()["Error"]
@@ -197,14 +197,14 @@ def test_nodes_with_too_few_gpus_are_unresolvable(cluster: Env) -> None:
 def test_a_malformed_annotation_fails_every_node_with_one_message(
     cluster: Env, annotations: dict[str, str], needle: str
 ) -> None:
-    before = cluster.cache.generation
+    before = cluster.ledger.generation
     out = cluster.filter(pod_obj("bad", 4, annotations), NODES)
     assert out["NodeNames"] == []
     assert out["FailedNodes"] == {}
     messages = set(out["FailedAndUnresolvableNodes"].values())
     assert len(messages) == 1 and set(out["FailedAndUnresolvableNodes"]) == set(NODES)
     assert needle in messages.pop()
-    assert cluster.cache.generation == before  # nothing about the cluster changed
+    assert cluster.ledger.generation == before  # nothing about the cluster changed
 
 
 def test_preempt_drops_nodes_that_cannot_fit_even_without_their_victims(env: Env) -> None:

@@ -1,0 +1,226 @@
+"""Bind: re-evaluate the pod on the node against the ledger, then ONE API call, a Binding whose
+annotations carry `gputopo.io/placement` (the API server copies a Binding's annotations onto the pod
+as it sets spec.nodeName). The TopologyPlacement Event follows off the critical path.
+
+Safe only with one writer: the extender runs as a sidecar of the single leader kube-scheduler, and
+binds to one node are serialised in this process. Between choosing the GPUs and the Binding's answer
+the ledger holds them as an in-flight claim, so concurrent filters and binds already see them taken.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+
+from extender.events import EventPoster
+from extender.kube import JSON, ApiError, ClusterSource
+from extender.ledger import Ledger
+from extender.locks import StripedLocks
+from extender.objects import pod_record
+from extender.wire import PodInfo, pod_info
+from gputopo.engine.explain import placement_estimate, placement_sentence, why_lost
+from gputopo.engine.placement import NodeVerdict, Outcome, evaluate_node
+from gputopo.engine.reasons import Code
+from gputopo.engine.scoring import to_extender_priority
+from gputopo.model import (
+    PLACEMENT_ANNOTATION,
+    AnnotationError,
+    Placement,
+    PodRequest,
+    RunnerUp,
+    is_gputopo_pod,
+    parse_pod_request,
+)
+
+log = logging.getLogger("gputopo.extender")
+
+
+class RecentPods:
+    """Pods as their filter call carried them moments ago (saves a GET per bind). Bounded in count and
+    in bytes of annotations, since filter bodies carry whatever the pod's author wrote."""
+
+    MAX_PODS = 4096
+    MAX_BYTES = 64 * 1024 * 1024
+
+    def __init__(self) -> None:
+        self._pods: collections.OrderedDict[str, tuple[PodInfo, int]] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._pods)
+
+    def remember(self, info: PodInfo) -> None:
+        size = sum(len(k) + len(v) for k, v in info.annotations.items()) + 256
+        with self._lock:
+            for key in (info.uid, info.ref):
+                if key:
+                    old = self._pods.pop(key, None)
+                    self._bytes += size - (old[1] if old else 0)
+                    self._pods[key] = (info, size)
+            while self._pods and (len(self._pods) > self.MAX_PODS or self._bytes > self.MAX_BYTES):
+                self._bytes -= self._pods.popitem(last=False)[1][1]
+
+    def recall(self, uid: str, ref: str) -> PodInfo | None:
+        with self._lock:
+            hit = self._pods.get(uid) if uid else self._pods.get(ref)
+        info = hit[0] if hit is not None else None
+        return info if info is not None and (not uid or info.uid == uid) else None
+
+
+def bound_object(info: PodInfo, node: str, placement: Placement) -> JSON:
+    """The pod as the API server holds it after our Binding: bound, with the placement annotation."""
+    return {
+        "metadata": {
+            "name": info.name,
+            "namespace": info.namespace,
+            "uid": info.uid or info.ref,
+            "annotations": {**info.annotations, PLACEMENT_ANNOTATION: placement.to_annotation()},
+        },
+        "spec": {"nodeName": node, "containers": [{"resources": {"limits": {"nvidia.com/gpu": str(info.gpus)}}}]},
+        "status": {"phase": info.phase or "Pending"},
+    }
+
+
+class Binder:
+    def __init__(self, ledger: Ledger, source: Callable[[], ClusterSource | None], events: EventPoster) -> None:
+        self.ledger = ledger
+        self._source = source
+        self.events = events
+        self.recent = RecentPods()
+        self.locks = StripedLocks()
+
+    def bind(self, namespace: str, name: str, uid: str, node: str) -> str:
+        """Bind the pod; returns '' on success or the error text for the Error field."""
+        source = self._source()
+        ref = f"{namespace}/{name}"
+        info = self.recent.recall(uid, ref)
+        if source is None and (info is None or not is_gputopo_pod(info.annotations)):
+            return ""  # snapshot mode has no API to bind through; nothing to account for
+        if source is not None and info is None:
+            try:
+                info = pod_info(source.get_pod(namespace, name))
+            except ApiError as e:
+                return f"cannot read pod {ref}: {e}"
+            if uid and info.uid and info.uid != uid:
+                return f"pod {ref} has uid {info.uid}, the scheduler asked to bind uid {uid}"
+            if info.node_name == node:
+                return ""  # already bound there: a retried bind succeeds
+            if info.node_name:
+                return f"pod {ref} is already bound to node {info.node_name}"
+        assert info is not None
+        pid = info.uid or info.ref
+        existing = self.ledger.pods.get(pid)
+        if existing is not None and existing.node_name == node:
+            return ""  # bound there already (by us, moments ago): a retried bind succeeds
+        # (a recalled pod that was bound meanwhile is caught by the Binding's 409 below)
+        if not is_gputopo_pod(info.annotations):
+            assert source is not None
+            return self._post_binding(source, info, node, None)[0]
+        with self.locks(node):  # choosing and claiming is atomic per node in this process
+            chosen = self.placement_for(info, node)
+            if isinstance(chosen, str):
+                return chosen
+            placement, req = chosen
+            self.ledger.claim(pid, node, frozenset(placement.gpus))
+        try:
+            bound: JSON = bound_object(info, node, placement)
+            if source is not None:
+                err, already = self._post_binding(source, info, node, placement)
+                if err:
+                    return err
+                bound = already or bound  # bound by an earlier try of ours: its placement holds
+            self.ledger.put_pod(pid, pod_record(bound, self.ledger.tier_names))
+        finally:
+            self.ledger.unclaim(pid, node)
+        if req.group:
+            self.ledger.pin((namespace, req.group), name)
+        if source is not None:
+            self.events.placed(info.namespace, info.name, info.uid, placement.reason)
+        log.info(
+            "bound" if source is not None else "bound (snapshot mode: recorded in memory only)",
+            extra={
+                "pod": ref,
+                "node": node,
+                "gpus": list(placement.gpus),
+                "score": placement.score,
+                "reason": placement.reason,
+            },
+        )
+        return ""
+
+    def placement_for(self, info: PodInfo, node: str) -> tuple[Placement, PodRequest] | str:
+        """The placement this pod gets on `node` now, or why it cannot have one."""
+        try:
+            req = parse_pod_request(info.annotations, info.gpus, self.ledger.tier_names)
+        except AnnotationError as e:
+            return str(e)
+        placement, _ = self.choose(info, req, node)
+        return placement if isinstance(placement, str) else (placement, req)
+
+    def choose(self, info: PodInfo, req: PodRequest, node: str) -> tuple[Placement | str, Outcome | None]:
+        """Re-evaluate the pod on `node` against the ledger now; the Placement to write, or an error."""
+        ledger = self.ledger
+        res = ledger.reservations.get((info.namespace, req.group)) if req.group else None
+        slot_key = ((info.namespace, req.group), info.name) if req.group else None
+        state = ledger.node_for(node, without_pod=info.uid or info.ref, without_slot=slot_key)
+        outcome = evaluate_node(state, req, ledger.weights)
+        if not outcome.fits:
+            return f"node {node} no longer fits pod {info.ref}: {outcome.message}", outcome
+        runner = self._runner_up(node, req)
+        plan = res.plan if res is not None else None
+        sentence = placement_sentence(node, outcome, runner, plan, info.name, ledger.weights, ledger.tiers)
+        stage = req.stage
+        if res is not None and info.name in res.slots:
+            stage = res.slots[info.name].stage
+        placement = Placement(
+            node=node,
+            gpus=tuple(outcome.gpus),
+            score=to_extender_priority(outcome.score),
+            reason=sentence,
+            runner_up=RunnerUp(
+                node=runner.name,
+                score=to_extender_priority(runner.outcome.score),
+                why=why_lost(outcome, runner.outcome, ledger.weights),
+            )
+            if runner is not None
+            else None,
+            group=req.group,
+            stage=stage,
+            estimate=placement_estimate(outcome, runner, plan, info.name, ledger.tiers),
+        )
+        return placement, outcome
+
+    def _runner_up(self, node: str, req: PodRequest) -> NodeVerdict | None:
+        """The best other feasible node: `runner_up(node, rank(...))` over every cached node, in one pass
+        (no verdict list, no sort of the whole cluster on every bind)."""
+        best: NodeVerdict | None = None
+        best_key: tuple[float, str] | None = None
+        success = Code.SUCCESS
+        for st, o in self.ledger.evaluate_states(list(self.ledger.nodes), req):
+            if o.code is not success or st.name == node:
+                continue
+            key = (-o.score, st.name)
+            if best_key is None or key < best_key:
+                best, best_key = NodeVerdict(st, o), key
+        return best
+
+    def _post_binding(
+        self, source: ClusterSource, info: PodInfo, node: str, placement: Placement | None
+    ) -> tuple[str, JSON | None]:
+        """'' or the error; on a 409 for a pod already bound to `node`, the pod as the API holds it."""
+        annotations = {PLACEMENT_ANNOTATION: placement.to_annotation()} if placement is not None else None
+        try:
+            source.create_binding(info.namespace, info.name, info.uid, node, annotations=annotations)
+        except ApiError as e:
+            if e.status == 409:
+                try:
+                    pod = source.get_pod(info.namespace, info.name)
+                    if pod_info(pod).node_name == node:
+                        return "", pod  # someone (a retry of ours) already bound it there
+                except ApiError:
+                    pass
+            return f"binding pod {info.ref} to node {node} failed: {e}", None
+        return "", None

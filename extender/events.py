@@ -1,0 +1,84 @@
+"""core/v1 Events that explain what already happened (a placement, a placement mismatch), posted by a
+small worker pool off every request's critical path. A lost Event is only logged."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+
+from extender.kube import JSON, ApiError, ClusterSource
+from extender.mismatch import Mismatch
+
+log = logging.getLogger("gputopo.extender.events")
+
+COMPONENT = "gputopo-extender"
+EVENT_REASON = "TopologyPlacement"
+MISMATCH_REASON = "TopologyPlacementMismatch"
+MAX_EVENT_NAME = 253
+
+
+class EventPoster:
+    def __init__(self, source: Callable[[], ClusterSource | None]) -> None:
+        self._source = source  # read at post time: the app may attach its API client after start
+        self.instance = socket.gethostname()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gputopo-events")
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Wait until the events queued so far are posted (tests, shutdown)."""
+        self._pool.submit(lambda: None).result(timeout=timeout)
+
+    def placed(self, namespace: str, name: str, uid: str, sentence: str) -> None:
+        self._pool.submit(self._placed, namespace, name, uid, sentence)
+
+    def mismatch(self, m: Mismatch) -> None:
+        self._pool.submit(self._mismatch, m)
+
+    def _placed(self, namespace: str, name: str, uid: str, sentence: str) -> None:
+        source = self._source()
+        if source is None:
+            return
+        event = self._body(namespace, name, uid, EVENT_REASON, "Normal", sentence)
+        event["metadata"]["generateName"] = f"{name}."
+        try:
+            source.create_event(namespace, event)
+        except ApiError as e:  # the bind succeeded; a lost event is only logged
+            log.warning(
+                "could not create the TopologyPlacement event", extra={"pod": f"{namespace}/{name}", "error": str(e)}
+            )
+
+    def _mismatch(self, m: Mismatch) -> None:
+        source = self._source()
+        if source is None:
+            return
+        event = self._body(m.namespace, m.name, m.uid, MISMATCH_REASON, "Warning", m.sentence())
+        # A fixed name per pod: a second replica, or this one after a restart, gets 409 and posts no twin.
+        suffix = f".{m.uid}.placement-mismatch"
+        event["metadata"]["name"] = m.name[: MAX_EVENT_NAME - len(suffix)].rstrip(".-") + suffix
+        try:
+            source.create_event(m.namespace, event)
+        except ApiError as e:
+            if e.status != 409:
+                log.warning(
+                    "could not create the TopologyPlacementMismatch event", extra={"pod": m.ref, "error": str(e)}
+                )
+
+    def _body(self, namespace: str, name: str, uid: str, reason: str, kind: str, text: str) -> JSON:
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"namespace": namespace},
+            "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": name, "namespace": namespace, "uid": uid},
+            "reason": reason,
+            "message": text[:1024],
+            "type": kind,
+            "source": {"component": COMPONENT},
+            "reportingComponent": COMPONENT,
+            "reportingInstance": self.instance,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }

@@ -1,0 +1,409 @@
+"""The extender's state: nodes, placed pods, in-flight binds and group reservations, and the engine
+`NodeState` of every node, rebuilt only when that node, the pods placed on it or a reservation
+touching it change. In-use GPUs of a node are
+
+    the GPUs the agent's gputopo.io/gpus-in-use reports, per pod UID and `other`
+  ∪ GPUs of non-terminated pods bound to the node whose gputopo.io/placement names it and that the
+    node has not reported under their UID yet (assumed allocations; once reported, the actual GPUs
+    replace them)
+  ∪ GPUs of binds this process has in flight to the node
+  ∪ GPUs reserved by group plans whose members are not bound yet.
+
+Readers (`evaluate`, `states`) take each node's state without the lock: a `NodeEntry.fresh` is replaced
+whole, never mutated, so a decision over thousands of nodes holds the lock only for the rare node
+that needs building (stale, or seen without a pod's own GPUs). Staleness is decided at request time
+against the injected clock from each node's deadline (Lease renewTime + staleAfterSeconds).
+
+Equivalent nodes share `NodeState.key`; outcomes are memoised by (PodRequest, key), so a decision over
+5,000 nodes evaluates each distinct kind once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypedDict
+
+from extender import mismatch
+from extender.mismatch import Mismatch
+from extender.objects import LEASE_PREFIX, NodeEntry, NodeFacts, PodRecord
+from extender.reservations import GroupKey, Reservation, ReservationBook, SlotKey
+from gputopo.engine.placement import Outcome, evaluate_node
+from gputopo.engine.reasons import Reason
+from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
+from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.model import GpusInUse, PodRequest
+from gputopo.tiers import DEFAULT_TIERS, TierConfig
+
+log = logging.getLogger("gputopo.extender.ledger")
+
+STALE_DETAIL = "agent heartbeat (Lease {lease}) is older than staleAfterSeconds"
+
+
+class LedgerOptions(TypedDict, total=False):
+    tiers: TierConfig
+    weights: ScoreWeights
+    stale_after_seconds: float
+    reservation_timeout_seconds: float
+    clock: Callable[[], float]
+
+
+class Ledger:
+    MAX_REQUESTS_MEMOISED = 512
+
+    def __init__(
+        self,
+        *,
+        tiers: TierConfig = DEFAULT_TIERS,
+        weights: ScoreWeights = DEFAULT_WEIGHTS,
+        stale_after_seconds: float = 120.0,
+        reservation_timeout_seconds: float = 120.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.tiers = tiers
+        self.tier_names = tiers.names
+        self.weights = weights
+        self.stale_after = stale_after_seconds
+        self.clock = clock
+        self.static = False  # --snapshot: no Leases, nothing goes stale
+        self.lock = threading.RLock()
+        self.nodes: dict[str, NodeEntry] = {}
+        self.pods: dict[str, PodRecord] = {}
+        self.leases: dict[str, float] = {}  # node -> renew time
+        self._assumed: dict[str, dict[str, frozenset[int]]] = {}  # node -> pod uid -> GPUs
+        self._claims: dict[str, dict[str, frozenset[int]]] = {}  # node -> pod uid -> GPUs being bound
+        self._groups: dict[GroupKey, set[str]] = {}
+        self.book = ReservationBook(reservation_timeout_seconds)
+        self.mismatches: dict[str, Mismatch] = {}  # pod uid -> its current mismatch
+        self._announced: set[str] = set()  # pod uids already handed to on_mismatch
+        self.on_mismatch: Callable[[Mismatch], None] | None = None
+        self._verdicts: OrderedDict[PodRequest, dict[int, Outcome]] = OrderedDict()
+        # Bumps on every change that can alter a verdict (node states, leases, reservations). Cheap
+        # "did anything change" for reusing a filter's outcomes in the prioritize that follows.
+        self.generation = 0
+
+    @property
+    def reservations(self) -> Mapping[GroupKey, Reservation]:
+        return self.book.reservations
+
+    # ------------------------------------------------------------------ node states
+
+    def _in_use(
+        self, name: str, report: GpusInUse, without_pod: str = "", without_slot: SlotKey | None = None
+    ) -> frozenset[int]:
+        used = set(report.other)
+        reported = report.pods
+        for uid, gpus in reported.items():
+            if uid != without_pod:
+                used |= gpus
+        for uid, gpus in self._assumed.get(name, {}).items():
+            if uid != without_pod and uid not in reported:  # reported: the actual GPUs replaced these
+                used |= gpus
+        for uid, gpus in self._claims.get(name, {}).items():
+            if uid != without_pod:
+                used |= gpus
+        for slot_key, gpus in self.book.on(name).items():
+            if slot_key != without_slot:
+                used |= gpus
+        return frozenset(used)
+
+    def _build(self, e: NodeEntry, in_use: frozenset[int] | None = None) -> NodeState:
+        return node_state(
+            e.name,
+            e.topology,
+            labels=e.labels,
+            in_use=self._in_use(e.name, e.report) if in_use is None else in_use,
+            problem=e.problem,
+            problem_detail=e.detail,
+            tiers=self.tiers,
+        )
+
+    def _rebuild(self, names: Iterable[str | None]) -> None:
+        for name in names:
+            e = self.nodes.get(name) if name else None
+            if e is not None:
+                e.stale = None
+                e.fresh = self._build(e)
+                self.generation += 1
+
+    def _stale(self, e: NodeEntry) -> NodeState:
+        if e.stale is None:
+            e.stale = node_state(
+                e.name,
+                e.topology,
+                labels=e.labels,
+                in_use=e.fresh.in_use,
+                problem=Reason.TOPOLOGY_STALE,
+                problem_detail=STALE_DETAIL.format(lease=LEASE_PREFIX + e.name),
+                tiers=self.tiers,
+            )
+        return e.stale
+
+    def resolve(self, name: str, now: float) -> NodeState:
+        """The node as a pod sees it right now (stale once its Lease deadline passed). A name not in the
+        cache gets a state built on the spot: requests name any strings, none of them is kept."""
+        e = self.nodes.get(name)
+        if e is None:
+            return node_state(name, None, problem=Reason.TOPOLOGY_MISSING, problem_detail="node not in the cache")
+        if e.problem is None and now > e.deadline:
+            with self.lock:
+                return self._stale(e)
+        return e.fresh
+
+    def _view(self, name: str, now: float) -> NodeState:
+        e = self.nodes.get(name)
+        if e is not None and (e.problem is not None or now <= e.deadline):
+            return e.fresh  # the common case: no lock
+        return self.resolve(name, now)
+
+    def states(self, names: Iterable[str] | None = None, now: float | None = None) -> list[NodeState]:
+        now = self.clock() if now is None else now
+        self.expire(now)
+        return [self._view(n, now) for n in (list(self.nodes) if names is None else names)]
+
+    def node_for(self, name: str, *, without_pod: str = "", without_slot: SlotKey | None = None) -> NodeState:
+        """The node as the given pod (or group member) sees it: its own assumed/reserved GPUs are free."""
+        with self.lock:
+            st = self.resolve(name, self.clock())
+            e = self.nodes.get(name)
+            if e is None or st.problem is not None:
+                return st
+            return self._build(e, self._in_use(name, e.report, without_pod, without_slot))
+
+    def evaluate(self, names: Sequence[str], req: PodRequest) -> list[Outcome]:
+        """Outcome per requested node, in request order (unknown nodes: topology not reported)."""
+        return [o for _, o in self.evaluate_states(names, req)]
+
+    def evaluate_states(self, names: Iterable[str], req: PodRequest) -> list[tuple[NodeState, Outcome]]:
+        now = self.clock()
+        self.expire(now)
+        with self.lock:
+            memo = self._verdicts.get(req)
+            if memo is None:
+                memo = self._verdicts[req] = {}
+                if len(self._verdicts) > self.MAX_REQUESTS_MEMOISED:
+                    self._verdicts.popitem(last=False)
+            else:
+                self._verdicts.move_to_end(req)
+        out: list[tuple[NodeState, Outcome]] = []
+        view, weights = self._view, self.weights
+        for name in names:
+            state = view(name, now)
+            o = memo.get(state.key)
+            if o is None:  # two threads may both compute one outcome: equal values, no harm
+                o = memo[state.key] = evaluate_node(state, req, weights)
+            out.append((state, o))
+        return out
+
+    # ------------------------------------------------------------------ nodes and leases
+
+    def deadline(self, name: str) -> float:
+        if self.static:
+            return math.inf
+        renew = self.leases.get(name)
+        return -math.inf if renew is None else renew + self.stale_after
+
+    def put_node(self, facts: NodeFacts) -> None:
+        with self.lock:
+            e = NodeEntry(**vars(facts), deadline=self.deadline(facts.name))
+            e.fresh = self._build(e)  # built before it is visible: readers take entries without the lock
+            self.nodes[facts.name] = e
+            self.generation += 1
+            for uid in e.report.pods:
+                self._check_mismatch(uid)
+
+    def put_static(self, st: NodeState) -> None:
+        """A node of a static cluster file: never stale, nothing reported per pod."""
+        facts = NodeFacts(
+            st.name, dict(st.labels), st.topology, "", st.problem, st.problem_detail, GpusInUse(other=st.in_use)
+        )
+        self.static = True
+        self.put_node(facts)
+
+    def drop_nodes(self, names: Iterable[str]) -> None:
+        with self.lock:
+            for name in names:
+                if self.nodes.pop(name, None) is not None:
+                    self.generation += 1
+
+    def put_lease(self, node: str, renew: float | None) -> bool:
+        """Record an agent heartbeat (None: the Lease is gone or says nothing). True when it may change
+        a verdict (the node was stale, or the Lease went away); renewing a fresh node's Lease is not."""
+        with self.lock:
+            entry = self.nodes.get(node)
+            was_fresh = entry is not None and self.clock() <= entry.deadline
+            if renew is None:
+                self.leases.pop(node, None)
+            else:
+                self.leases[node] = renew
+            if entry is not None:
+                entry.deadline = self.deadline(node)
+            changed = renew is None or not was_fresh
+            if changed:
+                self.generation += 1
+            return changed
+
+    def replace_leases(self, leases: Mapping[str, float]) -> None:
+        with self.lock:
+            self.leases = dict(leases)
+            for e in self.nodes.values():
+                e.deadline = self.deadline(e.name)
+            self.generation += 1
+
+    # ------------------------------------------------------------------ pods
+
+    def put_pod(self, uid: str, rec: PodRecord | None) -> None:
+        """Record a pod (None: deleted, or not a gputopo pod any more)."""
+        with self.lock:
+            old = self.pods.pop(uid, None)
+            if old is not None:
+                self._unindex(old)
+            if rec is not None:
+                self.pods[uid] = rec
+                self._index(rec)
+            self._rebuild({old.placed_node if old else None, rec.placed_node if rec else None})
+            if rec is not None:
+                self._check_mismatch(uid)
+            else:
+                self.mismatches.pop(uid, None)
+                self._announced.discard(uid)
+
+    def replace_pods(self, records: Mapping[str, PodRecord]) -> None:
+        with self.lock:
+            touched = {p.placed_node for p in self.pods.values()} | {p.placed_node for p in records.values()}
+            self.pods = dict(records)
+            self._assumed, self._groups = {}, {}
+            for rec in self.pods.values():
+                self._index(rec)
+            self._rebuild(touched)
+            for uid in set(self.mismatches) - set(records):
+                del self.mismatches[uid]
+            self._announced &= set(records)
+            for uid in records:
+                self._check_mismatch(uid)
+            self.generation += 1
+
+    def _index(self, rec: PodRecord) -> None:
+        if not rec.active:
+            return
+        node = rec.placed_node
+        if node and rec.placement is not None:
+            self._assumed.setdefault(node, {})[rec.uid] = frozenset(rec.placement.gpus)
+        if rec.group:
+            self._groups.setdefault((rec.namespace, rec.group), set()).add(rec.uid)
+            if node:
+                self._rebuild(self.book.pin((rec.namespace, rec.group), rec.name))
+
+    def _unindex(self, rec: PodRecord) -> None:
+        node = rec.placed_node
+        per = self._assumed.get(node) if node else None
+        if per is not None:
+            per.pop(rec.uid, None)
+            if not per:
+                del self._assumed[node]  # type: ignore[arg-type]
+        members = self._groups.get((rec.namespace, rec.group)) if rec.group else None
+        if members is not None:
+            members.discard(rec.uid)
+            if not members:
+                del self._groups[(rec.namespace, rec.group)]  # type: ignore[arg-type]
+
+    def forget_reported(self, uid: str) -> None:
+        """Drop what nodes report for `uid` (what-if views: the cluster as if the pod had never run)."""
+        with self.lock:
+            for e in self.nodes.values():
+                if uid in e.report.pods:
+                    e.report = GpusInUse(
+                        pods={u: g for u, g in e.report.pods.items() if u != uid}, other=e.report.other
+                    )
+                    self._rebuild([e.name])
+
+    def reported_gpus(self, node: str, uid: str) -> frozenset[int] | None:
+        """The GPUs `node` reports under pod `uid`, or None when it reports none for it."""
+        e = self.nodes.get(node)
+        return None if e is None else e.report.pods.get(uid)
+
+    def pod_gpus(self, node: str, uid: str) -> frozenset[int] | None:
+        """The GPUs pod `uid` counts for on `node`: reported if the node reports it, else assumed from
+        its placement; None when gputopo knows of none."""
+        with self.lock:
+            reported = self.reported_gpus(node, uid)
+            return reported if reported is not None else self._assumed.get(node, {}).get(uid)
+
+    def _check_mismatch(self, uid: str) -> None:
+        """Record (and announce once) a placed pod whose node reports other GPUs for it."""
+        rec = self.pods.get(uid)
+        found = mismatch.compare(rec, self.nodes.get(rec.placed_node or "") if rec is not None else None)
+        if found is None:
+            return  # nothing to compare yet; a recorded mismatch stays until the pod goes
+        if found is False:
+            self.mismatches.pop(uid, None)
+            return
+        assert isinstance(found, Mismatch)
+        if self.mismatches.get(uid) == found:
+            return
+        self.mismatches[uid] = found
+        if uid not in self._announced:
+            self._announced.add(uid)
+            log.warning(
+                "pod got other GPUs than placed",
+                extra={"pod": found.ref, "node": found.node, "gpus": list(found.actual), "placed": list(found.placed)},
+            )
+            if self.on_mismatch is not None:
+                self.on_mismatch(found)
+
+    # ------------------------------------------------------------------ binds in flight
+
+    def claim(self, uid: str, node: str, gpus: frozenset[int]) -> None:
+        """GPUs this process is binding a pod to right now: used for everyone else until `unclaim`."""
+        with self.lock:
+            self._claims.setdefault(node, {})[uid] = gpus
+            self._rebuild([node])
+
+    def unclaim(self, uid: str, node: str) -> None:
+        with self.lock:
+            per = self._claims.get(node)
+            if per is not None and per.pop(uid, None) is not None:
+                if not per:
+                    del self._claims[node]
+                self._rebuild([node])
+
+    # ------------------------------------------------------------------ groups
+
+    def group_members(self, key: GroupKey) -> list[PodRecord]:
+        with self.lock:
+            return [self.pods[u] for u in self._groups.get(key, ()) if u in self.pods and self.pods[u].active]
+
+    def reserve(self, res: Reservation) -> bool:
+        """Hold the plan's GPUs; False (nothing held) when one of them was taken since it was planned."""
+        with self.lock:
+            for slot in res.slots.values():
+                e = self.nodes.get(slot.node)
+                if slot.pinned or e is None:
+                    continue
+                if slot.gpus & self._in_use(slot.node, e.report, without_slot=(res.key, slot.member)):
+                    return False
+            self._rebuild(self.book.put(res))
+            return True
+
+    def release(self, key: GroupKey) -> None:
+        with self.lock:
+            self._rebuild(self.book.drop(key))
+
+    def pin(self, key: GroupKey, member: str) -> None:
+        with self.lock:
+            self._rebuild(self.book.pin(key, member))
+
+    def expire(self, now: float) -> list[GroupKey]:
+        """Release reservations whose unbound members did not bind within the timeout."""
+        if now < self.book.next_expiry:
+            return []  # the common case: no lock
+        with self.lock:
+            gone = self.book.due(now)
+            for k in gone:
+                log.info("group reservation expired; released", extra={"group": f"{k[0]}/{k[1]}"})
+                self._rebuild(self.book.drop(k))
+            return gone

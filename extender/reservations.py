@@ -1,0 +1,104 @@
+"""Group reservations: the GPUs a group plan holds for members not bound yet, bounded in time and count.
+
+A reservation is released when its unbound members did not bind within the timeout, or to make room
+when `max_groups` reservations exist already (the oldest goes: filter calls can name any group, so the
+book must not grow with them). Methods return the nodes whose reserved GPUs changed; the ledger
+rebuilds those.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from gputopo.engine.groups import GroupPlan
+from gputopo.engine.replan import Slot
+
+log = logging.getLogger("gputopo.extender.reservations")
+
+GroupKey = tuple[str, str]  # (namespace, group)
+SlotKey = tuple[GroupKey, str]  # (group, member)
+
+
+@dataclass
+class Reservation:
+    key: GroupKey
+    created: float
+    slots: dict[str, Slot]
+    plan: GroupPlan | None = None
+
+    @property
+    def members(self) -> frozenset[str]:
+        return frozenset(self.slots)
+
+    @property
+    def waiting(self) -> bool:
+        return any(not s.pinned for s in self.slots.values())
+
+
+class ReservationBook:
+    def __init__(self, timeout_seconds: float, max_groups: int = 1024) -> None:
+        self.timeout = timeout_seconds
+        self.max_groups = max_groups
+        self.reservations: dict[GroupKey, Reservation] = {}
+        self._by_node: dict[str, dict[SlotKey, frozenset[int]]] = {}
+        self.next_expiry = math.inf
+
+    def on(self, node: str) -> Mapping[SlotKey, frozenset[int]]:
+        """GPUs reserved on `node`, per (group, member)."""
+        return self._by_node.get(node, {})
+
+    def put(self, res: Reservation) -> set[str]:
+        touched = self.drop(res.key)
+        while len(self.reservations) >= self.max_groups:
+            oldest = min(self.reservations.values(), key=lambda r: r.created)
+            log.warning("too many group reservations; released the oldest", extra={"group": "/".join(oldest.key)})
+            touched |= self.drop(oldest.key)
+        self.reservations[res.key] = res
+        for slot in res.slots.values():
+            if not slot.pinned:
+                self._by_node.setdefault(slot.node, {})[(res.key, slot.member)] = slot.gpus
+                touched.add(slot.node)
+        self._schedule()
+        return touched
+
+    def drop(self, key: GroupKey) -> set[str]:
+        res = self.reservations.pop(key, None)
+        touched: set[str] = set()
+        if res is None:
+            return touched
+        for slot in res.slots.values():
+            if self._unreserve(slot.node, (key, slot.member)):
+                touched.add(slot.node)
+        self._schedule()
+        return touched
+
+    def pin(self, key: GroupKey, member: str) -> set[str]:
+        """The member is bound: its placement carries its GPUs from now on."""
+        res = self.reservations.get(key)
+        if res is None or member not in res.slots or res.slots[member].pinned:
+            return set()
+        slot = res.slots[member] = replace(res.slots[member], pinned=True)
+        touched = {slot.node} if self._unreserve(slot.node, (key, member)) else set()
+        if not res.waiting:
+            self.reservations.pop(key, None)  # every member bound
+        self._schedule()
+        return touched
+
+    def due(self, now: float) -> list[GroupKey]:
+        """Reservations whose unbound members did not bind within the timeout."""
+        return [k for k, r in self.reservations.items() if r.created + self.timeout <= now and r.waiting]
+
+    def _unreserve(self, node: str, key: SlotKey) -> bool:
+        per = self._by_node.get(node)
+        if per is None or per.pop(key, None) is None:
+            return False
+        if not per:
+            del self._by_node[node]
+        return True
+
+    def _schedule(self) -> None:
+        waiting = (r.created + self.timeout for r in self.reservations.values() if r.waiting)
+        self.next_expiry = min(waiting, default=math.inf)
