@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-COMMANDS: tuple[str, ...] = ("gputopo.sim.cli", "gputopo.demo", "gputopo.inspect")
+COMMANDS: tuple[str, ...] = ("gputopo.sim.cli", "gputopo.demo", "gputopo.inspect", "gputopo.calibrate")
 
 
 def build_parser(modules: Sequence[ModuleType] | None = None) -> argparse.ArgumentParser:

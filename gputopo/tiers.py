@@ -12,6 +12,9 @@ class Tier(BaseModel):
 
     name: str
     labels: tuple[str, ...] = Field(min_length=1)
+    # Downlink to uplink capacity of this tier's switches (2.0 = 2:1). Only the communication-time
+    # estimate reads it (docs/cost-model.md): traffic leaving a switch of this tier gets 1/ratio.
+    oversubscription: float = Field(1.0, ge=1.0, le=1000.0, allow_inf_nan=False)
 
 
 class TierConfig(BaseModel):
@@ -22,6 +25,7 @@ class TierConfig(BaseModel):
     tiers: tuple[Tier, ...] = (
         Tier(
             name="spine",
+            oversubscription=2.0,  # assumed: a spine's uplinks 2:1, leaves non-blocking
             labels=(
                 "gputopo.io/network-spine",
                 "network.topology.nvidia.com/spine",
@@ -62,6 +66,10 @@ class TierConfig(BaseModel):
     def network_tiers(self) -> tuple[str, ...]:
         """Tiers that describe the RDMA fabric (everything except the NVLink domain), widest first."""
         return tuple(n for n in self.names if n != "nvlink-domain")
+
+    def narrow_first_oversubscription(self) -> tuple[float, ...]:
+        """The network tiers' oversubscription, narrowest tier first (the order traffic climbs)."""
+        return tuple(t.oversubscription for t in reversed(self.tiers) if t.name != "nvlink-domain")
 
 
 DEFAULT_TIERS = TierConfig()

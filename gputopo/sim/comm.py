@@ -1,11 +1,13 @@
-"""Estimated communication time of a placement, from the engine's cost model (gputopo.engine.cost).
+"""Estimated communication time of a placement, from the engine's cost model (gputopo.engine.cost and
+gputopo.engine.estimate, described in docs/cost-model.md).
 
 - TP: one ring allreduce of `message_bytes` over a pod's GPUs, at the set's bottleneck bandwidth
   (NVLink generation and link count, or PCIe inside or across sockets).
 - PP: one activation transfer of `message_bytes` across each stage boundary of a group (stage i to
-  i+1): over the slower node's best NIC and the switch tiers between the nodes, or over the GPUs' own
-  link when both stages share a node. A node with no active NIC of the group's kind falls back to
-  any active NIC, then to a plain 25 Gb/s host Ethernet path (assumption).
+  i+1): over the slower node's best NIC and the switch tiers between the nodes (each tier's
+  oversubscription from the tier configuration), or over the GPUs' own link when both stages share a
+  node. A node with no active NIC of the group's kind falls back to any active NIC, then to a plain
+  25 Gb/s host Ethernet path (assumption).
 """
 
 from __future__ import annotations
@@ -13,34 +15,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
-from gputopo.engine.cost import intra_node_bandwidth, pp_transfer_seconds, tiers_crossed, tp_allreduce_seconds
-from gputopo.engine.snapshot import NodeState, Shape, shape_of
+from gputopo.engine.cost import intra_node_bandwidth, tp_allreduce_seconds
+from gputopo.engine.estimate import FALLBACK_NIC_GBIT, best_nics, node_shape, stage_transfer_seconds
+from gputopo.engine.snapshot import NodeState, Shape
 from gputopo.model import NetworkKind
+from gputopo.tiers import DEFAULT_TIERS, Tier, TierConfig
 
-# Without an RDMA NIC, stage traffic goes over the host's ordinary Ethernet (assumed 25 Gb/s).
-FALLBACK_NIC_GBIT = 25.0
-
-
-def node_shape(node: NodeState) -> Shape | None:
-    """The node's link shape, also for nodes the engine refuses (stale topology still has links)."""
-    if node.shape is not None:
-        return node.shape
-    if node.topology is not None and node.topology.gpus:
-        return shape_of(node.topology)
-    return None
+__all__ = ["FALLBACK_NIC_GBIT", "nic_gbit", "node_shape", "pp_seconds", "tp_seconds"]
 
 
 @lru_cache(maxsize=65536)
 def nic_gbit(node: NodeState, kind: NetworkKind) -> float:
     """Best active NIC rate (Gb/s) of `kind`, else of any kind, else the host Ethernet fallback."""
-    topo = node.topology
-    nics = [n for n in topo.nics if n.active] if topo is not None else []
-    wanted = [n.rate_gbps for n in nics if kind.accepts(n)]
-    if wanted:
-        return max(wanted)
-    if nics:
-        return max(n.rate_gbps for n in nics)
-    return FALLBACK_NIC_GBIT
+    return best_nics(node, kind)[0]
 
 
 def tp_seconds(shape: Shape | None, gpus: Sequence[int], message_bytes: float) -> float:
@@ -50,6 +37,19 @@ def tp_seconds(shape: Shape | None, gpus: Sequence[int], message_bytes: float) -
     return tp_allreduce_seconds(message_bytes, len(gpus), bw)
 
 
+def _tier_config(network_tiers: Sequence[str] | TierConfig) -> TierConfig:
+    """Tier names alone (what older callers pass) take the default tiers' oversubscription by name."""
+    if isinstance(network_tiers, TierConfig):
+        return network_tiers
+    return _named_tiers(tuple(network_tiers))
+
+
+@lru_cache(maxsize=64)  # the exhaustive search asks for the same few tier lists millions of times
+def _named_tiers(names: tuple[str, ...]) -> TierConfig:
+    known = {t.name: t for t in DEFAULT_TIERS.tiers}
+    return TierConfig(tiers=tuple(known.get(n) or Tier(name=n, labels=(f"gputopo.io/network-{n}",)) for n in names))
+
+
 def pp_seconds(
     a: NodeState,
     gpus_a: Sequence[int],
@@ -57,15 +57,7 @@ def pp_seconds(
     gpus_b: Sequence[int],
     kind: NetworkKind,
     message_bytes: float,
-    network_tiers: Sequence[str],
+    network_tiers: Sequence[str] | TierConfig,
 ) -> float:
     """One transfer between consecutive stages placed on `a` and `b`."""
-    if a.name == b.name:
-        shape = node_shape(a)
-        if shape is None or not gpus_a or not gpus_b or gpus_a[0] == gpus_b[0]:
-            return 0.0
-        bw = intra_node_bandwidth(shape.links, shape.nvswitch, shape.gbps_per_link, shape.numa, (gpus_a[0], gpus_b[0]))
-        return message_bytes / (bw.gbps * 1e9)
-    crossed = tiers_crossed(dict(a.location), dict(b.location), network_tiers)
-    rate = min(nic_gbit(a, kind), nic_gbit(b, kind))
-    return pp_transfer_seconds(message_bytes, rate, crossed)
+    return stage_transfer_seconds(a, gpus_a, b, gpus_b, message_bytes, _tier_config(network_tiers), kind)

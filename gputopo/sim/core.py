@@ -161,7 +161,7 @@ class _Run:
             return
         best = ranked[0]
         runner = runner_up(best.name, ranked)
-        sentence = placement_sentence(best.name, best.outcome, runner, weights=self.weights)
+        sentence = placement_sentence(best.name, best.outcome, runner, weights=self.weights, tiers=self.tiers)
         # The engine's words for a tie assume kube-scheduler's other plugins; here the node name decides.
         sentence = sentence.replace(ENGINE_TIE_WORDS, SIM_TIE_WORDS)
         if runner is None and len(verdicts) > 1:
@@ -185,7 +185,7 @@ class _Run:
             return
         for a in plan.assignments:
             pod = next(p for p in pods if p.name == a.member)
-            sentence = placement_sentence(a.node.name, a.outcome, None, plan, a.member, self.weights)
+            sentence = placement_sentence(a.node.name, a.outcome, None, plan, a.member, self.weights, self.tiers)
             score = to_extender_priority(a.outcome.score)
             self.placements.append(PodPlacement(pod.name, pod.job, a.node.name, a.outcome.gpus, score, sentence))
             self.take(a.node.name, a.outcome.gpus)

@@ -131,7 +131,6 @@ def best_placement(
     budget: int = DEFAULT_BUDGET,
 ) -> BestPlacement:
     views = [_Node(n) for n in nodes]
-    net = tiers.network_tiers()
     # Nodes with the same hardware, health, NICs and switches are interchangeable.
     classes: dict[tuple[object, ...], int] = {}
     node_class = [
@@ -190,7 +189,7 @@ def best_placement(
                     if chosen:
                         _, prev_node, prev_gpus = chosen[-1]
                         c += pp_seconds(
-                            views[prev_node].state, prev_gpus, view.state, gpus, kind, pp_message_bytes, net
+                            views[prev_node].state, prev_gpus, view.state, gpus, kind, pp_message_bytes, tiers
                         )
                     new_masks = (*masks[:n], after, *masks[n + 1 :])
                     yield from rec(i + 1, new_masks, cost + c, (*chosen, (pod.name, n, gpus)))

@@ -175,11 +175,10 @@ def job_comm_seconds(
     if is_group_job(pods):
         staged = sorted(pods, key=lambda p: (p.stage, p.name))
         kind = pods[0].request.network
-        net = tiers.network_tiers()
         for a, b in pairwise(staged):
             na, ga = where[a.name]
             nb, gb = where[b.name]
-            pp += pp_seconds(na, ga, nb, gb, kind, pp_message_bytes, net)
+            pp += pp_seconds(na, ga, nb, gb, kind, pp_message_bytes, tiers)
     return tp, pp
 
 
