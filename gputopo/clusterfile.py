@@ -89,6 +89,10 @@ def _load_yaml(path: Path) -> Any:
         return yaml.safe_load(path.read_text())
     except OSError as e:
         raise ClusterFileError(f"{path}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ClusterFileError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except RecursionError:
+        raise ClusterFileError(f"{path}: nested too deeply") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

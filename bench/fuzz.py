@@ -1,0 +1,308 @@
+"""Fuzz the real extender over HTTP: malformed requests to every verb, one keep-alive connection.
+
+Starts `gputopo-extender --snapshot` (a small cluster file) with uvicorn in a subprocess on 127.0.0.1,
+then sends `--cases` requests (default 100,000) from one httpx client: valid bodies of /filter,
+/prioritize, /bind, /preempt and /mutate (Go-cased and lower-cased keys) with one to three values
+replaced or deleted, NaN / infinities / 1e400 / 400-digit numbers spliced in as raw JSON, nesting
+thousands deep, truncated and random bytes, and now and then a body over the size limit (declared or
+chunked). Every 100 cases a valid filter must still answer 200 with no Error. It stops by itself after
+the cases or `--time-limit` seconds, and prints:
+
+- answers by status, 5xx, answers that are not JSON, dropped connections (the next request on the
+  keep-alive connection needed a new one, or failed), hangs (no answer within 5 s);
+- tracebacks in the server's log, and the server's RSS after warm-up and at the end (target: flat).
+
+Exit status 1 when any 5xx, non-JSON answer, drop or hang was seen.
+
+    .venv/bin/python bench/fuzz.py [--cases 100000] [--time-limit 1200] [--seed 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+HANG_SECONDS = 5.0
+LIMIT = 1024 * 1024  # the server's --max-request-bytes here: over-limit cases stay cheap to send
+VERBS = ("filter", "prioritize", "bind", "preempt", "mutate")
+NASTY = ["NaN", "inf", "-inf", "Infinity", "1e400", "-1", "0.5", "2k", "500m", "9" * 400, "", "\x00", "80Gi"]
+RAW = ["1e400", "-1e400", "NaN", "Infinity", "-Infinity", "9" * 400, "[" * 3000 + "]" * 3000]
+PROTOCOL_KEYS = {"Pods", "UID", "NumPDBViolations"}
+
+
+def pod(name: str, gpus: int) -> dict[str, Any]:
+    limits = {"nvidia.com/gpu": str(gpus)}
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": "default",
+            "uid": f"uid-{name}",
+            "annotations": {"gputopo.io/nvlink": "required", "gputopo.io/min-gpu-memory": "40Gi"},
+        },
+        "spec": {
+            "schedulerName": "gputopo-scheduler",
+            "containers": [{"name": "main", "image": "x", "resources": {"limits": limits, "requests": limits}}],
+        },
+        "status": {"phase": "Pending"},
+    }
+
+
+NODES = ["dgx-0", "dgx-1", "l40s-0", "ghost"]
+
+
+def valid(verb: str) -> dict[str, Any]:
+    p = pod("p", 4)
+    if verb in ("filter", "prioritize"):
+        return {"Pod": p, "Nodes": None, "NodeNames": list(NODES)}
+    if verb == "bind":
+        return {"PodName": "p", "PodNamespace": "default", "PodUID": "uid-p", "Node": "dgx-0"}
+    if verb == "preempt":
+        return {"Pod": p, "NodeNameToMetaVictims": {"dgx-0": {"Pods": [{"UID": "x"}], "NumPDBViolations": 0}}}
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {"uid": "u-1", "kind": {"kind": "Pod"}, "operation": "CREATE", "object": p},
+    }
+
+
+def lower(body: Any, top: bool = True) -> Any:
+    if isinstance(body, dict):
+        return {
+            (k.lower() if top or k in PROTOCOL_KEYS else k): (v if k == "Pod" else lower(v, False))
+            for k, v in body.items()
+        }
+    if isinstance(body, list):
+        return [lower(v, False) for v in body]
+    return body
+
+
+TEMPLATES = {(verb, low): json.dumps(lower(valid(verb)) if low else valid(verb)) for verb in VERBS for low in (0, 1)}
+
+
+def random_value(rng: random.Random, depth: int = 0) -> Any:
+    r = rng.random()
+    if depth < 3 and r < 0.15:
+        return [random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    if depth < 3 and r < 0.3:
+        return {rng.choice(["", "a", "metadata", "name", "Pod", "uid"]): random_value(rng, depth + 1)}
+    return rng.choice(
+        [
+            None,
+            True,
+            rng.randrange(-(2**40), 2**40),
+            rng.choice([float("nan"), float("inf"), -1.5, 1e300, 0.0]),
+            rng.choice(NASTY),
+            "".join(chr(rng.randrange(32, 0x2FF)) for _ in range(rng.randrange(12))),
+            f"__raw{rng.randrange(len(RAW))}__",
+        ]
+    )
+
+
+def paths(value: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    yield prefix
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from paths(v, (*prefix, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from paths(v, (*prefix, i))
+
+
+def mutate(rng: random.Random, verb: str) -> bytes:
+    body: Any = json.loads(TEMPLATES[(verb, rng.randrange(2))])
+    for _ in range(rng.randint(1, 3)):
+        path = rng.choice(list(paths(body)))
+        if not path:
+            body = random_value(rng)
+            continue
+        parent = body
+        for p in path[:-1]:
+            parent = parent[p]
+        if isinstance(parent, dict) and rng.random() < 0.3:
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = random_value(rng)
+    text = json.dumps(body)
+    if "__raw" in text:
+        for i, token in enumerate(RAW):
+            text = text.replace(f'"__raw{i}__"', token)
+    return text.encode()
+
+
+def case(rng: random.Random, verb: str) -> bytes | Iterator[bytes]:
+    r = rng.random()
+    if r < 0.80:
+        return mutate(rng, verb)
+    template = TEMPLATES[(verb, 0)].encode()
+    if r < 0.88:
+        return template[: rng.randrange(len(template))]
+    if r < 0.94:
+        return bytes(rng.randrange(256) for _ in range(rng.randrange(64)))
+    if r < 0.999:
+        return rng.choice(RAW).encode()
+    if r < 0.9995:
+        return b" " * (LIMIT + 1)  # declared length over the limit
+    return (b" " * 65536 for _ in range(2 * LIMIT // 65536))  # chunked, past the limit
+
+
+def peer_of(r: httpx.Response) -> Any:
+    """The client end of the connection that carried `r`; None when the server closed it after answering."""
+    try:
+        return r.extensions["network_stream"].get_extra_info("client_addr")
+    except OSError:
+        return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def write_cluster(path: Path) -> None:
+    nodes = [
+        {"name": "dgx-0", "fixture": "dgx-h100", "labels": {"gputopo.io/network-leaf": "leaf-1"}},
+        {"name": "dgx-1", "fixture": "dgx-h100", "gpusInUse": [0, 1]},
+        {"name": "l40s-0", "fixture": "l40s-4"},
+    ]
+    path.write_text(yaml.safe_dump({"nodes": nodes}))
+
+
+def stop(server: subprocess.Popen[bytes]) -> None:
+    """End the server this script started (its own session), however it is doing."""
+    if server.poll() is not None:
+        return
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(10)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(10)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", type=int, default=100_000)
+    ap.add_argument("--time-limit", type=float, default=1200.0, help="stop after this many seconds")
+    ap.add_argument("--seed", type=int, default=1)
+    opts = ap.parse_args()
+    rng = random.Random(opts.seed)
+    with tempfile.TemporaryDirectory(prefix="gputopo-fuzz-") as tmp:
+        cluster, log_path = Path(tmp) / "cluster.yaml", Path(tmp) / "server.log"
+        write_cluster(cluster)
+        port = free_port()
+        cmd = [sys.executable, "-m", "extender.main", "--snapshot", str(cluster), "--host", "127.0.0.1"]
+        cmd += ["--port", str(port), "--max-request-bytes", str(LIMIT), "--log-level", "error"]
+        with log_path.open("wb") as log:
+            server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return run(opts, rng, port, server, log_path)
+        finally:
+            stop(server)
+
+
+def run(opts: argparse.Namespace, rng: random.Random, port: int, server: subprocess.Popen[bytes], log: Path) -> int:
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(base + "/readyz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            print(f"server did not start:\n{log.read_text()[-2000:]}", file=sys.stderr)
+            return 2
+        time.sleep(0.1)
+
+    statuses: Counter[int] = Counter()
+    by_verb: Counter[str] = Counter()
+    fives = non_json = dropped = hangs = failed_probes = 0
+    probe = json.dumps(valid("filter")).encode()
+    headers = {"Content-Type": "application/json"}
+    client = httpx.Client(base_url=base, timeout=HANG_SECONDS)
+    last_peer: Any = None
+    expect_new = False
+    rss_before = 0
+    start = time.monotonic()
+    done = 0
+    for i in range(opts.cases):
+        if time.monotonic() - start > opts.time_limit:
+            break
+        if i == 1000:
+            rss_before = rss_kib(server.pid)  # after warm-up: imports, caches and pools are in place
+        verb = VERBS[i % len(VERBS)]
+        try:
+            r = client.post(f"/{verb}", content=case(rng, verb), headers=headers)
+        except httpx.TimeoutException:
+            hangs += 1
+            expect_new = True
+            continue
+        except httpx.TransportError:
+            dropped += 1
+            expect_new = True
+            continue
+        finally:
+            done += 1
+        peer = peer_of(r)
+        if (peer is None and r.status_code != 413) or (last_peer and peer and peer != last_peer and not expect_new):
+            dropped += 1  # closed right after this answer, or the previous one's connection did not survive
+        last_peer, expect_new = peer, peer is None or r.status_code == 413
+        statuses[r.status_code] += 1
+        by_verb[f"{verb} {r.status_code}"] += 1
+        if r.status_code >= 500:
+            fives += 1
+        try:
+            r.json()
+        except ValueError:
+            non_json += 1
+        if i % 100 == 99:
+            try:
+                p = client.post("/filter", content=probe, headers=headers)
+                ok = p.status_code == 200 and p.json()["Error"] == ""
+                last_peer = peer_of(p)
+            except httpx.HTTPError:
+                ok = False
+            failed_probes += not ok
+        if i % 10_000 == 9_999:
+            print(f"  {i + 1} cases, {time.monotonic() - start:.0f} s, RSS {rss_kib(server.pid)} KiB", flush=True)
+    elapsed = time.monotonic() - start
+    rss_after = rss_kib(server.pid)
+    client.close()
+    tracebacks = log.read_text(errors="replace").count("Traceback")
+    print(f"cases: {done} in {elapsed:.0f} s ({done / elapsed:.0f}/s), seed {opts.seed}")
+    print("answers by status: " + ", ".join(f"{s}: {n}" for s, n in sorted(statuses.items())))
+    print("by verb: " + ", ".join(f"{k}: {n}" for k, n in sorted(by_verb.items())))
+    print(
+        f"5xx: {fives}  not JSON: {non_json}  dropped connections: {dropped}  hangs (> {HANG_SECONDS:.0f} s): {hangs}"
+    )
+    print(f"failed valid probes: {failed_probes}  tracebacks in the server log: {tracebacks}")
+    print(f"server RSS: {rss_before} KiB after warm-up, {rss_after} KiB at the end ({rss_after - rss_before:+d} KiB)")
+    return 1 if fives or non_json or dropped or hangs or failed_probes else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
