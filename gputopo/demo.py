@@ -1,7 +1,9 @@
 """`gputopo demo`: the whole system on this machine. Builds (or reuses) the pinned upstream binaries,
 starts etcd, kube-apiserver and kube-scheduler, runs the real extender and one real agent per
 simulated GPU node from `examples/cluster.yaml`, submits `examples/jobs.yaml` as pods, and prints
-where each pod went and what `kubectl describe pod` says about it."""
+where each pod went and what `kubectl describe pod` says about it. As root, with the kubelet built,
+it adds one node run by a real kubelet, so the whole path shows: placement, the kubelet's device
+manager asking the agent's device plugin, PodResources, and the agent's per-pod report."""
 
 from __future__ import annotations
 
@@ -126,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
                     shown.add(text)  # a retried pod repeats its FailedScheduling event
                     _say("    " + text)
         _say(f"\n{placed}/{len(pods)} pods placed.")
+        _real_kubelet_part(stack, kube, bin_dir, ns, args.timeout)
         if args.keep:
             cp.detach()
             _say("\nThe cluster keeps running. Try:")
@@ -139,6 +142,79 @@ def run(args: argparse.Namespace) -> int:
         if not args.keep:
             _say("== tearing down (only the processes this demo started)")
             cp.teardown()
+
+
+KUBELET_NODE = "kubelet-dgx1v"
+# Keeps the jobs file's unplaced pods, which the scheduler retries, off the real-kubelet node.
+KUBELET_TAINT = {"key": "gputopo.io/real-kubelet", "value": "demo", "effect": "NoSchedule"}
+
+
+def _real_kubelet_part(stack: Any, kube: Any, bin_dir: Path, ns: str, timeout: float) -> None:
+    """One DGX-1V node run by a real kubelet; a TP-4 and a TP-2 pod go there, and what the kubelet
+    allocated is read back from its PodResources socket."""
+    from agent.podresources.client import PodResourcesClient
+    from gputopo.localcluster import pod_manifest
+    from gputopo.localcluster.kubelet import kubelet_unavailable
+    from gputopo.model import GPUS_IN_USE_ANNOTATION, parse_gpus_in_use_report
+    from gputopo.systems import build_system
+
+    reason = kubelet_unavailable(bin_dir)
+    if reason is not None:
+        _say(f"\n(no real-kubelet node: {reason})")
+        return
+    _say(f"\n== a node run by a real kubelet ({KUBELET_NODE}, DGX-1V), its gputopo-agent as the device plugin")
+    taint = f"{KUBELET_TAINT['key']}={KUBELET_TAINT['value']}:{KUBELET_TAINT['effect']}"
+    kubelet = stack.add_kubelet_node(KUBELET_NODE, "dgx-1v", taints=[taint])
+    stack.wait_published([KUBELET_NODE])
+    pods = []
+    for name, gpus in (("kubelet-tp4", 4), ("kubelet-tp2", 2)):
+        manifest = pod_manifest(
+            name,
+            namespace=ns,
+            scheduler_name="gputopo-scheduler",
+            gpus=gpus,
+            annotations={"gputopo.io/nvlink": "required"},
+            node_selector={"kubernetes.io/hostname": KUBELET_NODE},
+            tolerations=[{**KUBELET_TAINT, "operator": "Equal"}],
+        )
+        kube.create_pod(manifest)
+        pods.append(name)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        phases = [kube.get_pod(ns, n).get("status", {}).get("phase") for n in pods]
+        if all(ph in ("Running", "Failed") for ph in phases):
+            break
+        time.sleep(0.3)
+    index = {g.uuid: g.index for g in build_system("dgx-1v", KUBELET_NODE).gpus}
+    client = PodResourcesClient(kubelet.podresources_socket)
+    try:
+        held = {
+            name: sorted(index.get(d, -1) for d in ids) for (_, name), ids in client.gpu_allocation().by_pod.items()
+        }
+    finally:
+        client.close()
+    names = {}
+    for name in pods:
+        pod = kube.get_pod(ns, name)
+        names[pod["metadata"]["uid"]] = name
+        ann = pod["metadata"].get("annotations", {}).get(PLACEMENT_ANNOTATION)
+        placed = gpu_ranges(parse_placement(ann).gpus) if ann else "-"
+        got = gpu_ranges(held[name]) if name in held else "nothing"
+        _say(f"+ {name}: placement GPUs {placed}; the kubelet allocated {got} ({pod['status'].get('phase')})")
+    # The agent reports what PodResources says once per discovery interval (1 s here).
+    deadline = time.monotonic() + 15
+    while True:
+        text = kube.get_node(KUBELET_NODE)["metadata"].get("annotations", {}).get(GPUS_IN_USE_ANNOTATION, "[]")
+        try:
+            report = parse_gpus_in_use_report(text)
+        except AnnotationError:
+            _say(f"   the agent's {GPUS_IN_USE_ANNOTATION}: {text}")
+            return
+        if set(names) <= set(report.pods) or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    per_pod = [f"{names.get(uid, uid)} {gpu_ranges(sorted(g))}" for uid, g in sorted(report.pods.items())]
+    _say(f"   the agent's {GPUS_IN_USE_ANNOTATION} (per pod UID, named here): {'; '.join(per_pod) or 'none'}")
 
 
 def _wait_decided(kube: Any, ns: str, names: list[str], timeout: float) -> None:

@@ -1,7 +1,8 @@
 """A local, real Kubernetes control plane for end-to-end tests, the demo and benchmarks.
 
 Upstream etcd, kube-apiserver and kube-scheduler run as child processes on loopback
-(``ControlPlane``); GPU nodes are simulated as Node objects without kubelets (``SimNode``);
+(``ControlPlane``); GPU nodes are simulated as Node objects without kubelets (``SimNode``), or run
+by a real kubelet with a fake container runtime (``RealKubelet``, root only);
 ``KubeClient`` is a small typed wrapper over the ``kubernetes`` client plus the real kubectl.
 The binaries are built once per machine by ``build_binaries.sh`` (``ensure_binaries``).
 """
@@ -34,6 +35,7 @@ from .kube import (
     network_labels,
     pod_manifest,
 )
+from .kubelet import RealKubelet, kubelet_unavailable
 
 __all__ = [
     "APISERVER",
@@ -54,6 +56,7 @@ __all__ = [
     "KubeClient",
     "PodCondition",
     "PodEvent",
+    "RealKubelet",
     "SimNode",
     "WaitTimeout",
     "ensure_binaries",
@@ -61,6 +64,7 @@ __all__ = [
     "find_binaries",
     "free_port",
     "kubeconfig_text",
+    "kubelet_unavailable",
     "network_labels",
     "pod_manifest",
     "scheduler_configuration",

@@ -1,4 +1,5 @@
-"""Locate or build the pinned upstream binaries (kube-apiserver, kube-scheduler, kubectl, etcd, helm).
+"""Locate or build the pinned upstream binaries (kube-apiserver, kube-scheduler, kubectl, etcd, helm;
+also kubelet and fakecri, which only ``kubelet.RealKubelet`` needs and checks for itself).
 
 The build itself is ``build_binaries.sh`` next to this module (shipped as package data): it builds
 from the Go module proxy once per machine into ``$GPUTOPO_CACHE/<version key>/bin`` and reuses that

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds the pinned upstream control-plane binaries (kube-apiserver, kube-scheduler, kubectl,
-# etcd, helm) from the Go module proxy into a cache outside the repository, keyed by version.
+# etcd, helm), the kubelet and `fakecri` (Kubernetes' own fake CRI runtime, k8s.io/cri-client/pkg/fake,
+# served on a unix socket so that the kubelet runs without a container engine) from the Go module
+# proxy into a cache outside the repository, keyed by version.
 # A second run with the binaries present does nothing. Prints the bin directory on stdout;
 # progress goes to stderr.
 #
@@ -19,11 +21,14 @@ CACHE_ROOT="${GPUTOPO_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gputopo}"
 KEY="k8s-v${K8S_VERSION}_etcd-v${ETCD_VERSION}_helm-v${HELM_VERSION}"
 BIN="$CACHE_ROOT/$KEY/bin"
 WORK="$CACHE_ROOT/$KEY/src"
-NEEDED=(kube-apiserver kube-scheduler kubectl etcd helm)
+K8S_CMDS=(kube-apiserver kube-scheduler kubectl kubelet)
+NEEDED=("${K8S_CMDS[@]}" fakecri etcd helm)
 
 log() { echo "[build-binaries] $*" >&2; }
 
 have_all() { for b in "${NEEDED[@]}"; do [[ -x "$BIN/$b" ]] || return 1; done; }
+# True when one of the binaries built from the Kubernetes wrapper module is missing.
+k8s_missing() { for b in "${K8S_CMDS[@]}" fakecri; do [[ -x "$BIN/$b" ]] || return 0; done; return 1; }
 
 if have_all; then echo "$BIN"; exit 0; fi
 if [[ "${1:-}" == "--check" ]]; then echo "$BIN"; exit 3; fi
@@ -43,7 +48,7 @@ export GOFLAGS="${GOFLAGS:-} -mod=mod"
 minor="${K8S_VERSION#*.}"; minor="${minor%%.*}"; patch="${K8S_VERSION##*.}"
 staging="v0.${minor}.${patch}"
 
-if [[ ! -x "$BIN/kube-apiserver" || ! -x "$BIN/kube-scheduler" || ! -x "$BIN/kubectl" ]]; then
+if k8s_missing; then
   log "kubernetes v$K8S_VERSION: wrapper module (staging modules pinned to $staging)"
   d="$WORK/k8s"; mkdir -p "$d"; cd "$d"
   [[ -f go.mod ]] || go mod init gputopo.local/k8sbin >/dev/null 2>&1
@@ -62,18 +67,73 @@ import (
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"
 	_ "k8s.io/kubernetes/cmd/kube-scheduler"
 	_ "k8s.io/kubernetes/cmd/kubectl"
+	_ "k8s.io/kubernetes/cmd/kubelet"
 )
+GO
+  # fakecri: the fake CRI runtime kubelet's own tests use, on a unix socket. Its defaults make a
+  # real kubelet fail; each setting below answers one of them.
+  mkdir -p fakecri
+  cat > fakecri/main.go <<'GO'
+// Command fakecri serves k8s.io/cri-client/pkg/fake (runtime and image service) on a unix socket
+// so that a real kubelet runs pods without a container engine: nothing is executed.
+package main
+
+import (
+	"flag"
+	"log"
+	"os"
+	"os/signal"
+	"syscall"
+
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
+	"k8s.io/cri-client/pkg/fake"
+)
+
+func main() {
+	endpoint := flag.String("endpoint", "", "CRI endpoint, unix:///path/to.sock")
+	imagefs := flag.String("imagefs", "", "existing directory reported as the image filesystem")
+	flag.Parse()
+	if *endpoint == "" || *imagefs == "" {
+		log.Fatal("-endpoint and -imagefs are required")
+	}
+	f := fake.NewFakeRemoteRuntime()
+	if err := f.Start(*endpoint); err != nil {
+		log.Fatalf("start: %v", err)
+	}
+	// The kubelet asks the runtime for its cgroup driver.
+	f.RuntimeService.FakeLinuxConfiguration = &runtimeapi.LinuxRuntimeConfiguration{
+		CgroupDriver: runtimeapi.CgroupDriver_CGROUPFS,
+	}
+	// The eviction manager and image GC stat the image filesystem's mountpoint.
+	f.ImageService.FakeFilesystemUsage = []*runtimeapi.FilesystemUsage{{
+		Timestamp: 1,
+		FsId:      &runtimeapi.FilesystemIdentifier{Mountpoint: *imagefs},
+		UsedBytes: &runtimeapi.UInt64Value{Value: 0}, InodesUsed: &runtimeapi.UInt64Value{Value: 0},
+	}}
+	// With size 0 the kubelet fails every pod: ImageInspectError "Id or size of image ... is not set".
+	f.ImageService.FakeImageSize = 1024
+	log.Printf("fake CRI serving on %s", *endpoint)
+	ch := make(chan os.Signal, 1)
+	signal.Notify(ch, syscall.SIGTERM, syscall.SIGINT)
+	<-ch
+	f.Stop()
+}
 GO
   log "go mod tidy (downloads modules once per machine)"
   go mod tidy >&2
   ld="-s -w -X k8s.io/component-base/version.gitVersion=v$K8S_VERSION -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/client-go/pkg/version.gitVersion=v$K8S_VERSION -X k8s.io/client-go/pkg/version.gitMajor=1 -X k8s.io/client-go/pkg/version.gitMinor=$minor"
-  for c in kube-apiserver kube-scheduler kubectl; do
+  for c in "${K8S_CMDS[@]}"; do
     if [[ ! -x "$BIN/$c" ]]; then
       log "building $c v$K8S_VERSION (several minutes on 2 cores)"
       go build -trimpath -ldflags "$ld" -o "$BIN/$c.tmp" "k8s.io/kubernetes/cmd/$c" >&2
       mv "$BIN/$c.tmp" "$BIN/$c"
     fi
   done
+  if [[ ! -x "$BIN/fakecri" ]]; then
+    log "building fakecri (k8s.io/cri-client/pkg/fake $staging)"
+    go build -trimpath -ldflags "-s -w" -o "$BIN/fakecri.tmp" ./fakecri >&2
+    mv "$BIN/fakecri.tmp" "$BIN/fakecri"
+  fi
 fi
 
 if [[ ! -x "$BIN/etcd" ]]; then

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from gputopo.localcluster.controlplane import ControlPlane, free_port
-from gputopo.localcluster.kube import KubeApiError, KubeClient, SimNode
-from gputopo.model import NodeTopology
+from gputopo.localcluster.kube import GPU_RESOURCE, KubeApiError, KubeClient, SimNode
+from gputopo.localcluster.kubelet import RealKubelet
+from gputopo.model import GpusInUse, NodeTopology
 from gputopo.systems import build_system
 
 NAMESPACE = "gputopo-system"
@@ -38,7 +39,12 @@ def rbac_objects(namespace: str = NAMESPACE) -> list[dict[str, Any]]:
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "ClusterRole",
             "metadata": {"name": "gputopo-agent"},
-            "rules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}],
+            "rules": [
+                {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
+                # Pods on its own node only (field selector spec.nodeName): which pod holds which
+                # GPUs, and, as the device plugin, the placement of the pod being admitted.
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+            ],
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -146,6 +152,9 @@ class Stack:
         self.ca_file: Path | None = None
         self.extender_url = ""
         self.nodes: dict[str, GpuNode] = {}
+        # Nodes run by a real kubelet, and their agents' device-plugin options (mode, resource).
+        self.kubelets: dict[str, RealKubelet] = {}
+        self._plugin_options: dict[str, tuple[str, str]] = {}
         self.dir = cp.dir / "gputopo"
         self.dir.mkdir(exist_ok=True)
         self._progress = progress
@@ -298,7 +307,7 @@ class Stack:
             f"--node-name={node}",
             f"--namespace={self.namespace}",
             f"--backend={backend}",
-            f"--in-use-file={in_use_file}",
+            *self._in_use_args(node, in_use_file),
             f"--interval-seconds={self.interval_seconds}",
             f"--heartbeat-seconds={self.heartbeat_seconds}",
             f"--kubeconfig={kubeconfig}",
@@ -307,12 +316,81 @@ class Stack:
         self._say(f"starting gputopo-agent for {node} ({backend.split(':')[0]} backend)")
         self.cp.start_process(self.agent_component(node), argv, ready=lambda: True)
 
+    def _in_use_args(self, node: str, in_use_file: Path) -> list[str]:
+        """A simulated node's agent reads GPUs in use from a file; a real kubelet's agent is its
+        device plugin and reads them from the kubelet's PodResources."""
+        kubelet = self.kubelets.get(node)
+        if kubelet is None:
+            return [f"--in-use-file={in_use_file}"]
+        mode, resource = self._plugin_options[node]
+        return [
+            f"--podresources-socket={kubelet.podresources_socket}",
+            "--device-plugin",
+            f"--device-plugin-dir={kubelet.device_plugin_dir}",
+            f"--resource-name={resource}",
+            f"--preferred-allocation={mode}",
+        ]
+
+    def add_kubelet_node(
+        self,
+        name: str,
+        system: str,
+        *,
+        labels: Mapping[str, str] | None = None,
+        taints: Sequence[str] = (),
+        preferred_allocation: str = "placement",
+        resource_name: str = GPU_RESOURCE,
+        timeout: float = 120.0,
+    ) -> RealKubelet:
+        """A node run by a real kubelet (``RealKubelet``, needs root) next to the simulated ones. Its
+        agent has the fixture backend ``system`` (GPU UUIDs derived from the node name) and serves
+        the kubelet as its device plugin. Returns once the kubelet advertises every GPU."""
+        kubelet = RealKubelet(self.cp, name, labels=labels, taints=taints, progress=self._progress)
+        self.kubelets[name] = kubelet
+        self._plugin_options[name] = (preferred_allocation, resource_name)
+        self.nodes[name] = GpuNode(name, system, labels=dict(labels or {}))
+        kubelet.start(timeout=timeout)
+        # The agent's token is bound to the Node object, which the kubelet has just registered.
+        self.start_agent(name)
+        kubelet.wait_allocatable(resource_name, len(self.nodes[name].resolved().gpus), timeout=timeout)
+        return kubelet
+
+    def set_preferred_allocation(self, node: str, mode: str) -> None:
+        """Restart a kubelet node's agent with another ``--preferred-allocation`` mode."""
+        self._plugin_options[node] = (mode, self._plugin_options[node][1])
+        self.cp.remove(self.agent_component(node), grace=3)
+        self.start_agent(node)
+
+    def remove_kubelet_node(self, node: str) -> None:
+        """Stop the node's agent and kubelet, and delete the Node."""
+        if self.agent_component(node) in self.cp.components():
+            self.cp.remove(self.agent_component(node), grace=3)
+        kubelet = self.kubelets.pop(node, None)
+        if kubelet is not None:
+            kubelet.stop()
+        self.nodes.pop(node, None)
+        self._plugin_options.pop(node, None)
+        try:
+            self.kube.delete_node(node)
+        except KubeApiError as e:
+            if e.status != 404:
+                raise
+
     def stop_agent(self, node: str) -> None:
         self.cp.stop(self.agent_component(node), grace=3)
 
-    def set_in_use(self, node: str, gpus: Sequence[int]) -> None:
-        """What the kubelet would report as allocated; the agent republishes it within an interval."""
-        self._node_files(node)[1].write_text(json.dumps(list(gpus)))
+    def set_in_use(
+        self, node: str, gpus: Sequence[int] = (), *, pods: Mapping[str, Sequence[int]] | None = None
+    ) -> None:
+        """What the kubelet would report as allocated; the agent republishes it within an interval.
+
+        `gpus` alone writes the plain list (every GPU unattributed); with `pods` (pod UID to indices)
+        it writes the per-pod version 2 form with `gpus` as `other`."""
+        if pods is None:
+            text = json.dumps(list(gpus))
+        else:
+            text = GpusInUse(pods={u: frozenset(g) for u, g in pods.items()}, other=frozenset(gpus)).to_annotation()
+        self._node_files(node)[1].write_text(text)
 
     def set_topology(self, node: str, topology: NodeTopology) -> None:
         """Change a file-backed node's hardware (e.g. a link goes down) under its running agent."""
