@@ -16,7 +16,8 @@ echo "== ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 echo "== mypy --strict"
-.venv/bin/mypy gputopo extender agent tests e2e bench conftest.py
+.venv/bin/mypy gputopo extender agent tests e2e bench
+.venv/bin/mypy conftest.py  # alone: it shares its module name with e2e/conftest.py
 echo "== pytest (unit + e2e)"
 set +e
 .venv/bin/pytest --e2e "$@"
