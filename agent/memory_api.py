@@ -11,13 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from agent.publisher import LeaseSpec, NodeMeta
-
-
-class NotFoundError(Exception):
-    """Stands in for kubernetes ApiException(status=404) without importing the client."""
-
-    status = 404
-    reason = "Not Found"
+from gputopo.kube import KubeError
 
 
 @dataclass
@@ -37,7 +31,7 @@ class InMemoryNodeApi:
 
     def _check(self, name: str) -> None:
         if name != self.node:
-            raise NotFoundError(f"node {name} not found")
+            raise KubeError(404, f"node {name} not found", "NotFound")
 
     def read_node_meta(self, name: str) -> NodeMeta:
         self._enter("read_node")
@@ -54,7 +48,7 @@ class InMemoryNodeApi:
     def renew_lease(self, namespace: str, name: str, spec: LeaseSpec) -> None:
         self._enter("renew_lease")
         if (namespace, name) not in self.leases:
-            raise NotFoundError(f"lease {namespace}/{name} not found")
+            raise KubeError(404, f"lease {namespace}/{name} not found", "NotFound")
         self.leases[(namespace, name)] = spec
 
     def create_lease(self, namespace: str, name: str, spec: LeaseSpec) -> None:

@@ -8,16 +8,14 @@ object is skipped with one log line; the watch thread never dies of one.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import threading
-import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
+from gputopo.kube import Backoff, Gone, Kube, pods_path, run_list_watch
 from gputopo.model import GPU_RESOURCE, PLACEMENT_ANNOTATION, AnnotationError, Placement, parse_placement
 
 log = logging.getLogger(__name__)
@@ -234,105 +232,37 @@ class StaticLocalPods:
 # The API server side
 
 
-class PodsGoneError(RuntimeError):
-    """410 Gone: the watch's resourceVersion was compacted away; relist."""
-
-
 class PodSource(Protocol):
     """Pods of one node from the API server: list, then watch from the list's resourceVersion."""
 
     def list_pods(self, node: str) -> tuple[list[JSON], str]: ...
 
     def watch_pods(self, node: str, resource_version: str, timeout_seconds: int) -> Iterator[tuple[str, JSON]]:
-        """(event type, object) until the watch ends; raises PodsGoneError on 410."""
+        """(event type, object) until the watch ends; raises `gputopo.kube.Gone` on 410."""
         ...
 
     def close(self) -> None: ...
 
 
 class KubePodSource:
-    """PodSource on the `kubernetes` client, as raw JSON (no typed models): kubeconfig or in-cluster."""
+    """PodSource on the project's Kubernetes layer, as raw JSON: kubeconfig or in-cluster."""
 
     def __init__(self, kubeconfig: str | None = None, request_timeout: float = 10.0) -> None:
-        from kubernetes import client as k8s_client
-        from kubernetes import config as k8s_config
-
-        cfg: Any = k8s_client.Configuration()
-        if kubeconfig:
-            k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-        else:
-            k8s_config.load_incluster_config(client_configuration=cfg)
-        self._client: Any = k8s_client.ApiClient(configuration=cfg)
-        self._api_exception: type[Exception] = k8s_client.ApiException
+        self._api = Kube(kubeconfig or None, request_timeout=request_timeout)
         self._timeout = request_timeout
-        self._watching: Any = None
-
-    def _get(self, query: list[tuple[str, str]], timeout: float | tuple[float, float]) -> Any:
-        m, url, hdrs, body, _ = self._client.param_serialize(
-            method="GET",
-            resource_path="/api/v1/pods",
-            query_params=query,
-            header_params={"Accept": "application/json"},
-            auth_settings=["BearerToken"],
-        )
-        try:
-            resp = self._client.call_api(m, url, header_params=hdrs, body=body, _request_timeout=timeout)
-        except self._api_exception as e:
-            if int(getattr(e, "status", 0) or 0) == 410:
-                raise PodsGoneError(str(e)) from None
-            raise
-        if int(resp.status) == 410:
-            raise PodsGoneError("410 Gone")
-        if not 200 <= int(resp.status) <= 299:
-            raise RuntimeError(f"GET /api/v1/pods: HTTP {resp.status}: {(resp.read() or b'')[:200]!r}")
-        return resp
 
     def list_pods(self, node: str) -> tuple[list[JSON], str]:
-        selector = f"spec.nodeName={node}"
-        doc = json.loads(self._get([("fieldSelector", selector)], self._timeout).read() or b"{}")
-        return list(doc.get("items") or []), str((doc.get("metadata") or {}).get("resourceVersion") or "")
+        return self._api.list_items(pods_path(), field_selector=f"spec.nodeName={node}", timeout=self._timeout)
 
     def watch_pods(self, node: str, resource_version: str, timeout_seconds: int) -> Iterator[tuple[str, JSON]]:
-        query = [
-            ("fieldSelector", f"spec.nodeName={node}"),
-            ("watch", "true"),
-            ("allowWatchBookmarks", "true"),
-            ("resourceVersion", resource_version),
-            ("timeoutSeconds", str(timeout_seconds)),
-        ]
-        raw = self._get(query, (10.0, timeout_seconds + 30.0)).response
-        self._watching = raw
-        try:
-            buf = b""
-            for chunk in raw.stream(65536, decode_content=True):
-                buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    if line.strip():
-                        yield _event(line)
-            if buf.strip():
-                yield _event(buf)
-        finally:
-            self._watching = None
-            raw.release_conn()
+        events = self._api.watch(
+            pods_path(), resource_version, timeout_seconds=timeout_seconds, field_selector=f"spec.nodeName={node}"
+        )
+        for ev in events:
+            yield ev.type, ev.object
 
     def close(self) -> None:
-        raw = self._watching
-        if raw is not None:
-            # Ends a watch blocked in a read, so the thread that runs it can stop now.
-            with contextlib.suppress(Exception):
-                getattr(raw, "shutdown", raw.close)()
-        self._client.close()
-
-
-def _event(line: bytes) -> tuple[str, JSON]:
-    doc = json.loads(line)
-    etype, obj = str(doc.get("type", "")), doc.get("object") or {}
-    if etype == "ERROR":
-        if int(obj.get("code", 0) or 0) == 410:
-            raise PodsGoneError(str(obj.get("message", "")))
-        raise RuntimeError(f"watch error {obj.get('code')}: {obj.get('message', '')}")
-    return etype, obj
+        self._api.close()  # also ends a watch blocked in a read, so the thread that runs it can stop now
 
 
 def _rv(obj: Mapping[str, Any]) -> int | None:
@@ -359,7 +289,7 @@ class KubeLocalPods:
         self._source = source
         self._store = _Store(node, resource)
         self._watch_timeout = watch_timeout_s
-        self._backoff = (backoff_initial_s, backoff_max_s)
+        self._backoff = Backoff(base_s=backoff_initial_s, cap_s=backoff_max_s)
         self._rv = ""
         self._list_rv: int | None = None  # events older than the latest LIST are stale (see refresh)
         self._list_lock = threading.Lock()
@@ -408,35 +338,21 @@ class KubeLocalPods:
                         self._store.apply(etype, obj)
                     if rv is not None and not stale:
                         self._rv = str(rv)
-        except PodsGoneError:
+        except Gone:
             log.info("pod watch expired (410 Gone); relisting", extra={"node": self.node})
             self._relist()
 
     def _run(self) -> None:
-        delay = self._backoff[0]
-        while not self._stop.is_set():
-            try:
-                if not self.synced.is_set() or not self._rv:
-                    self._relist()
-                started = time.monotonic()
-                self._watch_once()
-                if time.monotonic() - started >= 1.0:
-                    delay = self._backoff[0]
-                else:
-                    # A watch the server ends at once would otherwise turn into a busy loop of requests.
-                    if self._stop.wait(delay):
-                        return
-                    delay = min(self._backoff[1], delay * 2)
-            except Exception as e:
-                if self._stop.is_set():
-                    return
-                log.warning(
-                    "pod list/watch failed; retrying",
-                    extra={"node": self.node, "error": str(e), "retry_in_s": round(delay, 2)},
-                )
-                if self._stop.wait(delay):
-                    return
-                delay = min(self._backoff[1], delay * 2)
+        run_list_watch(
+            stop=self._stop,
+            needs_list=lambda: not self.synced.is_set() or not self._rv,
+            relist=self._relist,
+            watch_once=self._watch_once,
+            backoff=self._backoff,
+            context={"node": self.node},
+            # A watch the server ends at once would otherwise turn into a busy loop of requests.
+            min_watch_s=1.0,
+        )
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()

@@ -6,8 +6,8 @@ steady node causes no Node writes at all. Liveness is the Lease `gputopo-agent-<
 every heartbeatSeconds; heartbeats never touch the Node.
 
 The Kubernetes client sits behind the small `NodeApi` protocol so unit tests use a fake. API errors
-are retried with exponential backoff and then reported as a result: nothing here raises into the
-agent loop.
+are retried with `gputopo.kube`'s capped exponential backoff and then reported as a result: nothing
+here raises into the agent loop.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, Protocol, TypeVar
+from typing import Protocol
 
+from gputopo.kube import Backoff, Kube, node_path, retry, short_error
 from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,
     NODE_LABEL_KEYS,
@@ -32,9 +33,8 @@ from gputopo.model import (
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 LEASE_PREFIX = "gputopo-agent-"
+DEFAULT_BACKOFF = Backoff()  # 0.5 s, 1 s, 2 s between four tries
 
 
 def lease_name(node: str) -> str:
@@ -57,14 +57,14 @@ class LeaseSpec:
 
 
 class NodeApi(Protocol):
-    """The API calls the agent makes; raise kubernetes ApiException (or a connection error) on failure."""
+    """The API calls the agent makes; raise `gputopo.kube.KubeError` on failure."""
 
     def read_node_meta(self, name: str) -> NodeMeta: ...
 
     def patch_node_meta(self, name: str, annotations: Mapping[str, str], labels: Mapping[str, str]) -> None: ...
 
     def renew_lease(self, namespace: str, name: str, spec: LeaseSpec) -> None:
-        """Update an existing Lease; ApiException(status=404) when it does not exist."""
+        """Update an existing Lease; KubeError(status=404) when it does not exist."""
         ...
 
     def create_lease(self, namespace: str, name: str, spec: LeaseSpec) -> None: ...
@@ -111,61 +111,6 @@ def metadata_changes(
 
 
 # --------------------------------------------------------------------------------------------------
-# Retries
-
-
-@dataclass(frozen=True)
-class Backoff:
-    """Exponential backoff: `base`, `base*factor`, … capped at `cap`, for at most `attempts` tries."""
-
-    base_s: float = 0.5
-    factor: float = 2.0
-    cap_s: float = 8.0
-    attempts: int = 4
-
-    def delays(self) -> list[float]:
-        return [min(self.cap_s, self.base_s * self.factor**i) for i in range(self.attempts - 1)]
-
-
-def _status(e: BaseException) -> int | None:
-    status = getattr(e, "status", None)
-    return status if isinstance(status, int) else None
-
-
-def is_retryable(e: BaseException) -> bool:
-    """Server-side and throttling errors and lost connections are retried; other client errors
-    (403 RBAC, 422 invalid) would only fail again the same way."""
-    status = _status(e)
-    if status is None or status == 0:
-        return True
-    return status in (408, 409, 429) or status >= 500
-
-
-def call_with_retry(fn: Callable[[], T], backoff: Backoff, sleep: Callable[[float], bool], what: str) -> T:
-    """Run fn, retrying retryable errors after each delay; `sleep` returns True when told to stop."""
-    delays = backoff.delays()
-    for attempt in range(backoff.attempts):
-        try:
-            return fn()
-        except Exception as e:
-            last = attempt == backoff.attempts - 1
-            if last or not is_retryable(e):
-                raise
-            log.warning(
-                "API call failed; retrying",
-                extra={"call": what, "status": _status(e), "attempt": attempt + 1, "error": _short(e)},
-            )
-            if sleep(delays[attempt]):
-                raise
-    raise AssertionError("unreachable")  # the loop either returns or raises
-
-
-def _short(e: BaseException) -> str:
-    reason = getattr(e, "reason", None)
-    return str(reason) if reason else (str(e).splitlines() or [type(e).__name__])[0]
-
-
-# --------------------------------------------------------------------------------------------------
 # Publisher
 
 
@@ -179,7 +124,7 @@ class Publisher:
         namespace: str,
         lease_duration_s: int,
         sleep: Callable[[float], bool],
-        backoff: Backoff = Backoff(),
+        backoff: Backoff = DEFAULT_BACKOFF,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
         reverify_s: float = 300.0,
         monotonic: Callable[[], float] = time.monotonic,
@@ -205,17 +150,13 @@ class Publisher:
         if self._confirmed == desired and self._monotonic() - self._confirmed_at < self._reverify_s:
             return PublishResult.UNCHANGED
         try:
-            current = call_with_retry(
-                lambda: self._api.read_node_meta(self._node), self._backoff, self._sleep, "get node"
-            )
+            current = retry(lambda: self._api.read_node_meta(self._node), self._backoff, self._sleep, "get node")
             ann, lab = metadata_changes(current, annotations, labels)
             if ann or lab:
-                call_with_retry(
-                    lambda: self._api.patch_node_meta(self._node, ann, lab), self._backoff, self._sleep, "patch node"
-                )
+                retry(lambda: self._api.patch_node_meta(self._node, ann, lab), self._backoff, self._sleep, "patch node")
         except Exception as e:
             self._confirmed = None
-            log.error("publishing to the Node failed", extra={"node": self._node, "error": _short(e)})
+            log.error("publishing to the Node failed", extra={"node": self._node, "error": short_error(e)})
             return PublishResult.ERROR
         self._confirmed, self._confirmed_at = desired, self._monotonic()
         if not ann and not lab:
@@ -231,14 +172,14 @@ class Publisher:
             try:
                 self._api.renew_lease(self._namespace, self._lease, spec)
             except Exception as e:
-                if _status(e) != 404:
+                if getattr(e, "status", None) != 404:
                     raise
                 self._api.create_lease(self._namespace, self._lease, spec)
 
         try:
-            call_with_retry(renew_or_create, self._backoff, self._sleep, "renew lease")
+            retry(renew_or_create, self._backoff, self._sleep, "renew lease")
         except Exception as e:
-            log.error("renewing the Lease failed", extra={"lease": self._lease, "error": _short(e)})
+            log.error("renewing the Lease failed", extra={"lease": self._lease, "error": short_error(e)})
             return False
         return True
 
@@ -247,64 +188,30 @@ class Publisher:
 # The real API
 
 
-MICROTIME = "%Y-%m-%dT%H:%M:%S.%fZ"
-
-
 class KubeNodeApi:
-    """NodeApi on the official `kubernetes` client (in-cluster config unless a kubeconfig is given)."""
+    """NodeApi on the project's Kubernetes layer (in-cluster config unless a kubeconfig is given)."""
 
     def __init__(self, kubeconfig: str | None = None, timeout_s: float = 10.0) -> None:
-        from kubernetes import client, config
-
-        if kubeconfig:
-            config.load_kube_config(config_file=kubeconfig)
-        else:
-            config.load_incluster_config()
-        self._client: Any = client
-        self._core: Any = client.CoreV1Api()
-        self._coord: Any = client.CoordinationV1Api()
-        self._timeout = timeout_s
+        self._api = Kube(kubeconfig or None, request_timeout=timeout_s)
 
     def read_node_meta(self, name: str) -> NodeMeta:
-        node = self._core.read_node(name, _request_timeout=self._timeout)
-        meta = node.metadata
-        return NodeMeta(annotations=dict(meta.annotations or {}), labels=dict(meta.labels or {}))
+        meta = self._api.get(node_path(name)).get("metadata") or {}
+        return NodeMeta(annotations=dict(meta.get("annotations") or {}), labels=dict(meta.get("labels") or {}))
 
     def patch_node_meta(self, name: str, annotations: Mapping[str, str], labels: Mapping[str, str]) -> None:
-        metadata: dict[str, Any] = {}
-        if annotations:
-            metadata["annotations"] = dict(annotations)
-        if labels:
-            metadata["labels"] = dict(labels)
-        # A merge patch touches only the named keys; other annotations and labels stay as they are.
-        self._core.patch_node(
-            name,
-            {"metadata": metadata},
-            _content_type="application/merge-patch+json",
-            _request_timeout=self._timeout,
-        )
+        self._api.patch_node_metadata(name, annotations=annotations, labels=labels)
 
     def renew_lease(self, namespace: str, name: str, spec: LeaseSpec) -> None:
-        body = {
-            "spec": {
-                "holderIdentity": spec.holder,
-                "renewTime": spec.renew_time.astimezone(UTC).strftime(MICROTIME),
-                "leaseDurationSeconds": spec.duration_s,
-            }
-        }
-        self._coord.patch_namespaced_lease(
-            name, namespace, body, _content_type="application/merge-patch+json", _request_timeout=self._timeout
+        self._api.renew_lease(
+            namespace, name, holder=spec.holder, renew_time=spec.renew_time, duration_s=spec.duration_s
         )
 
     def create_lease(self, namespace: str, name: str, spec: LeaseSpec) -> None:
-        c = self._client
-        lease = c.V1Lease(
-            metadata=c.V1ObjectMeta(name=name, namespace=namespace, labels={"app.kubernetes.io/name": "gputopo-agent"}),
-            spec=c.V1LeaseSpec(
-                holder_identity=spec.holder,
-                renew_time=spec.renew_time,
-                acquire_time=spec.renew_time,
-                lease_duration_seconds=spec.duration_s,
-            ),
+        self._api.create_lease(
+            namespace,
+            name,
+            holder=spec.holder,
+            renew_time=spec.renew_time,
+            duration_s=spec.duration_s,
+            labels={"app.kubernetes.io/name": "gputopo-agent"},
         )
-        self._coord.create_namespaced_lease(namespace, lease, _request_timeout=self._timeout)

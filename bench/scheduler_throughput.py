@@ -45,6 +45,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from gputopo.kube import WatchEvent
 from gputopo.localcluster import (
     GPUTOPO_PROFILE,
     PLAIN_PROFILE,
@@ -117,28 +118,12 @@ def sim_nodes(count: int) -> list[SimNode]:
     return out
 
 
-def micro_time(t: datetime) -> str:
-    return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 def create_leases(kube: KubeClient, namespace: str, nodes: Sequence[str], workers: int) -> None:
     """One agent heartbeat Lease per node, renewed now; the extender's staleAfterSeconds outlasts the run."""
-    now = micro_time(datetime.now(UTC))
-    path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
+    now = datetime.now(UTC)
 
     def one(node: str) -> None:
-        body = {
-            "apiVersion": "coordination.k8s.io/v1",
-            "kind": "Lease",
-            "metadata": {"name": f"gputopo-agent-{node}", "namespace": namespace},
-            "spec": {
-                "holderIdentity": node,
-                "leaseDurationSeconds": LEASE_DURATION_S,
-                "acquireTime": now,
-                "renewTime": now,
-            },
-        }
-        kube.request("POST", path, body)
+        kube.create_lease(namespace, f"gputopo-agent-{node}", holder=node, renew_time=now, duration_s=LEASE_DURATION_S)
 
     with ThreadPoolExecutor(max_workers=workers) as ex:
         list(ex.map(one, nodes))
@@ -229,7 +214,7 @@ def histograms(text: str, name: str, label: str, match: dict[str, str] | None = 
 
 class BindWatcher(threading.Thread):
     """Watches bound pods of one namespace (`fieldSelector=spec.nodeName!=`) and records when each was
-    first seen bound, on this process's monotonic clock. One stream, decoded line by line."""
+    first seen bound, on this process's monotonic clock (the local cluster client's watch)."""
 
     def __init__(self, kube: KubeClient, namespace: str, resource_version: str, want: int, deadline: Deadline) -> None:
         super().__init__(name=f"watch-{namespace}", daemon=True)
@@ -254,48 +239,23 @@ class BindWatcher(threading.Thread):
             self.done.set()
 
     def _watch_once(self, timeout_s: int) -> None:
-        api: Any = self.kube.api_client
-        query = [
-            ("watch", "true"),
-            ("fieldSelector", "spec.nodeName!="),
-            ("resourceVersion", self.rv),
-            ("allowWatchBookmarks", "true"),
-            ("timeoutSeconds", str(timeout_s)),
-        ]
-        m, url, hdrs, body, _ = api.param_serialize(
-            method="GET",
-            resource_path=f"/api/v1/namespaces/{self.namespace}/pods",
-            query_params=query,
-            header_params={"Accept": "application/json"},
-            auth_settings=["BearerToken"],
+        events = self.kube.watch(
+            f"/api/v1/namespaces/{self.namespace}/pods",
+            self.rv,
+            timeout_seconds=timeout_s,
+            field_selector="spec.nodeName!=",
         )
-        resp = api.call_api(m, url, header_params=hdrs, body=body, _request_timeout=(10.0, timeout_s + 15.0))
-        raw = resp.response
-        try:
-            if not 200 <= int(resp.status) <= 299:
-                raise RuntimeError(f"watch answered {resp.status}")
-            buf = b""
-            for chunk in raw.stream(65536, decode_content=True):
-                now = time.monotonic()
-                buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    if line.strip():
-                        self._event(json.loads(line), now)
-                if self.stop.is_set() or len(self.bound) >= self.want:
-                    return
-        finally:
-            raw.release_conn()
+        for ev in events:
+            self._event(ev, time.monotonic())
+            if self.stop.is_set() or len(self.bound) >= self.want:
+                return
 
-    def _event(self, ev: dict[str, Any], now: float) -> None:
-        obj = ev.get("object") or {}
-        if ev.get("type") == "ERROR":
-            raise RuntimeError(f"watch error: {obj.get('message', obj)}")
-        meta = obj.get("metadata") or {}
+    def _event(self, ev: WatchEvent, now: float) -> None:
+        meta = ev.object.get("metadata") or {}
         if meta.get("resourceVersion"):
             self.rv = str(meta["resourceVersion"])
-        node = (obj.get("spec") or {}).get("nodeName")
-        if ev.get("type") in ("ADDED", "MODIFIED") and node:
+        node = (ev.object.get("spec") or {}).get("nodeName")
+        if ev.type in ("ADDED", "MODIFIED") and node:
             with self.lock:
                 self.bound.setdefault(str(meta.get("name")), (now, str(node)))
 

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 
 from extender.events import EventPoster
-from extender.kube import JSON, ApiError, ClusterSource
+from extender.kube import JSON, ClusterSource
 from extender.ledger import Ledger
 from extender.locks import StripedLocks
 from extender.objects import pod_record
@@ -24,6 +24,7 @@ from gputopo.engine.explain import placement_estimate, placement_sentence, why_l
 from gputopo.engine.placement import NodeVerdict, Outcome, evaluate_node
 from gputopo.engine.reasons import Code
 from gputopo.engine.scoring import to_extender_priority
+from gputopo.kube import KubeError
 from gputopo.model import (
     PLACEMENT_ANNOTATION,
     AnnotationError,
@@ -102,7 +103,7 @@ class Binder:
         if source is not None and info is None:
             try:
                 info = pod_info(source.get_pod(namespace, name))
-            except ApiError as e:
+            except KubeError as e:
                 return f"cannot read pod {ref}: {e}"
             if uid and info.uid and info.uid != uid:
                 return f"pod {ref} has uid {info.uid}, the scheduler asked to bind uid {uid}"
@@ -214,13 +215,13 @@ class Binder:
         annotations = {PLACEMENT_ANNOTATION: placement.to_annotation()} if placement is not None else None
         try:
             source.create_binding(info.namespace, info.name, info.uid, node, annotations=annotations)
-        except ApiError as e:
+        except KubeError as e:
             if e.status == 409:
                 try:
                     pod = source.get_pod(info.namespace, info.name)
                     if pod_info(pod).node_name == node:
                         return "", pod  # someone (a retry of ours) already bound it there
-                except ApiError:
+                except KubeError:
                     pass
             return f"binding pod {info.ref} to node {node} failed: {e}", None
         return "", None

@@ -9,8 +9,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
-from extender.kube import JSON, ApiError, ClusterSource
+from extender.kube import JSON, ClusterSource
 from extender.mismatch import Mismatch
+from gputopo.kube import KubeError
 
 log = logging.getLogger("gputopo.extender.events")
 
@@ -44,7 +45,7 @@ class EventPoster:
         event["metadata"]["generateName"] = f"{name}."
         try:
             source.create_event(namespace, event)
-        except ApiError as e:  # the bind succeeded; a lost event is only logged
+        except KubeError as e:  # the bind succeeded; a lost event is only logged
             log.warning(
                 "could not create the TopologyPlacement event", extra={"pod": f"{namespace}/{name}", "error": str(e)}
             )
@@ -59,7 +60,7 @@ class EventPoster:
         event["metadata"]["name"] = m.name[: MAX_EVENT_NAME - len(suffix)].rstrip(".-") + suffix
         try:
             source.create_event(m.namespace, event)
-        except ApiError as e:
+        except KubeError as e:
             if e.status != 409:
                 log.warning(
                     "could not create the TopologyPlacementMismatch event", extra={"pod": m.ref, "error": str(e)}

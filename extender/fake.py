@@ -1,7 +1,7 @@
 """An in-memory ClusterSource for unit tests and demos: objects, resourceVersions, watches, 410 Gone.
 
 It behaves like the API server where the extender depends on it: list returns a resourceVersion,
-watch replays changes after it (or raises GoneError once `compact()` dropped them), a Binding sets
+watch replays changes after it (or raises Gone once `compact()` dropped them), a Binding sets
 `spec.nodeName` and copies its annotations onto the pod (409 when already bound), and events
 are recorded (409 for a second event of the same name). `down = True` makes every call fail like an
 unreachable API server.
@@ -14,7 +14,8 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from extender.kube import JSON, ApiError, GoneError, Kind, WatchEvent
+from extender.kube import JSON, Kind
+from gputopo.kube import Gone, KubeError, WatchEvent
 
 
 def _key(obj: Mapping[str, Any]) -> tuple[str, str]:
@@ -35,7 +36,7 @@ class FakeSource:
         self.binding_annotations: list[dict[str, str]] = []
         self.calls: list[str] = []
         self.down = False
-        self.fail_binding: ApiError | None = None
+        self.fail_binding: KubeError | None = None
         self.closed = False
 
     # ------------------------------------------------------------------ test helpers
@@ -43,7 +44,7 @@ class FakeSource:
     def _check(self, call: str) -> None:
         self.calls.append(call)
         if self.down:
-            raise ApiError(0, "connection refused (fake API server is down)")
+            raise KubeError(0, "connection refused (fake API server is down)")
 
     def _store(self, kind: Kind, etype: str, obj: JSON) -> JSON:
         with self._lock:
@@ -94,7 +95,7 @@ class FakeSource:
         since = int(resource_version or 0)
         with self._lock:
             if since < self._compacted[kind]:
-                raise GoneError(410, f"too old resource version: {since} ({self._compacted[kind]})", "Expired")
+                raise Gone(410, f"too old resource version: {since} ({self._compacted[kind]})", "Expired")
         while True:
             with self._lock:
                 pending = [ev for rv, ev in self._log[kind] if rv > since]
@@ -115,7 +116,7 @@ class FakeSource:
         self._check(f"get pod {namespace}/{name}")
         obj = self.get("pods", namespace, name)
         if obj is None:
-            raise ApiError(404, f'pods "{name}" not found', "NotFound")
+            raise KubeError(404, f'pods "{name}" not found', "NotFound")
         return obj
 
     def list_pods(self, *, field_selector: str = "") -> list[JSON]:
@@ -138,11 +139,11 @@ class FakeSource:
             raise self.fail_binding
         obj = self.get("pods", namespace, name)
         if obj is None:
-            raise ApiError(404, f'pods "{name}" not found', "NotFound")
+            raise KubeError(404, f'pods "{name}" not found', "NotFound")
         if uid and obj["metadata"].get("uid") != uid:
-            raise ApiError(409, "Precondition failed: UID in precondition does not match", "Conflict")
+            raise KubeError(409, "Precondition failed: UID in precondition does not match", "Conflict")
         if (obj.get("spec") or {}).get("nodeName"):
-            raise ApiError(409, f'pod {name} is already assigned to node "{obj["spec"]["nodeName"]}"', "Conflict")
+            raise KubeError(409, f'pod {name} is already assigned to node "{obj["spec"]["nodeName"]}"', "Conflict")
         obj.setdefault("spec", {})["nodeName"] = node
         if annotations:  # as the API server does: the Binding's annotations land on the pod, same write
             obj["metadata"]["annotations"] = {**(obj["metadata"].get("annotations") or {}), **annotations}
@@ -154,7 +155,7 @@ class FakeSource:
         self._check(f"event {namespace}")
         name = (event.get("metadata") or {}).get("name")
         if name and any((e.get("metadata") or {}).get("name") == name for e in self.events):
-            raise ApiError(409, f'events "{name}" already exists', "AlreadyExists")
+            raise KubeError(409, f'events "{name}" already exists', "AlreadyExists")
         self.events.append(copy.deepcopy(event))
 
     def close(self) -> None:

@@ -8,7 +8,6 @@ for the pod now, without changing anything in the cluster.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 from gputopo.engine.explain import describe_gpus, gpu_ranges, outcome_estimate
 from gputopo.engine.reasons import Code, summarize_failures
 from gputopo.engine.scoring import to_extender_priority
+from gputopo.kube import KubeError, find_kubeconfig
 from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,
     PLACEMENT_ANNOTATION,
@@ -29,16 +29,6 @@ from gputopo.model import (
 )
 
 DEFAULT_NAMESPACE = "gputopo-system"
-
-
-def _kubeconfig(arg: Path | None) -> Path | None:
-    if arg is not None:
-        return arg
-    env = os.environ.get("KUBECONFIG", "").split(os.pathsep)[0]
-    if env:
-        return Path(env)
-    home = Path.home() / ".kube" / "config"
-    return home if home.exists() else None
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -71,16 +61,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def _source(args: argparse.Namespace) -> Any:
     from extender.kube import KubeSource  # the extender's client: the same reads the extender makes
 
-    return KubeSource(_kubeconfig(args.kubeconfig), args.gputopo_namespace)
+    return KubeSource(find_kubeconfig(args.kubeconfig), args.gputopo_namespace)
 
 
 def _lease_age(source: Any, node: str) -> float | None:
-    from extender.kube import ApiError
     from extender.objects import parse_time
 
     try:
         lease = source.get_lease(f"gputopo-agent-{node}")
-    except ApiError:
+    except KubeError:
         return None
     spec = lease.get("spec") or {}
     renewed = parse_time(str(spec.get("renewTime") or spec.get("acquireTime") or ""))
@@ -88,12 +77,11 @@ def _lease_age(source: Any, node: str) -> float | None:
 
 
 def run_topo(args: argparse.Namespace) -> int:
-    from extender.kube import ApiError
 
     try:
         source = _source(args)
         node = source.get_node(args.node)
-    except ApiError as e:
+    except KubeError as e:
         print(f"gputopo topo: cannot read node {args.node}: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # no kubeconfig, unreachable server
@@ -153,7 +141,6 @@ def run_topo(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """`gputopo explain POD`."""
     from extender.cache import ClusterCache
-    from extender.kube import ApiError
     from extender.service import MISMATCH_REASON, Extender
     from extender.wire import WireError, pod_info
 
@@ -164,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         for kind in ("nodes", "pods", "leases"):
             items, _ = source.list_objects(kind)
             cache.replace(kind, items)
-    except ApiError as e:
+    except KubeError as e:
         print(f"gputopo explain: cannot read {args.namespace}/{args.pod}: {e}", file=sys.stderr)
         return 1
     except Exception as e:

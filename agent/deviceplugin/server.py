@@ -20,6 +20,7 @@ import grpc
 
 from agent.deviceplugin import api_pb2, api_pb2_grpc
 from agent.deviceplugin.servicer import DevicePluginServicer
+from gputopo.kube import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +72,14 @@ class PluginServer:
         self.kubelet_socket = plugin_dir / KUBELET_SOCKET
         self._poll = poll_s
         self._register_timeout = register_timeout_s
-        self._retry_max = retry_max_s
         self._max_workers = max_workers
         self._server: grpc.Server | None = None
         self._served: _FileId | None = None  # our socket file as we created it
         self._registered_with: _FileId | None = None  # kubelet.sock as it was when we registered
         self._retry_at = 0.0
-        self._retry_delay = poll_s
+        # Failed registrations wait poll_s, then twice that, … up to retry_max_s.
+        self._backoff = Backoff(base_s=poll_s, cap_s=retry_max_s)
+        self._failures = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -154,10 +156,10 @@ class PluginServer:
             if self._registered_with is not None:
                 log.info("kubelet.sock was re-created (kubelet restart); registering again")
             if self._try_register():
-                self._retry_delay = self._poll
+                self._failures = 0
             else:
-                self._retry_at = now + self._retry_delay
-                self._retry_delay = min(self._retry_max, self._retry_delay * 2)
+                self._retry_at = now + self._backoff.delay(self._failures)
+                self._failures += 1
 
     def _watch(self) -> None:
         while not self._stop.wait(self._poll):

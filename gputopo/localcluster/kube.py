@@ -1,8 +1,8 @@
 """A small typed wrapper over the ``kubernetes`` client for the local control plane.
 
-The ``kubernetes`` package loads the kubeconfig and carries the requests (TLS, bearer token,
-connection pool); bodies and results are plain JSON dicts, as the API server speaks them, so
-callers never touch the client's untyped model classes. ``kubectl`` (the real binary) is used for
+``gputopo.kube`` (the project's one Kubernetes layer) loads the kubeconfig and carries the
+requests; bodies and results are plain JSON dicts, as the API server speaks them, so callers never
+touch the client's untyped model classes. ``kubectl`` (the real binary) is used for
 ``describe`` and ``apply``.
 """
 
@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kubernetes import client as k8s_client
-from kubernetes import config as k8s_config
+from gputopo.kube import Kube, KubeError
 
 JSON = dict[str, Any]
 T = TypeVar("T")
@@ -31,22 +30,8 @@ NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 FIXED_TIME = "2026-01-01T00:00:00Z"
 
 
-class KubeApiError(RuntimeError):
-    """A non-2xx answer from the API server."""
-
-    def __init__(self, method: str, path: str, status: int, body: str) -> None:
-        self.method = method
-        self.path = path
-        self.status = status
-        self.body = body
-        try:
-            doc = json.loads(body)
-            self.reason = str(doc.get("reason", ""))
-            self.message = str(doc.get("message", body))
-        except ValueError:
-            self.reason = ""
-            self.message = body
-        super().__init__(f"{method} {path}: {status} {self.reason}: {self.message}")
+# The layer's one error type, under the name the local cluster's callers know.
+KubeApiError = KubeError
 
 
 class WaitTimeout(TimeoutError):
@@ -117,7 +102,7 @@ class SimNode:
 
 
 def network_labels(*, leaf: str | None = None, spine: str | None = None) -> dict[str, str]:
-    """gputopo's default network-tier labels (design.md, "Network hierarchy")."""
+    """gputopo's default network-tier labels (leaf and spine)."""
     out: dict[str, str] = {}
     if leaf is not None:
         out[LEAF_LABEL] = leaf
@@ -197,62 +182,20 @@ def _run_parallel(fn: Callable[[T], object], items: Sequence[T], workers: int) -
             fut.result()
 
 
-class KubeClient:
-    """Typed helpers over one kubeconfig (admin or a service-account token)."""
+class KubeClient(Kube):
+    """Typed helpers over one kubeconfig (admin or a service-account token), on the project's
+    Kubernetes layer: ``request``, lists, watches and errors (``KubeApiError``) all come from there."""
 
     def __init__(self, kubeconfig: Path, *, kubectl: Path | None = None, pool_size: int = 32) -> None:
+        super().__init__(kubeconfig, request_timeout=30.0, pool_size=pool_size)
         self.kubeconfig = Path(kubeconfig)
         self.kubectl_path = kubectl
-        cfg: Any = k8s_client.Configuration()
-        k8s_config.load_kube_config(config_file=str(self.kubeconfig), client_configuration=cfg)
-        cfg.connection_pool_maxsize = pool_size
-        self.api_client: Any = k8s_client.ApiClient(configuration=cfg)
-
-    def close(self) -> None:
-        self.api_client.close()
 
     def __enter__(self) -> KubeClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ----------------------------------------------------------------- raw requests
-
-    def request(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        *,
-        query: Mapping[str, str | int] | None = None,
-        content_type: str = "application/json",
-        timeout: float = 30.0,
-    ) -> JSON:
-        """One API request; returns the decoded JSON answer; raises ``KubeApiError`` on non-2xx."""
-        headers = {"Accept": "application/json"}
-        if body is not None:
-            headers["Content-Type"] = content_type
-        m, url, hdrs, b, _post = self.api_client.param_serialize(
-            method=method,
-            resource_path=path,
-            query_params=list((query or {}).items()) or None,
-            header_params=headers,
-            body=body,
-            auth_settings=["BearerToken"],
-        )
-        try:
-            resp = self.api_client.call_api(m, url, header_params=hdrs, body=b, _request_timeout=timeout)
-        except k8s_client.ApiException as e:  # transport-level status errors
-            raise KubeApiError(method, path, int(e.status or 0), str(e.body or e.reason)) from None
-        data: bytes = resp.read() or b""
-        status = int(resp.status)
-        if not 200 <= status <= 299:
-            raise KubeApiError(method, path, status, data.decode(errors="replace"))
-        if not data:
-            return {}
-        out: JSON = json.loads(data)
-        return out
 
     # ----------------------------------------------------------------- identity
 

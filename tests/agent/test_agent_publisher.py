@@ -6,20 +6,18 @@ import json
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from kubernetes.client.exceptions import ApiException
 
 from agent.memory_api import InMemoryNodeApi
 from agent.publisher import (
-    Backoff,
     LeaseSpec,
     Publisher,
     PublishResult,
-    call_with_retry,
     desired_metadata,
-    is_retryable,
     lease_name,
     metadata_changes,
 )
+from gputopo.kube import Backoff, KubeError, is_retryable
+from gputopo.kube import retry as call_with_retry
 from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,
     LABEL_GPU_MEMORY_GIB,
@@ -192,11 +190,11 @@ def test_heartbeat_creates_then_renews_the_lease_and_never_touches_the_node() ->
 @pytest.mark.parametrize(
     ("errors", "result", "sleeps"),
     [
-        pytest.param([ApiException(status=500)] * 2, PublishResult.CHANGED, [0.5, 1.0], id="two 500s then success"),
-        pytest.param([ApiException(status=429)], PublishResult.CHANGED, [0.5], id="throttled once then success"),
+        pytest.param([KubeError(500, "")] * 2, PublishResult.CHANGED, [0.5, 1.0], id="two 500s then success"),
+        pytest.param([KubeError(429, "")], PublishResult.CHANGED, [0.5], id="throttled once then success"),
         pytest.param([ConnectionRefusedError()], PublishResult.CHANGED, [0.5], id="connection refused is retried"),
-        pytest.param([ApiException(status=503)] * 4, PublishResult.ERROR, [0.5, 1.0, 2.0], id="gives up after 4 tries"),
-        pytest.param([ApiException(status=403)], PublishResult.ERROR, [], id="403 forbidden is not retried"),
+        pytest.param([KubeError(503, "")] * 4, PublishResult.ERROR, [0.5, 1.0, 2.0], id="gives up after 4 tries"),
+        pytest.param([KubeError(403, "")], PublishResult.ERROR, [], id="403 forbidden is not retried"),
     ],
 )
 def test_api_errors_retried_with_exponential_backoff(
@@ -211,7 +209,7 @@ def test_api_errors_retried_with_exponential_backoff(
 
 def test_heartbeat_failure_is_reported_not_raised() -> None:
     pub, api, slept = make()
-    api.fail_next = [ApiException(status=500)] * 4
+    api.fail_next = [KubeError(500, "")] * 4
     assert pub.heartbeat() is False
     assert slept.delays == [0.5, 1.0, 2.0]
     assert pub.heartbeat() is True
@@ -222,9 +220,9 @@ def test_retry_stops_when_told_to_stop() -> None:
 
     def fail() -> None:
         calls.append(1)
-        raise ApiException(status=500)
+        raise KubeError(500, "")
 
-    with pytest.raises(ApiException):
+    with pytest.raises(KubeError):
         call_with_retry(fail, Backoff(), lambda _s: True, "x")
     assert len(calls) == 1
 
@@ -232,10 +230,10 @@ def test_retry_stops_when_told_to_stop() -> None:
 @pytest.mark.parametrize(
     ("error", "retry"),
     [
-        (ApiException(status=500), True),
-        (ApiException(status=409), True),
-        (ApiException(status=422), False),
-        (ApiException(status=404), False),
+        (KubeError(500, ""), True),
+        (KubeError(409, ""), True),
+        (KubeError(422, ""), False),
+        (KubeError(404, ""), False),
         (TimeoutError(), True),
     ],
     ids=["server error", "conflict", "invalid", "not found", "timeout"],

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from agent.pods import KubeLocalPods, PodsGoneError, StaticLocalPods, parse_local_pod
+from agent.pods import KubeLocalPods, StaticLocalPods, parse_local_pod
+from gputopo.kube import Gone
 from gputopo.model import PLACEMENT_ANNOTATION
 from tests.agent.dp_harness import NODE, pod_object, wait_for
 
@@ -230,7 +231,7 @@ def test_watch_events_are_applied(source: FakeSource) -> None:
 @pytest.mark.parametrize(
     ("failure", "relists"),
     [
-        pytest.param(PodsGoneError("too old"), 2, id="410-gone-relists"),
+        pytest.param(Gone(410, "too old"), 2, id="410-gone-relists"),
         pytest.param(ConnectionError("reset"), 1, id="error-backs-off-and-watches-again"),
         pytest.param("end", 1, id="watch-timeout-watches-again"),
     ],

@@ -14,7 +14,8 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from agent.pods import KubeLocalPods, KubePodSource, PodsGoneError
+from agent.pods import KubeLocalPods, KubePodSource
+from gputopo.kube import Gone
 from tests.agent.dp_harness import NODE, pod_object, wait_for
 
 
@@ -124,7 +125,7 @@ def test_watch_streams_events_from_the_resource_version(api: FakeApi, source: Ku
 )
 def test_gone_is_reported_for_a_relist(api: FakeApi, source: KubePodSource, lines: list[str], status: int) -> None:
     api.watch_lines, api.watch_status = lines, status
-    with pytest.raises(PodsGoneError):
+    with pytest.raises(Gone):
         list(source.watch_pods(NODE, "1", timeout_seconds=5))
 
 

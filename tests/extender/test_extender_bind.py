@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from extender.kube import ApiError
 from extender.testing import JSON, Env, gputopo_pod, node_obj, pod_obj
+from gputopo.kube import KubeError
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
 
 
@@ -153,7 +153,7 @@ def test_gpus_of_a_bind_in_flight_are_taken_for_everyone_else(cluster: Env, monk
 def test_a_failed_binding_writes_no_placement_and_holds_no_gpus(cluster: Env) -> None:
     pod = gputopo_pod("train-0", 4)
     cluster.add_pods(pod)
-    cluster.source.fail_binding = ApiError(403, "pods/binding is forbidden", "Forbidden")
+    cluster.source.fail_binding = KubeError(403, "pods/binding is forbidden", "Forbidden")
     err = cluster.bind(pod, "gpu-07")
     assert "binding pod default/train-0 to node gpu-07 failed" in err and "forbidden" in err
     stored = cluster.source.get("pods", "default", "train-0")
@@ -194,7 +194,7 @@ def test_event_failure_does_not_fail_the_bind(cluster: Env, monkeypatch: pytest.
     cluster.add_pods(pod)
 
     def no_events(*_: object) -> None:
-        raise ApiError(403, "events is forbidden", "Forbidden")
+        raise KubeError(403, "events is forbidden", "Forbidden")
 
     monkeypatch.setattr(cluster.source, "create_event", no_events)
     assert cluster.bind(pod, "gpu-07") == ""
