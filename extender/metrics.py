@@ -6,9 +6,14 @@ bounded (verbs, outcomes, `gputopo.engine.reasons.Reason` values), never pod or 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import threading
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gputopo.engine.defrag import DEFAULT_SIZES, Figures, cluster_figures
+from gputopo.engine.snapshot import NodeState
 
 KINDS = ("nodes", "pods", "leases")  # extender.kube.KINDS, without importing the API client here
 VERBS = ("filter", "prioritize", "bind", "preempt", "mutate")
@@ -51,6 +56,19 @@ class Metrics:
             ["kind"],
             registry=self.registry,
         )
+        self.free_cliques = Gauge(
+            "gputopo_extender_free_cliques",
+            "Disjoint fully NVLink-connected sets of free GPUs, by size, over the nodes that take gputopo pods "
+            "(the most of each size alone; gputopo defrag's default pod sizes).",
+            ["size"],
+            registry=self.registry,
+        )
+        self.stranded_gpus = Gauge(
+            "gputopo_extender_stranded_gpus",
+            "Free healthy GPUs that no packing of free NVLink cliques of gputopo defrag's default pod sizes covers.",
+            registry=self.registry,
+        )
+        self.fragmentation: FragmentationTracker | None = None  # track_fragmentation sets it
         for kind in KINDS:
             self.bad_objects.labels(kind)
         for verb in VERBS:
@@ -58,3 +76,61 @@ class Metrics:
 
     def decision(self, verb: str, outcome: str, reason: str = "") -> None:
         self.decisions.labels(verb, outcome, reason).inc()
+
+    def track_fragmentation(
+        self,
+        generation: Callable[[], int],
+        states: Callable[[], Sequence[NodeState]],
+        clock: Callable[[], float],
+        *,
+        min_interval: float = 10.0,
+        max_age: float = 60.0,
+    ) -> FragmentationTracker:
+        """Serve the fragmentation gauges from the cache's node states (`FragmentationTracker`)."""
+        tracker = FragmentationTracker(generation, states, clock, min_interval=min_interval, max_age=max_age)
+        self.fragmentation = tracker
+        for i, k in enumerate(tracker.sizes):
+            self.free_cliques.labels(size=str(k)).set_function(_clique_count(tracker, i))
+        self.stranded_gpus.set_function(lambda: tracker.figures().stranded)
+        return tracker
+
+
+def _clique_count(tracker: FragmentationTracker, i: int) -> Callable[[], float]:
+    return lambda: tracker.figures().cliques[i]
+
+
+class FragmentationTracker:
+    """The fragmentation figures, recomputed when a scrape reads them, only if the cache changed since
+    the last computation (`generation`) and at most every `min_interval` seconds, or after `max_age`
+    seconds regardless (nodes go stale with time alone). Never on a filter or prioritize call: those
+    stay O(their nodes). One computation costs a pass over the nodes, each distinct node kind once."""
+
+    def __init__(
+        self,
+        generation: Callable[[], int],
+        states: Callable[[], Sequence[NodeState]],
+        clock: Callable[[], float],
+        *,
+        min_interval: float = 10.0,
+        max_age: float = 60.0,
+        sizes: tuple[int, ...] = DEFAULT_SIZES,
+    ) -> None:
+        self.generation, self.states, self.clock = generation, states, clock
+        self.min_interval, self.max_age, self.sizes = min_interval, max_age, sizes
+        self.computed = 0  # computations so far (tests check the throttle with it)
+        self._lock = threading.Lock()
+        self._at = -math.inf
+        self._seen = -1
+        self._figures = Figures(0, tuple(0 for _ in sizes), tuple(0 for _ in sizes), 0)
+
+    def figures(self) -> Figures:
+        with self._lock:
+            now = self.clock()
+            age = now - self._at
+            gen = self.generation()
+            if age >= self.max_age or (gen != self._seen and age >= self.min_interval):
+                self._seen = gen  # read before the states: a change while computing is seen next time
+                self._figures = cluster_figures(self.states(), self.sizes)
+                self._at = now
+                self.computed += 1
+            return self._figures

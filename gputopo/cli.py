@@ -13,7 +13,13 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-COMMANDS: tuple[str, ...] = ("gputopo.sim.cli", "gputopo.demo", "gputopo.inspect", "gputopo.calibrate")
+COMMANDS: tuple[str, ...] = (
+    "gputopo.sim.cli",
+    "gputopo.demo",
+    "gputopo.inspect",
+    "gputopo.calibrate",
+    "gputopo.defrag",
+)
 
 
 def build_parser(modules: Sequence[ModuleType] | None = None) -> argparse.ArgumentParser:
