@@ -258,6 +258,10 @@ def quality_table(results: dict[str, SimResult]) -> list[str]:
             lambda r: pct(r.summary.groups_within.get("spine", 0), r.summary.groups_placed),
         ),
         (
+            "rail-aligned groups (of those on part of a node)",
+            lambda r: pct(r.summary.rail_aligned, r.summary.rail_groups),
+        ),
+        (
             "pods placed against their requests",
             lambda r: ", ".join(f"{n} {k}" for k, n in r.summary.broken.items()) or "0",
         ),

@@ -20,8 +20,9 @@ from extender.ledger import Ledger
 from extender.locks import StripedLocks
 from extender.objects import pod_record
 from extender.wire import PodInfo, pod_info
+from gputopo.engine.cliques import mask_of
 from gputopo.engine.explain import placement_estimate, placement_sentence, why_lost
-from gputopo.engine.placement import NodeVerdict, Outcome, evaluate_node
+from gputopo.engine.placement import NodeVerdict, Outcome, evaluate_node, outcome_on
 from gputopo.engine.reasons import Code
 from gputopo.engine.scoring import to_extender_priority
 from gputopo.kube import KubeError
@@ -170,6 +171,13 @@ class Binder:
         outcome = evaluate_node(state, req, ledger.weights)
         if not outcome.fits:
             return f"node {node} no longer fits pod {info.ref}: {outcome.message}", outcome
+        slot = res.slots.get(info.name) if res is not None else None
+        if slot is not None and slot.node == node and slot.gpus:
+            # The group plan chose this member's GPUs (rail-aligned with the other members); bind those
+            # when they are still an admissible choice here, not the node's default set.
+            planned = outcome_on(state, req, outcome, mask_of(slot.gpus), ledger.weights)
+            if planned is not None:
+                outcome = planned
         runner = self._runner_up(node, req)
         plan = res.plan if res is not None else None
         sentence = placement_sentence(node, outcome, runner, plan, info.name, ledger.weights, ledger.tiers)

@@ -9,6 +9,7 @@ from gputopo.engine.cost import format_bytes, format_ms
 from gputopo.engine.estimate import member_estimate
 from gputopo.engine.groups import Assignment, GroupPlan
 from gputopo.engine.placement import NodeVerdict, Outcome
+from gputopo.engine.rails import RailAlignment, assess, rail_ranges, rails_of
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights, to_extender_priority
 from gputopo.model import CommEstimate
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
@@ -105,6 +106,9 @@ def placement_sentence(
         if a is not None:
             parts.append(stage_clause(plan, a))
             staged = True
+            rails = rail_clause(plan, a, outcome)
+            if rails:
+                parts.append(rails)
     if runner is not None and not staged:  # a group member's node comes from the plan, not a race
         parts.append(
             f"runner-up {runner.name} {why_lost(outcome, runner.outcome, weights)}"
@@ -190,6 +194,24 @@ def stage_clause(plan: GroupPlan, a: Assignment) -> str:
     if size == 1:
         return f"stage {a.stage}/{size}"
     return f"stage {a.stage}/{size} shares no switch with the other stages"
+
+
+def rail_clause(plan: GroupPlan, a: Assignment, outcome: Outcome) -> str:
+    """'rails 0-3 on every member's node (rail-aligned)', or this member's rails and why the group is not
+    aligned; '' when every member takes whole nodes. `outcome`: the member's GPUs as placed (the plan's
+    unless the node changed since), judged together with the other members' planned GPUs."""
+    if tuple(outcome.gpus) == tuple(a.outcome.gpus):
+        alignment: RailAlignment = plan.rails
+    else:
+        members = [(b.node, b.outcome.gpus if b is not a else outcome.gpus) for b in plan.assignments]
+        alignment = assess([*members, *plan.alongside])
+    if not alignment.applies:
+        return ""
+    if alignment.aligned:
+        return f"rails {rail_ranges(alignment.rails)} on every member's node (rail-aligned)"
+    mine = rails_of(a.node, outcome.gpus)
+    here = f"rails {rail_ranges(mine)} here" if mine else "no known rails here"
+    return f"{here}, not rail-aligned: {alignment.why}"
 
 
 def _narrowest_first(a: Assignment) -> list[tuple[str, str]]:

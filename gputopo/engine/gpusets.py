@@ -21,6 +21,15 @@ as the reference the tests compare against), found without enumerating subsets w
   returned and flagged `truncated` (when none was ranked: the first set reached, else a greedy clique
   or the lowest-index GPUs), never a false "no clique" that the greedy would have disproved.
 - Tiny cases (a handful of sets) are ranked exhaustively: cheaper than recognising the wiring.
+
+Rails (group planning only, `rail_options`): a group whose members take part of a node wants the same
+fabric rails on every member's node. That preference is one more rank term after the terms each kind
+ranks first (`RAIL_AFTER`): for cliques link strength, the clique left free and its pairs; for
+`connected` NVLink pairs and link sum; for `any` the clique left free and its pairs. Every term after
+them (NIC nearness, NUMA span, link sum, the rest) and the lowest indices come after rails. `rail_options` ranks
+every set against those leading terms and returns, per reachable rail set, the best set below them; the
+rail set the engine's own choice uses always maps back to that choice, so a group already on one rail
+set, and every pod outside a group, is decided exactly as without rails.
 """
 
 from __future__ import annotations
@@ -66,6 +75,21 @@ class GpuChoice:
     remaining_free: int
     linked_pairs: int = 0  # chosen GPU pairs joined by NVLink
     truncated: bool = False  # the search hit SEARCH_BUDGET: the best set found, not proven the best
+
+
+# Sets `rail_options` ranks at most: every 8-GPU node needs 70 at worst; a larger node past it keeps
+# the engine's own choice (its group is reported as not rail-aligned when rails then differ).
+RAIL_SEARCH_SETS = 4096
+
+# How many leading terms of each kind's rank outrank rails: the NVLink and fragmentation terms.
+RAIL_AFTER: dict[Kind, int] = {"clique": 3, "connected": 2, "any": 2}
+
+
+@dataclass(frozen=True)
+class RailOption:
+    rails: int  # the rails the set uses (bit r: rail r)
+    mask: int  # the best GPU set on exactly these rails
+    rest: tuple[int, ...]  # that set's rank terms after rails (higher is better)
 
 
 @dataclass(frozen=True)
@@ -165,6 +189,50 @@ def best_set(
     if kind == "clique" and subsets <= exhaustive_below[1]:
         return Found(exhaustive_set(kind, shape, candidates, k, near))
     return class_search(kind, shape, candidates, k, near, budget)
+
+
+def set_rails(gpu_rails: tuple[int, ...], s: int) -> int:
+    out = 0
+    for i in bits(s):
+        out |= gpu_rails[i] if i < len(gpu_rails) else 0
+    return out
+
+
+@lru_cache(maxsize=16384)
+def rail_options(
+    kind: Kind, shape: Shape, candidates: int, k: int, near: int, gpu_rails: tuple[int, ...]
+) -> tuple[RailOption, ...] | None:
+    """Among the k-sets that tie the best on the terms ranked above rails (`RAIL_AFTER`), the best set
+    for each rail set reachable, best by the remaining terms, lowest indices on ties (the exhaustive
+    search's order). None when more than RAIL_SEARCH_SETS sets would need ranking."""
+    if k <= 0 or k > popcount(candidates):
+        return ()
+    if kind != "clique" and comb(popcount(candidates), k) > RAIL_SEARCH_SETS:
+        return None
+    cut = RAIL_AFTER[kind]
+    sets = k_cliques(shape.adj, candidates, k) if kind == "clique" else all_subsets(candidates, k)
+    head: tuple[int, ...] | None = None
+    best: dict[int, RailOption] = {}
+    for count, s in enumerate(sets):  # ascending index order, as exhaustive_set
+        if count >= RAIL_SEARCH_SETS:
+            return None
+        rank = _rank(kind, shape, candidates, s, near)
+        if head is None or rank[:cut] > head:
+            head, best = rank[:cut], {}
+        elif rank[:cut] < head:
+            continue
+        rails = set_rails(gpu_rails, s)
+        known = best.get(rails)
+        if known is None or rank[cut:] > known.rest:
+            best[rails] = RailOption(rails, s, rank[cut:])
+    return tuple(best[r] for r in sorted(best))
+
+
+def choice_of(shape: Shape, candidates: int, mask: int) -> GpuChoice:
+    """The GpuChoice for a set chosen elsewhere (a group's rail-aligned set) among `candidates`."""
+    choice = _choice(shape, candidates, Found(mask))
+    assert choice is not None
+    return choice
 
 
 # --- symmetric candidates ----------------------------------------------------------------------------

@@ -4,6 +4,14 @@ The plan puts one member per node by default, each on its own clique; honours `r
 members under one switch of that tier); packs members under as few switches as possible, widest tier
 first, or the `preferred-tier` first when the pod names one; and orders stages along the fabric so
 consecutive stages share the nearest switch.
+
+Members that take part of a node get their GPUs on the same fabric rails on every node where the
+ranking allows (gputopo.engine.rails): among the sets of a member's node that tie the engine's best on
+NVLink strength and fragmentation, the plan takes, for every member, a set on one common rail set
+(gpusets.rail_options says where rails sit in the ranking). When the chosen nodes have no such common
+set, other nodes that do are taken instead if they span no more switches of any tier (the best scores
+among them); failing that the members keep the engine's own sets and the plan says why they are not
+rail-aligned.
 """
 
 from __future__ import annotations
@@ -11,7 +19,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gputopo.engine.placement import NodeVerdict, Outcome, evaluate_node, evaluate_pod, rank
+from gputopo.engine.cliques import bits, mask_of
+from gputopo.engine.gpusets import RailOption, rail_options
+from gputopo.engine.placement import NodeVerdict, Outcome, evaluate_node, evaluate_pod, outcome_on, rank
+from gputopo.engine.rails import NOT_APPLICABLE, RailAlignment, assess, is_partial, rails_of
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.snapshot import NodeState, with_in_use
 from gputopo.model import NetworkKind, NvlinkPolicy, PodRequest, Spread
@@ -37,6 +48,9 @@ class GroupPlan:
     group: str
     assignments: tuple[Assignment, ...]  # in stage order
     switches_used: Mapping[str, int]  # tier -> distinct switches the plan spans
+    rails: RailAlignment = NOT_APPLICABLE  # over the planned members and `alongside`
+    # Members placed before this plan (a re-plan's pinned members): node and GPUs, for rail alignment.
+    alongside: tuple[tuple[NodeState, tuple[int, ...]], ...] = ()
 
     def for_member(self, name: str) -> Assignment | None:
         return next((a for a in self.assignments if a.member == name), None)
@@ -111,9 +125,15 @@ def plan_group(
     nodes: Sequence[NodeState],
     tiers: TierConfig = DEFAULT_TIERS,
     weights: ScoreWeights = DEFAULT_WEIGHTS,
+    *,
+    alongside: Sequence[tuple[NodeState, Sequence[int]]] = (),
+    align_rails: bool = True,
 ) -> GroupPlan | GroupFailure:
     """Place every member or none. Members carry their own GPU counts; group-level settings (network,
-    tiers, spread) come from the first member, as all members of one job share them."""
+    tiers, spread) come from the first member, as all members of one job share them.
+
+    `alongside`: members placed already (node, GPUs), whose rails the new members line up with.
+    `align_rails=False` keeps each node's own GPU choice (the figures before rail alignment)."""
     if not members:
         return GroupFailure(group, f"group {group}: no members")
     lead = members[0].request
@@ -125,8 +145,9 @@ def plan_group(
     if any(s >= n for s in stages):
         return GroupFailure(group, f"group {group}: stage numbers must be below the group size {n}")
     staged = _assign_stages(members)
+    fixed = tuple((node, tuple(gpus)) for node, gpus in alongside)
     if lead.spread is Spread.NONE:
-        return _plan_packed(group, staged, nodes, tiers, weights)
+        return _plan_packed(group, staged, nodes, tiers, weights, fixed)
 
     # One member per node. Members may differ in GPU count; plan for the most demanding one.
     demanding = max((m.request for _, m in staged), key=lambda r: (r.gpus, r.min_gpu_memory_mib or 0))
@@ -146,22 +167,163 @@ def plan_group(
                 f"group needs {n} nodes with {_requirement_words(demanding)} under one "
                 f"{required}; best {required} has {best}",
             )
-        order = _pack_order(tiers, lead.preferred_tier)
-        options = [_pack(d, n, order) for d in big.values()]
-        chosen = min(options, key=lambda c: (_cost(c, order), [v.name for v in c]))
-    else:
-        if len(feasible) < n:
-            return GroupFailure(
-                group, f"group needs {n} nodes with {_requirement_words(demanding)}; {len(feasible)} have it"
-            )
-        chosen = _pack(feasible, n, _pack_order(tiers, lead.preferred_tier))
+    elif len(feasible) < n:
+        return GroupFailure(
+            group, f"group needs {n} nodes with {_requirement_words(demanding)}; {len(feasible)} have it"
+        )
+    chosen = _select(feasible, n, lead, tiers)
+    assert chosen is not None  # enough nodes, under one switch of the required tier where one is named
 
-    ordered = _stage_order(chosen, tiers)
-    assignments = []
-    for (stage, member), v in zip(staged, ordered, strict=True):
-        outcome = v.outcome if member.request == demanding else evaluate_node(v.node, member.request, weights)
-        assignments.append(Assignment(member.name, stage, v.node, outcome))
-    return GroupPlan(group, tuple(assignments), _switches(assignments, tiers))
+    def assemble(chosen: Sequence[NodeVerdict]) -> GroupPlan:
+        ordered = _stage_order(chosen, tiers)
+        assignments = []
+        for (stage, member), v in zip(staged, ordered, strict=True):
+            outcome = v.outcome if member.request == demanding else evaluate_node(v.node, member.request, weights)
+            assignments.append(Assignment(member.name, stage, v.node, outcome))
+        requests = {m.name: m.request for _, m in staged}
+        if align_rails:
+            assignments, rails = _align_rails(assignments, requests, fixed, weights)
+        else:
+            rails = assess([*((a.node, a.outcome.gpus) for a in assignments), *fixed])
+        return GroupPlan(group, tuple(assignments), _switches(assignments, tiers), rails, fixed)
+
+    plan = assemble(chosen)
+    unstaged = demanding.model_copy(update={"stage": None})
+    alike = all(m.request.model_copy(update={"stage": None}) == unstaged for _, m in staged)
+    if align_rails and not plan.rails.aligned and alike:
+        # No common rails on these nodes: other nodes that offer one rail set may do, as long as the
+        # group spans no more switches than it does now.
+        other = _rail_nodes(feasible, chosen, n, lead, tiers, demanding.gpus, fixed)
+        if other is not None:
+            retry = assemble(other)
+            if retry.rails.aligned:
+                return retry
+    return plan
+
+
+def _select(feasible: list[NodeVerdict], n: int, lead: PodRequest, tiers: TierConfig) -> list[NodeVerdict] | None:
+    """The n nodes for a spread-node group among `feasible` (ranked), or None when there are too few."""
+    order = _pack_order(tiers, lead.preferred_tier)
+    required = lead.required_tier
+    if not required:
+        return _pack(feasible, n, order) if len(feasible) >= n else None
+    domains: dict[str, list[NodeVerdict]] = {}
+    for v in feasible:
+        sw = v.node.location.get(required)
+        if sw is not None:
+            domains.setdefault(sw, []).append(v)
+    options = [_pack(d, n, order) for d in domains.values() if len(d) >= n]
+    return min(options, key=lambda c: (_cost(c, order), [v.name for v in c])) if options else None
+
+
+# Rail sets tried when re-choosing a group's nodes for common rails: the ones most nodes offer.
+RAIL_NODE_TRIES = 8
+
+
+def _offers(v: NodeVerdict, k: int) -> frozenset[int] | None:
+    """The rail sets node `v` can give a k-GPU member among its equally good GPU sets (as _align_rails
+    judges them); None when the member takes the whole node (every rail: aligned with any)."""
+    shape, search, choice = v.node.shape, v.outcome.search, v.outcome.choice
+    if not is_partial(v.node, v.outcome.gpus) or shape is None:
+        return None
+    found = None
+    if search is not None and (choice is None or not choice.truncated):
+        found = rail_options(search.kind, shape, search.candidates, k, search.near, v.node.gpu_rails)
+    if found is None:
+        return frozenset({rails_of(v.node, v.outcome.gpus)})
+    return frozenset(o.rails for o in found if o.rails)
+
+
+def _rail_nodes(
+    feasible: list[NodeVerdict],
+    chosen: Sequence[NodeVerdict],
+    n: int,
+    lead: PodRequest,
+    tiers: TierConfig,
+    k: int,
+    fixed: Sequence[tuple[NodeState, tuple[int, ...]]],
+) -> list[NodeVerdict] | None:
+    """Nodes on which every member can have one common rail set, spanning as many switches per tier as
+    `chosen` does (rails never spread a group wider); the best node scores among them, then the lowest
+    rails. None when no rail set tried gives that."""
+    order = _pack_order(tiers, lead.preferred_tier)
+    span = _cost(chosen, order)[:-1]
+    offers = [_offers(v, k) for v in feasible]
+    wild = sum(1 for o in offers if o is None)
+    counts: dict[int, int] = {}
+    for o in offers:
+        for r in o or ():
+            counts[r] = counts.get(r, 0) + 1
+    pinned = {rails_of(node, g) for node, g in fixed if is_partial(node, g)}
+    tries = [r for r in counts if counts[r] + wild >= n and (not pinned or r in pinned)]
+    tries.sort(key=lambda r: (-counts[r], bits(r)))
+    best: tuple[tuple[float, list[str]], list[NodeVerdict]] | None = None
+    for r in tries[:RAIL_NODE_TRIES]:
+        pool = [v for v, o in zip(feasible, offers, strict=True) if o is None or r in o]
+        picked = _select(pool, n, lead, tiers)
+        if picked is None or _cost(picked, order)[:-1] != span:
+            continue
+        key = (-sum(v.outcome.score for v in picked), sorted(v.name for v in picked))
+        if best is None or key < best[0]:
+            best = (key, picked)
+    return None if best is None else best[1]
+
+
+def _align_rails(
+    assignments: list[Assignment],
+    requests: Mapping[str, PodRequest],
+    fixed: Sequence[tuple[NodeState, tuple[int, ...]]],
+    weights: ScoreWeights,
+) -> tuple[list[Assignment], RailAlignment]:
+    """Re-choose partial members' GPUs onto one common rail set, each among the sets of its node that
+    tie the engine's best above rails. The common rail set kept is the one whose sets rank best below
+    rails (summed over members), then the one the most members already use, then the lowest rails."""
+    current = assess([*((a.node, a.outcome.gpus) for a in assignments), *fixed])
+    if current.aligned:
+        return assignments, current
+    partial = [i for i, a in enumerate(assignments) if is_partial(a.node, a.outcome.gpus)]
+    pinned = {rails_of(n, g) for n, g in fixed if is_partial(n, g)}
+    sizes = {len(assignments[i].outcome.gpus) for i in partial} | {len(g) for n, g in fixed if is_partial(n, g)}
+    if len(pinned) > 1 or len(sizes) > 1:
+        return assignments, current  # placed members already differ, or sizes do: no common set exists
+    options: list[dict[int, RailOption]] = []
+    for i in partial:
+        a = assignments[i]
+        search, choice = a.outcome.search, a.outcome.choice
+        found = None
+        if a.node.shape is not None and search is not None and (choice is None or not choice.truncated):
+            found = rail_options(
+                search.kind, a.node.shape, search.candidates, len(a.outcome.gpus), search.near, a.node.gpu_rails
+            )
+        if found is None:  # too many sets to rank: this member can only keep its own set
+            found = (RailOption(rails_of(a.node, a.outcome.gpus), mask_of(list(a.outcome.gpus)), ()),)
+        options.append({o.rails: o for o in found})
+    common = set.intersection(*(set(o) for o in options)) if options else set()
+    if pinned:
+        common &= pinned
+    common.discard(0)  # GPUs with no NIC near them are on no rail: nothing to align on
+    if not common:
+        why = current.why.replace("members use ", "", 1)
+        return assignments, RailAlignment(
+            True, False, why=f"no equally good GPU sets on one rail set were free on every member's node ({why})"
+        )
+
+    def merit(rails: int) -> tuple[tuple[int, ...], int]:
+        picks = [o[rails] for o in options]
+        rest = tuple(sum(col) for col in zip(*(p.rest for p in picks), strict=False))
+        kept = sum(p.mask == mask_of(list(assignments[i].outcome.gpus)) for p, i in zip(picks, partial, strict=True))
+        return rest, kept
+
+    target = max(sorted(common, key=bits), key=merit)  # max keeps the first of equals: the lowest rails
+    out = list(assignments)
+    for o, i in zip(options, partial, strict=True):
+        a = assignments[i]
+        pick = o[target].mask
+        if pick != mask_of(list(a.outcome.gpus)):
+            outcome = outcome_on(a.node, requests[a.member], a.outcome, pick, weights)
+            if outcome is not None:  # always, as the pick came from the same candidates
+                out[i] = Assignment(a.member, a.stage, a.node, outcome)
+    return out, assess([*((a.node, a.outcome.gpus) for a in out), *fixed])
 
 
 def _plan_packed(
@@ -170,8 +332,10 @@ def _plan_packed(
     nodes: Sequence[NodeState],
     tiers: TierConfig,
     weights: ScoreWeights,
+    fixed: tuple[tuple[NodeState, tuple[int, ...]], ...] = (),
 ) -> GroupPlan | GroupFailure:
-    """`spread: none`: members may share a node; place them one by one, each seeing the GPUs taken."""
+    """`spread: none`: members may share a node; place them one by one, each seeing the GPUs taken.
+    Members sharing a node cannot share its rails, so rails are reported here, not steered."""
     current = {n.name: n for n in nodes}
     assignments: list[Assignment] = []
     used_switch: dict[str, str | None] = {}
@@ -199,7 +363,8 @@ def _plan_packed(
         leaf = tiers.network_tiers()[-1] if tiers.network_tiers() else None
         used_switch[best.name] = best.node.location.get(leaf) if leaf else None
         current[best.name] = with_in_use(best.node, frozenset(best.outcome.gpus), tiers)
-    return GroupPlan(group, tuple(assignments), _switches(assignments, tiers))
+    rails = assess([*((a.node, a.outcome.gpus) for a in assignments), *fixed])
+    return GroupPlan(group, tuple(assignments), _switches(assignments, tiers), rails, fixed)
 
 
 def _assign_stages(members: Sequence[Member]) -> list[tuple[int, Member]]:

@@ -7,7 +7,15 @@ from dataclasses import dataclass, field
 
 from gputopo.engine.cliques import bits, mask_of, popcount
 from gputopo.engine.cost import REFERENCE_BUSBW_GBPS, Estimate, SetBandwidth, intra_node_bandwidth, tp_estimate
-from gputopo.engine.gpusets import GpuChoice, choose_any, choose_clique, choose_connected, largest_clique
+from gputopo.engine.gpusets import (
+    GpuChoice,
+    Kind,
+    choice_of,
+    choose_any,
+    choose_clique,
+    choose_connected,
+    largest_clique,
+)
 from gputopo.engine.reasons import Code, Reason, code_for, message
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.snapshot import NodeState
@@ -16,6 +24,17 @@ from gputopo.model import NetworkKind, NvlinkPolicy, PodRequest, format_mib
 # A pod that names no HBM minimum is steered gently off GPUs with more than this, keeping large-HBM
 # GPUs (H200, B200) free for the pods that need them.
 UNASKED_HBM_MIB = 80 * 1024
+
+
+@dataclass(frozen=True)
+class Search:
+    """Where the GPU set of a fitting outcome was chosen from: what a group needs to choose another set
+    of the same node by the same ranking (gpusets.rail_options)."""
+
+    kind: Kind
+    candidates: int  # the GPUs the set was chosen among
+    free: int  # the node's free GPUs the score's fragmentation term compares against
+    near: int  # GPUs near an accepted NIC
 
 
 @dataclass(frozen=True)
@@ -33,6 +52,7 @@ class Outcome:
     bandwidth: SetBandwidth | None = None
     free_clique: int = 0  # largest free clique on the node before this pod
     estimate: Estimate | None = None  # the pod's all-reduce over these GPUs (gputopo.io/message-size)
+    search: Search | None = None
 
     @property
     def fits(self) -> bool:
@@ -124,10 +144,13 @@ def evaluate_node(node: NodeState, req: PodRequest, weights: ScoreWeights = DEFA
 
     near = node.near_nic_mask(req.network) if (req.network is not NetworkKind.ANY or req.is_group) else 0
     choice: GpuChoice | None
+    search: Search
     if k == 1:
         preferred = free & ~node.impaired_mask
-        choice = choose_any(shape, preferred if preferred else free, 1, near)
+        search = Search("any", preferred if preferred else free, free, near)
+        choice = choose_any(shape, search.candidates, 1, near)
     elif req.nvlink is NvlinkPolicy.REQUIRED:
+        search = Search("clique", free, free, near)
         choice = choose_clique(shape, free, k, near)
         if choice is None:
             return _fail(
@@ -135,15 +158,37 @@ def evaluate_node(node: NodeState, req: PodRequest, weights: ScoreWeights = DEFA
             )
     elif req.nvlink is NvlinkPolicy.PREFERRED:
         healthy_free = free & ~node.impaired_mask
-        choice = (
-            choose_clique(shape, healthy_free, k, near)
-            or choose_clique(shape, free, k, near)
-            or choose_connected(shape, free, k, near)
-        )
+        search = Search("clique", healthy_free, free, near)
+        choice = choose_clique(shape, healthy_free, k, near)
+        if choice is None:
+            search = Search("clique", free, free, near)
+            choice = choose_clique(shape, free, k, near)
+        if choice is None:
+            search = Search("connected", free, free, near)
+            choice = choose_connected(shape, free, k, near)
     else:
+        search = Search("any", free, free, near)
         choice = choose_any(shape, free, k, near)
     assert choice is not None  # free has at least k GPUs, so some k-set exists
-    return _success(node, req, choice, free, near, weights)
+    return _success(node, req, choice, free, near, weights, search)
+
+
+def outcome_on(
+    node: NodeState, req: PodRequest, outcome: Outcome, gpus: int, weights: ScoreWeights = DEFAULT_WEIGHTS
+) -> Outcome | None:
+    """`outcome` (evaluate_node's for `node` and `req`) with the GPU set `gpus` instead, scored and
+    explained as evaluate_node would have: a group plan's rail-aligned set, or at bind time the set a
+    member's reservation holds. None when `gpus` is not an admissible choice there (not among the
+    candidates, another size, not a clique where one was required)."""
+    search = outcome.search
+    if node.shape is None or search is None or not outcome.fits:
+        return None
+    if gpus & ~search.candidates or popcount(gpus) != len(outcome.gpus):
+        return None
+    choice = choice_of(node.shape, search.candidates, gpus)
+    if search.kind == "clique" and not choice.clique:
+        return None
+    return _success(node, req, choice, search.free, search.near, weights, search)
 
 
 def _degraded_detail(node: NodeState, k: int) -> str:
@@ -159,7 +204,13 @@ def _degraded_detail(node: NodeState, k: int) -> str:
 
 
 def _success(
-    node: NodeState, req: PodRequest, choice: GpuChoice, free: int, near: int, weights: ScoreWeights
+    node: NodeState,
+    req: PodRequest,
+    choice: GpuChoice,
+    free: int,
+    near: int,
+    weights: ScoreWeights,
+    search: Search | None = None,
 ) -> Outcome:
     shape = node.shape
     assert shape is not None
@@ -196,6 +247,7 @@ def _success(
         bandwidth=bw,
         free_clique=free_clique,
         estimate=tp_estimate(req.message_bytes, bw, k),
+        search=search,
     )
 
 

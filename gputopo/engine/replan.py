@@ -80,6 +80,9 @@ def replan(
         if m.request is None:
             return GroupFailure(group, f"group {group}: member {name} has an invalid gputopo annotation")
         todo.append(Member(name, m.request))
+    # Pinned members' GPUs, on the nodes given, so that the new members line up with their rails.
+    by_name = {n.name: n for n in nodes}
+    alongside = [(by_name[m.node], tuple(sorted(m.gpus))) for m in pinned.values() if m.node in by_name]
     if lead.spread is Spread.NODE:
         taken = {m.node for m in pinned.values()}
         nodes = [n for n in nodes if n.name not in taken]
@@ -89,7 +92,7 @@ def replan(
         if pinned:
             # Stage numbers of a partial plan refer to the whole group; plan_group numbers its subset.
             todo = [Member(m.name, m.request.model_copy(update={"stage": None})) for m in todo]
-        result = plan_group(group, todo, nodes, tiers, weights)
+        result = plan_group(group, todo, nodes, tiers, weights, alongside=alongside)
         if isinstance(result, GroupFailure):
             return result
         plan = result

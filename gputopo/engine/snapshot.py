@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from gputopo.engine.cliques import mask_of
 from gputopo.engine.reasons import Reason
 from gputopo.engine.scoring import NEAR_NIC
-from gputopo.model import Health, NetworkKind, NodeTopology
+from gputopo.model import Health, LabelError, NetworkKind, NodeTopology, gpu_rail_masks, nic_rails
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 
@@ -90,6 +90,8 @@ class NodeState:
     in_use_mask: int = 0
     memory_mib: tuple[int, ...] = ()
     nics: tuple[NicView, ...] = ()
+    # Per GPU, the fabric rails of its nearest NICs (bit r: rail r; gputopo.model.gpu_rail_masks).
+    gpu_rails: tuple[int, ...] = ()
     key: int = 0  # equivalence class: nodes with equal keys get equal verdicts for any pod
 
     @property
@@ -155,6 +157,20 @@ def node_state(
             location=location,
             key=_intern_key(("problem", problem or Reason.TOPOLOGY_MISSING)),
         )
+    try:
+        rails = gpu_rail_masks(topology, nic_rails(topology, labels))
+    except LabelError as e:
+        # A rails label that does not match the node is never guessed at: the node is unreadable, and
+        # the reason (naming the label and its value) shows in gputopo explain.
+        return node_state(
+            name,
+            topology,
+            labels=labels,
+            in_use=in_use,
+            problem=Reason.TOPOLOGY_INVALID,
+            problem_detail=str(e),
+            tiers=tiers,
+        )
     shape = shape_of(topology)
     n = shape.n
     failed = mask_of([g.index for g in topology.gpus if g.health is Health.FAILED])
@@ -171,7 +187,7 @@ def node_state(
         )
         for nic in topology.nics
     )
-    key = _intern_key((shape, failed, impaired, in_use_mask, memory, nics))
+    key = _intern_key((shape, failed, impaired, in_use_mask, memory, nics, rails))
     return NodeState(
         name=name,
         labels=labels,
@@ -187,6 +203,7 @@ def node_state(
         in_use_mask=in_use_mask,
         memory_mib=memory,
         nics=nics,
+        gpu_rails=rails,
         key=key,
     )
 

@@ -10,6 +10,9 @@
   same switch of a network tier (`leaf`, `spine`); nodes without that tier's label count as apart.
   Groups placed only in part (possible under `default` and `random`, which know nothing of groups)
   are counted separately: their GPUs are held by pods that cannot start their job.
+- Rail-aligned groups: of the groups placed in full that have a member on part of a node (fewer GPUs
+  than the node has), those whose partial members all use the same fabric rails (the rails of the NICs
+  nearest their GPUs; gputopo.engine.rails). Members on whole nodes use every rail and align with any.
 - Broken requests: placed pods whose placement does not meet a request of their own annotations
   (HBM minimum, network kind, `nvlink: required`, `spread: node`, `required-tier`) or that sit on a
   node whose topology gputopo does not trust (stale). Always 0 under `gputopo`; the topology-blind
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from gputopo.engine.placement import evaluate_node
+from gputopo.engine.rails import assess
 from gputopo.engine.scoring import ScoreWeights
 from gputopo.engine.snapshot import NodeState, node_state
 from gputopo.model import NvlinkPolicy, PodRequest, Spread
@@ -90,6 +94,8 @@ class Summary:
     exhaustive: ExhaustiveComparison | None = None
     exhaustive_note: str = ""
     gpus_placed: int = 0
+    rail_groups: int = 0  # groups placed in full with a member on part of a node
+    rail_aligned: int = 0  # of those, groups whose partial members all use the same rails
 
     def to_json(self) -> dict[str, object]:
         def share(a: int, b: int) -> float | None:
@@ -125,6 +131,9 @@ class Summary:
             "groupsPartlyPlaced": self.groups_partial,
             "groupsWithinOne": dict(self.groups_within),
             "groupsWithinOneShare": {t: share(c, self.groups_placed) for t, c in self.groups_within.items()},
+            "groupsOnPartNodes": self.rail_groups,
+            "groupsRailAligned": self.rail_aligned,
+            "groupsRailAlignedShare": share(self.rail_aligned, self.rail_groups),
             "podsWithBrokenRequests": dict(self.broken),
             "freeGpus": self.free_gpus,
             "strandedGpus": self.stranded_gpus,
@@ -243,6 +252,7 @@ def summarize(
     net = tiers.network_tiers()
     jobs_placed = 0
     groups = groups_placed = groups_partial = 0
+    rail_groups = rail_aligned = 0
     within = dict.fromkeys(net, 0)
     tp_total = pp_total = 0.0
     placed_jobs: list[int] = []
@@ -272,6 +282,9 @@ def summarize(
                     sws = {by_name[placed[p.name].node].location.get(t) for p in pods}
                     if len(sws) == 1 and None not in sws:
                         within[t] += 1
+                rails = assess([(by_name[placed[p.name].node], placed[p.name].gpus) for p in pods])
+                rail_groups += rails.applies
+                rail_aligned += rails.applies and rails.aligned
             elif n_placed:
                 groups_partial += 1
 
@@ -350,4 +363,6 @@ def summarize(
         exhaustive=comparison,
         exhaustive_note=note,
         gpus_placed=sum(len(p.gpus) for p in placements),
+        rail_groups=rail_groups,
+        rail_aligned=rail_aligned,
     )

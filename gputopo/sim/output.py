@@ -79,6 +79,14 @@ def summary_lines(s: Summary) -> list[str]:
         rows.append(("groups", text))
         if s.groups_placed:
             rows.append(("groups placed within", within))
+        if s.rail_groups:
+            rows.append(
+                (
+                    "rail-aligned groups",
+                    f"{_pct(s.rail_aligned, s.rail_groups)} of those with members on part of a node "
+                    "(the same NIC rails on every member's node)",
+                )
+            )
     if s.broken:
         parts = ", ".join(f"{n} {kind}" for kind, n in s.broken.items())
         rows.append(("pods placed against their requests", f"{parts} (pods, by the request broken)"))

@@ -163,3 +163,26 @@ def test_plain_pods_in_the_namespace_do_not_count_as_members(cluster: Env) -> No
     assert NS  # the lease namespace is unrelated to pod namespaces
     out = cluster.filter(member("llama-0", 0), NODES)
     assert set(out["FailedNodes"].values()) == {"group llama: 1/2 pods exist, waiting"}
+
+
+def test_members_are_bound_to_the_plans_rail_aligned_gpus_not_the_nodes_default_sets(env: Env) -> None:
+    # GPUs 0-1 busy on one node, 4-5 on the other: alone each node would give a 4-GPU member the other
+    # half. On dgx-h100 GPU g sits next to NIC g (rail g), so aligned members hold the same indices.
+    env.add_nodes(
+        node_obj("rail-a", in_use=[0, 1], leaf="leaf-a", spine="s1"),
+        node_obj("rail-b", in_use=[4, 5], leaf="leaf-a", spine="s1"),
+    )
+    pods = [gputopo_pod(f"tp4-{i}", 4, group="tp", group_size="2") for i in range(2)]
+    env.add_pods(*pods)
+    gpus: dict[str, tuple[int, ...]] = {}
+    for pod in pods:
+        (node,) = env.filter(pod, ["rail-a", "rail-b"])["NodeNames"]
+        assert env.bind(pod, node) == ""
+        stored = env.source.get("pods", pod["metadata"]["namespace"], pod["metadata"]["name"])
+        assert stored is not None
+        placement = parse_placement(stored["metadata"]["annotations"][PLACEMENT_ANNOTATION])
+        gpus[placement.node] = placement.gpus
+        assert "(rail-aligned)" in placement.reason
+    assert set(gpus) == {"rail-a", "rail-b"}
+    assert gpus["rail-a"] == gpus["rail-b"]
+    assert not {0, 1} & set(gpus["rail-a"]) and not {4, 5} & set(gpus["rail-b"])
