@@ -1,12 +1,12 @@
 """`gputopo-agent`: the node agent's command line (settings per docs/configuration.md).
 
-Every setting is a flag and an environment variable (`NODE_NAME`, `GPUTOPO_*`); flags win.
+Every setting is a flag and an environment variable (`NODE_NAME`, `GPUTOPO_*`), both read by pydantic-settings
+itself; flags win.
 `--once --print` and `--once --json` discover once, print and exit without an API server.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import socket
@@ -15,10 +15,15 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
-from pydantic import AliasChoices, Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from agent.backends import (
     BackendError,
@@ -49,31 +54,58 @@ from gputopo.render import render_topology
 log = logging.getLogger("agent")
 
 PROG = "gputopo-agent"
+ENV_PREFIX = "GPUTOPO_"
 # An extended resource name: <DNS subdomain>/<name>, as the kubelet's device manager accepts it.
 _RESOURCE_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 
 
 class AgentSettings(BaseSettings):
-    """docs/configuration.md, gputopo-agent table."""
+    """The agent's settings, docs/configuration.md's gputopo-agent table: each is a flag and an environment
+    variable (`NODE_NAME` for the node name, from the downward API)."""
 
-    model_config = SettingsConfigDict(env_prefix="GPUTOPO_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        extra="ignore",
+        frozen=True,
+        cli_prog_name=PROG,
+        cli_kebab_case=True,
+        cli_implicit_flags=True,  # --device-plugin / --no-device-plugin
+        cli_hide_none_type=True,
+        cli_exit_on_error=False,  # main() reports a bad flag like any invalid setting (exit 2)
+    )
 
-    node_name: str | None = Field(default=None, validation_alias=AliasChoices("node_name", "NODE_NAME"))
-    namespace: str = "gputopo-system"
-    backend: str = "nvml"
-    interval_seconds: float = Field(default=10.0, gt=0)
-    heartbeat_seconds: float = Field(default=30.0, gt=0)
-    sysfs_root: Path = Path("/sys")
-    podresources_socket: Path = Path(DEFAULT_SOCKET)
-    in_use_file: Path | None = None
-    kubeconfig: str | None = None
-    metrics_port: int = Field(default=9401, ge=0, le=65535)
-    log_level: str = "info"
-    device_plugin: bool = False
-    device_plugin_dir: Path = DEFAULT_PLUGIN_DIR
-    resource_name: str = Field(default=GPU_RESOURCE, pattern=_RESOURCE_NAME)
-    device_list_strategy: DeviceListStrategy = DeviceListStrategy.ENVVAR
-    preferred_allocation: PreferredAllocation = PreferredAllocation.PLACEMENT
+    node_name: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("node_name", "NODE_NAME"),
+        description="the Node to publish to (env NODE_NAME; required unless --once)",
+    )
+    namespace: str = Field("gputopo-system", description="namespace of the heartbeat Lease")
+    backend: str = Field("nvml", description="nvml, fixture:NAME or file:PATH")
+    interval_seconds: float = Field(default=10.0, gt=0, description="discovery period")
+    heartbeat_seconds: float = Field(default=30.0, gt=0, description="Lease renewal period")
+    sysfs_root: Path = Field(Path("/sys"), description="root of class/infiniband and bus/pci")
+    podresources_socket: Path = Field(Path(DEFAULT_SOCKET), description="kubelet PodResources socket")
+    in_use_file: Path | None = Field(
+        None, description="simulated nodes: a gpus-in-use value (index list or per-pod object), re-read every cycle"
+    )
+    kubeconfig: str | None = Field(None, description="kubeconfig file (default: in-cluster config)")
+    metrics_port: int = Field(default=9401, ge=0, le=65535, description="Prometheus /metrics port (0 = off)")
+    log_level: str = Field("info", description="debug, info, warning, error or critical")
+    device_plugin: bool = Field(
+        False, description="serve the kubelet device plugin for the GPUs, following gputopo placements (not --once)"
+    )
+    device_plugin_dir: Path = Field(DEFAULT_PLUGIN_DIR, description="kubelet device plugin directory")
+    resource_name: str = Field(
+        default=GPU_RESOURCE, pattern=_RESOURCE_NAME, description="extended resource the device plugin serves"
+    )
+    device_list_strategy: DeviceListStrategy = Field(
+        DeviceListStrategy.ENVVAR,
+        description="how Allocate names the GPUs to the NVIDIA Container Toolkit: envvar, cdi-annotations or cdi-cri",
+    )
+    preferred_allocation: PreferredAllocation = Field(
+        PreferredAllocation.PLACEMENT,
+        description="placement (the pod's gputopo placement, else best effort) or besteffort (ignore placements)",
+    )
 
     @field_validator("backend")
     @classmethod
@@ -91,77 +123,69 @@ class AgentSettings(BaseSettings):
         return v.lower()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG,
-        description="Discover this node's GPUs, NVLink, NICs, health and GPUs in use; publish them to its Node.",
+class AgentCommand(AgentSettings):
+    """Discover this node's GPUs, NVLink, NICs, health and GPUs in use; publish them to its Node. Every flag but
+    --once, --print and --json is also an environment variable (--interval-seconds is GPUTOPO_INTERVAL_SECONDS,
+    --node-name is NODE_NAME); flags win."""
+
+    once: bool = Field(False, description="discover once and exit")
+    print_topology: bool = Field(
+        False, alias="print", description="with --once: show the topology like nvidia-smi topo -m"
     )
-    # Defaults are None so that only flags given on the command line override the environment.
-    p.add_argument("--node-name", help="the Node to publish to (env NODE_NAME; required unless --once)")
-    p.add_argument("--namespace", help="namespace of the heartbeat Lease (default gputopo-system)")
-    p.add_argument("--backend", help="nvml (default), fixture:NAME or file:PATH")
-    p.add_argument("--interval-seconds", type=float, help="discovery period (default 10)")
-    p.add_argument("--heartbeat-seconds", type=float, help="Lease renewal period (default 30)")
-    p.add_argument("--sysfs-root", help="root of class/infiniband and bus/pci (default /sys)")
-    p.add_argument("--podresources-socket", help=f"kubelet PodResources socket (default {DEFAULT_SOCKET})")
-    p.add_argument(
-        "--in-use-file", help="simulated nodes: a gpus-in-use value (index list or per-pod object), re-read every cycle"
-    )
-    p.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config)")
-    p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9401, 0 = off)")
-    p.add_argument("--log-level", help="debug, info, warning or error (default info)")
-    p.add_argument(
-        "--device-plugin",
-        action=argparse.BooleanOptionalAction,
-        help="serve the kubelet device plugin for the GPUs, following gputopo placements (default off; not --once)",
-    )
-    p.add_argument("--device-plugin-dir", help=f"kubelet device plugin directory (default {DEFAULT_PLUGIN_DIR})")
-    p.add_argument("--resource-name", help=f"extended resource the device plugin serves (default {GPU_RESOURCE})")
-    p.add_argument(
-        "--device-list-strategy",
-        choices=[s.value for s in DeviceListStrategy],
-        help="how Allocate names the GPUs to the NVIDIA Container Toolkit (default envvar)",
-    )
-    p.add_argument(
-        "--preferred-allocation",
-        choices=[s.value for s in PreferredAllocation],
-        help="placement: the pod's gputopo placement, else best effort (default); besteffort: ignore placements",
-    )
-    p.add_argument("--once", action="store_true", help="discover once and exit")
-    out = p.add_mutually_exclusive_group()
-    out.add_argument("--print", action="store_true", help="with --once: show the topology like nvidia-smi topo -m")
-    out.add_argument("--json", action="store_true", help="with --once: print the gputopo.io/topology document")
-    return p
+    json_topology: bool = Field(False, alias="json", description="with --once: print the gputopo.io/topology document")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The environment feeds only AgentSettings' fields: an environment variable named ONCE, PRINT or JSON
+        # must not turn a DaemonSet agent into a one-shot command. (The command line is added on top.)
+        return (init_settings, EnvSettingsSource(AgentSettings))
+
+    @model_validator(mode="after")
+    def _actions(self) -> AgentCommand:
+        if self.print_topology and self.json_topology:
+            raise ValueError("--print and --json are exclusive")
+        if (self.print_topology or self.json_topology) and not self.once:
+            raise ValueError("--print and --json need --once")
+        return self
+
+    def settings(self) -> AgentSettings:
+        """The settings alone (already validated), without the one-shot actions."""
+        return AgentSettings.model_construct(**{k: getattr(self, k) for k in AgentSettings.model_fields})
 
 
-def load_settings(args: argparse.Namespace) -> AgentSettings:
-    keys = [
-        "node_name",
-        "namespace",
-        "backend",
-        "interval_seconds",
-        "heartbeat_seconds",
-        "sysfs_root",
-        "podresources_socket",
-        "in_use_file",
-        "kubeconfig",
-        "metrics_port",
-        "log_level",
-        "device_plugin",
-        "device_plugin_dir",
-        "resource_name",
-        "device_list_strategy",
-        "preferred_allocation",
-    ]
-    given: dict[str, Any] = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
-    return AgentSettings(**given)
+def parse_command(argv: Sequence[str] | None = None) -> AgentCommand:
+    """Flags (`argv`, default: none) over `NODE_NAME`/GPUTOPO_* environment variables over defaults.
+
+    Raises pydantic's ValidationError (a bad value) or pydantic-settings' SettingsError (an unknown flag)."""
+    return AgentCommand(_cli_parse_args=list(argv or ()))
+
+
+def load_settings(argv: Sequence[str] | None = None) -> AgentSettings:
+    return parse_command(argv).settings()
+
+
+def _flag(loc: str) -> str:
+    """`--flag (ENV)` for a settings field, `--flag` for the flag-only actions."""
+    flag = "--" + loc.replace("_", "-")
+    if loc == "node_name":
+        return f"{flag} (NODE_NAME)"
+    if loc in AgentSettings.model_fields:
+        return f"{flag} ({ENV_PREFIX}{loc.upper()})"
+    return flag
 
 
 def _settings_error(e: ValidationError) -> str:
     parts = []
     for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"])
-        parts.append(f"{loc}: {str(err['msg']).removeprefix('Value error, ')}")
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        parts.append(f"{_flag(str(err['loc'][0]))}: {msg}" if err["loc"] else msg)
     return "; ".join(parts)
 
 
@@ -245,16 +269,15 @@ def main(
     nvml_lib: Callable[[], NvmlLib] | None = None,
     local_pods_factory: PodsFactory | None = None,
 ) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if (args.print or args.json) and not args.once:
-        parser.error("--print and --json need --once")
     try:
-        settings = load_settings(args)
+        command = parse_command(sys.argv[1:] if argv is None else argv)
     except ValidationError as e:
         return _fail(f"invalid settings: {_settings_error(e)}", 2)
+    except SettingsError as e:  # an unknown flag or a flag without its value
+        return _fail(str(e), 2)
+    settings = command.settings()
     configure_logging(settings.log_level)
-    if not args.once and not settings.node_name:
+    if not command.once and not settings.node_name:
         return _fail("the node name is required: set NODE_NAME (downward API) or --node-name", 2)
     node = default_node_name(settings)
 
@@ -263,19 +286,19 @@ def main(
     except (BackendSpecError, NvmlUnavailableError) as e:
         return _fail(str(e))
     try:
-        pods = make_local_pods(settings, node, args.once, local_pods_factory)
+        pods = make_local_pods(settings, node, command.once, local_pods_factory)
     except Exception as e:
         backend.close()
         return _fail(f"cannot configure the Kubernetes client: {e}")
     in_use = make_in_use(settings, pods)
     try:
-        if args.once and (args.print or args.json):
+        if command.once and (command.print_topology or command.json_topology):
             try:
-                print(run_once_output(backend, in_use, args.json))
+                print(run_once_output(backend, in_use, command.json_topology))
             except BackendError as e:
                 return _fail(str(e))
             return 0
-        return _run(settings, node, backend, in_use, args.once, node_api_factory, pods)
+        return _run(settings, node, backend, in_use, command.once, node_api_factory, pods)
     finally:
         in_use.close()
         backend.close()

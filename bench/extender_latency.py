@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                         str(port),
                         "--log-level",
                         "warning",
+                        "--metrics-port",
+                        "0",
                     ],
                     port,
                 )

@@ -1,8 +1,9 @@
 """Fuzz the real extender over HTTP: malformed requests to every verb, one keep-alive connection.
 
-Starts `gputopo-extender --snapshot` (a small cluster file) with uvicorn in a subprocess on 127.0.0.1,
-then sends `--cases` requests (default 100,000) from one httpx client: valid bodies of /filter,
-/prioritize, /bind, /preempt and /mutate (Go-cased and lower-cased keys) with one to three values
+Starts `gputopo-extender --snapshot` (a small cluster file) in a subprocess on 127.0.0.1, its webhook
+listener over TLS with a throwaway certificate (openssl), then sends `--cases` requests (default 100,000)
+over one keep-alive connection per listener: valid bodies of /filter, /prioritize, /bind, /preempt (the
+verbs listener) and /mutate (the webhook listener), Go-cased and lower-cased keys, with one to three values
 replaced or deleted, NaN / infinities / 1e400 / 400-digit numbers spliced in as raw JSON, nesting
 thousands deep, truncated and random bytes, and now and then a body over the size limit (declared or
 chunked). Every 100 cases a valid filter must still answer 200 with no Error. It stops by itself after
@@ -25,6 +26,7 @@ import os
 import random
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -182,6 +184,19 @@ def rss_kib(pid: int) -> int:
     return 0
 
 
+def certificate(tmp: Path) -> tuple[Path, Path, Path]:
+    """A CA and a serving certificate for 127.0.0.1, for the webhook listener."""
+    ca_key, ca, key, csr, crt, ext = (tmp / n for n in ("ca.key", "ca.crt", "tls.key", "tls.csr", "tls.crt", "ext"))
+    ext.write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+    for step in (
+        f"req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=fuzz-ca -keyout {ca_key} -out {ca}",
+        f"req -newkey rsa:2048 -nodes -subj /CN=127.0.0.1 -keyout {key} -out {csr}",
+        f"x509 -req -in {csr} -CA {ca} -CAkey {ca_key} -CAcreateserial -days 1 -out {crt} -extfile {ext}",
+    ):
+        subprocess.run(["openssl", *step.split()], check=True, capture_output=True)
+    return ca, crt, key
+
+
 def write_cluster(path: Path) -> None:
     nodes = [
         {"name": "dgx-0", "fixture": "dgx-h100", "labels": {"gputopo.io/network-leaf": "leaf-1"}},
@@ -213,23 +228,41 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gputopo-fuzz-") as tmp:
         cluster, log_path = Path(tmp) / "cluster.yaml", Path(tmp) / "server.log"
         write_cluster(cluster)
-        port = free_port()
+        ca, crt, key = certificate(Path(tmp))
+        port, webhook_port = free_port(), free_port()
         cmd = [sys.executable, "-m", "extender.main", "--snapshot", str(cluster), "--host", "127.0.0.1"]
-        cmd += ["--port", str(port), "--max-request-bytes", str(LIMIT), "--log-level", "error"]
+        cmd += ["--port", str(port), "--max-request-bytes", str(LIMIT), "--log-level", "error", "--metrics-port", "0"]
+        cmd += ["--webhook-host", "127.0.0.1", "--webhook-port", str(webhook_port)]
+        cmd += ["--tls-cert-file", str(crt), "--tls-key-file", str(key)]
         with log_path.open("wb") as log:
             server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        clients = {
+            "verbs": httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=HANG_SECONDS),
+            "webhook": httpx.Client(
+                base_url=f"https://127.0.0.1:{webhook_port}",
+                timeout=HANG_SECONDS,
+                verify=ssl.create_default_context(cafile=str(ca)),
+            ),
+        }
         try:
-            return run(opts, rng, port, server, log_path)
+            return run(opts, rng, clients, server, log_path)
         finally:
+            for c in clients.values():
+                c.close()
             stop(server)
 
 
-def run(opts: argparse.Namespace, rng: random.Random, port: int, server: subprocess.Popen[bytes], log: Path) -> int:
-    base = f"http://127.0.0.1:{port}"
+def run(
+    opts: argparse.Namespace,
+    rng: random.Random,
+    clients: dict[str, httpx.Client],
+    server: subprocess.Popen[bytes],
+    log: Path,
+) -> int:
     deadline = time.monotonic() + 60
     while True:
         try:
-            if httpx.get(base + "/readyz", timeout=1).status_code == 200:
+            if all(c.get("/readyz").status_code == 200 for c in clients.values()):
                 break
         except httpx.HTTPError:
             pass
@@ -243,9 +276,9 @@ def run(opts: argparse.Namespace, rng: random.Random, port: int, server: subproc
     fives = non_json = dropped = hangs = failed_probes = 0
     probe = json.dumps(valid("filter")).encode()
     headers = {"Content-Type": "application/json"}
-    client = httpx.Client(base_url=base, timeout=HANG_SECONDS)
-    last_peer: Any = None
-    expect_new = False
+    # Per listener: the connection the last answer came on, and whether a new one is due.
+    last_peer: dict[str, Any] = dict.fromkeys(clients)
+    expect_new = dict.fromkeys(clients, False)
     rss_before = 0
     start = time.monotonic()
     done = 0
@@ -255,22 +288,23 @@ def run(opts: argparse.Namespace, rng: random.Random, port: int, server: subproc
         if i == 1000:
             rss_before = rss_kib(server.pid)  # after warm-up: imports, caches and pools are in place
         verb = VERBS[i % len(VERBS)]
+        listener = "webhook" if verb == "mutate" else "verbs"
         try:
-            r = client.post(f"/{verb}", content=case(rng, verb), headers=headers)
+            r = clients[listener].post(f"/{verb}", content=case(rng, verb), headers=headers)
         except httpx.TimeoutException:
             hangs += 1
-            expect_new = True
+            expect_new[listener] = True
             continue
         except httpx.TransportError:
             dropped += 1
-            expect_new = True
+            expect_new[listener] = True
             continue
         finally:
             done += 1
-        peer = peer_of(r)
-        if (peer is None and r.status_code != 413) or (last_peer and peer and peer != last_peer and not expect_new):
+        peer, last = peer_of(r), last_peer[listener]
+        if (peer is None and r.status_code != 413) or (last and peer and peer != last and not expect_new[listener]):
             dropped += 1  # closed right after this answer, or the previous one's connection did not survive
-        last_peer, expect_new = peer, peer is None or r.status_code == 413
+        last_peer[listener], expect_new[listener] = peer, peer is None or r.status_code == 413
         statuses[r.status_code] += 1
         by_verb[f"{verb} {r.status_code}"] += 1
         if r.status_code >= 500:
@@ -281,9 +315,9 @@ def run(opts: argparse.Namespace, rng: random.Random, port: int, server: subproc
             non_json += 1
         if i % 100 == 99:
             try:
-                p = client.post("/filter", content=probe, headers=headers)
+                p = clients["verbs"].post("/filter", content=probe, headers=headers)
                 ok = p.status_code == 200 and p.json()["Error"] == ""
-                last_peer = peer_of(p)
+                last_peer["verbs"] = peer_of(p)
             except httpx.HTTPError:
                 ok = False
             failed_probes += not ok
@@ -291,7 +325,6 @@ def run(opts: argparse.Namespace, rng: random.Random, port: int, server: subproc
             print(f"  {i + 1} cases, {time.monotonic() - start:.0f} s, RSS {rss_kib(server.pid)} KiB", flush=True)
     elapsed = time.monotonic() - start
     rss_after = rss_kib(server.pid)
-    client.close()
     tracebacks = log.read_text(errors="replace").count("Traceback")
     print(f"cases: {done} in {elapsed:.0f} s ({done / elapsed:.0f}/s), seed {opts.seed}")
     print("answers by status: " + ", ".join(f"{s}: {n}" for s, n in sorted(statuses.items())))

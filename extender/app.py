@@ -1,30 +1,37 @@
-"""The app factory: `create_app(settings, cluster=..., clock=...)` wires cache, source, service and routers.
+"""The app factory: one service, one cache, three listeners.
 
-The lifespan starts one list+watch thread per kind (nodes, pods, the agents' Leases) and stops them on
-shutdown. In snapshot mode (`settings.snapshot`) there is no API server: the cache is loaded from the
-cluster file once and is ready immediately.
+`create_listeners(settings, cluster=..., clock=...)` builds the cache, the service and one FastAPI app per
+listener, all sharing them (docs/extender.md, "Listeners"):
+
+- `verbs`: POST /filter, /prioritize, /bind, /preempt, GET /healthz, /readyz (`--host`/`--port`, loopback);
+- `webhook`: POST /mutate, GET /healthz, /readyz (`--webhook-port`, HTTPS);
+- `metrics`: GET /metrics, /healthz, /readyz (`--metrics-port`).
+
+Each answers 404 for the others' paths. The verbs app owns the lifespan, which starts one list+watch thread
+per kind (nodes, pods, the agents' Leases) and stops them on shutdown; `extender.main` enters it once for
+all three servers. In snapshot mode (`settings.snapshot`) there is no API server: the cache is loaded from
+the cluster file once and is ready immediately. `create_app` is the verbs app alone (what most tests drive):
 
     app = create_app(Settings(kubeconfig=Path("admin.kubeconfig"), namespace="gputopo-system"))
-    uvicorn.run(app, host="127.0.0.1", port=8888)
+    with TestClient(app) as client: ...
+    metrics = app.state.listeners.metrics   # the sibling apps, same cache and service
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from dataclasses import dataclass
 
-from fastapi import FastAPI, Request, Response
-from pydantic_core import from_json, to_json
+from fastapi import APIRouter, FastAPI
 
 from extender.cache import ClusterCache
 from extender.kube import ClusterSource, Informer, KubeSource, start_informers
 from extender.limits import RequestGuard
 from extender.metrics import Metrics
-from extender.routers import health, scheduler
+from extender.routers import health, metrics, mutate, scheduler
 from extender.service import Extender
 from extender.settings import Settings
 from gputopo.clusterfile import cluster_states, load_cluster
@@ -32,18 +39,27 @@ from gputopo.clusterfile import cluster_states, load_cluster
 log = logging.getLogger("gputopo.extender")
 
 
-def create_app(
+@dataclass(frozen=True)
+class Listeners:
+    """One app per listener; `verbs` owns the lifespan that starts and stops the informers."""
+
+    verbs: FastAPI
+    webhook: FastAPI
+    metrics: FastAPI
+
+
+def create_listeners(
     settings: Settings | None = None,
     *,
     cluster: ClusterSource | None = None,
     clock: Callable[[], float] | None = None,
     watch: bool = True,
     watch_timeout_seconds: int = 300,
-) -> FastAPI:
-    """Build the extender app.
+) -> Listeners:
+    """Build the three apps over one cache and service.
 
     - `cluster`: the API source (tests pass `extender.fake.FakeSource`); None builds a `KubeSource` from
-      `settings.kubeconfig` (or the in-cluster config) when the app starts.
+      `settings.kubeconfig` (or the in-cluster config) when the lifespan starts.
     - `clock`: epoch seconds, for Lease staleness and reservation timeouts (tests inject one).
     - `watch=False`: do not start informer threads (tests drive `app.state.cache` themselves).
     """
@@ -58,8 +74,8 @@ def create_app(
     )
     if settings.snapshot is not None:
         cache.load_static(cluster_states(load_cluster(settings.snapshot), settings.tiers))
-    metrics = Metrics(cache.age_seconds)
-    extender = Extender(cache, None if settings.snapshot is not None else cluster, metrics)
+    prometheus = Metrics(cache.age_seconds)
+    extender = Extender(cache, None if settings.snapshot is not None else cluster, prometheus)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -89,47 +105,44 @@ def create_app(
                 owned.close()
                 extender.source = None
 
-    app = FastAPI(title="gputopo-extender", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.settings = settings
-    app.state.cache = cache
-    app.state.extender = extender
-    app.state.metrics = metrics
-    app.state.informers = []
-    app.include_router(scheduler.router)
-    app.include_router(health.router)
-    _mount_webhook(app, metrics)
-    app.add_middleware(RequestGuard, max_request_bytes=settings.max_request_bytes)
-    return app
+    def build(title: str, *routers: APIRouter, owns_lifespan: bool = False) -> FastAPI:
+        app = FastAPI(
+            title=title,
+            lifespan=lifespan if owns_lifespan else None,
+            docs_url=None,
+            redoc_url=None,
+            openapi_url=None,
+        )
+        app.state.settings = settings
+        app.state.cache = cache
+        app.state.extender = extender
+        app.state.metrics = prometheus
+        app.state.informers = []
+        for router in routers:
+            app.include_router(router)
+        # Every listener reads request bodies (the webhook's AdmissionReviews too): the same limit for all.
+        app.add_middleware(RequestGuard, max_request_bytes=settings.max_request_bytes)
+        return app
+
+    listeners = Listeners(
+        verbs=build("gputopo-extender", scheduler.router, health.router, owns_lifespan=True),
+        webhook=build("gputopo-extender webhook", mutate.router, health.router),
+        metrics=build("gputopo-extender metrics", metrics.router, health.router),
+    )
+    for app in (listeners.verbs, listeners.webhook, listeners.metrics):
+        app.state.listeners = listeners
+    return listeners
 
 
-def _mount_webhook(app: FastAPI, metrics: Metrics) -> None:
-    """POST /mutate when extender/webhook.py (the mutating admission webhook) is present."""
-    if importlib.util.find_spec("extender.webhook") is None:
-        return
-    from extender import webhook
-
-    mutate_pod: Callable[[dict[str, Any]], dict[str, Any]] = webhook.mutate_pod
-
-    @app.post("/mutate", tags=["webhook"])
-    async def mutate(request: Request) -> Response:
-        start = time.perf_counter()
-        review: Any = None
-        try:
-            # pydantic-core's parser, not json.loads: it stops at 200 levels of nesting with a ValueError
-            # where the standard library would exhaust the stack.
-            review = from_json(await request.body())
-            if not isinstance(review, dict):
-                raise ValueError("an AdmissionReview object is expected")
-            answer = mutate_pod(review)
-            outcome = "answered"
-        except ValueError as e:  # malformed JSON or a review mutate_pod cannot read: the client's fault
-            uid = webhook.review_uid(review)
-            if uid is None:  # nothing to address an AdmissionReview answer to
-                metrics.decision("mutate", "bad_request")
-                body = {"Error": f"malformed AdmissionReview: {e}"}
-                return Response(to_json(body), 400, media_type="application/json")
-            answer = webhook.error_review(uid, f"malformed AdmissionReview: {e}")
-            outcome = "bad_request"
-        metrics.decision("mutate", outcome)
-        metrics.duration.labels("mutate").observe(time.perf_counter() - start)
-        return Response(to_json(answer), media_type="application/json")
+def create_app(
+    settings: Settings | None = None,
+    *,
+    cluster: ClusterSource | None = None,
+    clock: Callable[[], float] | None = None,
+    watch: bool = True,
+    watch_timeout_seconds: int = 300,
+) -> FastAPI:
+    """The verbs app of `create_listeners` (its siblings are `app.state.listeners`)."""
+    return create_listeners(
+        settings, cluster=cluster, clock=clock, watch=watch, watch_timeout_seconds=watch_timeout_seconds
+    ).verbs

@@ -1,76 +1,167 @@
-"""`gputopo-extender`: command-line flags and GPUTOPO_* environment variables (docs/configuration.md), then
-uvicorn. Flags win over the environment."""
+"""`gputopo-extender`: settings from flags and GPUTOPO_* environment variables (pydantic-settings, flags win;
+docs/configuration.md), then one asyncio loop serving three listeners over one cache and service:
+
+- the scheduling verbs on `--host`/`--port` (plain HTTP, loopback only: kube-scheduler in the same pod);
+- the mutating webhook on `--webhook-host`/`--webhook-port` over TLS (off unless `--webhook-port` is set);
+- Prometheus metrics on `--metrics-host`/`--metrics-port` (0 turns it off).
+
+Every socket is bound before anything starts, so a port in use is one line naming its flag, not a half-started
+process. The lifespan (informers) is entered once for all three servers.
+"""
 
 from __future__ import annotations
 
-import argparse
+import asyncio
+import contextlib
+import signal
+import socket
+import ssl
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+import uvicorn
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
+from extender.settings import PROG, Settings, describe_error, load_settings
 from gputopo.clusterfile import ClusterFileError
 from gputopo.jsonlog import configure_logging
 
+if TYPE_CHECKING:  # the app (cache, engine) is imported only once the settings are valid
+    from extender.app import Listeners
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="gputopo-extender",
-        description="Topology-aware kube-scheduler extender (filter, prioritize, bind, preempt).",
-        epilog="Every flag is also an environment variable: --stale-after-seconds is GPUTOPO_STALE_AFTER_SECONDS. "
-        "GPUTOPO_SCORE_WEIGHTS (JSON) sets the score weights.",
-    )
-    p.add_argument("--host", help="listen address (default 0.0.0.0)")
-    p.add_argument("--port", type=int, help="listen port (default 8888)")
-    p.add_argument("--tls-cert-file", type=Path, help="serve HTTPS with this certificate (PEM)")
-    p.add_argument("--tls-key-file", type=Path, help="private key for --tls-cert-file")
-    p.add_argument("--kubeconfig", type=Path, help="kubeconfig to reach the API server (default: in-cluster)")
-    p.add_argument("--namespace", help="namespace of the agents' Leases (default gputopo-system)")
-    p.add_argument("--stale-after-seconds", type=float, help="a node whose agent Lease is older is stale (120)")
-    p.add_argument("--reservation-timeout-seconds", type=float, help="unbound group reservations expire (120)")
-    p.add_argument("--snapshot", type=Path, help="serve from a static cluster file, no API server")
-    p.add_argument(
-        "--max-request-bytes", type=int, help="larger request bodies get HTTP 413 unparsed (default 8388608, 8 MiB)"
-    )
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error", "critical"], help="(default info)")
-    return p.parse_args(argv)
+__all__ = ["Endpoint", "ListenError", "endpoints", "load_settings", "main", "serve"]
 
 
-def load_settings(argv: Sequence[str] | None = None) -> Any:
-    from extender.settings import Settings
+class ListenError(Exception):
+    """A listener cannot start: the message names the flags that configure it."""
 
-    args = parse_args(argv)
-    flags = {k: v for k, v in vars(args).items() if v is not None}
-    return Settings(**flags)
+
+@dataclass(frozen=True)
+class Endpoint:
+    name: str  # verbs | webhook | metrics
+    host: str
+    port: int
+    flags: str  # the flags that set host and port, for error messages
+    tls: tuple[Path, Path] | None = None  # (certificate, key)
+
+
+def endpoints(settings: Settings) -> list[Endpoint]:
+    """The enabled listeners, verbs first."""
+    out = [Endpoint("verbs", settings.host, settings.port, "--host/--port")]
+    if settings.webhook_port:
+        assert settings.tls_cert_file is not None and settings.tls_key_file is not None  # Settings checks it
+        tls = (settings.tls_cert_file, settings.tls_key_file)
+        out.append(
+            Endpoint("webhook", settings.webhook_host, settings.webhook_port, "--webhook-host/--webhook-port", tls)
+        )
+    if settings.metrics_port:
+        out.append(Endpoint("metrics", settings.metrics_host, settings.metrics_port, "--metrics-host/--metrics-port"))
+    return out
+
+
+def _bind(ep: Endpoint) -> socket.socket:
+    family = socket.AF_INET6 if ":" in ep.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # Restarted in place (a container restart) the port may still hold TIME_WAIT connections.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((ep.host.strip("[]"), ep.port))
+    except OSError as e:
+        sock.close()
+        raise ListenError(f"cannot listen on {ep.host}:{ep.port} ({ep.flags}): {e.strerror or e}") from None
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server whose signals `serve` handles once for all listeners (uvicorn's own handler would
+    stop only the server that installed it last)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve(listeners: Listeners, settings: Settings, stop: asyncio.Event | None = None) -> None:
+    """Serve every enabled listener until SIGTERM/SIGINT (or `stop`), or until one of them fails.
+
+    Raises ListenError before anything starts when a socket cannot be bound or the webhook's certificate
+    cannot be loaded."""
+    apps = {"verbs": listeners.verbs, "webhook": listeners.webhook, "metrics": listeners.metrics}
+    eps = endpoints(settings)
+    servers: list[tuple[uvicorn.Server, socket.socket]] = []
+    try:
+        for ep in eps:
+            sock = _bind(ep)
+            config = uvicorn.Config(
+                apps[ep.name],
+                lifespan="off",  # entered once below, for all listeners
+                log_config=None,
+                access_log=False,
+                ssl_certfile=ep.tls[0] if ep.tls else None,
+                ssl_keyfile=ep.tls[1] if ep.tls else None,
+            )
+            servers.append((_Server(config), sock))
+            try:
+                config.load()  # loads the certificate now, so a bad one is an error before serving starts
+            except (OSError, ssl.SSLError) as e:
+                raise ListenError(
+                    f"cannot load the webhook certificate (--tls-cert-file/--tls-key-file): {e}"
+                ) from None
+    except ListenError:
+        for _, s in servers:
+            s.close()
+        raise
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread (tests): no signals
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        async with listeners.verbs.router.lifespan_context(listeners.verbs):
+            tasks = [asyncio.create_task(server.serve(sockets=[sock])) for server, sock in servers]
+            stopper = asyncio.create_task(stop.wait())
+            # One listener failing (or a signal) stops them all: a pod that half-serves is worse than a restart.
+            await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+            for server, _ in servers:
+                server.should_exit = True
+            stopper.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.remove_signal_handler(sig)
+        for _, sock in servers:
+            sock.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        settings = load_settings(argv)
+        settings = load_settings(sys.argv[1:] if argv is None else argv)
     except ValidationError as e:
-        print(f"gputopo-extender: invalid settings: {e}", file=sys.stderr)
+        print(f"{PROG}: invalid settings: {describe_error(e)}", file=sys.stderr)
+        return 2
+    except SettingsError as e:  # an unknown flag or a flag without its value
+        print(f"{PROG}: {e}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
-    import uvicorn
 
-    from extender.app import create_app
+    from extender.app import create_listeners
 
     try:
-        app = create_app(settings)
+        listeners = create_listeners(settings)
     except ClusterFileError as e:
-        print(f"gputopo-extender: {e}", file=sys.stderr)
+        print(f"{PROG}: {e}", file=sys.stderr)
         return 2
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        ssl_certfile=str(settings.tls_cert_file) if settings.tls_cert_file else None,
-        ssl_keyfile=str(settings.tls_key_file) if settings.tls_key_file else None,
-        log_config=None,
-        access_log=False,
-    )
+    try:
+        asyncio.run(serve(listeners, settings))
+    except ListenError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from gputopo.engine.defrag import DEFAULT_SIZES, Figures, cluster_figures
+from gputopo.engine.fragmentation import DEFAULT_SIZES, Figures, cluster_figures
 from gputopo.engine.snapshot import NodeState
 
 KINDS = ("nodes", "pods", "leases")  # extender.kube.KINDS, without importing the API client here

@@ -169,6 +169,7 @@ class PodRecord:
     group_size: str | None
     request: PodRequest | None
     placement: Placement | None
+    priority: int = 0  # spec.priority: which victims preemption prefers
 
     @property
     def active(self) -> bool:
@@ -229,6 +230,7 @@ def pod_record(obj: Any, tiers: tuple[str, ...]) -> PodRecord | None:
         group_size=ann.get(ANN_GROUP_SIZE),
         request=request,
         placement=placement,
+        priority=info.priority,
     )
 
 

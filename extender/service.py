@@ -21,9 +21,11 @@ from extender.groupdesk import GroupDesk
 from extender.kube import ClusterSource, Kind
 from extender.metrics import Metrics
 from extender.mismatch import Mismatch
-from extender.wire import ExtenderPreemptionArgs, MetaVictims, PodInfo, pod_info
+from extender.reservations import GroupKey
+from extender.wire import ExtenderPreemptionArgs, MetaPod, MetaVictims, PodInfo, pod_info
 from gputopo.engine.groups import GroupFailure
-from gputopo.engine.placement import Outcome, evaluate_node, fail_invalid
+from gputopo.engine.placement import Outcome, fail_invalid
+from gputopo.engine.preempt import Victim, choose_victims
 from gputopo.engine.reasons import Code, Reason, code_for, message
 from gputopo.engine.replan import GroupWaiting
 from gputopo.engine.scoring import to_extender_priority
@@ -88,6 +90,10 @@ class Extender:
         self.binder = Binder(self.ledger, lambda: self.source, self.events)
         self.ledger.on_mismatch = self._on_mismatch
         cache.on_bad_object = self._on_bad_object
+        if metrics is not None:
+            # Computed when /metrics is scraped, throttled on the ledger's generation: never per filter.
+            ledger = self.ledger
+            metrics.track_fragmentation(lambda: ledger.generation, ledger.states, ledger.clock)
 
     def flush_events(self, timeout: float = 10.0) -> None:
         """Wait until the events queued so far are posted (tests, shutdown)."""
@@ -147,7 +153,11 @@ class Extender:
             code = o.code
             if code is success:
                 passed.append(name)
-            elif code is unresolvable_code:
+            elif code is unresolvable_code or o.reason is Reason.NO_FREE_CLIQUE:
+                # Enough GPUs are free but no clique: kube-scheduler's preemption counts GPUs, finds
+                # nothing to evict there, and before kubernetes#135486 fails the whole attempt
+                # ("expected at least one victim"). gputopo only narrows offered victims, so no
+                # release can resolve this node by preemption: keep it out of the candidates.
                 unresolvable[name] = o.message
             else:
                 failed[name] = o.message
@@ -193,12 +203,12 @@ class Extender:
     # ------------------------------------------------------------------ preempt
 
     def preempt(self, args: ExtenderPreemptionArgs) -> dict[str, MetaVictims]:
-        """Keep a candidate node only if the pod could fit there once its victims are gone.
+        """Per candidate node, the victims that free a GPU set the pod can take (the fewest, then the
+        lowest priorities, groups whole: `gputopo.engine.preempt`); nodes where none does are dropped.
 
-        Victims whose GPUs the cache knows (pods with a placement on that node) are subtracted from
-        the node's in-use set. If some victim's GPUs are unknown (a plain pod), the node is kept
-        unless the pod cannot fit even on an empty node (that verdict needs no knowledge of victims).
-        Group members and plain pods get the candidates back unchanged."""
+        Victims' GPUs are what their node reports under their UID, else their placement; priorities
+        and group membership come from the cache. Group members and plain pods get the candidates
+        back unchanged: their placement is not decided node by node."""
         candidates = args.meta_victims()
         info = pod_info(args.pod)
         if not is_gputopo_pod(info.annotations):
@@ -212,30 +222,49 @@ class Extender:
             return candidates
         out: dict[str, MetaVictims] = {}
         now = ledger.clock()
-        with ledger.lock:
-            for node, victims in candidates.items():
-                state = ledger.resolve(node, now)
-                if state.problem is not None:
+        for node, offer in candidates.items():
+            with ledger.lock:
+                if ledger.resolve(node, now).problem is not None:
                     continue  # stale or missing topology: no victim helps
-                freed: set[int] = set()
-                unknown = False
-                for v in victims.pods:
-                    # What the node reports for the victim, else its placement; plain pods the node
-                    # reports by UID are known too.
-                    gpus = ledger.pod_gpus(node, v.uid)
-                    if gpus is not None:
-                        freed |= gpus
-                    else:
-                        unknown = True
-                e = ledger.nodes[node]
-                in_use = ledger.node_for(node, without_pod=info.uid or info.ref).in_use - freed
-                after = node_state(
-                    node,
-                    e.topology,
-                    labels=e.labels,
-                    in_use=in_use if not unknown else frozenset(),
-                    tiers=ledger.tiers,
+                state = ledger.node_for(node, without_pod=info.uid or info.ref)
+                victims, members = self._victims(node, offer)
+                unattributed = ledger.nodes[node].report.other
+            choice = choose_victims(
+                state,
+                req,
+                victims,
+                pdb_violations=offer.num_pdb_violations,
+                group_members=members,
+                unattributed=unattributed,
+                weights=ledger.weights,
+            )
+            if choice is None:
+                continue
+            if choice.unchanged:
+                out[node] = offer
+            else:
+                out[node] = MetaVictims(
+                    pods=[MetaPod(uid=u) for u in choice.victims], num_pdb_violations=choice.pdb_violations
                 )
-                if evaluate_node(after, req, ledger.weights).fits:
-                    out[node] = victims
         return out
+
+    def _victims(self, node: str, offer: MetaVictims) -> tuple[list[Victim], dict[GroupKey, frozenset[str]]]:
+        """The offered pods as the engine sees them, and the active members of each of their groups.
+        Called under the ledger's lock."""
+        ledger = self.ledger
+        victims: list[Victim] = []
+        members: dict[GroupKey, frozenset[str]] = {}
+        for p in offer.pods:
+            rec = ledger.pods.get(p.uid)
+            group: GroupKey | None = (rec.namespace, rec.group) if rec is not None and rec.group else None
+            if group is not None and group not in members:
+                members[group] = frozenset(m.uid for m in ledger.group_members(group))
+            victims.append(
+                Victim(
+                    uid=p.uid,
+                    gpus=ledger.pod_gpus(node, p.uid),
+                    priority=rec.priority if rec is not None else 0,
+                    group=group,
+                )
+            )
+        return victims, members

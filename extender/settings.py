@@ -1,43 +1,129 @@
-"""Settings of gputopo-extender (docs/configuration.md): every flag is also a GPUTOPO_* environment variable."""
+"""Settings of gputopo-extender (docs/configuration.md): every setting is a flag and a GPUTOPO_* environment
+variable, both read by pydantic-settings itself (`load_settings`); flags win over the environment."""
 
 from __future__ import annotations
 
+import ipaddress
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
 
 from extender.limits import DEFAULT_MAX_REQUEST_BYTES
 from gputopo.engine.scoring import ScoreWeights
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+PROG = "gputopo-extender"
+ENV_PREFIX = "GPUTOPO_"
+
+
+def is_loopback(host: str) -> bool:
+    """True for `localhost` and every loopback address (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class Settings(BaseSettings):
-    """The extender's configuration. Flags win over environment variables (main.py passes them as init values)."""
+    """Topology-aware kube-scheduler extender (filter, prioritize, bind, preempt), its mutating webhook and its
+    metrics. Every flag is also an environment variable (--stale-after-seconds is GPUTOPO_STALE_AFTER_SECONDS);
+    flags win. GPUTOPO_SCORE_WEIGHTS and GPUTOPO_TIERS (JSON) are environment only."""
 
-    model_config = SettingsConfigDict(env_prefix="GPUTOPO_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        extra="ignore",
+        frozen=True,
+        cli_prog_name=PROG,
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_hide_none_type=True,
+        # A bad flag is reported by main() like every other invalid setting (exit 2), not by argparse's exit.
+        cli_exit_on_error=False,
+    )
 
-    host: str = "0.0.0.0"
-    port: int = Field(8888, ge=0, le=65535)
-    tls_cert_file: Path | None = None
-    tls_key_file: Path | None = None
-    kubeconfig: Path | None = None  # unset: in-cluster configuration
-    namespace: str = "gputopo-system"
-    stale_after_seconds: float = Field(120.0, gt=0)
-    reservation_timeout_seconds: float = Field(120.0, gt=0)
-    snapshot: Path | None = None
+    # The scheduling verbs and their health endpoints: plain HTTP, loopback only (see _listeners).
+    host: str = Field("127.0.0.1", description="listen address of the scheduling verbs; loopback only")
+    port: int = Field(8888, ge=1, le=65535, description="port of the scheduling verbs, /healthz and /readyz")
+    # The mutating webhook: HTTPS, because the API server calls webhooks only over TLS.
+    webhook_host: str = Field("0.0.0.0", description="listen address of the mutating webhook")
+    webhook_port: int = Field(0, ge=0, le=65535, description="HTTPS port of /mutate, /healthz, /readyz (0 = off)")
+    tls_cert_file: Path | None = Field(None, description="the webhook's serving certificate (PEM)")
+    tls_key_file: Path | None = Field(None, description="private key of --tls-cert-file")
+    # Prometheus: scraped from outside the pod, so it listens on every address by default.
+    metrics_host: str = Field("0.0.0.0", description="listen address of /metrics")
+    metrics_port: int = Field(9402, ge=0, le=65535, description="port of /metrics, /healthz, /readyz (0 = off)")
+    kubeconfig: Path | None = Field(None, description="kubeconfig to reach the API server (unset: in-cluster)")
+    namespace: str = Field("gputopo-system", description="namespace of the agents' Leases")
+    stale_after_seconds: float = Field(120.0, gt=0, description="a node whose agent Lease is older is stale")
+    reservation_timeout_seconds: float = Field(120.0, gt=0, description="unbound group reservations expire")
+    snapshot: Path | None = Field(None, description="serve from a static cluster file, no API server")
     log_level: LogLevel = "info"
     # Larger request bodies get 413 before they are parsed (extender/limits.py sizes the default).
-    max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=64 * 1024, le=1024**3)
-    # Environment only (JSON): GPUTOPO_SCORE_WEIGHTS, and GPUTOPO_TIERS as the chart passes it.
-    score_weights: ScoreWeights = ScoreWeights()
-    tiers: TierConfig = DEFAULT_TIERS
+    max_request_bytes: int = Field(
+        DEFAULT_MAX_REQUEST_BYTES, ge=64 * 1024, le=1024**3, description="larger bodies get HTTP 413 unparsed"
+    )
+    # Environment only (JSON): GPUTOPO_SCORE_WEIGHTS, and GPUTOPO_TIERS as the chart passes it. Hidden from
+    # --help because a JSON object per flag invites quoting mistakes; the environment is the documented way.
+    score_weights: CliSuppress[ScoreWeights] = ScoreWeights()
+    tiers: CliSuppress[TierConfig] = DEFAULT_TIERS
 
     @model_validator(mode="after")
-    def _tls_pair(self) -> Settings:
+    def _listeners(self) -> Settings:
+        # The verbs decide placements and bind pods: only kube-scheduler in the same pod may reach them.
+        if not is_loopback(self.host):
+            raise ValueError(
+                f"--host {self.host} is not a loopback address: the scheduling verbs are served only to "
+                "kube-scheduler in the same pod; use 127.0.0.1 (the webhook and metrics have their own --*-host)"
+            )
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("--tls-cert-file and --tls-key-file must be given together")
+        if self.webhook_port and self.tls_cert_file is None:
+            raise ValueError(
+                "--webhook-port needs --tls-cert-file and --tls-key-file: the API server calls webhooks over TLS"
+            )
+        if not self.webhook_port and self.tls_cert_file is not None:
+            raise ValueError(
+                "--tls-cert-file and --tls-key-file serve only the webhook listener: set --webhook-port "
+                "(the scheduling verbs are plain HTTP on loopback)"
+            )
+        ports = {"--port": self.port, "--webhook-port": self.webhook_port, "--metrics-port": self.metrics_port}
+        used = [(flag, p) for flag, p in ports.items() if p]
+        for i, (flag, p) in enumerate(used):
+            for other, q in used[i + 1 :]:
+                if p == q:
+                    raise ValueError(f"{flag} and {other} are both {p}: each listener needs its own port")
         return self
+
+
+def flag_of(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def env_of(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def describe_error(err: ValidationError) -> str:
+    """One line per problem, naming the flag and the environment variable it came from."""
+    parts = []
+    for e in err.errors():
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        field = str(e["loc"][0]) if e["loc"] else ""
+        if field in Settings.model_fields:
+            parts.append(f"{flag_of(field)} ({env_of(field)}): {msg}")
+        else:
+            parts.append(msg)
+    return "; ".join(parts)
+
+
+def load_settings(argv: Sequence[str] | None = None) -> Settings:
+    """Flags (`argv`, default: none) over GPUTOPO_* environment variables over defaults.
+
+    Raises pydantic's ValidationError (a bad value) or pydantic-settings' SettingsError (an unknown flag)."""
+    return Settings(_cli_parse_args=list(argv or ()))

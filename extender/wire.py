@@ -174,6 +174,7 @@ class PodInfo:
     scheduler_name: str = ""
     node_name: str = ""
     phase: str = ""
+    priority: int = 0  # spec.priority (admission resolves priorityClassName into it); preemption ranks by it
 
     @property
     def terminated(self) -> bool:
@@ -294,4 +295,11 @@ def pod_info(pod: Mapping[str, Any], where: str = "Pod") -> PodInfo:
         scheduler_name=_opt_str(spec.get("schedulerName"), f"{where}.spec.schedulerName"),
         node_name=_opt_str(spec.get("nodeName"), f"{where}.spec.nodeName"),
         phase=_opt_str(status.get("phase"), f"{where}.status.phase"),
+        priority=_priority(spec.get("priority")),
     )
+
+
+def _priority(value: Any) -> int:
+    """spec.priority, an int32 the API server sets; anything else counts as the default, 0 (it only
+    orders victims, so an odd value must not make the pod unreadable)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and -(2**31) <= value < 2**31 else 0

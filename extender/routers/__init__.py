@@ -1,1 +1,1 @@
-"""HTTP routers of the extender: the scheduler verbs and the health/metrics endpoints."""
+"""HTTP routers of the extender, one set per listener: scheduler verbs, mutate (webhook), metrics; health on all."""

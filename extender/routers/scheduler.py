@@ -1,4 +1,7 @@
-"""The extender verbs kube-scheduler calls: POST /filter, /prioritize, /bind, /preempt.
+"""The extender verbs kube-scheduler calls: POST /filter, /prioritize, /bind, /preempt (the verbs listener).
+
+Every decision runs on a worker thread (`run_in_threadpool`): the event loop stays free for the health
+endpoints, the other listeners and the next request while a large filter call is evaluated.
 
 Bodies are parsed straight from bytes by pydantic-core (both key casings, `Nodes: null`), and answers
 are encoded by pydantic-core too, with the Go field names. A request that does not have the
@@ -83,6 +86,16 @@ def _bad(verb: str, metrics: Metrics, err: BadRequest | WireError) -> Response:
 
 T = TypeVar("T")
 
+# Before the first full list of nodes, pods and Leases the ledger lacks placements: a filter or bind then
+# could hand out GPUs that bound pods hold. kube-scheduler retries a pod whose filter or bind reports an error.
+NOT_READY = "gputopo-extender is not ready: its cache has not finished listing nodes, pods and Leases yet"
+
+
+def _not_ready(verb: str, metrics: Metrics, body: dict[str, Any]) -> Response:
+    metrics.decision(verb, "not_ready")
+    log.warning("not ready", extra={"verb": verb})
+    return _json({**body, "Error": NOT_READY})
+
 
 def _timed(metrics: Metrics, verb: str) -> Callable[[], None]:
     start = time.perf_counter()
@@ -97,8 +110,12 @@ async def filter_(request: Request, extender: ExtenderDep, metrics: MetricsDep) 
     except (BadRequest, WireError) as e:
         done()
         return _bad("filter", metrics, e)
+    if not extender.cache.ready:
+        done()
+        return _not_ready("filter", metrics, {"NodeNames": None, "FailedNodes": {}, "FailedAndUnresolvableNodes": {}})
     try:
-        answer = extender.filter(info, names)
+        # The decision is CPU work on worker threads, so /healthz and /readyz answer while it runs.
+        answer = await run_in_threadpool(extender.filter, info, names)
         d = answer.decision
         body: dict[str, Any] = {
             "NodeNames": answer.passed,
@@ -136,7 +153,7 @@ async def prioritize(request: Request, extender: ExtenderDep, metrics: MetricsDe
         done()
         return _bad("prioritize", metrics, e)
     try:
-        scores, d = extender.prioritize(info, names)
+        scores, d = await run_in_threadpool(extender.prioritize, info, names)
         body: list[dict[str, Any]] = [{"Host": n, "Score": s} for n, s in scores]
         metrics.decision("prioritize", "pass_through" if d.kind == "pass_through" else "scored", d.reason_label())
     except Exception:
@@ -155,6 +172,9 @@ async def bind(request: Request, extender: ExtenderDep, metrics: MetricsDep) -> 
     except BadRequest as e:
         done()
         return _bad("bind", metrics, e)
+    if not extender.cache.ready:
+        done()
+        return _not_ready("bind", metrics, {})
     try:
         error = await run_in_threadpool(extender.bind, args.pod_namespace, args.pod_name, args.pod_uid, args.node)
     except Exception as e:
@@ -180,7 +200,7 @@ async def preempt(request: Request, extender: ExtenderDep, metrics: MetricsDep) 
         done()
         return _bad("preempt", metrics, e)
     try:
-        kept = extender.preempt(args)
+        kept = await run_in_threadpool(extender.preempt, args)
     except Exception:
         log.exception("preempt failed; candidates unchanged", extra={"verb": "preempt"})
         kept = args.meta_victims()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.main import AgentSettings, build_parser, load_settings, main
+from agent.main import AgentSettings, load_settings, main
 from agent.memory_api import InMemoryNodeApi
 from agent.nvml_backend import NvmlLib
 from agent.publisher import NodeApi
@@ -83,8 +83,19 @@ def test_no_driver_is_one_clear_error_and_nonzero_exit(capsys: pytest.CaptureFix
     [
         pytest.param(["--once", "--json", "--backend", "gpu"], "backend", id="unknown backend kind"),
         pytest.param(["--once", "--json", "--backend", "fixture:nope"], "unknown system", id="unknown fixture"),
-        pytest.param(["--once", "--json", "--interval-seconds", "0"], "interval_seconds", id="interval must be > 0"),
-        pytest.param(["--once", "--json", "--log-level", "loud"], "log_level", id="bad log level"),
+        pytest.param(
+            ["--once", "--json", "--interval-seconds", "0"],
+            "--interval-seconds (GPUTOPO_INTERVAL_SECONDS): Input should be greater than 0",
+            id="interval must be > 0",
+        ),
+        pytest.param(
+            ["--once", "--json", "--log-level", "loud"], "--log-level (GPUTOPO_LOG_LEVEL)", id="bad log level"
+        ),
+        pytest.param(
+            ["--print", "--backend", "fixture:dgx-1v"], "--print and --json need --once", id="print needs once"
+        ),
+        pytest.param(["--once", "--print", "--json"], "--print and --json are exclusive", id="print or json"),
+        pytest.param(["--once", "--frobnicate"], "unrecognized arguments: --frobnicate", id="unknown flag"),
         pytest.param(["--backend", "fixture:dgx-h100"], "NODE_NAME", id="loop needs a node name"),
     ],
 )
@@ -100,10 +111,13 @@ def test_file_backend_error_in_once_mode(tmp_path: Path, capsys: pytest.CaptureF
     assert "cannot read topology file" in capsys.readouterr().err
 
 
-def test_print_needs_once() -> None:
-    with pytest.raises(SystemExit) as exc:
-        main(["--print", "--backend", "fixture:dgx-1v"])
-    assert exc.value.code == 2
+@pytest.mark.parametrize("variable", ["ONCE", "PRINT", "JSON", "GPUTOPO_ONCE"])
+def test_the_one_shot_actions_are_flags_only(variable: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from agent.main import parse_command
+
+    monkeypatch.setenv(variable, "true")
+    command = parse_command([])
+    assert not (command.once or command.print_topology or command.json_topology)
 
 
 def test_settings_from_env_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,13 +126,13 @@ def test_settings_from_env_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("GPUTOPO_INTERVAL_SECONDS", "5")
     monkeypatch.setenv("GPUTOPO_IN_USE_FILE", "/tmp/in-use.json")
     monkeypatch.setenv("GPUTOPO_METRICS_PORT", "0")
-    s = load_settings(build_parser().parse_args(["--interval-seconds", "2", "--backend", "fixture:dgx-a100"]))
+    s = load_settings(["--interval-seconds", "2", "--backend", "fixture:dgx-a100"])
     assert (s.node_name, s.namespace, s.interval_seconds, s.backend) == ("gpu-07", "gpu-ops", 2.0, "fixture:dgx-a100")
     assert (s.in_use_file, s.metrics_port) == (Path("/tmp/in-use.json"), 0)
 
 
 def test_defaults_match_the_configuration_reference() -> None:
-    s = load_settings(build_parser().parse_args([]))
+    s = load_settings([])
     assert s == AgentSettings(
         node_name=None,
         namespace="gputopo-system",
@@ -163,3 +177,11 @@ def test_sigterm_stops_the_loop_cleanly() -> None:
     assert main(argv, node_api_factory=factory) == 0
     assert api.calls["patch_node"] == 1
     assert TOPOLOGY_ANNOTATION in api.annotations
+
+
+def test_every_setting_is_in_the_configuration_reference() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    section = text[text.index("## gputopo-agent") :]
+    for field in AgentSettings.model_fields:
+        env = "`NODE_NAME`" if field == "node_name" else f"`GPUTOPO_{field.upper()}`"
+        assert f"| `--{field.replace('_', '-')}` | {env} |" in section, field

@@ -16,7 +16,7 @@ from agent.deviceplugin import api_pb2
 from agent.deviceplugin.devices import DeviceListStrategy
 from agent.deviceplugin.plugin import TopologyTap
 from agent.deviceplugin.preferred import PreferredAllocation
-from agent.main import build_parser, load_settings, main, make_local_pods
+from agent.main import load_settings, main, make_local_pods
 from agent.memory_api import InMemoryNodeApi
 from agent.nvml_backend import MIG_REASON
 from agent.pods import StaticLocalPods
@@ -95,16 +95,18 @@ def test_settings(
 ) -> None:
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    settings = load_settings(build_parser().parse_args(argv))
+    settings = load_settings(argv)
     assert {k: getattr(settings, k) for k in expected} == expected
 
 
 @pytest.mark.parametrize(
     ("argv", "env", "message"),
     [
-        pytest.param(["--resource-name", "gpu"], {}, "resource_name", id="resource-without-domain"),
-        pytest.param([], {"GPUTOPO_DEVICE_LIST_STRATEGY": "volume-mounts"}, "device_list_strategy", id="bad-strategy"),
-        pytest.param([], {"GPUTOPO_PREFERRED_ALLOCATION": "random"}, "preferred_allocation", id="bad-preference"),
+        pytest.param(["--resource-name", "gpu"], {}, "--resource-name", id="resource-without-domain"),
+        pytest.param(
+            [], {"GPUTOPO_DEVICE_LIST_STRATEGY": "volume-mounts"}, "GPUTOPO_DEVICE_LIST_STRATEGY", id="bad-strategy"
+        ),
+        pytest.param([], {"GPUTOPO_PREFERRED_ALLOCATION": "random"}, "--preferred-allocation", id="bad-preference"),
     ],
 )
 def test_invalid_settings_exit_2(
@@ -130,7 +132,7 @@ def test_invalid_settings_exit_2(
     ],
 )
 def test_pod_view_only_when_something_reads_it(argv: list[str], once: bool, wanted: bool) -> None:
-    settings = load_settings(build_parser().parse_args(argv))
+    settings = load_settings(argv)
     view = make_local_pods(settings, "n1", once, lambda _s, node: StaticLocalPods(node))
     assert (view is not None) is wanted
 

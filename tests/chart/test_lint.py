@@ -29,7 +29,10 @@ def test_helm_lint_strict_passes_for_scenario(values_file: Path) -> None:
     ("sets", "expected"),
     [
         pytest.param({"unknownTopLevel": "1"}, "additional properties", id="unknown top-level value"),
-        pytest.param({"extender__replicas": "0"}, "minimum", id="zero extender replicas"),
+        pytest.param({"scheduler__replicas": "0"}, "minimum", id="zero scheduler replicas"),
+        pytest.param({"extender__metricsPort": "0"}, "minimum", id="the probes need the metrics port"),
+        pytest.param({"extender__maxRequestBytes": "1024"}, "maxRequestBytes", id="body limit under 64 KiB"),
+        pytest.param({"extender__replicas": "2"}, "additional properties", id="no separate extender Deployment"),
         pytest.param({"webhook__failurePolicy": "Sometimes"}, "failurePolicy", id="bad webhook failurePolicy"),
         pytest.param({"agent__backend": "cuda"}, "backend", id="unknown agent backend"),
         pytest.param({"scheduler__extender__weight": "0"}, "weight", id="extender weight must be positive"),
@@ -54,9 +57,9 @@ def test_schema_rejects_invalid_values(sets: dict[str, str], expected: str) -> N
             id="webhook with an existing Secret needs its CA",
         ),
         pytest.param(
-            {"extender__enabled": "false"},
-            "scheduler.enabled needs extender.enabled",
-            id="scheduler without extender",
+            {"webhook__enabled": "true", "scheduler__enabled": "false"},
+            "webhook.enabled needs scheduler.enabled",
+            id="webhook without the scheduler pods that serve it",
         ),
     ],
 )

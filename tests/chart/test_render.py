@@ -31,7 +31,9 @@ from tests.chart.helm import (
 )
 
 WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection", "*"}
-EXTENDER_URL = f"https://gputopo-extender.{NAMESPACE}.svc:8888"
+EXTENDER_URL = "http://127.0.0.1:8888"
+WEBHOOK_HOST = f"gputopo-webhook.{NAMESPACE}.svc"
+SCHEDULER_USER = f"system:serviceaccount:{NAMESPACE}:gputopo-scheduler"
 CHART_META = yaml.safe_load((CHART / "Chart.yaml").read_text())
 
 # Settings the chart passes that docs/configuration.md does not list yet. GPUTOPO_TIERS (a JSON
@@ -65,55 +67,99 @@ def _pod_spec(workload: Doc) -> Doc:
 # --- which objects exist ------------------------------------------------------------------
 
 
-BASE_KINDS = {
-    "ServiceAccount",
-    "ClusterRole",
-    "ClusterRoleBinding",
-    "Role",
-    "RoleBinding",
-    "ConfigMap",
-    "Service",
-    "DaemonSet",
-    "Deployment",
-    "PodDisruptionBudget",
-    "ValidatingAdmissionPolicy",
-    "ValidatingAdmissionPolicyBinding",
-    "Pod",  # the helm test hook
+# (kind, name) of what the defaults render: no webhook, so no Service and no TLS material at all.
+BASE_OBJECTS = {
+    ("ServiceAccount", "gputopo-agent"),
+    ("ServiceAccount", "gputopo-scheduler"),
+    ("ClusterRole", "gputopo-agent"),
+    ("ClusterRole", "gputopo-extender"),
+    ("ClusterRoleBinding", "gputopo-agent"),
+    ("ClusterRoleBinding", "gputopo-extender"),
+    ("ClusterRoleBinding", "gputopo-scheduler-kube-scheduler"),
+    ("ClusterRoleBinding", "gputopo-scheduler-volume-scheduler"),
+    ("Role", "gputopo-agent"),
+    ("Role", "gputopo-extender"),
+    ("Role", "gputopo-scheduler"),
+    ("RoleBinding", "gputopo-agent"),
+    ("RoleBinding", "gputopo-extender"),
+    ("RoleBinding", "gputopo-scheduler"),
+    ("RoleBinding", f"gputopo-scheduler-{NAMESPACE}-authn-reader"),
+    ("ConfigMap", "gputopo-scheduler"),
+    ("DaemonSet", "gputopo-agent"),
+    ("Deployment", "gputopo-scheduler"),
+    ("PodDisruptionBudget", "gputopo-scheduler"),
+    ("ValidatingAdmissionPolicy", "gputopo-agent"),
+    ("ValidatingAdmissionPolicyBinding", "gputopo-agent"),
+    ("ValidatingAdmissionPolicy", "gputopo-placement"),
+    ("ValidatingAdmissionPolicyBinding", "gputopo-placement"),
 }
+# The helm test hook: without the webhook it lists the scheduler pods, with its own account.
+TEST_HOOK = {
+    ("Pod", "gputopo-test-connection"),
+    ("ServiceAccount", "gputopo-test"),
+    ("Role", "gputopo-test"),
+    ("RoleBinding", "gputopo-test"),
+}
+WEBHOOK = {
+    ("MutatingWebhookConfiguration", "gputopo-webhook"),
+    ("Service", "gputopo-webhook"),
+    ("Pod", "gputopo-test-connection"),
+}
+AGENT = {(k, "gputopo-agent") for k in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")}
+AGENT |= {(k, "gputopo-agent") for k in ("DaemonSet", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")}
 
 
 @pytest.mark.parametrize(
-    ("values_files", "sets", "expected_kinds"),
+    ("values_files", "sets", "expected"),
     [
-        pytest.param([], {}, BASE_KINDS | {"Secret"}, id="defaults: generated TLS Secret, no webhook"),
+        pytest.param([], {}, BASE_OBJECTS | TEST_HOOK, id="defaults: no webhook, no Service, no TLS"),
         pytest.param(
             ["webhook-values.yaml"],
             {},
-            BASE_KINDS | {"Secret", "MutatingWebhookConfiguration"},
-            id="webhook on",
+            BASE_OBJECTS | WEBHOOK | {("Secret", "gputopo-webhook-tls")},
+            id="webhook on: its Service and a generated Secret",
         ),
         pytest.param(
             ["cert-manager-values.yaml"],
             {},
-            BASE_KINDS | {"Certificate", "Issuer", "MutatingWebhookConfiguration"},
+            BASE_OBJECTS
+            | WEBHOOK
+            | {
+                ("Certificate", "gputopo-webhook"),
+                ("Certificate", "gputopo-ca"),
+                ("Issuer", "gputopo-selfsigned"),
+                ("Issuer", "gputopo-ca"),
+            },
             id="cert-manager on: no generated Secret",
         ),
         pytest.param(
-            [],
-            {"tls__existingSecret": "site-tls"},
-            BASE_KINDS,
+            ["webhook-values.yaml"],
+            {"tls__existingSecret": "site-tls", "tls__caBundle": "Q0E="},
+            BASE_OBJECTS | WEBHOOK,
             id="existing Secret: nothing generated",
         ),
+        pytest.param([], {"agent__enabled": "false"}, (BASE_OBJECTS | TEST_HOOK) - AGENT, id="agent off"),
         pytest.param(
             [],
-            {"agent__enabled": "false"},
-            BASE_KINDS - {"DaemonSet", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"} | {"Secret"},
-            id="agent off",
+            {"scheduler__placementPolicy__enabled": "false", "scheduler__podDisruptionBudget__enabled": "false"},
+            (BASE_OBJECTS | TEST_HOOK)
+            - {
+                ("ValidatingAdmissionPolicy", "gputopo-placement"),
+                ("ValidatingAdmissionPolicyBinding", "gputopo-placement"),
+                ("PodDisruptionBudget", "gputopo-scheduler"),
+            },
+            id="placement policy and PDB off",
         ),
     ],
 )
-def test_rendered_kinds(values_files: list[str], sets: dict[str, str], expected_kinds: set[str]) -> None:
-    assert {d["kind"] for d in render(values_files, **sets)} == expected_kinds
+def test_rendered_objects(values_files: list[str], sets: dict[str, str], expected: set[tuple[str, str]]) -> None:
+    assert {(d["kind"], d["metadata"]["name"]) for d in render(values_files, **sets)} == expected
+
+
+def test_nothing_of_the_old_extender_deployment_remains() -> None:
+    docs = render(["webhook-values.yaml"])
+    assert [d["metadata"]["name"] for d in by_kind(docs, "Deployment")] == ["gputopo-scheduler"]
+    assert not [d for d in by_kind(docs, "ServiceAccount") if "extender" in d["metadata"]["name"]]
 
 
 @pytest.mark.parametrize("values_file", ci_values_files(), ids=lambda p: p.name)
@@ -141,8 +187,6 @@ EXTENDER_KEYS = {
     "bindVerb",
     "weight",
     "nodeCacheCapable",
-    "enableHTTPS",
-    "tlsConfig",
     "httpTimeout",
     "ignorable",
     "managedResources",
@@ -163,8 +207,6 @@ def test_scheduler_config_has_exactly_the_extender_protocol_keys() -> None:
         "bindVerb": "bind",
         "weight": 5,
         "nodeCacheCapable": True,
-        "enableHTTPS": True,
-        "tlsConfig": {"caFile": "/etc/gputopo/ca/ca.crt"},
         "httpTimeout": "5s",
         "ignorable": False,
         "managedResources": [{"name": "nvidia.com/gpu", "ignoredByScheduler": False}],
@@ -190,22 +232,34 @@ def test_scheduler_config_options_come_from_values() -> None:
     assert ext["httpTimeout"] == "10s"
 
 
-def test_scheduler_runs_upstream_kube_scheduler_with_the_config_and_the_ca() -> None:
-    docs = render()
-    dep = one(docs, "Deployment", component="scheduler")
-    c = container(dep)
+def test_scheduler_pod_runs_upstream_kube_scheduler_and_the_extender_sidecar() -> None:
+    dep = one(render(), "Deployment", component="scheduler")
+    assert dep["spec"]["replicas"] == 2
+    pod = _pod_spec(dep)
+    assert [c["name"] for c in pod["containers"]] == ["kube-scheduler", "extender"]
+    assert pod["serviceAccountName"] == "gputopo-scheduler"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    c = container(dep, "kube-scheduler")
     assert c["image"] == "registry.k8s.io/kube-scheduler:v1.34.4"
     assert "--config=/etc/gputopo-scheduler/config.yaml" in c["command"]
     mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
-    assert mounts["/etc/gputopo/ca"]["readOnly"] is True
-    volumes = {v["name"]: v for v in _pod_spec(dep)["volumes"]}
-    ca_volume = volumes[mounts["/etc/gputopo/ca"]["name"]]
-    assert ca_volume["secret"] == {"secretName": "gputopo-extender-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert set(mounts) == {"/etc/gputopo-scheduler"}, "no CA: the extender is on loopback"
     assert volumes[mounts["/etc/gputopo-scheduler"]["name"]]["configMap"]["name"] == "gputopo-scheduler"
     assert dep["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+    spread = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+    assert spread["podAffinityTerm"]["labelSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
 
 
-def test_scheduler_rbac_is_the_standard_kube_scheduler_set_plus_its_lease() -> None:
+def test_scheduler_pods_have_a_disruption_budget() -> None:
+    docs = render()
+    dep = one(docs, "Deployment", component="scheduler")
+    pdb = one(docs, "PodDisruptionBudget", component="scheduler")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+
+
+def test_scheduler_rbac_is_the_standard_kube_scheduler_set_plus_its_lease_and_the_extenders_rules() -> None:
     docs = render()
     sa = f"system:serviceaccount:{NAMESPACE}:gputopo-scheduler"
     bound = {
@@ -213,7 +267,7 @@ def test_scheduler_rbac_is_the_standard_kube_scheduler_set_plus_its_lease() -> N
         for b in by_kind(docs, "ClusterRoleBinding")
         if any(f"system:serviceaccount:{s['namespace']}:{s['name']}" == sa for s in b["subjects"])
     }
-    assert bound == {"system:kube-scheduler", "system:volume-scheduler"}
+    assert bound == {"system:kube-scheduler", "system:volume-scheduler", "gputopo-extender"}
     reader = one(docs, "RoleBinding", name=f"gputopo-scheduler-{NAMESPACE}-authn-reader")
     assert reader["metadata"]["namespace"] == "kube-system"
     assert reader["roleRef"] == {
@@ -236,39 +290,65 @@ def test_scheduler_rbac_is_the_standard_kube_scheduler_set_plus_its_lease() -> N
 # --- extender ----------------------------------------------------------------------------
 
 
-def test_extender_deployment_is_hardened_and_probed_over_https() -> None:
-    docs = render()
-    dep = one(docs, "Deployment", component="extender")
-    assert dep["spec"]["replicas"] == 2
-    pod = _pod_spec(dep)
-    assert pod["securityContext"]["runAsNonRoot"] is True
-    assert pod["securityContext"]["runAsUser"] == 65532
-    c = container(dep)
+def test_extender_sidecar_is_hardened_serves_verbs_on_loopback_and_is_probed_on_metrics() -> None:
+    dep = one(render(), "Deployment", component="scheduler")
+    c = container(dep, "extender")
     assert c["image"] == f"ghcr.io/gputopo/gputopo:{CHART_META['appVersion']}"
     assert c["command"] == ["gputopo-extender"]
     sc = c["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True
     assert sc["allowPrivilegeEscalation"] is False
     assert sc["capabilities"] == {"drop": ["ALL"]}
-    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "https", "scheme": "HTTPS"}
-    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "https", "scheme": "HTTPS"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert c["ports"] == [{"name": "metrics", "containerPort": 9402, "protocol": "TCP"}]
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
     env = env_of(c)
+    assert env["GPUTOPO_HOST"] == "127.0.0.1"
     assert env["GPUTOPO_PORT"] == "8888"
+    assert env["GPUTOPO_METRICS_PORT"] == "9402"
+    assert env["GPUTOPO_MAX_REQUEST_BYTES"] == "8388608"
+    assert env["GPUTOPO_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert not {"GPUTOPO_WEBHOOK_PORT", "GPUTOPO_TLS_CERT_FILE", "GPUTOPO_TLS_KEY_FILE"} & set(env)
+    assert [m["mountPath"] for m in c["volumeMounts"]] == ["/tmp"]
+
+
+@pytest.mark.parametrize(
+    ("sets", "env_name", "expected"),
+    [
+        pytest.param({"extender__maxRequestBytes": "1048576"}, "GPUTOPO_MAX_REQUEST_BYTES", "1048576", id="body limit"),
+        pytest.param({"extender__metricsPort": "9500"}, "GPUTOPO_METRICS_PORT", "9500", id="metrics port"),
+        pytest.param({"extender__port": "9999"}, "GPUTOPO_PORT", "9999", id="verbs port"),
+    ],
+)
+def test_extender_settings_come_from_values(sets: dict[str, str], env_name: str, expected: str) -> None:
+    docs = render(**sets)
+    assert env_of(container(one(docs, "Deployment", component="scheduler"), "extender"))[env_name] == expected
+    if env_name == "GPUTOPO_PORT":
+        assert scheduler_config(docs)["extenders"][0]["urlPrefix"] == "http://127.0.0.1:9999"
+
+
+def test_the_webhook_turns_on_the_tls_listener_and_its_service() -> None:
+    docs = render(["webhook-values.yaml"])
+    dep = one(docs, "Deployment", component="scheduler")
+    c = container(dep, "extender")
+    env = env_of(c)
+    assert env["GPUTOPO_WEBHOOK_PORT"] == "8443"
     assert env["GPUTOPO_TLS_CERT_FILE"] == "/etc/gputopo/tls/tls.crt"
     assert env["GPUTOPO_TLS_KEY_FILE"] == "/etc/gputopo/tls/tls.key"
-    assert env["GPUTOPO_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
-    pdb = one(docs, "PodDisruptionBudget", component="extender")
-    assert pdb["spec"]["minAvailable"] == 1
-    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
-    svc = one(docs, "Service", component="extender")
-    assert svc["metadata"]["name"] == "gputopo-extender"
-    assert svc["spec"]["ports"] == [{"name": "https", "port": 8888, "targetPort": "https", "protocol": "TCP"}]
+    assert {"name": "webhook", "containerPort": 8443, "protocol": "TCP"} in c["ports"]
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in _pod_spec(dep)["volumes"]}
+    assert volumes[mounts["/etc/gputopo/tls"]]["secret"]["secretName"] == "gputopo-webhook-tls"
+    svc = one(docs, "Service", component="webhook")
+    assert svc["metadata"]["name"] == "gputopo-webhook"
+    assert svc["spec"]["ports"] == [{"name": "webhook", "port": 443, "targetPort": "webhook", "protocol": "TCP"}]
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
 
 
 def test_extender_cluster_role_reads_nodes_and_pods_and_writes_only_bindings_and_events() -> None:
-    role = one(render(), "ClusterRole", component="extender")
+    docs = render()
+    role = one(docs, "ClusterRole", component="extender")
     assert _verbs_on(role, "", "nodes") == {"get", "list", "watch"}
     assert not _verbs_on(role, "", "nodes") & WRITE_VERBS
     assert not _verbs_on(role, "", "nodes/status")
@@ -277,8 +357,12 @@ def test_extender_cluster_role_reads_nodes_and_pods_and_writes_only_bindings_and
     assert _verbs_on(role, "", "pods/binding") == {"create"}
     assert _verbs_on(role, "", "events") == {"create"}
     assert not _verbs_on(role, "events.k8s.io", "events")
-    extender_role = one(render(), "Role", component="extender")
+    extender_role = one(docs, "Role", component="extender")
     assert _verbs_on(extender_role, "coordination.k8s.io", "leases") == {"get", "list", "watch"}
+    # A pod has one service account: the extender's rules are bound to the scheduler pod's.
+    for kind in ("ClusterRoleBinding", "RoleBinding"):
+        binding = one(docs, kind, component="extender")
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gputopo-scheduler", "namespace": NAMESPACE}]
 
 
 def test_no_rule_anywhere_uses_wildcards() -> None:
@@ -295,18 +379,19 @@ def test_no_rule_anywhere_uses_wildcards() -> None:
     ],
 )
 def test_default_tiers_pass_no_tier_setting(sets: dict[str, str], expected_env: str | None) -> None:
-    env = env_of(container(one(render(**sets), "Deployment", component="extender")))
+    env = env_of(container(one(render(**sets), "Deployment", component="scheduler"), "extender"))
     assert env.get("GPUTOPO_TIERS") == expected_env
     assert "GPUTOPO_SCORE_WEIGHTS" not in env
 
 
 def test_custom_tiers_and_score_weights_reach_the_extender_as_valid_settings() -> None:
     docs = render(["custom-tiers-values.yaml"])
-    env = env_of(container(one(docs, "Deployment", component="extender")))
+    env = env_of(container(one(docs, "Deployment", component="scheduler"), "extender"))
     tiers = TierConfig.model_validate_json(env["GPUTOPO_TIERS"])
     assert tiers.names == ("pod", "rack", "nvlink-domain")
     assert tiers != DEFAULT_TIERS
     assert tiers.switch_of({"example.com/rack": "r7"}, "rack") == "r7"
+    assert env["GPUTOPO_MAX_REQUEST_BYTES"] == "16777216", "a whole number, not 1.6777216e+07"
     weights = ScoreWeights.model_validate_json(env["GPUTOPO_SCORE_WEIGHTS"])
     assert weights.clique == 4.0
     assert weights.pack == 1.0
@@ -437,7 +522,7 @@ def test_agent_rbac_patches_nodes_reads_pods_and_writes_leases_only() -> None:
 
 def test_agent_admission_policy_binds_node_changes_to_the_token_node() -> None:
     docs = render()
-    policy = one(docs, "ValidatingAdmissionPolicy")
+    policy = one(docs, "ValidatingAdmissionPolicy", component="agent")
     assert policy["apiVersion"] == "admissionregistration.k8s.io/v1"
     spec = policy["spec"]
     assert spec["failurePolicy"] == "Fail"
@@ -452,9 +537,92 @@ def test_agent_admission_policy_binds_node_changes_to_the_token_node() -> None:
     assert "oldObject.metadata.labels" in text
     assert "object.spec == oldObject.spec" in text
     assert "'gputopo-agent-' + variables.nodeNames[0]" in text
-    binding = one(docs, "ValidatingAdmissionPolicyBinding")
+    binding = one(docs, "ValidatingAdmissionPolicyBinding", component="agent")
     assert binding["apiVersion"] == "admissionregistration.k8s.io/v1"
     assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+
+
+# --- placement policy ----------------------------------------------------------------------
+
+
+def test_placement_policy_matches_pod_writes_and_bindings_except_the_scheduler() -> None:
+    docs = render()
+    policy = one(docs, "ValidatingAdmissionPolicy", component="placement")
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    rules = [(tuple(r["resources"]), tuple(r["operations"])) for r in spec["matchConstraints"]["resourceRules"]]
+    # A Binding is admitted as resource pods, subresource binding, operation CREATE, object kind Binding.
+    assert rules == [(("pods", "pods/status"), ("CREATE", "UPDATE")), (("pods/binding",), ("CREATE",))]
+    assert all(r["apiGroups"] == [""] and r["apiVersions"] == ["v1"] for r in spec["matchConstraints"]["resourceRules"])
+    [cond] = spec["matchConditions"]
+    assert cond["expression"] == f"request.userInfo.username != '{SCHEDULER_USER}'"
+    messages = [v["message"] for v in spec["validations"]]
+    assert messages == [
+        f"only the gputopo scheduler ({SCHEDULER_USER}) may set the gputopo.io/placement annotation",
+        f"only the gputopo scheduler ({SCHEDULER_USER}) may add, change or remove the gputopo.io/placement annotation",
+    ]
+    assert {v["reason"] for v in spec["validations"]} == {"Forbidden"}
+    binding = one(docs, "ValidatingAdmissionPolicyBinding", component="placement")
+    assert binding["spec"] == {"policyName": "gputopo-placement", "validationActions": ["Deny"]}
+
+
+def _placement(present: bool, value: str = "a") -> Doc:
+    return {"metadata": {"annotations": {"gputopo.io/placement": value, "x": "y"} if present else {"x": "y"}}}
+
+
+def _admitted(operation: str, obj: Doc, old: Doc | None) -> bool:
+    """The policy's verdict, with its CEL read as Python: the variables, then every validation.
+
+    A stand-in until the local stack proves the policy on a real kube-apiserver; it pins the logic the
+    expressions encode (each one is matched textually first, so a changed expression fails here)."""
+    spec = one(render(), "ValidatingAdmissionPolicy", component="placement")["spec"]
+    variables = {v["name"]: " ".join(v["expression"].split()) for v in spec["variables"]}
+    assert variables == {
+        "hasNew": "has(object.metadata.annotations) && 'gputopo.io/placement' in object.metadata.annotations",
+        "hasOld": "oldObject != null && has(oldObject.metadata.annotations)"
+        " && 'gputopo.io/placement' in oldObject.metadata.annotations",
+    }
+    key = "gputopo.io/placement"
+    has_new = key in obj["metadata"].get("annotations", {})
+    has_old = old is not None and key in old["metadata"].get("annotations", {})
+    expressions = [" ".join(v["expression"].split()) for v in spec["validations"]]
+    assert expressions == [
+        "request.operation != 'CREATE' || !variables.hasNew",
+        "request.operation != 'UPDATE' || (variables.hasNew == variables.hasOld && (!variables.hasNew"
+        " || object.metadata.annotations['gputopo.io/placement'] =="
+        " oldObject.metadata.annotations['gputopo.io/placement']))",
+    ]
+    create_ok = operation != "CREATE" or not has_new
+    update_ok = operation != "UPDATE" or (
+        has_new == has_old
+        and (not has_new or old is None or obj["metadata"]["annotations"][key] == old["metadata"]["annotations"][key])
+    )
+    return create_ok and update_ok
+
+
+@pytest.mark.parametrize(
+    ("operation", "obj", "old", "admitted"),
+    [
+        pytest.param("CREATE", _placement(True), None, False, id="create a pod or Binding carrying it"),
+        pytest.param("CREATE", _placement(False), None, True, id="create without it"),
+        pytest.param("UPDATE", _placement(True), _placement(False), False, id="add it"),
+        pytest.param("UPDATE", _placement(True, "b"), _placement(True, "a"), False, id="change it"),
+        pytest.param("UPDATE", _placement(False), _placement(True), False, id="remove it"),
+        pytest.param("UPDATE", _placement(True), _placement(True), True, id="other changes keep it"),
+        pytest.param("UPDATE", _placement(False), _placement(False), True, id="pods that never had it"),
+    ],
+)
+def test_placement_policy_refuses_every_change_of_the_annotation(
+    operation: str, obj: Doc, old: Doc | None, admitted: bool
+) -> None:
+    assert _admitted(operation, obj, old) is admitted
+
+
+def test_placement_policy_trusts_the_service_account_the_scheduler_pod_runs_as() -> None:
+    docs = render(scheduler__serviceAccount__name="gputopo-sched")
+    pod = _pod_spec(one(docs, "Deployment", component="scheduler"))
+    [cond] = one(docs, "ValidatingAdmissionPolicy", component="placement")["spec"]["matchConditions"]
+    assert f":{pod['serviceAccountName']}'" in cond["expression"]
 
 
 # --- TLS ---------------------------------------------------------------------------------
@@ -464,10 +632,10 @@ def _b64(s: str) -> str:
     return base64.b64decode(s).decode()
 
 
-def test_generated_secret_holds_a_ca_and_a_serving_certificate_for_the_service(tmp_path: Path) -> None:
-    docs = render()
+def test_generated_secret_holds_a_ca_and_a_serving_certificate_for_the_webhook(tmp_path: Path) -> None:
+    docs = render(["webhook-values.yaml"])
     secret = one(docs, "Secret")
-    assert secret["metadata"]["name"] == "gputopo-extender-tls"
+    assert secret["metadata"]["name"] == "gputopo-webhook-tls"
     assert secret["type"] == "kubernetes.io/tls"
     assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     data = {k: _b64(v) for k, v in secret["data"].items()}
@@ -494,9 +662,9 @@ def test_generated_secret_holds_a_ca_and_a_serving_certificate_for_the_service(t
         check=True,
     ).stdout
     for name in (
-        "gputopo-extender",
-        f"gputopo-extender.{NAMESPACE}.svc",
-        f"gputopo-extender.{NAMESPACE}.svc.cluster.local",
+        "gputopo-webhook",
+        WEBHOOK_HOST,
+        f"{WEBHOOK_HOST}.cluster.local",
     ):
         assert f"DNS:{name}" in text
 
@@ -517,19 +685,18 @@ def test_webhook_ca_bundle_is_the_generated_ca() -> None:
 def test_cert_manager_issues_the_secret_the_pods_mount() -> None:
     docs = render(["cert-manager-values.yaml"])
     certs = {c["metadata"]["name"]: c for c in by_kind(docs, "Certificate")}
-    serving = certs["gputopo-extender"]
+    serving = certs["gputopo-webhook"]
     assert serving["apiVersion"] == "cert-manager.io/v1"
-    assert serving["spec"]["secretName"] == "gputopo-extender-tls"
-    assert f"gputopo-extender.{NAMESPACE}.svc" in serving["spec"]["dnsNames"]
+    assert serving["spec"]["secretName"] == "gputopo-webhook-tls"
+    assert WEBHOOK_HOST in serving["spec"]["dnsNames"]
     assert serving["spec"]["issuerRef"]["name"] == "gputopo-ca"
     assert certs["gputopo-ca"]["spec"]["isCA"] is True
     issuers = {i["metadata"]["name"]: i["spec"] for i in by_kind(docs, "Issuer")}
     assert issuers == {"gputopo-selfsigned": {"selfSigned": {}}, "gputopo-ca": {"ca": {"secretName": "gputopo-ca"}}}
-    for component in ("extender", "scheduler"):
-        vols = _pod_spec(one(docs, "Deployment", component=component))["volumes"]
-        assert any(v.get("secret", {}).get("secretName") == "gputopo-extender-tls" for v in vols), component
+    vols = _pod_spec(one(docs, "Deployment", component="scheduler"))["volumes"]
+    assert any(v.get("secret", {}).get("secretName") == "gputopo-webhook-tls" for v in vols)
     webhook = one(docs, "MutatingWebhookConfiguration")
-    assert webhook["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == f"{NAMESPACE}/gputopo-extender"
+    assert webhook["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == f"{NAMESPACE}/gputopo-webhook"
     assert "caBundle" not in webhook["webhooks"][0]["clientConfig"]
 
 
@@ -561,7 +728,7 @@ def test_mutating_webhook_is_optional(values_files: list[str], present: bool) ->
 def test_webhook_targets_the_extender_mutate_path_for_annotated_pods_only() -> None:
     [hook] = one(render(["webhook-values.yaml"]), "MutatingWebhookConfiguration")["webhooks"]
     svc = hook["clientConfig"]["service"]
-    assert svc == {"name": "gputopo-extender", "namespace": NAMESPACE, "path": "/mutate", "port": 8888}
+    assert svc == {"name": "gputopo-webhook", "namespace": NAMESPACE, "path": "/mutate", "port": 443}
     assert hook["admissionReviewVersions"] == ["v1"]
     assert hook["sideEffects"] == "None"
     assert hook["failurePolicy"] == "Ignore"
@@ -585,13 +752,30 @@ def test_webhook_targets_the_extender_mutate_path_for_annotated_pods_only() -> N
 # --- helm test ---------------------------------------------------------------------------
 
 
-def test_helm_test_pod_curls_healthz_over_https_with_the_ca() -> None:
-    pod = one(render(), "Pod")
+def test_helm_test_pod_curls_the_webhook_healthz_over_https_with_the_ca() -> None:
+    pod = one(render(["webhook-values.yaml"]), "Pod")
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert pod["spec"]["automountServiceAccountToken"] is False
     [c] = pod["spec"]["containers"]
-    assert f"{EXTENDER_URL}/healthz" in c["command"]
+    assert f"https://{WEBHOOK_HOST}/healthz" in c["command"]
     assert c["command"][c["command"].index("--cacert") + 1] == "/etc/gputopo/ca/ca.crt"
-    assert pod["spec"]["volumes"][0]["secret"]["secretName"] == "gputopo-extender-tls"
+    assert pod["spec"]["volumes"][0]["secret"]["secretName"] == "gputopo-webhook-tls"
+
+
+def test_helm_test_pod_without_the_webhook_checks_each_scheduler_pods_metrics_healthz() -> None:
+    docs = render()
+    pod = one(docs, "Pod")
+    [c] = pod["spec"]["containers"]
+    script = c["command"][-1]
+    assert "app.kubernetes.io/instance=gputopo,app.kubernetes.io/component=scheduler" in script
+    assert f"/api/v1/namespaces/{NAMESPACE}/pods" in script
+    assert '"http://$host:9402/healthz"' in script
+    assert pod["spec"]["serviceAccountName"] == "gputopo-test"
+    role = one(docs, "Role", name="gputopo-test")
+    assert _rules(role) == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
+    for d in (role, one(docs, "RoleBinding", name="gputopo-test"), one(docs, "ServiceAccount", name="gputopo-test")):
+        assert d["metadata"]["annotations"]["helm.sh/hook"] == "test"
+        assert int(d["metadata"]["annotations"]["helm.sh/hook-weight"]) < 0, "before the test Pod"
 
 
 # --- image -------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ GPUTOPO_FUZZ_EXAMPLES=2000 (bench/fuzz.py runs 100,000 cases against the real bi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -20,7 +21,7 @@ import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extender.app import create_app
+from extender.app import create_listeners
 from extender.fake import FakeSource
 from extender.main import load_settings
 from extender.settings import Settings
@@ -148,19 +149,7 @@ def garbage(draw: st.DrawFn, verb: str) -> bytes:
     return draw(st.sampled_from(RAW_TOKENS)).encode()
 
 
-@pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    source, clock = FakeSource(NS), FakeClock()
-    app = create_app(
-        Settings(namespace=NS, max_request_bytes=LIMIT, log_level="critical"),
-        cluster=source,
-        clock=clock,
-        watch=False,
-    )
-    for node in (node_obj("h100-a"), node_obj("l40s-a", "l40s-4")):
-        source.put("nodes", node)
-        source.put("leases", lease_obj(node["metadata"]["name"], clock.now))
-    sync(app.state.cache, source)
+def _start(app: Any) -> tuple[uvicorn.Server, threading.Thread, str]:
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, access_log=False))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -169,29 +158,61 @@ def base_url() -> Iterator[str]:
         assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    return server, thread, f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
-def client(base_url: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=base_url, timeout=10) as c:
-        yield c
+def clients() -> Iterator[dict[str, httpx.Client]]:
+    """One keep-alive client per listener: the verbs app, and the webhook app (/mutate) over plain HTTP, since
+    TLS is not what this suite exercises (tests/extender/test_extender_listeners.py serves it over TLS)."""
+    source, clock = FakeSource(NS), FakeClock()
+    listeners = create_listeners(
+        Settings(namespace=NS, max_request_bytes=LIMIT, log_level="critical"),
+        cluster=source,
+        clock=clock,
+        watch=False,
+    )
+    for node in (node_obj("h100-a"), node_obj("l40s-a", "l40s-4")):
+        source.put("nodes", node)
+        source.put("leases", lease_obj(node["metadata"]["name"], clock.now))
+    sync(listeners.verbs.state.cache, source)
+    started = {name: _start(app) for name, app in (("verbs", listeners.verbs), ("webhook", listeners.webhook))}
+    with contextlib.ExitStack() as stack:
+        yield {
+            name: stack.enter_context(httpx.Client(base_url=url, timeout=10)) for name, (_, _, url) in started.items()
+        }
+    for server, thread, _ in started.values():
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def client(clients: dict[str, httpx.Client]) -> httpx.Client:
+    return clients["verbs"]
+
+
+@pytest.fixture(scope="module")
+def webhook_client(clients: dict[str, httpx.Client]) -> httpx.Client:
+    return clients["webhook"]
 
 
 def _peer(r: httpx.Response) -> Any:
     return r.extensions["network_stream"].get_extra_info("client_addr")
 
 
-def _check(client: httpx.Client, verb: str, body: bytes) -> None:
+def _check(clients: dict[str, httpx.Client], verb: str, body: bytes) -> None:
+    client = clients["webhook" if verb == "mutate" else "verbs"]
     r = client.post(f"/{verb}", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code < 500, (r.status_code, r.text[:300])
     answer = r.json()  # a JSON body, whatever the status
     if r.status_code == 400:
         assert isinstance(answer, dict) and answer["Error"], answer
-    again = client.post("/filter", json=args(gputopo_pod("probe", 1), ["h100-a"]))
-    assert again.status_code == 200 and again.json()["Error"] == "", again.text[:300]
+    if verb == "mutate":
+        again = client.post("/mutate", json=_valid("mutate"))
+        assert again.status_code == 200 and again.json()["response"]["allowed"] is True, again.text[:300]
+    else:
+        again = client.post("/filter", json=args(gputopo_pod("probe", 1), ["h100-a"]))
+        assert again.status_code == 200 and again.json()["Error"] == "", again.text[:300]
     if r.status_code != 413:  # 413 closes the connection on purpose: its body was never read
         assert _peer(again) == _peer(r), "the server dropped the keep-alive connection"
 
@@ -199,22 +220,24 @@ def _check(client: httpx.Client, verb: str, body: bytes) -> None:
 @pytest.mark.parametrize("lower", [False, True], ids=["go-cased", "lower-cased"])
 @pytest.mark.parametrize("verb", VERBS)
 def test_mutated_requests_get_a_json_answer_below_500_and_keep_the_connection(
-    client: httpx.Client, verb: str, lower: bool
+    clients: dict[str, httpx.Client], verb: str, lower: bool
 ) -> None:
     @FUZZ
     @given(body=mutated(verb, lower))
     def run(body: bytes) -> None:
-        _check(client, verb, body)
+        _check(clients, verb, body)
 
     run()
 
 
 @pytest.mark.parametrize("verb", VERBS)
-def test_raw_garbage_gets_a_json_answer_below_500_and_keeps_the_connection(client: httpx.Client, verb: str) -> None:
+def test_raw_garbage_gets_a_json_answer_below_500_and_keeps_the_connection(
+    clients: dict[str, httpx.Client], verb: str
+) -> None:
     @FUZZ
     @given(body=garbage(verb))
     def run(body: bytes) -> None:
-        _check(client, verb, body)
+        _check(clients, verb, body)
 
     run()
 
@@ -323,9 +346,9 @@ def test_a_chunked_body_under_the_limit_is_parsed(client: httpx.Client) -> None:
     ],
 )
 def test_mutate_answers_garbage_with_an_allowed_admission_review_when_the_uid_is_readable(
-    client: httpx.Client, body: bytes, status: int, uid: str | None
+    webhook_client: httpx.Client, body: bytes, status: int, uid: str | None
 ) -> None:
-    r = client.post("/mutate", content=body)
+    r = webhook_client.post("/mutate", content=body)
     assert r.status_code == status, r.text
     out = r.json()
     if uid is None:

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
+from typing import Any
 
-from extender.testing import Env, args, gputopo_pod, lease_obj, node_obj, pod_obj
+import pytest
+from fastapi.testclient import TestClient
+
+from extender.app import create_app
+from extender.fake import FakeSource
+from extender.kube import Informer
+from extender.routers.scheduler import NOT_READY
+from extender.settings import Settings
+from extender.testing import NS, Env, FakeClock, args, gputopo_pod, lease_obj, node_obj, pod_obj
 from gputopo.engine.reasons import summarize_failures
 
 NODES = ["h100-a", "h100-b", "l40s-a"]
@@ -242,12 +250,17 @@ def test_preempt_for_a_plain_pod_returns_candidates_unchanged(cluster: Env) -> N
     assert r.json() == {"NodeNameToMetaVictims": {"l40s-a": {"Pods": [{"UID": "x"}], "NumPDBViolations": 0}}}
 
 
+def _sibling(env: Env, listener: str) -> TestClient:
+    """A client of another listener's app; it shares the verbs app's cache and service."""
+    return TestClient(getattr(env.client.app.state.listeners, listener))  # type: ignore[attr-defined]
+
+
 def test_health_readiness_and_metrics(cluster: Env) -> None:
     assert cluster.client.get("/healthz").json() == {"status": "ok"}
     assert cluster.client.get("/readyz").status_code == 200
     cluster.filter(gputopo_pod("t", 8), NODES)
     cluster.filter(pod_obj("plain", 8), NODES)
-    text = cluster.client.get("/metrics").text
+    text = _sibling(cluster, "metrics").get("/metrics").text
     assert 'gputopo_extender_request_duration_seconds_count{verb="filter"} 2.0' in text
     assert 'gputopo_extender_decisions_total{outcome="feasible",reason="",verb="filter"} 1.0' in text
     assert 'gputopo_extender_decisions_total{outcome="pass_through",reason="",verb="filter"} 1.0' in text
@@ -260,8 +273,56 @@ def test_the_mutating_webhook_is_served_at_mutate(env: Env) -> None:
         "kind": "AdmissionReview",
         "request": {"uid": "u-1", "object": pod_obj("p", 1, {"gputopo.io/nvlink": "required"})},
     }
-    r = env.client.post("/mutate", json=review)
+    webhook = _sibling(env, "webhook")
+    r = webhook.post("/mutate", json=review)
     assert r.status_code == 200
     assert r.json()["response"]["uid"] == "u-1"
-    assert env.client.post("/mutate", content=b"[]").status_code == 400
-    assert env.client.post("/mutate", json={"kind": "AdmissionReview", "request": "not an object"}).status_code == 400
+    assert webhook.post("/mutate", content=b"[]").status_code == 400
+    assert webhook.post("/mutate", json={"kind": "AdmissionReview", "request": "not an object"}).status_code == 400
+
+
+# Which paths each listener serves; every other listener's path is a 404 there.
+ROUTES = {
+    "verbs": [("POST", "/filter"), ("POST", "/prioritize"), ("POST", "/bind"), ("POST", "/preempt")],
+    "webhook": [("POST", "/mutate")],
+    "metrics": [("GET", "/metrics")],
+}
+HEALTH = [("GET", "/healthz"), ("GET", "/readyz")]
+
+
+@pytest.mark.parametrize(
+    ("listener", "method", "path", "served"),
+    [
+        pytest.param(listener, method, path, owner == listener, id=f"{listener} {path}")
+        for listener in ROUTES
+        for owner, routes in ROUTES.items()
+        for method, path in routes
+    ]
+    + [pytest.param(listener, m, p, True, id=f"{listener} {p}") for listener in ROUTES for m, p in HEALTH],
+)
+def test_each_listener_serves_only_its_own_paths(
+    cluster: Env, listener: str, method: str, path: str, served: bool
+) -> None:
+    client = cluster.client if listener == "verbs" else _sibling(cluster, listener)
+    r = client.request(method, path, content=b"{}")
+    assert (r.status_code != 404) is served, (r.status_code, r.text[:200])
+
+
+@pytest.mark.parametrize(
+    ("verb", "body"),
+    [
+        pytest.param("filter", args(gputopo_pod("t", 8), NODES), id="filter"),
+        pytest.param("bind", {"PodName": "t", "PodNamespace": "default", "PodUID": "u", "Node": "h100-a"}, id="bind"),
+    ],
+)
+def test_filter_and_bind_report_an_error_until_the_first_full_list(verb: str, body: dict[str, Any]) -> None:
+    # Nodes listed but no pods yet: the ledger would not know which GPUs bound pods hold.
+    source = FakeSource(NS)
+    source.put("nodes", node_obj("h100-a"))
+    app = create_app(Settings(namespace=NS), cluster=source, clock=FakeClock(), watch=False)
+    Informer(source, "nodes", app.state.cache).relist()
+    with TestClient(app) as client:
+        assert client.get("/readyz").status_code == 503
+        out = client.post(f"/{verb}", json=body).json()
+    assert out["Error"] == NOT_READY
+    assert not out.get("NodeNames")

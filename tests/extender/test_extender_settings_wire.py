@@ -2,44 +2,92 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
 from extender.app import create_app
-from extender.main import load_settings
+from extender.main import load_settings, main
 from extender.settings import Settings
 from extender.testing import args, gputopo_pod, pod_obj
 from extender.wire import ExtenderArgs, ExtenderBindingArgs, ExtenderFilterResult, HostPriority, pod_info
 
 
-def test_defaults_match_the_configuration_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in ("HOST", "PORT", "NAMESPACE", "STALE_AFTER_SECONDS", "SNAPSHOT", "KUBECONFIG"):
-        monkeypatch.delenv(f"GPUTOPO_{key}", raising=False)
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key.startswith("GPUTOPO_"):
+            monkeypatch.delenv(key)
+
+
+@pytest.mark.usefixtures("clean_env")
+def test_defaults_match_the_configuration_reference() -> None:
     s = load_settings([])
     assert (s.host, s.port, s.namespace, s.stale_after_seconds, s.reservation_timeout_seconds) == (
-        "0.0.0.0",
+        "127.0.0.1",
         8888,
         "gputopo-system",
         120,
         120,
     )
+    assert (s.webhook_host, s.webhook_port, s.metrics_host, s.metrics_port) == ("0.0.0.0", 0, "0.0.0.0", 9402)
     assert s.snapshot is None and s.kubeconfig is None and s.tls_cert_file is None and s.log_level == "info"
 
 
+@pytest.mark.usefixtures("clean_env")
 def test_flags_win_over_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPUTOPO_PORT", "9000")
     monkeypatch.setenv("GPUTOPO_NAMESPACE", "from-env")
+    monkeypatch.setenv("GPUTOPO_METRICS_PORT", "9500")
     monkeypatch.setenv("GPUTOPO_SCORE_WEIGHTS", '{"clique": 5, "pack": 0}')
-    s = load_settings(["--port", "9100", "--stale-after-seconds", "30"])
-    assert (s.port, s.namespace, s.stale_after_seconds) == (9100, "from-env", 30)
+    s = load_settings(["--port", "9100", "--stale-after-seconds", "30", "--metrics-port=0"])
+    assert (s.port, s.namespace, s.stale_after_seconds, s.metrics_port) == (9100, "from-env", 30, 0)
     assert s.score_weights.clique == 5 and s.score_weights.pack == 0
 
 
-def test_tls_needs_both_files() -> None:
-    with pytest.raises(ValueError, match="must be given together"):
-        Settings(tls_cert_file=Path("tls.crt"))
+@pytest.mark.usefixtures("clean_env")
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        pytest.param(
+            ["--host", "0.0.0.0"], {}, "--host 0.0.0.0 is not a loopback address", id="verbs on all addresses"
+        ),
+        pytest.param([], {"GPUTOPO_HOST": "10.0.0.7"}, "--host 10.0.0.7 is not a loopback", id="verbs on a pod IP"),
+        pytest.param(["--port", "0"], {}, "--port (GPUTOPO_PORT): Input should be greater", id="verbs port 0"),
+        pytest.param(["--webhook-port", "8443"], {}, "--webhook-port needs --tls-cert-file", id="webhook without TLS"),
+        pytest.param(
+            ["--tls-cert-file", "c", "--tls-key-file", "k"], {}, "set --webhook-port", id="TLS without the webhook"
+        ),
+        pytest.param(["--tls-cert-file", "c"], {}, "must be given together", id="certificate without key"),
+        pytest.param(["--metrics-port", "8888"], {}, "--port and --metrics-port are both 8888", id="ports collide"),
+        pytest.param(
+            [], {"GPUTOPO_STALE_AFTER_SECONDS": "0"}, "--stale-after-seconds (GPUTOPO_STALE_AFTER_SECONDS)", id="env"
+        ),
+        pytest.param(["--log-level", "loud"], {}, "--log-level (GPUTOPO_LOG_LEVEL)", id="bad log level"),
+        pytest.param(["--max-request-bytes", "x"], {}, "--max-request-bytes", id="not a number"),
+        pytest.param(["--listen", "1"], {}, "unrecognized arguments: --listen", id="unknown flag"),
+    ],
+)
+def test_invalid_settings_exit_2_naming_the_flag(
+    argv: list[str],
+    env: dict[str, str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gputopo-extender: ") and message in err, err
+
+
+@pytest.mark.usefixtures("clean_env")
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
+def test_the_verbs_listen_on_any_loopback_address(host: str) -> None:
+    assert load_settings(["--host", host]).host == host
 
 
 @pytest.mark.parametrize(
@@ -107,3 +155,13 @@ def test_snapshot_mode_serves_a_cluster_file_and_binds_in_memory(tmp_path: Path)
         plain = c.post("/bind", json={"PodName": "x", "PodNamespace": "default", "Node": "h2"})
         assert plain.json() == {"Error": ""}
         assert c.post("/filter", json=args(pod_obj("plain", 8), ["h1"])).json()["NodeNames"] == ["h1"]
+
+
+def test_every_setting_is_in_the_configuration_reference() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    section = text[text.index("## gputopo-extender") : text.index("## gputopo-agent")]
+    for field in Settings.model_fields:
+        env = f"`GPUTOPO_{field.upper()}`"
+        assert env in section, env
+        if field not in ("score_weights", "tiers"):  # environment only (JSON)
+            assert f"| `--{field.replace('_', '-')}` | {env} |" in section, field

@@ -69,21 +69,14 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{/*
-ServiceAccount names, one per component.
+ServiceAccount names: one for the agent, one for the scheduler pod (kube-scheduler and its extender sidecar;
+a pod has one service account, so the extender's rules are bound to it).
 */}}
 {{- define "gputopo.agent.serviceAccountName" -}}
 {{- if .Values.agent.serviceAccount.create }}
 {{- default (include "gputopo.componentName" (dict "ctx" . "component" "agent")) .Values.agent.serviceAccount.name }}
 {{- else }}
 {{- default "default" .Values.agent.serviceAccount.name }}
-{{- end }}
-{{- end }}
-
-{{- define "gputopo.extender.serviceAccountName" -}}
-{{- if .Values.extender.serviceAccount.create }}
-{{- default (include "gputopo.componentName" (dict "ctx" . "component" "extender")) .Values.extender.serviceAccount.name }}
-{{- else }}
-{{- default "default" .Values.extender.serviceAccount.name }}
 {{- end }}
 {{- end }}
 
@@ -108,24 +101,31 @@ The gputopo image (agent and extender share it). The tag defaults to the chart a
 {{- end }}
 
 {{/*
-The extender Service name and its in-cluster DNS names.
+The webhook Service (it exists only with webhook.enabled) and the user the placement policy trusts.
 */}}
-{{- define "gputopo.extender.serviceName" -}}
-{{- include "gputopo.componentName" (dict "ctx" . "component" "extender") }}
+{{- define "gputopo.webhook.serviceName" -}}
+{{- include "gputopo.componentName" (dict "ctx" . "component" "webhook") }}
 {{- end }}
 
-{{- define "gputopo.extender.url" -}}
-{{- printf "https://%s.%s.svc:%d" (include "gputopo.extender.serviceName" .) .Release.Namespace (int .Values.extender.port) }}
+{{- define "gputopo.scheduler.username" -}}
+{{- printf "system:serviceaccount:%s:%s" .Release.Namespace (include "gputopo.scheduler.serviceAccountName" .) }}
 {{- end }}
 
 {{/*
-The Secret holding the extender's serving certificate (tls.crt, tls.key) and its CA (ca.crt).
+kube-scheduler reaches its extender sidecar on the pod's loopback interface: plain HTTP, nothing else can.
+*/}}
+{{- define "gputopo.extender.url" -}}
+{{- printf "http://127.0.0.1:%d" (int .Values.extender.port) }}
+{{- end }}
+
+{{/*
+The Secret holding the webhook's serving certificate (tls.crt, tls.key) and its CA (ca.crt).
 */}}
 {{- define "gputopo.tls.secretName" -}}
 {{- if .Values.tls.existingSecret }}
 {{- .Values.tls.existingSecret }}
 {{- else }}
-{{- printf "%s-tls" (include "gputopo.extender.serviceName" .) }}
+{{- printf "%s-tls" (include "gputopo.webhook.serviceName" .) }}
 {{- end }}
 {{- end }}
 
@@ -145,7 +145,7 @@ Returns a dict of base64 strings: caCrt, tlsCrt, tlsKey.
 {{- $_ := set $out "tlsCrt" (index $existing.data "tls.crt") }}
 {{- $_ := set $out "tlsKey" (index $existing.data "tls.key") }}
 {{- else }}
-{{- $svc := include "gputopo.extender.serviceName" . }}
+{{- $svc := include "gputopo.webhook.serviceName" . }}
 {{- $ns := .Release.Namespace }}
 {{- $dns := list $svc (printf "%s.%s" $svc $ns) (printf "%s.%s.svc" $svc $ns) (printf "%s.%s.svc.%s" $svc $ns .Values.clusterDomain) }}
 {{- $ca := genCA (printf "%s-ca" (include "gputopo.fullname" .)) (int .Values.tls.validityDays) }}
@@ -160,7 +160,7 @@ Returns a dict of base64 strings: caCrt, tlsCrt, tlsKey.
 {{- end }}
 
 {{/*
-Pod security context shared by the extender, the scheduler and the test Pod.
+Container security context shared by kube-scheduler, the extender and the test Pod.
 */}}
 {{- define "gputopo.restrictedContainerSecurityContext" -}}
 allowPrivilegeEscalation: false
@@ -183,13 +183,13 @@ Fail fast on value combinations that cannot work.
 {{- if and .Values.agent.privileged (not .Values.agent.enabled) }}
 {{- fail "\n\nagent.privileged is set but agent.enabled is false." }}
 {{- end }}
-{{- if and .Values.scheduler.enabled (not .Values.extender.enabled) }}
-{{- fail "\n\nscheduler.enabled needs extender.enabled: the gputopo-scheduler profile calls the extender for\nevery GPU pod and fails closed when it is absent." }}
+{{- if and .Values.webhook.enabled (not .Values.scheduler.enabled) }}
+{{- fail "\n\nwebhook.enabled needs scheduler.enabled: the webhook is served by the extender, which runs in the\nscheduler pod, and it sets spec.schedulerName to that scheduler." }}
 {{- end }}
 {{- end }}
 
 {{/*
-The KubeSchedulerConfiguration of the gputopo scheduler (extender-protocol.md §2).
+The KubeSchedulerConfiguration of the gputopo scheduler: one profile, one extender, reached on loopback.
 */}}
 {{- define "gputopo.scheduler.config" -}}
 {{- $s := .Values.scheduler }}
@@ -200,8 +200,6 @@ The KubeSchedulerConfiguration of the gputopo scheduler (extender-protocol.md §
   "bindVerb" "bind"
   "weight" (int64 $s.extender.weight)
   "nodeCacheCapable" true
-  "enableHTTPS" true
-  "tlsConfig" (dict "caFile" "/etc/gputopo/ca/ca.crt")
   "httpTimeout" $s.extender.httpTimeout
   "ignorable" $s.extender.ignorable
   "managedResources" $s.extender.managedResources
