@@ -34,13 +34,13 @@ import grpc
 from agent.backends import FixtureBackend, InUseSource, NoneInUse
 from agent.deviceplugin import api_pb2, api_pb2_grpc
 from agent.deviceplugin.plugin import DevicePlugin, PluginConfig
-from agent.memory_api import InMemoryNodeApi
 from agent.metrics import AgentMetrics
 from agent.pods import StaticLocalPods
 from agent.publisher import Publisher
 from agent.runner import Agent
-from gputopo.model import PLACEMENT_ANNOTATION, GpusInUse, NodeTopology, Placement
+from gputopo.model import DEFAULT_NAMESPACE, GPU_RESOURCE, PLACEMENT_ANNOTATION, GpusInUse, NodeTopology, Placement
 from gputopo.systems import build_system
+from tests.agent.memory_api import InMemoryNodeApi
 
 NODE = "bench-node"
 
@@ -63,7 +63,7 @@ def make_agent(
     system: str, in_use: InUseSource, interval: float, heartbeat: float, stop: threading.Event
 ) -> tuple[Agent, InMemoryNodeApi]:
     api = InMemoryNodeApi(NODE)
-    publisher = Publisher(api, NODE, "gputopo-system", lease_duration_s=120, sleep=stop.wait)
+    publisher = Publisher(api, NODE, DEFAULT_NAMESPACE, lease_duration_s=120, sleep=stop.wait)
     agent = Agent(FixtureBackend(system, NODE), in_use, publisher, AgentMetrics(), interval, heartbeat, stop)
     return agent, api
 
@@ -135,7 +135,7 @@ class SimTime:
 def bench_simulated_hour(system: str, interval: float = 10.0, heartbeat: float = 30.0) -> None:
     sim = SimTime(3600.0)
     api = InMemoryNodeApi(NODE)
-    publisher = Publisher(api, NODE, "gputopo-system", lease_duration_s=120, sleep=sim.wait, monotonic=sim.clock)
+    publisher = Publisher(api, NODE, DEFAULT_NAMESPACE, lease_duration_s=120, sleep=sim.wait, monotonic=sim.clock)
     agent = Agent(
         FixtureBackend(system, NODE), NoneInUse(), publisher, AgentMetrics(), interval, heartbeat, sim, clock=sim.clock
     )
@@ -160,7 +160,7 @@ def bench_pod(name: str, gpus: tuple[int, ...] | None, count: int, phase: str, s
             "creationTimestamp": f"2026-01-01T00:{second // 60 % 60:02d}:{second % 60:02d}Z",
             "annotations": ann,
         },
-        "spec": {"containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": str(count)}}}]},
+        "spec": {"containers": [{"name": "main", "resources": {"limits": {GPU_RESOURCE: str(count)}}}]},
         "status": {"phase": phase},
     }
 

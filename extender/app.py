@@ -35,6 +35,7 @@ from extender.routers import health, metrics, mutate, scheduler
 from extender.service import Extender
 from extender.settings import Settings
 from gputopo.clusterfile import cluster_states, load_cluster
+from gputopo.model import EXTENDER_COMPONENT
 
 log = logging.getLogger("gputopo.extender")
 
@@ -58,7 +59,7 @@ def create_listeners(
 ) -> Listeners:
     """Build the three apps over one cache and service.
 
-    - `cluster`: the API source (tests pass `extender.fake.FakeSource`); None builds a `KubeSource` from
+    - `cluster`: the API source (tests pass an in-memory fake); None builds a `KubeSource` from
       `settings.kubeconfig` (or the in-cluster config) when the lifespan starts.
     - `clock`: epoch seconds, for Lease staleness and reservation timeouts (tests inject one).
     - `watch=False`: do not start informer threads (tests drive `app.state.cache` themselves).
@@ -125,7 +126,7 @@ def create_listeners(
         return app
 
     listeners = Listeners(
-        verbs=build("gputopo-extender", scheduler.router, health.router, owns_lifespan=True),
+        verbs=build(EXTENDER_COMPONENT, scheduler.router, health.router, owns_lifespan=True),
         webhook=build("gputopo-extender webhook", mutate.router, health.router),
         metrics=build("gputopo-extender metrics", metrics.router, health.router),
     )

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from agent.backends import FileBackend, InUseFile
-from agent.memory_api import InMemoryNodeApi
 from agent.metrics import AgentMetrics
 from agent.publisher import Publisher
 from agent.runner import Agent
@@ -22,6 +21,7 @@ from gputopo.model import (
     parse_topology,
 )
 from gputopo.systems import build_system
+from tests.agent.memory_api import InMemoryNodeApi
 
 NODE = "sim-01"
 

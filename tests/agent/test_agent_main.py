@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from agent.main import AgentSettings, load_settings, main
-from agent.memory_api import InMemoryNodeApi
 from agent.nvml_backend import NvmlLib
 from agent.publisher import NodeApi
 from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION, parse_topology
 from gputopo.systems import SYSTEMS, VARIANTS, build_system
 from tests.agent.fake_pynvml import FakeNvml, NVMLError_LibraryNotFound, fake_system
+from tests.agent.memory_api import InMemoryNodeApi
 
 
 @pytest.fixture(autouse=True)

@@ -7,13 +7,12 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from agent.memory_api import InMemoryNodeApi
+from agent.labels import node_labels
 from agent.publisher import (
     LeaseSpec,
     Publisher,
     PublishResult,
     desired_metadata,
-    lease_name,
     metadata_changes,
 )
 from gputopo.kube import Backoff, KubeError, is_retryable
@@ -30,10 +29,11 @@ from gputopo.model import (
     LinkState,
     NodeTopology,
     NvlinkInfo,
-    node_labels,
+    agent_lease_name,
     parse_topology,
 )
 from gputopo.systems import build_system
+from tests.agent.memory_api import InMemoryNodeApi
 
 NODE = "gpu-07"
 NS = "gputopo-system"
@@ -178,7 +178,7 @@ def test_metadata_changes_ignores_foreign_labels() -> None:
 def test_heartbeat_creates_then_renews_the_lease_and_never_touches_the_node() -> None:
     pub, api, _ = make()
     assert pub.heartbeat()
-    first = api.leases[(NS, lease_name(NODE))]
+    first = api.leases[(NS, agent_lease_name(NODE))]
     assert pub.heartbeat()
     second = api.leases[(NS, "gputopo-agent-gpu-07")]
     assert (api.calls["create_lease"], api.calls["renew_lease"]) == (1, 2)

@@ -17,11 +17,11 @@ from agent.deviceplugin.devices import DeviceListStrategy
 from agent.deviceplugin.plugin import TopologyTap
 from agent.deviceplugin.preferred import PreferredAllocation
 from agent.main import load_settings, main, make_local_pods
-from agent.memory_api import InMemoryNodeApi
 from agent.nvml_backend import MIG_REASON
 from agent.pods import StaticLocalPods
 from gputopo.model import Health, NodeTopology
 from tests.agent.dp_harness import FakeKubelet, pod_object, topology, with_gpu
+from tests.agent.memory_api import InMemoryNodeApi
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,5 @@
 """Fixtures for the extender tests (builders and the `env` fixture live in extender.testing)."""
 
-from extender.testing import env
+from tests.extender.harness import env
 
 __all__ = ["env"]

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from extender.fake import FakeSource
-from extender.testing import NS, Env, gputopo_pod, lease_obj, node_obj, pod_obj
 from gputopo import defrag
 from gputopo.cli import main
 from gputopo.model import PLACEMENT_ANNOTATION, Placement
+from tests.extender.fake import FakeSource
+from tests.extender.harness import NS, Env, gputopo_pod, lease_obj, node_obj, pod_obj
 
 
 def _placed(name: str, node: str, gpus: list[int], **ann: str) -> dict[str, object]:

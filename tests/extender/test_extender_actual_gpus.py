@@ -12,9 +12,9 @@ import pytest
 from extender.cache import ClusterCache
 from extender.metrics import Metrics
 from extender.service import Extender
-from extender.testing import JSON, NS, Env, gputopo_pod, node_obj, pod_obj, sync
 from gputopo import inspect
 from gputopo.model import PLACEMENT_ANNOTATION, GpusInUse
+from tests.extender.harness import JSON, NS, Env, gputopo_pod, node_obj, pod_obj, sync
 
 UID = "uid-default-train"
 PLACED = [0, 1, 2, 3]

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from extender.testing import JSON, Env, gputopo_pod, node_obj, pod_obj
 from gputopo.kube import KubeError
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
+from tests.extender.harness import JSON, Env, gputopo_pod, node_obj, pod_obj
 
 
 @pytest.fixture

@@ -9,11 +9,11 @@ import threading
 import pytest
 
 from extender.cache import ClusterCache
-from extender.fake import FakeSource
 from extender.kube import Informer, start_informers
-from extender.testing import JSON, NS, Env, FakeClock, gputopo_pod, lease_obj, node_obj, pod_obj, sync
 from gputopo.engine.reasons import Reason
 from gputopo.model import PLACEMENT_ANNOTATION, parse_pod_request
+from tests.extender.fake import FakeSource
+from tests.extender.harness import JSON, NS, Env, FakeClock, gputopo_pod, lease_obj, node_obj, pod_obj, sync
 
 
 def placed(name: str, node: str, gpus: list[int], *, bound: bool = True, phase: str = "Running") -> JSON:

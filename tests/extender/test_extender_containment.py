@@ -12,13 +12,13 @@ from typing import Any, cast
 import pytest
 
 from extender.kube import ClusterSource, Informer, Kind
-from extender.testing import JSON, Env, gputopo_pod, lease_obj, node_obj
 from gputopo import inspect
 from gputopo.engine.placement import Outcome, evaluate_node
 from gputopo.engine.reasons import Reason
 from gputopo.engine.snapshot import NodeState
 from gputopo.kube import WatchEvent
 from gputopo.model import PodRequest, parse_pod_request
+from tests.extender.harness import JSON, Env, gputopo_pod, lease_obj, node_obj
 
 HUGE = "x" * (300 * 1024)  # over the API server's 256 KiB cap on one object's annotations
 

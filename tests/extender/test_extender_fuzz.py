@@ -22,11 +22,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extender.app import create_listeners
-from extender.fake import FakeSource
 from extender.main import load_settings
 from extender.settings import Settings
-from extender.testing import NS, Env, FakeClock, args, gputopo_pod, lease_obj, node_obj, sync
 from extender.wire import MAX_CANDIDATE_NODES
+from tests.extender.fake import FakeSource
+from tests.extender.harness import NS, Env, FakeClock, args, gputopo_pod, lease_obj, node_obj, sync
 
 EXAMPLES = int(os.environ.get("GPUTOPO_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(

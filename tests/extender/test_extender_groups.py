@@ -7,8 +7,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from extender.app import create_app
-from extender.testing import JSON, NS, Env, gputopo_pod, node_obj, pod_obj
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
+from tests.extender.harness import JSON, NS, Env, gputopo_pod, node_obj, pod_obj
 
 NODES = ["gpu-1", "gpu-2", "gpu-3", "gpu-4"]
 ELSEWHERE = "reserved for other members of the pod's group"

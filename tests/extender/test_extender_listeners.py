@@ -21,8 +21,8 @@ from extender import ledger
 from extender.app import create_listeners
 from extender.main import ListenError, serve
 from extender.settings import Settings
-from extender.testing import args, gputopo_pod
 from gputopo.engine.placement import evaluate_node
+from tests.extender.harness import args, gputopo_pod
 
 CLUSTER = "nodes:\n  - {name: h1, fixture: dgx-h100}\n  - {name: h2, fixture: hgx-h200}\n"
 REVIEW = {

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 
 import pytest
 
-from extender.testing import JSON, Env, gputopo_pod, node_obj, pod_obj
 from gputopo.model import PLACEMENT_ANNOTATION
+from tests.extender.harness import JSON, Env, gputopo_pod, node_obj, pod_obj
 
 
 def victim(name: str, node: str, gpus: list[int], priority: int, group: str | None = None) -> JSON:

@@ -8,12 +8,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from extender.app import create_app
-from extender.fake import FakeSource
 from extender.kube import Informer
 from extender.routers.scheduler import NOT_READY
 from extender.settings import Settings
-from extender.testing import NS, Env, FakeClock, args, gputopo_pod, lease_obj, node_obj, pod_obj
 from gputopo.engine.reasons import summarize_failures
+from tests.extender.fake import FakeSource
+from tests.extender.harness import NS, Env, FakeClock, args, gputopo_pod, lease_obj, node_obj, pod_obj
 
 NODES = ["h100-a", "h100-b", "l40s-a"]
 

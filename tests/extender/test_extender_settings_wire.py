@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 from extender.app import create_app
 from extender.main import load_settings, main
 from extender.settings import Settings
-from extender.testing import args, gputopo_pod, pod_obj
 from extender.wire import ExtenderArgs, ExtenderBindingArgs, ExtenderFilterResult, HostPriority, pod_info
+from tests.extender.harness import args, gputopo_pod, pod_obj
 
 
 @pytest.fixture

@@ -1,31 +1,36 @@
-"""Test support (used by tests/extender and usable by e2e): builders for Node, Pod and Lease objects shaped as
+"""Test support for tests/extender: builders for Node, Pod and Lease objects shaped as
 the API server returns them, a fake clock, and the `env` fixture: an app wired to the in-memory FakeSource with
-the informers driven synchronously. Imports pytest and the TestClient, so only tests import it."""
+the informers driven synchronously. Lives under tests/: the wheel carries no test code."""
 
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 
 from extender.app import create_app
 from extender.cache import ClusterCache
-from extender.fake import FakeSource
 from extender.kube import KINDS, Informer
 from extender.ledger import Ledger
 from extender.settings import Settings
-from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION, GpusInUse
+from gputopo.model import (
+    DEFAULT_NAMESPACE,
+    GPU_RESOURCE,
+    GPUS_IN_USE_ANNOTATION,
+    SCHEDULER_NAME,
+    TOPOLOGY_ANNOTATION,
+    GpusInUse,
+    agent_lease_name,
+)
 from gputopo.systems import build_system
+from tests.extender.fake import FakeSource
 
-warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
-from fastapi.testclient import TestClient  # noqa: E402
-
-NS = "gputopo-system"
+NS = DEFAULT_NAMESPACE
 T0 = 1_800_000_000.0  # the fake clock's start (2027-01-15)
 JSON = dict[str, Any]
 
@@ -74,7 +79,7 @@ def node_obj(
 
 def lease_obj(node: str, renew: float, namespace: str = NS) -> JSON:
     return {
-        "metadata": {"name": f"gputopo-agent-{node}", "namespace": namespace},
+        "metadata": {"name": agent_lease_name(node), "namespace": namespace},
         "spec": {"holderIdentity": node, "renewTime": rfc3339(renew), "leaseDurationSeconds": 120},
     }
 
@@ -90,12 +95,12 @@ def pod_obj(
     phase: str = "Pending",
 ) -> JSON:
     spec: JSON = {
-        "schedulerName": "gputopo-scheduler",
+        "schedulerName": SCHEDULER_NAME,
         "containers": [
             {
                 "name": "main",
                 "image": "busybox",
-                "resources": {"limits": {"nvidia.com/gpu": str(gpus)}, "requests": {"nvidia.com/gpu": str(gpus)}},
+                "resources": {"limits": {GPU_RESOURCE: str(gpus)}, "requests": {GPU_RESOURCE: str(gpus)}},
             }
         ],
     }
