@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 from extender.app import create_app
 from extender.main import load_settings, main
 from extender.settings import Settings
-from extender.wire import ExtenderArgs, ExtenderBindingArgs, ExtenderFilterResult, HostPriority, pod_info
-from tests.extender.harness import args, gputopo_pod, pod_obj
+from extender.wire import ExtenderArgs, pod_info
+from tests.extender.harness import Env, args, gputopo_pod, node_obj, pod_obj
 
 
 @pytest.fixture
@@ -104,18 +104,21 @@ def test_extender_args_accept_any_key_casing(payload: dict[str, object]) -> None
     assert a.candidate_names() == ["a"] and a.nodes is None
 
 
-def test_results_are_emitted_with_go_field_names() -> None:
-    r = ExtenderFilterResult(node_names=["a"], failed_nodes={"b": "x"})
-    assert r.to_wire() == {
-        "Nodes": None,
-        "NodeNames": ["a"],
-        "FailedNodes": {"b": "x"},
-        "FailedAndUnresolvableNodes": {},
-        "Error": "",
-    }
-    assert HostPriority(host="a", score=7).to_wire() == {"Host": "a", "Score": 7}
-    b = ExtenderBindingArgs.model_validate({"podname": "p", "PodNamespace": "ns", "PODUID": "u", "node": "n"})
-    assert b.to_wire() == {"PodName": "p", "PodNamespace": "ns", "PodUID": "u", "Node": "n"}
+@pytest.mark.parametrize("lower", [False, True], ids=["Go-cased request", "lower-cased request"])
+def test_every_verb_answers_with_go_field_names_whatever_the_request_casing(env: Env, lower: bool) -> None:
+    # kube-scheduler decodes answers with Go's encoding/json: exact field names, whatever it was sent.
+    env.add_nodes(node_obj("gpu-1"))
+    pod = gputopo_pod("p", 4)
+    env.add_pods(pod)
+    filtered = env.client.post("/filter", json=args(pod, ["gpu-1", "gone"], lower=lower)).json()
+    assert set(filtered) == {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
+    assert filtered["NodeNames"] == ["gpu-1"] and set(filtered["FailedAndUnresolvableNodes"]) == {"gone"}
+    prioritized = env.client.post("/prioritize", json=args(pod, ["gpu-1"], lower=lower)).json()
+    assert [set(h) for h in prioritized] == [{"Host", "Score"}]
+    meta = pod["metadata"]
+    bind = {"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": "gpu-1"}
+    bound = env.client.post("/bind", json={k.lower(): v for k, v in bind.items()} if lower else bind).json()
+    assert bound == {"Error": ""}
 
 
 @pytest.mark.parametrize(
