@@ -191,7 +191,7 @@ class Extender:
         )
         elsewhere = _outcome(Reason.GROUP_PLANNED_ELSEWHERE)
         outcomes = [here if n == slot.node else elsewhere for n in names]
-        priorities = [10 if n == slot.node else 0 for n in names]
+        priorities = [to_extender_priority(1.0 if n == slot.node else 0.0) for n in names]
         return Decision("group_planned", names, outcomes, priorities, request=req)
 
     # ------------------------------------------------------------------ bind
