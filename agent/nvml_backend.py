@@ -1,16 +1,15 @@
 """NVML adapter: the only module that imports `pynvml` (package nvidia-ml-py).
 
-Everything NVML-specific lives here and ends as a `gputopo.model.NodeTopology` (without NICs; those
-come from sysfs). The library is reached through the `NvmlLib` protocol so tests pass a fake module.
+Everything read through NVML passes here: GPUs, memory, PCIe bus and NUMA node, MIG mode, row
+remapping, NVLink state and error counters, fabric registration. The readings are judged by
+`agent.nvml_health` (error counters) and assembled by `agent.nvml_topology` into a
+`gputopo.model.NodeTopology` (without NICs; those come from sysfs). The library is reached through
+the `NvmlLib` protocol so tests pass a fake module.
 
 - links are enumerated by `nvmlDeviceGetNvLinkState` until it raises InvalidArgument/NotSupported;
   never by capability (TRUE for every index on B200), never up to the binding's NVML_NVLINK_MAX_LINKS;
-- NV# = direct(i, j) + min(switch(i), switch(j)), remote type GPU counted by bus id, SWITCH or an
-  unresolvable remote counted as a switch link;
-- a fabric clique only for state COMPLETED, status SUCCESS and a non-zero cluster UUID;
-- each NVLink error counter is compared between cycles on its own with DCGM's thresholds; one the
-  GPU does not support is absent, one that cannot be compared this cycle makes the link's health
-  unknown, which is published as a degraded GPU with a reason, never as healthy;
+- each NVLink error counter is read on its own: one the GPU does not support is absent, one whose
+  read fails is marked failed (its link's health is then unknown, never healthy);
 - NotSupported / FunctionNotFound / InvalidArgument mean "absent".
 """
 
@@ -18,27 +17,26 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import struct
 import time
-import uuid
-from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
-from agent.sysfs import pci_numa_node
-from gputopo.model import (
-    MAX_REASONS,
-    DegradedLink,
-    FabricInfo,
-    GpuInfo,
-    Health,
-    LinkState,
-    NodeTopology,
-    NvlinkInfo,
+from agent.nvml_health import COUNTERS, HealthTracker, LinkCounters
+from agent.nvml_topology import (
+    DEVICE_TYPE_GPU,
+    GpuReading,
+    LinkReading,
+    assemble,
+    decode_fabric_info,
+    fabric_clique,
+    normalize_bus_id,
+    nvlink_generation,
+    worst_health,
 )
-from gputopo.systems import NVLINK_GBPS_PER_LINK
+from agent.sysfs import pci_numa_node
+from gputopo.model import Health, NodeTopology
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +45,6 @@ T = TypeVar("T")
 # NVML constants, copied from the C API (stable values) rather than read from the binding, whose
 # set of names differs between nvidia-ml-py versions.
 FEATURE_ENABLED = 1
-DEVICE_TYPE_GPU = 0x00
-DEVICE_TYPE_IBMNPU = 0x01
-DEVICE_TYPE_SWITCH = 0x02
-DEVICE_TYPE_UNKNOWN = 0xFF
-ERR_DL_REPLAY = 0
-ERR_DL_RECOVERY = 1
-ERR_DL_CRC_FLIT = 2
-ERR_DL_CRC_DATA = 3
-FABRIC_STATE_COMPLETED = 3
-NVML_SUCCESS = 0
 AFFINITY_SCOPE_NODE = 0
 MIG_ENABLE = 1
 # The health reason that marks a GPU in MIG mode; the device plugin refuses such a node by it.
@@ -65,33 +53,6 @@ MIB = 1024 * 1024
 
 # Not a link count: only stops a faulty library that never rejects a link index from looping forever.
 _LINK_SCAN_GUARD = 128
-
-# nvmlDeviceGetNvLinkVersion returns an enum, not the generation (1.0, 2.0, 2.2, 3.0, 3.1, 4.0, 5.0, 6.0).
-_NVLINK_VERSION_TO_GENERATION = {1: 1, 2: 2, 3: 2, 4: 3, 5: 3, 6: 4, 7: 5, 8: 6}
-
-# DCGM's NVLink health rules (dcgmGpuHardwareLimits.h, DcgmHealthWatch::MonitorNVLink4Fields): every
-# counter is judged on its own and one that is not supported is skipped; any replay or recovery error
-# fails the link; flit CRC and data CRC each fail it at 100/s and warn below. A verdict is held for
-# DCGM's 60 s watch window so one burst does not make the published topology flap every cycle.
-CRC_ERRORS_PER_SECOND_LIMIT = 100.0
-HEALTH_HOLD_SECONDS = 60.0
-
-# The counters read per link: (LinkCounters field, nvmlNvLinkErrorCounter_t, words for reasons).
-# Each is read on its own: Hopper and later drivers may refuse one (DCGM shows the CRC totals as N/A
-# on H100) while the others still work, and replay/recovery must keep being watched there.
-_COUNTERS = (
-    ("replay", ERR_DL_REPLAY, "replay"),
-    ("recovery", ERR_DL_RECOVERY, "recovery"),
-    ("crc_flit", ERR_DL_CRC_FLIT, "flit CRC"),
-    ("crc_data", ERR_DL_CRC_DATA, "data CRC"),
-)
-_FATAL_COUNTERS = ("replay", "recovery")
-_COUNTER_WORDS = {name: words for name, _, words in _COUNTERS}
-
-# nvmlGpuFabricInfo_v2_t as libnvidia-ml writes it (nvml.h): unsigned version, unsigned char
-# clusterUuid[16], nvmlReturn_t status, unsigned cliqueId, nvmlGpuFabricState_t state (an unsigned
-# char, padded to 4), unsigned healthMask: 36 bytes, the size in nvmlGpuFabricInfo_v2 = 0x02000024.
-_FABRIC_V2 = struct.Struct("<I16sIIB3xI")
 
 
 class NvmlUnavailableError(RuntimeError):
@@ -143,274 +104,6 @@ def load_pynvml() -> NvmlLib:
     except ImportError as e:
         raise NvmlUnavailableError(f"the nvidia-ml-py package is not installed ({e})") from None
     return cast(NvmlLib, pynvml)
-
-
-# --------------------------------------------------------------------------------------------------
-# Pure pieces
-
-
-def normalize_bus_id(raw: bytes | str) -> str:
-    """NVML's `00000000:18:00.0` (bytes, 8-digit domain, upper case) → sysfs `0000:18:00.0`."""
-    text = raw.decode("ascii", "replace") if isinstance(raw, bytes) else raw
-    text = text.strip().strip("\x00").lower()
-    parts = text.split(":")
-    if len(parts) == 3:
-        try:
-            return f"{int(parts[0], 16):04x}:{parts[1]}:{parts[2]}"
-        except ValueError:
-            return text
-    if len(parts) == 2:  # `18:00.0` without a domain
-        return f"0000:{text}"
-    return text
-
-
-def nvlink_generation(version_enum: int) -> int:
-    """Map nvmlDeviceGetNvLinkVersion's enum to the NVLink generation (0 when unknown)."""
-    return _NVLINK_VERSION_TO_GENERATION.get(version_enum, 0)
-
-
-def nvlink_matrix(direct: Sequence[Mapping[int, int]], switch: Sequence[int]) -> tuple[tuple[int, ...], ...]:
-    """NV# per GPU pair: direct links (both ends must see them) plus min(switch links of i and j)."""
-    n = len(switch)
-    out = []
-    for i in range(n):
-        row = []
-        for j in range(n):
-            if i == j:
-                row.append(0)
-                continue
-            both = min(direct[i].get(j, 0), direct[j].get(i, 0))
-            row.append(both + min(switch[i], switch[j]))
-        out.append(tuple(row))
-    return tuple(out)
-
-
-@dataclass(frozen=True)
-class FabricReading:
-    """The fields of nvmlGpuFabricInfo_v2_t the adapter uses."""
-
-    state: int
-    status: int
-    cluster_uuid: bytes
-    clique_id: int
-    health_mask: int
-
-
-def decode_fabric_info(info: Any) -> FabricReading | None:
-    """Read a filled fabric-info struct from its memory in the C layout, whatever the binding declares.
-
-    nvidia-ml-py 12.560.30 declares `clusterUuid` as `c_char * 80` where the C struct has 16 bytes, so
-    its Python struct is 100 bytes while NVML fills only the 36 of the v2 layout: the binding's
-    `status`, `cliqueId`, `state` and `healthMask` fields then read zeros. 12.570 and 12.575 declare
-    `c_char * 16`: the right size, but a char array reads back cut at the first NUL and UTF-8 decoded
-    to str (raising on most UUIDs). 13.x declares `c_uint8 * 16`, matching C. The bytes NVML wrote
-    are right for all three.
-    """
-    if ctypes.sizeof(info) < _FABRIC_V2.size:
-        return None
-    raw = ctypes.string_at(ctypes.addressof(info), _FABRIC_V2.size)
-    _version, cluster_uuid, status, clique_id, state, health_mask = _FABRIC_V2.unpack(raw)
-    return FabricReading(
-        state=state, status=status, cluster_uuid=cluster_uuid, clique_id=clique_id, health_mask=health_mask
-    )
-
-
-def fabric_clique(state: int, status: int, cluster_uuid: bytes, clique_id: int) -> str | None:
-    """GFD's `<clusterUUID>.<cliqueId>`, or None unless registration completed successfully.
-
-    H100 boards report COMPLETED with an all-zero UUID, which is not a multi-node NVLink domain.
-    """
-    if state != FABRIC_STATE_COMPLETED or status != NVML_SUCCESS:
-        return None
-    if len(cluster_uuid) != 16 or not any(cluster_uuid):
-        return None
-    return f"{uuid.UUID(bytes=bytes(cluster_uuid))}.{clique_id}"
-
-
-@dataclass(frozen=True)
-class LinkCounters:
-    """NVLink data-link error counters of one link at one instant.
-
-    None: no value this time. A counter named in `failed` exists but its read failed; any other None
-    is a counter this GPU does not support (absent, not a problem).
-    """
-
-    replay: int | None = 0
-    recovery: int | None = 0
-    crc_flit: int | None = 0
-    crc_data: int | None = 0
-    failed: tuple[str, ...] = ()
-
-    def value(self, name: str) -> int | None:
-        v: int | None = getattr(self, name)
-        return v
-
-
-# A counter's last good value and when it was read: (monotonic seconds, value).
-Baseline = Mapping[str, tuple[float, int]]
-
-
-@dataclass(frozen=True)
-class LinkVerdict:
-    """Outcome of comparing a reading with the baselines: at most one of degraded (not counted), unknown
-    (cannot be checked now: reported, never taken for healthy) or a warning, with the words why."""
-
-    degraded: bool = False
-    unknown: bool = False
-    warning: bool = False
-    detail: str = ""
-
-
-def assess_link_errors(baseline: Baseline, cur: LinkCounters, now: float) -> LinkVerdict:
-    """DCGM's rule, counter by counter, on the current reading against each counter's last good one.
-
-    Degraded: a replay or recovery rise, or flit or data CRC at 100/s or more (each on its own).
-    Unknown: a counter that has a baseline but no usable value now (its read failed, it stopped being
-    readable, or it went backwards because something reset it). Warning: a smaller CRC rise. A counter
-    without a baseline (the first reading) or read at the same instant gives nothing yet.
-    """
-    degraded: list[str] = []
-    unknown: list[str] = []
-    warnings: list[str] = []
-    for name, _, words in _COUNTERS:
-        value = cur.value(name)
-        base = baseline.get(name)
-        if name in cur.failed:
-            unknown.append(f"{words} counter unreadable")
-            continue
-        if base is None:
-            continue
-        at, prev = base
-        if value is None:
-            unknown.append(f"{words} counter no longer readable")
-            continue
-        elapsed = now - at
-        if elapsed <= 0:
-            continue
-        delta = value - prev
-        if delta < 0:
-            unknown.append(f"{words} counter went backwards (reset)")
-        elif delta == 0:
-            continue
-        elif name in _FATAL_COUNTERS:
-            degraded.append(f"{delta} {words} errors in {elapsed:.0f} s")
-        elif (rate := delta / elapsed) >= CRC_ERRORS_PER_SECOND_LIMIT:
-            degraded.append(f"{words} errors at {rate:.0f}/s (limit {CRC_ERRORS_PER_SECOND_LIMIT:.0f}/s)")
-        else:
-            warnings.append(f"{words} errors below {CRC_ERRORS_PER_SECOND_LIMIT:.0f}/s")
-    if degraded:
-        return LinkVerdict(degraded=True, detail=", ".join(degraded))
-    if unknown:
-        return LinkVerdict(unknown=True, detail=", ".join(unknown))
-    if warnings:
-        return LinkVerdict(warning=True, detail=", ".join(warnings))
-    return LinkVerdict()
-
-
-def _links_phrase(links: Sequence[int]) -> str:
-    """`link 5`, `links 3, 5` or `links 0-17`: consecutive runs folded."""
-    if len(links) == 1:
-        return f"link {links[0]}"
-    runs: list[list[int]] = []
-    for i in sorted(links):
-        if runs and i == runs[-1][-1] + 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return "links " + ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
-
-
-def _bounded(reasons: Sequence[str]) -> tuple[str, ...]:
-    """Distinct reasons, cut to the wire model's MAX_REASONS with a count of the rest."""
-    unique = tuple(dict.fromkeys(reasons))
-    if len(unique) <= MAX_REASONS:
-        return unique
-    return (*unique[: MAX_REASONS - 1], f"and {len(unique) - MAX_REASONS + 1} more reasons")
-
-
-def _worst(a: Health, b: Health) -> Health:
-    order = (Health.OK, Health.DEGRADED, Health.FAILED)
-    return a if order.index(a) >= order.index(b) else b
-
-
-# --------------------------------------------------------------------------------------------------
-# Stateful pieces: what is remembered between discovery cycles
-
-
-@dataclass
-class _HeldVerdict:
-    verdict: LinkVerdict
-    until: float
-
-
-@dataclass
-class HealthTracker:
-    """Per-counter baselines, links ever seen active, and held verdicts, keyed by (GPU UUID, link)."""
-
-    hold_s: float = HEALTH_HOLD_SECONDS
-    baselines: dict[tuple[str, int], dict[str, tuple[float, int]]] = field(default_factory=dict)
-    ever_active: set[tuple[str, int]] = field(default_factory=set)
-    held: dict[tuple[str, int], _HeldVerdict] = field(default_factory=dict)
-
-    def observe(self, key: tuple[str, int], counters: LinkCounters, now: float) -> LinkVerdict:
-        baseline = self.baselines.setdefault(key, {})
-        verdict = assess_link_errors(baseline, counters, now)
-        for name, _, _ in _COUNTERS:
-            value = counters.value(name)
-            # A failed or vanished counter keeps its last good value, so the next good read is still
-            # compared over the whole gap instead of starting again (a hole that would read healthy).
-            if value is not None and (name not in baseline or now > baseline[name][0]):
-                baseline[name] = (now, value)
-        held = self.held.get(key)
-        if held is not None and now >= held.until:
-            del self.held[key]
-            held = None
-        if verdict.degraded:
-            if held is not None and held.verdict.degraded:
-                # Same verdict again: extend it but keep the first wording, so the Node is not rewritten.
-                held.until = now + self.hold_s
-                return held.verdict
-            self.held[key] = _HeldVerdict(verdict, now + self.hold_s)
-            return verdict
-        if held is not None and held.verdict.degraded:
-            return held.verdict  # neither a warning nor missing data clears a degraded verdict
-        if verdict.unknown:
-            return verdict  # not held: it ends as soon as the counters can be compared again
-        if verdict.warning:
-            if held is not None:
-                held.until = now + self.hold_s
-                return held.verdict
-            self.held[key] = _HeldVerdict(verdict, now + self.hold_s)
-            return verdict
-        return held.verdict if held else verdict
-
-
-# --------------------------------------------------------------------------------------------------
-# Discovery
-
-
-@dataclass
-class _Link:
-    index: int
-    active: bool
-    remote_type: int | None = None
-    remote_bus: str | None = None
-    verdict: LinkVerdict = field(default_factory=LinkVerdict)
-
-
-@dataclass
-class _Gpu:
-    index: int
-    uuid: str = ""
-    model: str = "unknown"
-    memory_mib: int = 0
-    bus_id: str = ""
-    numa: int | None = None
-    health: Health = Health.OK
-    reasons: list[str] = field(default_factory=list)
-    links: list[_Link] = field(default_factory=list)
-    generation: int = 0
-    clique: str | None = None
 
 
 @dataclass(frozen=True)
@@ -476,10 +169,12 @@ class NvmlAdapter:
         self._notes = []
         now = self._clock()
         gpus = [self._read_gpu(i, now) for i in range(self._lib.nvmlDeviceGetCount())]
-        return NvmlDiscovery(topology=self._assemble(gpus), notes=tuple(dict.fromkeys(self._notes)))
+        return NvmlDiscovery(
+            topology=assemble(gpus, self._tracker.ever_active), notes=tuple(dict.fromkeys(self._notes))
+        )
 
-    def _read_gpu(self, index: int, now: float) -> _Gpu:
-        gpu = _Gpu(index=index)
+    def _read_gpu(self, index: int, now: float) -> GpuReading:
+        gpu = GpuReading(index=index)
         lib = self._lib
         try:
             h = lib.nvmlDeviceGetHandleByIndex(index)
@@ -510,7 +205,7 @@ class NvmlAdapter:
         bitsset = int(mask[0])
         return bitsset.bit_length() - 1 if bitsset and bitsset & (bitsset - 1) == 0 else None
 
-    def _read_links(self, h: Any, gpu: _Gpu, now: float) -> None:
+    def _read_links(self, h: Any, gpu: GpuReading, now: float) -> None:
         lib = self._lib
         for link in range(_LINK_SCAN_GUARD):
             try:
@@ -519,7 +214,7 @@ class NvmlAdapter:
                 if link == 0:
                     self._notes.append(f"NVLink: {type(e).__name__.removeprefix('NVMLError_')}")
                 break  # past the last link (InvalidArgument) or no NVLink at all (NotSupported)
-            entry = _Link(index=link, active=state == FEATURE_ENABLED)
+            entry = LinkReading(index=link, active=state == FEATURE_ENABLED)
             gpu.links.append(entry)
             if not entry.active:
                 continue
@@ -533,11 +228,11 @@ class NvmlAdapter:
                 gpu.generation = nvlink_generation(int(version)) if version is not None else 0
             entry.verdict = self._tracker.observe((gpu.uuid, link), self._counters(h, gpu, link), now)
 
-    def _counters(self, h: Any, gpu: _Gpu, link: int) -> LinkCounters:
+    def _counters(self, h: Any, gpu: GpuReading, link: int) -> LinkCounters:
         """Each counter on its own: NotSupported leaves that one absent, any other error marks it failed."""
         values: dict[str, int | None] = {}
         failed: list[str] = []
-        for name, ctr, words in _COUNTERS:
+        for name, ctr, words in COUNTERS:
             try:
                 values[name] = int(self._lib.nvmlDeviceGetNvLinkErrorCounter(h, link, ctr))
             except self._absent as e:
@@ -554,21 +249,21 @@ class NvmlAdapter:
                 )
         return LinkCounters(**values, failed=tuple(failed))
 
-    def _read_health(self, h: Any, gpu: _Gpu) -> None:
+    def _read_health(self, h: Any, gpu: GpuReading) -> None:
         rows = self._try("remapped rows", self._lib.nvmlDeviceGetRemappedRows, h)
         if rows is not None:
             _corr, _unc, pending, failure = (int(x) for x in rows)
             if failure:
-                gpu.health = _worst(gpu.health, Health.FAILED)
+                gpu.health = worst_health(gpu.health, Health.FAILED)
                 gpu.reasons.append("HBM row remapping failed: replace the GPU (RMA candidate)")
             elif pending:
-                gpu.health = _worst(gpu.health, Health.DEGRADED)
+                gpu.health = worst_health(gpu.health, Health.DEGRADED)
                 gpu.reasons.append("HBM row remapping pending: the GPU needs a reset")
         mig = self._try("MIG mode", self._lib.nvmlDeviceGetMigMode, h)
         if mig is not None and int(mig[0]) == MIG_ENABLE:
             gpu.reasons.append(MIG_REASON)
 
-    def _read_fabric(self, h: Any, gpu: _Gpu) -> None:
+    def _read_fabric(self, h: Any, gpu: GpuReading) -> None:
         try:
             info = self._lib.c_nvmlGpuFabricInfoV_t()
         except AttributeError:  # a binding older than 12.560
@@ -583,89 +278,5 @@ class NvmlAdapter:
         gpu.clique = fabric_clique(fabric.state, fabric.status, fabric.cluster_uuid, fabric.clique_id)
         if gpu.clique is not None and fabric.health_mask & 0x3 == 1:
             # healthMask bits 0-1 are DEGRADED_BW: 1 = TRUE, 2 = FALSE, 0 = not supported.
-            gpu.health = _worst(gpu.health, Health.DEGRADED)
+            gpu.health = worst_health(gpu.health, Health.DEGRADED)
             gpu.reasons.append("NVLink fabric reports degraded bandwidth")
-
-    def _assemble(self, gpus: list[_Gpu]) -> NodeTopology:
-        by_bus = {g.bus_id: g.index for g in gpus if g.bus_id}
-        n = len(gpus)
-        direct: list[Counter[int]] = [Counter() for _ in range(n)]
-        switch = [0] * n
-        nvswitch = False
-        degraded: list[DegradedLink] = []
-        for g in gpus:
-            any_active = any(lk.active for lk in g.links)
-            down: list[int] = []
-            unknown: dict[str, list[int]] = {}
-            for lk in g.links:
-                if not lk.active:
-                    # Expected when the GPU uses NVLink at all or this link was once up; an unwired
-                    # PCIe card reports every link inactive and is simply not NVLink-connected.
-                    if any_active or (g.uuid, lk.index) in self._tracker.ever_active:
-                        degraded.append(
-                            DegradedLink(gpu=g.index, link=lk.index, state=LinkState.DOWN, detail="link not active")
-                        )
-                        down.append(lk.index)
-                    continue
-                if lk.verdict.degraded:
-                    degraded.append(
-                        DegradedLink(gpu=g.index, link=lk.index, state=LinkState.DEGRADED, detail=lk.verdict.detail)
-                    )
-                    g.health = _worst(g.health, Health.DEGRADED)
-                    g.reasons.append(f"NVLink link {lk.index} degraded: {lk.verdict.detail}")
-                    continue
-                if lk.verdict.unknown:
-                    # Still counted: nothing says the link is bad, only that its health cannot be
-                    # checked now, so the GPU is reported degraded (never healthy) with the reason.
-                    unknown.setdefault(lk.verdict.detail, []).append(lk.index)
-                if lk.verdict.warning:
-                    g.reasons.append(f"NVLink link {lk.index}: {lk.verdict.detail}")
-                if lk.remote_type == DEVICE_TYPE_IBMNPU:
-                    continue  # NVLink to a POWER CPU: no GPU peer
-                peer = by_bus.get(lk.remote_bus) if lk.remote_bus else None
-                if lk.remote_type in (DEVICE_TYPE_GPU, None) and peer is not None and peer != g.index:
-                    direct[g.index][peer] += 1
-                else:
-                    # SWITCH, UNKNOWN, or a remote NVML cannot place (VMs, GB200 switch trays):
-                    # NCCL and PyTorch assume an invisible NVSwitch.
-                    switch[g.index] += 1
-                    nvswitch = True
-            # One reason per kind, not per link: a 36-link GPU would otherwise overflow MAX_REASONS.
-            if down:
-                g.health = _worst(g.health, Health.DEGRADED)
-                g.reasons.append(f"NVLink {_links_phrase(down)} down")
-            for detail, links in unknown.items():
-                g.health = _worst(g.health, Health.DEGRADED)
-                g.reasons.append(f"NVLink {_links_phrase(links)} health unknown: {detail}")
-        generations = [g.generation for g in gpus if g.generation]
-        generation = max(generations, default=0)
-        cliques = Counter(g.clique for g in gpus if g.clique)
-        fabric = None
-        if cliques:
-            clique, _ = cliques.most_common(1)[0]
-            if len(cliques) > 1:
-                log.warning("GPUs report different fabric cliques", extra={"cliques": sorted(cliques)})
-            fabric = FabricInfo(clique=clique)
-        return NodeTopology(
-            gpus=tuple(
-                GpuInfo(
-                    index=g.index,
-                    uuid=g.uuid,
-                    model=g.model,
-                    memory_mib=g.memory_mib,
-                    pci_bus_id=g.bus_id,
-                    numa_node=g.numa,
-                    health=g.health,
-                    reasons=_bounded(g.reasons),
-                )
-                for g in gpus
-            ),
-            nvlink=NvlinkInfo(
-                generation=generation,
-                gbps_per_link=NVLINK_GBPS_PER_LINK.get(generation, 0.0),
-                nvswitch=nvswitch,
-                links=nvlink_matrix(direct, switch) if n else (),
-            ),
-            degraded_links=tuple(degraded),
-            fabric=fabric,
-        )

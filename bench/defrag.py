@@ -16,7 +16,8 @@ import random
 import time
 
 from gputopo.engine.cliques import bits, k_cliques
-from gputopo.engine.defrag import DEFAULT_SIZES, Figures, PlacedPod, class_figures, plan
+from gputopo.engine.defrag import PlacedPod, plan
+from gputopo.engine.fragmentation import DEFAULT_SIZES, Figures, class_figures
 from gputopo.engine.snapshot import NodeState, node_state, shape_of
 from gputopo.model import PodRequest
 from gputopo.systems import build_system

@@ -30,22 +30,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import ssl
-import statistics
 import sys
-import threading
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
+# Beside this script: bench/ is no package, and running a script puts its own folder on sys.path.
+from throughput_run import GPUS_PER_POD, Deadline, RunResult, delete_pods, measure_run, say
 
-from gputopo.kube import WatchEvent
+from agent.labels import node_labels
 from gputopo.localcluster import (
     GPUTOPO_PROFILE,
     PLAIN_PROFILE,
@@ -57,10 +52,10 @@ from gputopo.localcluster import (
     SimNode,
     find_binaries,
     network_labels,
-    pod_manifest,
 )
+from gputopo.localcluster.promstats import HistSum, diff, extender_metrics, http_get, scheduler_metrics
 from gputopo.localcluster.stack import Stack
-from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION, node_labels
+from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION, agent_lease_name
 from gputopo.systems import build_system
 
 TARGET_RATIO = 0.5
@@ -68,25 +63,7 @@ TARGET_RATIO = 0.5
 MIX: tuple[tuple[str, int], ...] = (("dgx-h100", 5), ("hgx-h200", 4), ("dgx-a100", 1))
 NODES_PER_LEAF = 32
 LEAVES_PER_SPINE = 8
-GPUS_PER_POD = 8
 LEASE_DURATION_S = 3600
-
-
-class Deadline:
-    """The global time budget: every wait takes what is left of it."""
-
-    def __init__(self, seconds: float) -> None:
-        self.end = time.monotonic() + seconds
-
-    def left(self) -> float:
-        return max(0.0, self.end - time.monotonic())
-
-    def expired(self) -> bool:
-        return self.left() <= 0.0
-
-
-def say(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 # ----------------------------------------------------------------------------------- cluster setup
@@ -123,31 +100,10 @@ def create_leases(kube: KubeClient, namespace: str, nodes: Sequence[str], worker
     now = datetime.now(UTC)
 
     def one(node: str) -> None:
-        kube.create_lease(namespace, f"gputopo-agent-{node}", holder=node, renew_time=now, duration_s=LEASE_DURATION_S)
+        kube.create_lease(namespace, agent_lease_name(node), holder=node, renew_time=now, duration_s=LEASE_DURATION_S)
 
     with ThreadPoolExecutor(max_workers=workers) as ex:
         list(ex.map(one, nodes))
-
-
-# ----------------------------------------------------------------------------------- measuring
-
-
-def _insecure() -> ssl.SSLContext:
-    ctx = ssl.create_default_context()
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    return ctx
-
-
-def http_get(url: str, *, timeout: float = 10.0) -> tuple[int, str]:
-    ctx = _insecure() if url.startswith("https://") else None
-    try:
-        with urllib.request.urlopen(url, timeout=timeout, context=ctx) as r:
-            return int(r.status), r.read().decode(errors="replace")
-    except urllib.error.HTTPError as e:
-        return int(e.code), ""
-    except OSError:
-        return 0, ""
 
 
 def wait_scheduler_ready(cp: ControlPlane, name: str, deadline: Deadline) -> None:
@@ -162,259 +118,6 @@ def wait_scheduler_ready(cp: ControlPlane, name: str, deadline: Deadline) -> Non
             return
         time.sleep(0.2)
     raise TimeoutError(f"{name} not ready before the deadline")
-
-
-@dataclass
-class HistSum:
-    count: float = 0.0
-    total: float = 0.0
-    buckets: dict[float, float] = field(default_factory=dict)
-
-    def minus(self, before: HistSum) -> HistSum:
-        return HistSum(
-            self.count - before.count,
-            self.total - before.total,
-            {le: v - before.buckets.get(le, 0.0) for le, v in self.buckets.items()},
-        )
-
-    @property
-    def mean_ms(self) -> float:
-        return 1000.0 * self.total / self.count if self.count else float("nan")
-
-    def quantile_ms(self, q: float) -> float:
-        """Upper bound of the bucket holding the q-quantile (what a histogram can tell)."""
-        if not self.count:
-            return float("nan")
-        want = q * self.count
-        for le in sorted(self.buckets):
-            if self.buckets[le] >= want:
-                return 1000.0 * le
-        return float("inf")
-
-
-def histograms(text: str, name: str, label: str, match: dict[str, str] | None = None) -> dict[str, HistSum]:
-    """Histogram `name` from a Prometheus text page, summed per value of `label`."""
-    out: dict[str, HistSum] = {}
-    for fam in text_string_to_metric_families(text):
-        if fam.name != name:
-            continue
-        for s in fam.samples:
-            if match and any(s.labels.get(k) != v for k, v in match.items()):
-                continue
-            h = out.setdefault(s.labels.get(label, ""), HistSum())
-            if s.name == name + "_count":
-                h.count += s.value
-            elif s.name == name + "_sum":
-                h.total += s.value
-            elif s.name == name + "_bucket":
-                le = float(s.labels["le"])
-                h.buckets[le] = h.buckets.get(le, 0.0) + s.value
-    return out
-
-
-class BindWatcher(threading.Thread):
-    """Watches bound pods of one namespace (`fieldSelector=spec.nodeName!=`) and records when each was
-    first seen bound, on this process's monotonic clock (the local cluster client's watch)."""
-
-    def __init__(self, kube: KubeClient, namespace: str, resource_version: str, want: int, deadline: Deadline) -> None:
-        super().__init__(name=f"watch-{namespace}", daemon=True)
-        self.kube = kube
-        self.namespace = namespace
-        self.rv = resource_version
-        self.want = want
-        self.deadline = deadline
-        self.bound: dict[str, tuple[float, str]] = {}  # pod -> (monotonic time, node)
-        self.lock = threading.Lock()
-        self.done = threading.Event()
-        self.stop = threading.Event()
-        self.error = ""
-
-    def run(self) -> None:
-        try:
-            while not self.stop.is_set() and not self.deadline.expired() and len(self.bound) < self.want:
-                self._watch_once(max(1, min(60, int(self.deadline.left()))))
-        except Exception as e:  # reported; the caller falls back to listing
-            self.error = f"{type(e).__name__}: {e}"
-        finally:
-            self.done.set()
-
-    def _watch_once(self, timeout_s: int) -> None:
-        events = self.kube.watch(
-            f"/api/v1/namespaces/{self.namespace}/pods",
-            self.rv,
-            timeout_seconds=timeout_s,
-            field_selector="spec.nodeName!=",
-        )
-        for ev in events:
-            self._event(ev, time.monotonic())
-            if self.stop.is_set() or len(self.bound) >= self.want:
-                return
-
-    def _event(self, ev: WatchEvent, now: float) -> None:
-        meta = ev.object.get("metadata") or {}
-        if meta.get("resourceVersion"):
-            self.rv = str(meta["resourceVersion"])
-        node = (ev.object.get("spec") or {}).get("nodeName")
-        if ev.type in ("ADDED", "MODIFIED") and node:
-            with self.lock:
-                self.bound.setdefault(str(meta.get("name")), (now, str(node)))
-
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int | None) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc); 0 when unknown."""
-    if pid is None:
-        return 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def cpu_snapshot(cp: ControlPlane) -> dict[str, float]:
-    out = {name: cpu_seconds(cp.pid(name)) for name in cp.components()}
-    t = os.times()
-    out["this benchmark"] = t.user + t.system
-    return out
-
-
-@dataclass
-class RunResult:
-    label: str
-    scheduler: str
-    pods: int
-    created: int = 0
-    bound: int = 0
-    create_s: float = float("nan")
-    wall_s: float = float("nan")
-    latencies_s: list[float] = field(default_factory=list)
-    nodes_used: int = 0
-    gpus_bound: int = 0
-    note: str = ""
-    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds per process during the run
-
-    @property
-    def throughput(self) -> float:
-        return self.bound / self.wall_s if self.wall_s and self.wall_s == self.wall_s and self.wall_s > 0 else 0.0
-
-    def pct_ms(self, q: int) -> float:
-        if not self.latencies_s:
-            return float("nan")
-        if len(self.latencies_s) == 1:
-            return 1000.0 * self.latencies_s[0]
-        return 1000.0 * statistics.quantiles(self.latencies_s, n=100, method="inclusive")[q - 1]
-
-
-def measure_run(
-    kube: KubeClient,
-    cp: ControlPlane,
-    *,
-    label: str,
-    scheduler: str,
-    namespace: str,
-    pods: int,
-    annotations: dict[str, str],
-    workers: int,
-    deadline: Deadline,
-    progress_every: float = 5.0,
-) -> RunResult:
-    res = RunResult(label=label, scheduler=scheduler, pods=pods)
-    kube.create_namespace(namespace)
-    rv = str(kube.request("GET", f"/api/v1/namespaces/{namespace}/pods").get("metadata", {}).get("resourceVersion"))
-    watcher = BindWatcher(kube, namespace, rv, pods, deadline)
-    watcher.start()
-    manifests = [
-        pod_manifest(
-            f"bench-{i:05d}",
-            namespace=namespace,
-            scheduler_name=scheduler,
-            gpus=GPUS_PER_POD,
-            annotations=annotations,
-            labels={"app": "scheduler-throughput"},
-        )
-        for i in range(pods)
-    ]
-    sent: dict[str, float] = {}
-    errors: list[str] = []
-
-    def create(m: dict[str, Any]) -> None:
-        name = m["metadata"]["name"]
-        if deadline.expired():
-            return
-        sent[name] = time.monotonic()
-        try:
-            kube.create_pod(m)
-        except KubeApiError as e:
-            sent.pop(name, None)
-            errors.append(str(e))
-
-    say(f"run {label}: creating {pods} pods ({scheduler}) with {workers} parallel clients")
-    cpu_before = cpu_snapshot(cp)
-    t0 = time.monotonic()
-    with ThreadPoolExecutor(max_workers=workers) as ex:
-        list(ex.map(create, manifests))
-    res.create_s = time.monotonic() - t0
-    res.created = len(sent)
-    if errors:
-        res.note = f"{len(errors)} creates failed, first: {errors[0]}"
-    say(f"run {label}: created {res.created} pods in {res.create_s:.2f}s ({res.created / res.create_s:.0f}/s)")
-
-    next_report = time.monotonic() + progress_every
-    while not watcher.done.wait(0.5):
-        if deadline.expired():
-            break
-        if time.monotonic() >= next_report:
-            with watcher.lock:
-                n = len(watcher.bound)
-            say(f"run {label}: {n}/{res.created} bound after {time.monotonic() - t0:.1f}s")
-            next_report += progress_every
-        if res.created < pods and len(watcher.bound) >= res.created:
-            break
-    watcher.stop.set()
-    cpu_after = cpu_snapshot(cp)
-    res.cpu_s = {k: v - cpu_before.get(k, 0.0) for k, v in cpu_after.items()}
-    if watcher.error:
-        say(f"run {label}: watch failed ({watcher.error}); falling back to a list")
-    with watcher.lock:
-        seen = dict(watcher.bound)
-    # The list is the truth about what bound; a pod the watch missed counts as bound now (upper bound).
-    listed = {
-        p["metadata"]["name"]: str(p["spec"]["nodeName"])
-        for p in kube.list_pods(namespace, label_selector="app=scheduler-throughput")
-        if (p.get("spec") or {}).get("nodeName")
-    }
-    now = time.monotonic()
-    for name, node in listed.items():
-        seen.setdefault(name, (now, node))
-    seen = {k: v for k, v in seen.items() if k in listed}
-    res.bound = len(seen)
-    if seen:
-        res.wall_s = max(t for t, _ in seen.values()) - t0
-        res.latencies_s = [t - sent[name] for name, (t, _) in seen.items() if name in sent]
-        res.nodes_used = len({n for _, n in seen.values()})
-        res.gpus_bound = GPUS_PER_POD * res.bound
-    if res.bound < res.created:
-        extra = f"{res.created - res.bound} pods not bound before the deadline"
-        res.note = f"{res.note}; {extra}" if res.note else extra
-    if res.nodes_used != res.bound:
-        extra = f"{res.bound - res.nodes_used} 8-GPU pods share a node (double booking?)"
-        res.note = f"{res.note}; {extra}" if res.note else extra
-    say(f"run {label}: {res.bound}/{res.created} bound, {res.throughput:.1f} pods/s")
-    return res
-
-
-def delete_pods(kube: KubeClient, namespace: str, workers: int, deadline: Deadline) -> None:
-    names = [p["metadata"]["name"] for p in kube.list_pods(namespace)]
-    with ThreadPoolExecutor(max_workers=workers) as ex:
-        list(ex.map(lambda n: kube.delete_pod(namespace, n), names))
-    while not deadline.expired():
-        if not kube.list_pods(namespace):
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"pods in {namespace} not gone before the deadline")
 
 
 # ----------------------------------------------------------------------------------- report
@@ -493,40 +196,6 @@ def print_report(
 # ----------------------------------------------------------------------------------- main
 
 
-SCHED_METRICS = {
-    "attempt (scheduled)": ("scheduler_scheduling_attempt_duration_seconds", {"result": "scheduled"}),
-    "algorithm (filter+score)": ("scheduler_scheduling_algorithm_duration_seconds", {}),
-    "extension point Bind": ("scheduler_framework_extension_point_duration_seconds", {"extension_point": "Bind"}),
-}
-
-
-def scheduler_metrics(cp: ControlPlane, name: str) -> dict[str, HistSum]:
-    status, text = http_get(f"https://127.0.0.1:{cp.scheduler_port(name)}/metrics")
-    if status != 200:
-        return {}
-    out: dict[str, HistSum] = {}
-    for title, (metric, match) in SCHED_METRICS.items():
-        h = HistSum()
-        for part in histograms(text, metric, "__none__", match).values():
-            h.count += part.count
-            h.total += part.total
-            for le, v in part.buckets.items():
-                h.buckets[le] = h.buckets.get(le, 0.0) + v
-        out[title] = h
-    return out
-
-
-def extender_metrics(url: str) -> dict[str, HistSum]:
-    status, text = http_get(f"{url}/metrics")
-    if status != 200:
-        return {}
-    return histograms(text, "gputopo_extender_request_duration_seconds", "verb")
-
-
-def diff(after: dict[str, HistSum], before: dict[str, HistSum]) -> dict[str, HistSum]:
-    return {k: v.minus(before[k]) if k in before else v for k, v in after.items()}
-
-
 def run(args: argparse.Namespace) -> int:
     deadline = Deadline(args.deadline)
     bin_dir = find_binaries()
@@ -579,7 +248,9 @@ def run(args: argparse.Namespace) -> int:
             sched = stack.start_scheduler(**sched_kw)
             wait_scheduler_ready(cp, sched, deadline)
             before = scheduler_metrics(cp, sched)
-            ext_before = extender_metrics(stack.extender_url)
+            # The extender serves /metrics on its own metrics port, not beside the scheduler verbs.
+            ext_metrics = stack.pods[0].metrics_url
+            ext_before = extender_metrics(ext_metrics)
             b = measure_run(
                 kube,
                 cp,
@@ -593,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
             )
             runs.append(b)
             sched_lat[GPUTOPO_PROFILE] = diff(scheduler_metrics(cp, sched), before)
-            ext_lat = diff(extender_metrics(stack.extender_url), ext_before)
+            ext_lat = diff(extender_metrics(ext_metrics), ext_before)
             if args.diagnose and not deadline.expired():
                 # Run C: the same pods and profile, but kube-scheduler binds itself: the extender
                 # answers filter and prioritize only. Separates the bind path's cost from the rest.

@@ -3,8 +3,9 @@
 A report only. It reads the live cluster the way `gputopo explain` does (one list of Nodes, Pods and
 the agents' Leases into the extender's own cache, so in-use GPUs are counted exactly as the extender
 counts them), or a cluster file with an optional file of placed and pending pods; it never writes to
-the API server: no eviction, no annotation, no Event. The algorithm is in `gputopo/engine/defrag.py`;
-docs/defrag.md describes the output.
+the API server: no eviction, no annotation, no Event. The figures come from
+`gputopo/engine/fragmentation.py`, the moves from `gputopo/engine/defrag.py`; docs/defrag.md
+describes the output.
 """
 
 from __future__ import annotations
@@ -20,17 +21,14 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gputopo.clusterfile import ClusterFileError, _load, cluster_states, load_cluster
-from gputopo.engine.defrag import (
+from gputopo.engine.defrag import MAX_MOVES, PlacedPod, Plan, plan
+from gputopo.engine.fragmentation import (
     DEFAULT_SIZES,
-    MAX_MOVES,
     ClassFigures,
     Figures,
-    PlacedPod,
-    Plan,
     class_figures,
     cluster_figures,
     normalize_sizes,
-    plan,
     takes_pods,
 )
 from gputopo.engine.reasons import message

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from gputopo.cli import main
-from gputopo.engine import defrag as defrag_engine
-from gputopo.engine.defrag import PlacedPod, class_figures, node_figures, plan
+from gputopo.engine import fragmentation as defrag_engine
+from gputopo.engine.defrag import PlacedPod, plan
+from gputopo.engine.fragmentation import class_figures, node_figures
 from gputopo.engine.snapshot import NodeState, node_state
 from gputopo.model import PodRequest, parse_pod_request
 from gputopo.systems import build_system

@@ -1,0 +1,57 @@
+"""The project's one Kubernetes access layer: configuration, raw-JSON requests, list+watch, retries.
+
+Everything that talks to an API server goes through here: the extender (`extender.kube`), the node
+agent, the local control plane's client and the benchmarks. Importers take every name from
+`gputopo.kube`; each lives in one module:
+
+- `errors`: `KubeError` (one type for every failed call) and `Gone` (410: relist);
+- `config`: which kubeconfig, and the `kubernetes` client configuration built from it;
+- `paths`: where the project's resources live, and their JSON and MicroTime formats;
+- `watch`: a watch stream decoded line by line into `WatchEvent`s;
+- `backoff`: the one capped exponential backoff, `retry`, and the list+watch thread body;
+- `client`: `Kube`, the requests, paged lists, watches and typed writes.
+"""
+
+from gputopo.kube.backoff import Backoff, is_retryable, retry, run_list_watch, short_error
+from gputopo.kube.client import LIST_PAGE_SIZE, Kube, Query
+from gputopo.kube.config import client_configuration, find_kubeconfig
+from gputopo.kube.errors import Gone, KubeError, status_error
+from gputopo.kube.paths import (
+    JSON,
+    MICROTIME,
+    events_path,
+    lease_path,
+    micro_time,
+    node_path,
+    pod_path,
+    pods_path,
+)
+from gputopo.kube.watch import MAX_LINE_BYTES, WatchEvent, decode_event, iter_lines
+
+__all__ = [
+    "JSON",
+    "LIST_PAGE_SIZE",
+    "MAX_LINE_BYTES",
+    "MICROTIME",
+    "Backoff",
+    "Gone",
+    "Kube",
+    "KubeError",
+    "Query",
+    "WatchEvent",
+    "client_configuration",
+    "decode_event",
+    "events_path",
+    "find_kubeconfig",
+    "is_retryable",
+    "iter_lines",
+    "lease_path",
+    "micro_time",
+    "node_path",
+    "pod_path",
+    "pods_path",
+    "retry",
+    "run_list_watch",
+    "short_error",
+    "status_error",
+]

@@ -1,0 +1,265 @@
+"""The client: raw-JSON requests by path, paged lists, watches, and the project's typed writes.
+
+The maintained `kubernetes` package carries the requests (TLS, bearer tokens and their refresh, the
+connection pool); bodies and results stay plain JSON dicts, as the API server speaks them, so no
+typed model objects are built (a 5,000-node list stays cheap) and one error type covers every call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from gputopo.kube.config import client_configuration
+from gputopo.kube.errors import KubeError, status_error
+from gputopo.kube.paths import JSON, events_path, lease_path, micro_time, node_path, pod_path
+from gputopo.kube.watch import MAX_LINE_BYTES, WatchEvent, decode_event, iter_lines
+
+Query = Mapping[str, object] | Sequence[tuple[str, str]]
+
+LIST_PAGE_SIZE = 500
+
+
+def _pairs(query: Query | None) -> list[tuple[str, str]]:
+    if query is None:
+        return []
+    if isinstance(query, Mapping):
+        return [(str(k), str(v)) for k, v in query.items()]
+    return [(str(k), str(v)) for k, v in query]
+
+
+class Kube:
+    """One API server: raw-JSON requests by path, paged lists, watches, and the project's typed writes.
+
+    `kubeconfig` None means in-cluster configuration (`find_kubeconfig` does the usual lookup first).
+    `request_timeout` applies to calls that name none (None: wait as long as it takes)."""
+
+    def __init__(
+        self,
+        kubeconfig: str | Path | None,
+        *,
+        request_timeout: float | None = 10.0,
+        pool_size: int = 64,
+        max_line_bytes: int = MAX_LINE_BYTES,
+    ) -> None:
+        from kubernetes import client as k8s_client
+
+        self.configuration: Any = client_configuration(kubeconfig, pool_size=pool_size)
+        self.api_client: Any = k8s_client.ApiClient(configuration=self.configuration)
+        self._api_exception: type[Exception] = k8s_client.ApiException
+        self.request_timeout = request_timeout
+        self.max_line_bytes = max_line_bytes
+        self._streams_lock = threading.Lock()
+        self._streams: set[Any] = set()
+
+    # ------------------------------------------------------------------ raw requests
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        body: JSON | None,
+        query: Query | None,
+        content_type: str,
+        timeout: float | tuple[float, float] | None,
+    ) -> Any:
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        m, url, hdrs, b, _ = self.api_client.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=_pairs(query) or None,
+            header_params=headers,
+            body=body,  # a dict: the client encodes it (a pre-encoded str would be sent as a JSON string)
+            auth_settings=["BearerToken"],
+        )
+        try:
+            return self.api_client.call_api(
+                m, url, header_params=hdrs, body=b, _request_timeout=timeout or self.request_timeout
+            )
+        except self._api_exception as e:
+            status = int(getattr(e, "status", 0) or 0)
+            text = str(getattr(e, "body", "") or getattr(e, "reason", "") or e)
+            raise status_error(status, text, method=method, path=path) from None
+        except Exception as e:  # connection refused, TLS, timeouts: urllib3's many exception types
+            raise KubeError(0, f"{type(e).__name__}: {e}", method=method, path=path) from None
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        *,
+        query: Query | None = None,
+        content_type: str = "application/json",
+        timeout: float | tuple[float, float] | None = None,
+    ) -> JSON:
+        """One call; the decoded JSON answer ({} when empty). Raises `KubeError` (`Gone` for 410)."""
+        resp = self._send(method, path, dict(body) if body is not None else None, query, content_type, timeout)
+        try:
+            data: bytes = resp.read() or b""
+        except Exception as e:  # the connection broke while the body streamed in
+            raise KubeError(0, f"{type(e).__name__}: {e}", method=method, path=path) from None
+        status = int(resp.status)
+        if not 200 <= status <= 299:
+            raise status_error(status, data, method=method, path=path)
+        if not data:
+            return {}
+        out: JSON = json.loads(data)
+        return out
+
+    def get(self, path: str, *, query: Query | None = None) -> JSON:
+        return self.request("GET", path, query=query)
+
+    def create(self, path: str, body: Mapping[str, Any]) -> JSON:
+        return self.request("POST", path, body)
+
+    def merge_patch(self, path: str, patch: Mapping[str, Any]) -> JSON:
+        """JSON merge patch: only the named fields change (a None value removes one)."""
+        return self.request("PATCH", path, patch, content_type="application/merge-patch+json")
+
+    def delete(self, path: str, body: Mapping[str, Any] | None = None) -> JSON:
+        return self.request("DELETE", path, body)
+
+    def list_items(
+        self,
+        path: str,
+        *,
+        label_selector: str = "",
+        field_selector: str = "",
+        timeout: float | None = 60.0,
+    ) -> tuple[list[JSON], str]:
+        """Every item at a collection path, in pages, and the list's resourceVersion (to watch from)."""
+        items: list[JSON] = []
+        cont, rv = "", ""
+        while True:
+            query = [("limit", str(LIST_PAGE_SIZE))]
+            query += [("labelSelector", label_selector)] if label_selector else []
+            query += [("fieldSelector", field_selector)] if field_selector else []
+            query += [("continue", cont)] if cont else []
+            doc = self.request("GET", path, query=query, timeout=timeout)
+            items.extend(doc.get("items") or [])
+            meta = doc.get("metadata") or {}
+            rv = str(meta.get("resourceVersion") or rv)
+            cont = str(meta.get("continue") or "")
+            if not cont:
+                return items, rv
+
+    def watch(
+        self,
+        path: str,
+        resource_version: str,
+        *,
+        timeout_seconds: int,
+        label_selector: str = "",
+        field_selector: str = "",
+        bookmarks: bool = True,
+    ) -> Iterator[WatchEvent]:
+        """Changes at a collection path after `resource_version` (BOOKMARK events included when
+        `bookmarks`), until the server ends the watch after `timeout_seconds` or `close()` aborts it.
+        Raises `Gone` on 410 and `KubeError` on any other failure."""
+        query = [("watch", "true"), ("resourceVersion", resource_version), ("timeoutSeconds", str(timeout_seconds))]
+        query += [("allowWatchBookmarks", "true")] if bookmarks else []
+        query += [("labelSelector", label_selector)] if label_selector else []
+        query += [("fieldSelector", field_selector)] if field_selector else []
+        resp = self._send("GET", path, None, query, "application/json", (10.0, timeout_seconds + 30.0))
+        raw = resp.response  # the urllib3 response, not yet read
+        with self._streams_lock:
+            self._streams.add(raw)
+        finished = False
+        try:
+            if not 200 <= int(resp.status) <= 299:
+                raise status_error(int(resp.status), resp.read() or b"", method="GET", path=path)
+            try:
+                for line in iter_lines(raw.stream(65536, decode_content=True), self.max_line_bytes):
+                    event = decode_event(line)
+                    if event is not None:
+                        yield event
+            except KubeError:
+                raise
+            except Exception as e:  # the stream broke (or close() aborted it)
+                raise KubeError(0, f"{type(e).__name__}: {e}", method="GET", path=path) from None
+            finished = True
+        finally:
+            with self._streams_lock:
+                self._streams.discard(raw)
+            if not finished:
+                # Left mid-stream (the caller stopped, or an error): the connection still carries the
+                # rest of the watch, so it must not go back to the pool for another request.
+                with contextlib.suppress(Exception):
+                    raw.close()
+            raw.release_conn()
+
+    def close(self) -> None:
+        """Abort watches in progress (a thread blocked reading one wakes with an error) and close the pool."""
+        with self._streams_lock:
+            streams = list(self._streams)
+        for raw in streams:
+            with contextlib.suppress(Exception):
+                getattr(raw, "shutdown", raw.close)()
+        self.api_client.close()
+
+    # ------------------------------------------------------------------ the project's writes
+
+    def create_binding(
+        self, namespace: str, name: str, uid: str, node: str, *, annotations: Mapping[str, str] | None = None
+    ) -> None:
+        """POST pods/binding. The API server copies the Binding's annotations onto the pod in the same
+        update that sets spec.nodeName (the pod registry's BindingREST), so one call places and binds."""
+        meta: JSON = {"name": name, "namespace": namespace}
+        if uid:
+            meta["uid"] = uid
+        if annotations:
+            meta["annotations"] = dict(annotations)
+        body: JSON = {
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": meta,
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+        }
+        self.create(f"{pod_path(namespace, name)}/binding", body)
+
+    def create_event(self, namespace: str, event: Mapping[str, Any]) -> None:
+        """A core/v1 Event."""
+        self.create(events_path(namespace), event)
+
+    def patch_node_metadata(
+        self, name: str, *, annotations: Mapping[str, str] | None = None, labels: Mapping[str, str] | None = None
+    ) -> JSON:
+        """Merge-patch a Node's annotations and labels: only the named keys change."""
+        metadata: JSON = {}
+        if annotations:
+            metadata["annotations"] = dict(annotations)
+        if labels:
+            metadata["labels"] = dict(labels)
+        return self.merge_patch(node_path(name), {"metadata": metadata})
+
+    def create_lease(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        holder: str,
+        renew_time: datetime,
+        duration_s: int,
+        labels: Mapping[str, str] | None = None,
+    ) -> JSON:
+        """A coordination/v1 Lease, acquired and renewed at `renew_time`."""
+        now = micro_time(renew_time)
+        meta: JSON = {"name": name, "namespace": namespace}
+        if labels:
+            meta["labels"] = dict(labels)
+        spec = {"holderIdentity": holder, "leaseDurationSeconds": duration_s, "acquireTime": now, "renewTime": now}
+        body: JSON = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta, "spec": spec}
+        return self.create(lease_path(namespace), body)
+
+    def renew_lease(self, namespace: str, name: str, *, holder: str, renew_time: datetime, duration_s: int) -> JSON:
+        """Update an existing Lease's holder, renewTime and duration; `KubeError` 404 when it does not exist."""
+        spec = {"holderIdentity": holder, "renewTime": micro_time(renew_time), "leaseDurationSeconds": duration_s}
+        return self.merge_patch(lease_path(namespace, name), {"spec": spec})

@@ -1,0 +1,39 @@
+"""Where the project's resources live on the API server, and the JSON and time formats they are
+written in."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import quote
+
+JSON = dict[str, Any]
+
+MICROTIME = "%Y-%m-%dT%H:%M:%S.%fZ"
+
+
+def node_path(name: str = "") -> str:
+    return f"/api/v1/nodes/{quote(name)}" if name else "/api/v1/nodes"
+
+
+def pods_path(namespace: str = "") -> str:
+    """All namespaces' pods when `namespace` is empty."""
+    return f"/api/v1/namespaces/{quote(namespace)}/pods" if namespace else "/api/v1/pods"
+
+
+def pod_path(namespace: str, name: str) -> str:
+    return f"{pods_path(namespace)}/{quote(name)}"
+
+
+def lease_path(namespace: str, name: str = "") -> str:
+    base = f"/apis/coordination.k8s.io/v1/namespaces/{quote(namespace)}/leases"
+    return f"{base}/{quote(name)}" if name else base
+
+
+def events_path(namespace: str) -> str:
+    return f"/api/v1/namespaces/{quote(namespace)}/events"
+
+
+def micro_time(t: datetime) -> str:
+    """A MicroTime (Lease renewTime, Event eventTime) in UTC."""
+    return t.astimezone(UTC).strftime(MICROTIME)
