@@ -1,1 +1,1 @@
-"""gputopo-extender: kube-scheduler's HTTP extender protocol over a live cluster cache (design.md)."""
+"""gputopo-extender: kube-scheduler's HTTP extender protocol over a live cluster cache (docs/extender.md)."""

@@ -1,4 +1,4 @@
-"""`cluster.yaml` and `jobs.yaml` (design.md, "Cluster and job files"): the simulator's input and the
+"""`cluster.yaml` and `jobs.yaml` (docs/simulator.md, "Files"): the simulator's input and the
 extender's `--snapshot` source. Errors name the file, the entry and the field."""
 
 from __future__ import annotations

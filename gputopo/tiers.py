@@ -1,10 +1,12 @@
-"""The network hierarchy read from node labels (design.md, "Network hierarchy")."""
+"""The network hierarchy read from node labels (docs/annotations.md, "Network tiers")."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from gputopo.model import LABEL_NETWORK_LEAF, LABEL_NETWORK_SPINE
 
 
 class Tier(BaseModel):
@@ -27,7 +29,7 @@ class TierConfig(BaseModel):
             name="spine",
             oversubscription=2.0,  # assumed: a spine's uplinks 2:1, leaves non-blocking
             labels=(
-                "gputopo.io/network-spine",
+                LABEL_NETWORK_SPINE,
                 "network.topology.nvidia.com/spine",
                 "topology.k8s.aws/network-node-layer-2",
                 "cloud.google.com/gce-topology-block",
@@ -36,7 +38,7 @@ class TierConfig(BaseModel):
         Tier(
             name="leaf",
             labels=(
-                "gputopo.io/network-leaf",
+                LABEL_NETWORK_LEAF,
                 "network.topology.nvidia.com/leaf",
                 "topology.k8s.aws/network-node-layer-3",
                 "cloud.google.com/gce-topology-subblock",

@@ -1,4 +1,4 @@
-"""The summary figures of a simulation (reference/performance.md §5), defined precisely.
+"""The summary figures of a simulation (docs/simulator.md, "Summary figures"), defined precisely.
 
 - Multi-GPU pods on a full NVLink clique: of the pods with 2+ GPUs that ask for NVLink (`required` or
   `preferred`; `nvlink: ignore` pods are left out), the placed ones whose GPUs are pairwise

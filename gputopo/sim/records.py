@@ -13,7 +13,7 @@ class SimPod:
     job: str
     index: int
     request: PodRequest
-    opted_in: bool = True  # carries a gputopo.io/ request annotation (design.md); else a plain pod
+    opted_in: bool = True  # carries a gputopo.io/ request annotation (docs/annotations.md); else a plain pod
 
     @property
     def stage(self) -> int:
