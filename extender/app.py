@@ -102,6 +102,7 @@ def create_listeners(
         finally:
             for inf in informers:
                 inf.stop.set()
+            extender.close()  # queued Events go out while the API client is still open
             if owned is not None:
                 owned.close()
                 extender.source = None

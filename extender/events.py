@@ -12,10 +12,10 @@ from datetime import UTC, datetime
 from extender.kube import JSON, ClusterSource
 from extender.mismatch import Mismatch
 from gputopo.kube import KubeError
+from gputopo.model import EXTENDER_COMPONENT
 
 log = logging.getLogger("gputopo.extender.events")
 
-COMPONENT = "gputopo-extender"
 EVENT_REASON = "TopologyPlacement"
 MISMATCH_REASON = "TopologyPlacementMismatch"
 MAX_EVENT_NAME = 253
@@ -26,15 +26,29 @@ class EventPoster:
         self._source = source  # read at post time: the app may attach its API client after start
         self.instance = socket.gethostname()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gputopo-events")
+        self._closed = False
 
     def flush(self, timeout: float = 10.0) -> None:
         """Wait until the events queued so far are posted (tests, shutdown)."""
         self._pool.submit(lambda: None).result(timeout=timeout)
 
+    def close(self, timeout: float = 10.0) -> None:
+        """Post what is queued (bounded by `timeout`), then stop the posting threads; later posts are dropped."""
+        try:
+            self.flush(timeout)
+        except Exception as e:  # shutdown goes on: a lost event is only logged
+            log.warning("events still queued at shutdown were not all posted", extra={"error": str(e)})
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._closed = True
+
     def placed(self, namespace: str, name: str, uid: str, sentence: str) -> None:
+        if self._closed:
+            return
         self._pool.submit(self._placed, namespace, name, uid, sentence)
 
     def mismatch(self, m: Mismatch) -> None:
+        if self._closed:
+            return
         self._pool.submit(self._mismatch, m)
 
     def _placed(self, namespace: str, name: str, uid: str, sentence: str) -> None:
@@ -76,8 +90,8 @@ class EventPoster:
             "reason": reason,
             "message": text[:1024],
             "type": kind,
-            "source": {"component": COMPONENT},
-            "reportingComponent": COMPONENT,
+            "source": {"component": EXTENDER_COMPONENT},
+            "reportingComponent": EXTENDER_COMPONENT,
             "reportingInstance": self.instance,
             "firstTimestamp": now,
             "lastTimestamp": now,

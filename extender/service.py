@@ -95,6 +95,10 @@ class Extender:
             ledger = self.ledger
             metrics.track_fragmentation(lambda: ledger.generation, ledger.states, ledger.clock)
 
+    def close(self) -> None:
+        """Shutdown: post the queued events, then stop their threads."""
+        self.events.close()
+
     def flush_events(self, timeout: float = 10.0) -> None:
         """Wait until the events queued so far are posted (tests, shutdown)."""
         self.events.flush(timeout)

@@ -4,13 +4,18 @@ only bound pods (or binds in flight) hold GPUs."""
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 
+from extender.app import create_app
+from extender.settings import Settings
 from gputopo.kube import KubeError
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
-from tests.extender.harness import JSON, Env, gputopo_pod, node_obj, pod_obj
+from tests.extender.fake import FakeSource
+from tests.extender.harness import JSON, NS, Env, FakeClock, gputopo_pod, node_obj, pod_obj
 
 
 @pytest.fixture
@@ -199,3 +204,33 @@ def test_event_failure_does_not_fail_the_bind(cluster: Env, monkeypatch: pytest.
     monkeypatch.setattr(cluster.source, "create_event", no_events)
     assert cluster.bind(pod, "gpu-07") == ""
     assert cluster.source.bindings
+
+
+def test_shutdown_posts_queued_events_then_stops_their_threads() -> None:
+    source = FakeSource(NS)
+    settings = Settings(namespace=NS, stale_after_seconds=120, reservation_timeout_seconds=120)
+    app = create_app(settings, cluster=source, clock=FakeClock(), watch=False)
+    release = threading.Event()
+    posted = source.create_event
+
+    def slow_create_event(namespace: str, event: JSON) -> None:
+        release.wait(10)  # hold the first Event until shutdown has begun
+        posted(namespace, event)
+
+    source.create_event = slow_create_event  # type: ignore[method-assign]
+    with TestClient(app) as client:
+        env = Env(source, FakeClock(), client, settings)
+        env.add_nodes(node_obj("gpu-07"))
+        env.resync()
+        pod = gputopo_pod("train-0", 4)
+        env.add_pods(pod)
+        meta = pod["metadata"]
+        bind = {"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": "gpu-07"}
+        assert client.post("/bind", json=bind).json() == {"Error": ""}
+        assert source.events == []  # still queued behind the held post
+        release.set()
+    # Leaving the app: the queued Event was posted, and the posting threads are gone.
+    assert [e["reason"] for e in source.events] == ["TopologyPlacement"]
+    extender = app.state.extender
+    extender.events.placed(NS, "late", "uid-late", "after shutdown")
+    assert [e["reason"] for e in source.events] == ["TopologyPlacement"]
