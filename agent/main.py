@@ -48,12 +48,12 @@ from agent.pods import KubeLocalPods, KubePodSource, LocalPods, StaticLocalPods
 from agent.publisher import KubeNodeApi, NodeApi, Publisher, PublishResult
 from agent.runner import Agent
 from gputopo.jsonlog import configure_logging
-from gputopo.model import GPU_RESOURCE
+from gputopo.model import AGENT_COMPONENT, DEFAULT_NAMESPACE, GPU_RESOURCE
 from gputopo.render import render_topology
 
 log = logging.getLogger("agent")
 
-PROG = "gputopo-agent"
+PROG = AGENT_COMPONENT
 ENV_PREFIX = "GPUTOPO_"
 # An extended resource name: <DNS subdomain>/<name>, as the kubelet's device manager accepts it.
 _RESOURCE_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
@@ -79,7 +79,7 @@ class AgentSettings(BaseSettings):
         validation_alias=AliasChoices("node_name", "NODE_NAME"),
         description="the Node to publish to (env NODE_NAME; required unless --once)",
     )
-    namespace: str = Field("gputopo-system", description="namespace of the heartbeat Lease")
+    namespace: str = Field(DEFAULT_NAMESPACE, description="namespace of the heartbeat Lease")
     backend: str = Field("nvml", description="nvml, fixture:NAME or file:PATH")
     interval_seconds: float = Field(default=10.0, gt=0, description="discovery period")
     heartbeat_seconds: float = Field(default=30.0, gt=0, description="Lease renewal period")

@@ -21,24 +21,21 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Protocol
 
+from agent.labels import node_labels
 from gputopo.kube import Backoff, Kube, node_path, retry, short_error
 from gputopo.model import (
+    AGENT_COMPONENT,
     GPUS_IN_USE_ANNOTATION,
     NODE_LABEL_KEYS,
     TOPOLOGY_ANNOTATION,
     GpusInUse,
     NodeTopology,
-    node_labels,
+    agent_lease_name,
 )
 
 log = logging.getLogger(__name__)
 
-LEASE_PREFIX = "gputopo-agent-"
 DEFAULT_BACKOFF = Backoff()  # 0.5 s, 1 s, 2 s between four tries
-
-
-def lease_name(node: str) -> str:
-    return f"{LEASE_PREFIX}{node}"
 
 
 @dataclass(frozen=True)
@@ -138,7 +135,7 @@ class Publisher:
         self._monotonic = monotonic
         self._node = node
         self._namespace = namespace
-        self._lease = lease_name(node)
+        self._lease = agent_lease_name(node)
         self._duration = lease_duration_s
         self._sleep = sleep
         self._backoff = backoff
@@ -213,5 +210,5 @@ class KubeNodeApi:
             holder=spec.holder,
             renew_time=spec.renew_time,
             duration_s=spec.duration_s,
-            labels={"app.kubernetes.io/name": "gputopo-agent"},
+            labels={"app.kubernetes.io/name": AGENT_COMPONENT},
         )

@@ -38,7 +38,15 @@ from agent.metrics import AgentMetrics
 from agent.pods import StaticLocalPods
 from agent.publisher import Publisher
 from agent.runner import Agent
-from gputopo.model import DEFAULT_NAMESPACE, GPU_RESOURCE, PLACEMENT_ANNOTATION, GpusInUse, NodeTopology, Placement
+from gputopo.model import (
+    DEFAULT_NAMESPACE,
+    GPU_RESOURCE,
+    PLACEMENT_ANNOTATION,
+    TOPOLOGY_ANNOTATION,
+    GpusInUse,
+    NodeTopology,
+    Placement,
+)
 from gputopo.systems import build_system
 from tests.agent.memory_api import InMemoryNodeApi
 
@@ -90,7 +98,7 @@ def bench_cycles(system: str, cycles: int) -> None:
         t0 = time.perf_counter()
         changing_agent.cycle()
         changing.append(time.perf_counter() - t0)
-    size = len(api.annotations.get("gputopo.io/topology", ""))
+    size = len(api.annotations.get(TOPOLOGY_ANNOTATION, ""))
     print(f"== discovery + publish cycle, fixture:{system} ({size} B topology annotation)")
     print(f"first cycle (Node patched):       {first * 1e3:.3f} ms")
     print(f"steady cycles x{cycles} (no write):  {ms(steady)}; Node patches {api.calls['patch_node'] - 1}")

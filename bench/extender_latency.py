@@ -31,6 +31,8 @@ import yaml
 from fastapi import FastAPI, Request, Response
 from pydantic_core import from_json, to_json
 
+from gputopo.model import GPU_RESOURCE, LABEL_NETWORK_LEAF, LABEL_NETWORK_SPINE, SCHEDULER_NAME
+
 FIXTURES = ("dgx-h100", "hgx-h200", "dgx-a100", "l40s-4")
 TARGETS = {("gputopo-8", 5000): 15.0, ("plain", 5000): 2.0}
 
@@ -45,7 +47,7 @@ def write_cluster(path: Path, n: int, seed: int = 7) -> list[str]:
         node: dict[str, Any] = {
             "name": f"gpu-{i:05d}",
             "fixture": fixture,
-            "labels": {"gputopo.io/network-spine": f"spine-{spine}", "gputopo.io/network-leaf": f"leaf-{leaf}"},
+            "labels": {LABEL_NETWORK_SPINE: f"spine-{spine}", LABEL_NETWORK_LEAF: f"leaf-{leaf}"},
         }
         r = rng.random()
         if r < 0.3:
@@ -62,12 +64,12 @@ def pod(gputopo: bool) -> dict[str, Any]:
     return {
         "metadata": meta,
         "spec": {
-            "schedulerName": "gputopo-scheduler",
+            "schedulerName": SCHEDULER_NAME,
             "containers": [
                 {
                     "name": "train",
                     "image": "x",
-                    "resources": {"limits": {"nvidia.com/gpu": "8"}, "requests": {"nvidia.com/gpu": "8"}},
+                    "resources": {"limits": {GPU_RESOURCE: "8"}, "requests": {GPU_RESOURCE: "8"}},
                 }
             ],
         },

@@ -39,6 +39,8 @@ from typing import Any
 import httpx
 import yaml
 
+from gputopo.model import GPU_RESOURCE, LABEL_NETWORK_LEAF, SCHEDULER_NAME
+
 HANG_SECONDS = 5.0
 LIMIT = 1024 * 1024  # the server's --max-request-bytes here: over-limit cases stay cheap to send
 VERBS = ("filter", "prioritize", "bind", "preempt", "mutate")
@@ -48,7 +50,7 @@ PROTOCOL_KEYS = {"Pods", "UID", "NumPDBViolations"}
 
 
 def pod(name: str, gpus: int) -> dict[str, Any]:
-    limits = {"nvidia.com/gpu": str(gpus)}
+    limits = {GPU_RESOURCE: str(gpus)}
     return {
         "metadata": {
             "name": name,
@@ -57,7 +59,7 @@ def pod(name: str, gpus: int) -> dict[str, Any]:
             "annotations": {"gputopo.io/nvlink": "required", "gputopo.io/min-gpu-memory": "40Gi"},
         },
         "spec": {
-            "schedulerName": "gputopo-scheduler",
+            "schedulerName": SCHEDULER_NAME,
             "containers": [{"name": "main", "image": "x", "resources": {"limits": limits, "requests": limits}}],
         },
         "status": {"phase": "Pending"},
@@ -199,7 +201,7 @@ def certificate(tmp: Path) -> tuple[Path, Path, Path]:
 
 def write_cluster(path: Path) -> None:
     nodes = [
-        {"name": "dgx-0", "fixture": "dgx-h100", "labels": {"gputopo.io/network-leaf": "leaf-1"}},
+        {"name": "dgx-0", "fixture": "dgx-h100", "labels": {LABEL_NETWORK_LEAF: "leaf-1"}},
         {"name": "dgx-1", "fixture": "dgx-h100", "gpusInUse": [0, 1]},
         {"name": "l40s-0", "fixture": "l40s-4"},
     ]

@@ -65,7 +65,14 @@ from gputopo.clusterfile import JobSpec  # noqa: E402
 from gputopo.engine.groups import Member, plan_group  # noqa: E402
 from gputopo.engine.placement import evaluate_pod, rank  # noqa: E402
 from gputopo.engine.snapshot import NodeState, node_state  # noqa: E402
-from gputopo.model import GpuInfo, NodeTopology, NvlinkInfo, parse_pod_request  # noqa: E402
+from gputopo.model import (  # noqa: E402
+    LABEL_NETWORK_LEAF,
+    LABEL_NETWORK_SPINE,
+    GpuInfo,
+    NodeTopology,
+    NvlinkInfo,
+    parse_pod_request,
+)
 from gputopo.sim import SimResult, simulate  # noqa: E402
 from gputopo.systems import build_system  # noqa: E402
 from gputopo.tiers import DEFAULT_TIERS  # noqa: E402
@@ -76,8 +83,6 @@ PODS_CSV = DATA / "alibaba-gpu-v2023" / "openb_pod_list_multigpu50.csv"
 TOPO_CSV = DATA / "alibaba-lingjun-2023" / "topo.csv"
 
 POLICIES = ("gputopo", "default", "random")
-SPINE = "gputopo.io/network-spine"
-LEAF = "gputopo.io/network-leaf"
 
 # HBM per GPU as nvidia-smi reports it (MiB), and the name it shows.
 PCIE_MODELS = {
@@ -151,7 +156,7 @@ def lingjun_hosts(sort: bool = False) -> list[tuple[str, str]]:
 
 
 def labels_for(host: tuple[str, str]) -> dict[str, str]:
-    return {SPINE: host[0], LEAF: host[1]}
+    return {LABEL_NETWORK_SPINE: host[0], LABEL_NETWORK_LEAF: host[1]}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from gputopo.engine.reasons import Code
 from gputopo.engine.scoring import to_extender_priority
 from gputopo.kube import KubeError
 from gputopo.model import (
+    GPU_RESOURCE,
     PLACEMENT_ANNOTATION,
     AnnotationError,
     Placement,
@@ -81,7 +82,7 @@ def bound_object(info: PodInfo, node: str, placement: Placement) -> JSON:
             "uid": info.uid or info.ref,
             "annotations": {**info.annotations, PLACEMENT_ANNOTATION: placement.to_annotation()},
         },
-        "spec": {"nodeName": node, "containers": [{"resources": {"limits": {"nvidia.com/gpu": str(info.gpus)}}}]},
+        "spec": {"nodeName": node, "containers": [{"resources": {"limits": {GPU_RESOURCE: str(info.gpus)}}}]},
         "status": {"phase": info.phase or "Pending"},
     }
 

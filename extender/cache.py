@@ -31,7 +31,7 @@ from extender.objects import (
 )
 from gputopo.engine.reasons import Reason
 from gputopo.engine.snapshot import NodeState
-from gputopo.model import GpusInUse
+from gputopo.model import DEFAULT_NAMESPACE, GpusInUse
 
 log = logging.getLogger("gputopo.extender.cache")
 
@@ -47,7 +47,7 @@ def _freeze() -> None:
 class ClusterCache:
     """The informers' handler (`replace`/`apply`), or a static cluster (`load_static`), over one ledger."""
 
-    def __init__(self, *, lease_namespace: str = "gputopo-system", **options: Unpack[LedgerOptions]) -> None:
+    def __init__(self, *, lease_namespace: str = DEFAULT_NAMESPACE, **options: Unpack[LedgerOptions]) -> None:
         self.ledger = Ledger(**options)
         self.clock = self.ledger.clock
         self.lease_namespace = lease_namespace

@@ -30,13 +30,13 @@ from typing import TypedDict
 
 from extender import mismatch
 from extender.mismatch import Mismatch
-from extender.objects import LEASE_PREFIX, NodeEntry, NodeFacts, PodRecord
+from extender.objects import NodeEntry, NodeFacts, PodRecord
 from extender.reservations import GroupKey, Reservation, ReservationBook, SlotKey
 from gputopo.engine.placement import Outcome, evaluate_node
 from gputopo.engine.reasons import Reason
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.snapshot import NodeState, node_state
-from gputopo.model import GpusInUse, PodRequest
+from gputopo.model import GpusInUse, PodRequest, agent_lease_name
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 log = logging.getLogger("gputopo.extender.ledger")
@@ -138,7 +138,7 @@ class Ledger:
                 labels=e.labels,
                 in_use=e.fresh.in_use,
                 problem=Reason.TOPOLOGY_STALE,
-                problem_detail=STALE_DETAIL.format(lease=LEASE_PREFIX + e.name),
+                problem_detail=STALE_DETAIL.format(lease=agent_lease_name(e.name)),
                 tiers=self.tiers,
             )
         return e.stale

@@ -18,6 +18,7 @@ from extender.wire import WireError, pod_info
 from gputopo.engine.reasons import Reason
 from gputopo.engine.snapshot import NodeState, node_state
 from gputopo.model import (
+    AGENT_LEASE_PREFIX,
     ANN_GROUP,
     ANN_GROUP_SIZE,
     GPUS_IN_USE_ANNOTATION,
@@ -37,7 +38,6 @@ from gputopo.model import (
 
 log = logging.getLogger("gputopo.extender.objects")
 
-LEASE_PREFIX = "gputopo-agent-"
 MAX_NAME = 253  # DNS-1123 subdomain: the longest Node, Pod or Lease name the API server accepts
 MAX_VALUE_BYTES = 256 * 1024  # the API server's cap on one object's annotations, all together
 MAX_DETAIL = 300  # reasons quote object content: keep what is stored and logged short
@@ -241,7 +241,7 @@ def lease_renewal(obj: Any, namespace: str) -> tuple[str, float | None] | None:
     """(node, renew time or None when absent) for an agent's Lease in `namespace`; None for other Leases."""
     name = object_name(obj)
     meta = obj["metadata"]
-    if not name.startswith(LEASE_PREFIX) or meta.get("namespace", namespace) != namespace:
+    if not name.startswith(AGENT_LEASE_PREFIX) or meta.get("namespace", namespace) != namespace:
         return None
     spec = obj.get("spec")
     if spec is None:
@@ -251,4 +251,4 @@ def lease_renewal(obj: Any, namespace: str) -> tuple[str, float | None] | None:
     raw = spec.get("renewTime") or spec.get("acquireTime")
     if raw is not None and not isinstance(raw, str):
         raise BadObject("spec.renewTime is not a string")
-    return name[len(LEASE_PREFIX) :], parse_time(raw or "")
+    return name[len(AGENT_LEASE_PREFIX) :], parse_time(raw or "")

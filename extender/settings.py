@@ -13,10 +13,11 @@ from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
 
 from extender.limits import DEFAULT_MAX_REQUEST_BYTES
 from gputopo.engine.scoring import ScoreWeights
+from gputopo.model import DEFAULT_NAMESPACE, EXTENDER_COMPONENT
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
-PROG = "gputopo-extender"
+PROG = EXTENDER_COMPONENT
 ENV_PREFIX = "GPUTOPO_"
 
 
@@ -59,7 +60,7 @@ class Settings(BaseSettings):
     metrics_host: str = Field("0.0.0.0", description="listen address of /metrics")
     metrics_port: int = Field(9402, ge=0, le=65535, description="port of /metrics, /healthz, /readyz (0 = off)")
     kubeconfig: Path | None = Field(None, description="kubeconfig to reach the API server (unset: in-cluster)")
-    namespace: str = Field("gputopo-system", description="namespace of the agents' Leases")
+    namespace: str = Field(DEFAULT_NAMESPACE, description="namespace of the agents' Leases")
     stale_after_seconds: float = Field(120.0, gt=0, description="a node whose agent Lease is older is stale")
     reservation_timeout_seconds: float = Field(120.0, gt=0, description="unbound group reservations expire")
     snapshot: Path | None = Field(None, description="serve from a static cluster file, no API server")

@@ -30,11 +30,11 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gputopo.model import PREFIX, SCHEDULER_NAME
+
 __all__ = [
     "ADMISSION_API_VERSION",
-    "ANNOTATION_PREFIX",
     "DEFAULT_SCHEDULER",
-    "GPUTOPO_SCHEDULER",
     "AdmissionRequest",
     "AdmissionResponse",
     "AdmissionReview",
@@ -46,8 +46,6 @@ __all__ = [
 ]
 
 ADMISSION_API_VERSION: Final = "admission.k8s.io/v1"
-ANNOTATION_PREFIX = "gputopo.io/"
-GPUTOPO_SCHEDULER = "gputopo-scheduler"
 DEFAULT_SCHEDULER = "default-scheduler"
 
 
@@ -118,7 +116,7 @@ class AdmissionReview(BaseModel):
 def _has_gputopo_annotation(annotations: Any) -> bool:
     if not isinstance(annotations, Mapping):  # absent, or not the object Kubernetes would send
         return False
-    return any(isinstance(k, str) and k.startswith(ANNOTATION_PREFIX) for k in annotations)
+    return any(isinstance(k, str) and k.startswith(PREFIX) for k in annotations)
 
 
 def is_opted_in(pod: Mapping[str, Any]) -> bool:
@@ -132,7 +130,7 @@ def is_opted_in(pod: Mapping[str, Any]) -> bool:
     return spec.get("schedulerName") in (None, "", DEFAULT_SCHEDULER)
 
 
-def scheduler_name_patch(scheduler_name: str = GPUTOPO_SCHEDULER) -> list[dict[str, str]]:
+def scheduler_name_patch(scheduler_name: str = SCHEDULER_NAME) -> list[dict[str, str]]:
     """The JSONPatch (RFC 6902) that sets ``spec.schedulerName``.
 
     ``add`` on an existing member replaces it (RFC 6902 §4.1), so one operation covers a pod
@@ -141,7 +139,7 @@ def scheduler_name_patch(scheduler_name: str = GPUTOPO_SCHEDULER) -> list[dict[s
     return [{"op": "add", "path": "/spec/schedulerName", "value": scheduler_name}]
 
 
-def mutate_pod(admission_review: dict[str, Any], scheduler_name: str = GPUTOPO_SCHEDULER) -> dict[str, Any]:
+def mutate_pod(admission_review: dict[str, Any], scheduler_name: str = SCHEDULER_NAME) -> dict[str, Any]:
     """Answer one AdmissionReview (v1): allow, and patch the scheduler name of opted-in pods.
 
     Raises :class:`ValueError` (a pydantic ``ValidationError``, or for a review without a request)

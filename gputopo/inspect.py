@@ -18,17 +18,17 @@ from gputopo.engine.reasons import Code, summarize_failures
 from gputopo.engine.scoring import to_extender_priority
 from gputopo.kube import KubeError, find_kubeconfig
 from gputopo.model import (
+    DEFAULT_NAMESPACE,
     GPUS_IN_USE_ANNOTATION,
     PLACEMENT_ANNOTATION,
     PREFIX,
     TOPOLOGY_ANNOTATION,
     AnnotationError,
+    agent_lease_name,
     parse_gpus_in_use_report,
     parse_placement,
     parse_topology,
 )
-
-DEFAULT_NAMESPACE = "gputopo-system"
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -68,7 +68,7 @@ def _lease_age(source: Any, node: str) -> float | None:
     from extender.objects import parse_time
 
     try:
-        lease = source.get_lease(f"gputopo-agent-{node}")
+        lease = source.get_lease(agent_lease_name(node))
     except KubeError:
         return None
     spec = lease.get("spec") or {}
@@ -113,7 +113,9 @@ def run_topo(args: argparse.Namespace) -> int:
         print("Labels: " + ", ".join(f"{k}={v}" for k, v in ours.items()))
     age = _lease_age(source, args.node)
     if age is None:
-        print(f"Heartbeat: no Lease gputopo-agent-{args.node} in {args.gputopo_namespace}: topology counts as stale")
+        print(
+            f"Heartbeat: no Lease {agent_lease_name(args.node)} in {args.gputopo_namespace}: topology counts as stale"
+        )
     elif age > args.stale_after_seconds:
         print(f"Heartbeat: {age:.0f}s ago, older than {args.stale_after_seconds:.0f}s: topology is STALE")
     else:

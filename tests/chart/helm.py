@@ -22,12 +22,13 @@ import pytest
 import yaml
 
 from gputopo.localcluster.binaries import find_binaries
+from gputopo.model import DEFAULT_NAMESPACE
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "gputopo"
 CI_DIR = CHART / "ci"
 RELEASE = "gputopo"
-NAMESPACE = "gputopo-system"
+NAMESPACE = DEFAULT_NAMESPACE
 KUBE_VERSION = "1.34.4"
 
 Doc = dict[str, Any]

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from gputopo.engine.scoring import ScoreWeights
+from gputopo.model import AGENT_LEASE_PREFIX, GPU_RESOURCE, SCHEDULER_NAME
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 from tests.chart.helm import (
     CHART,
@@ -209,9 +210,9 @@ def test_scheduler_config_has_exactly_the_extender_protocol_keys() -> None:
         "nodeCacheCapable": True,
         "httpTimeout": "5s",
         "ignorable": False,
-        "managedResources": [{"name": "nvidia.com/gpu", "ignoredByScheduler": False}],
+        "managedResources": [{"name": GPU_RESOURCE, "ignoredByScheduler": False}],
     }
-    assert cfg["profiles"] == [{"schedulerName": "gputopo-scheduler"}]
+    assert cfg["profiles"] == [{"schedulerName": SCHEDULER_NAME}]
     assert cfg["percentageOfNodesToScore"] == 100
     assert cfg["leaderElection"] == {
         "leaderElect": True,
@@ -419,7 +420,7 @@ def test_agent_daemonset_runs_on_gpu_nodes_unprivileged_by_default() -> None:
     ds = one(render(), "DaemonSet", component="agent")
     pod = _pod_spec(ds)
     assert pod["priorityClassName"] == "system-node-critical"
-    assert {"key": "nvidia.com/gpu", "operator": "Exists"} in pod["tolerations"]
+    assert {"key": GPU_RESOURCE, "operator": "Exists"} in pod["tolerations"]
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     keys = {e["key"] for t in terms for e in t["matchExpressions"]}
     assert keys == {"nvidia.com/gpu.present", "feature.node.kubernetes.io/pci-10de.present"}
@@ -451,7 +452,7 @@ def test_agent_daemonset_runs_on_gpu_nodes_unprivileged_by_default() -> None:
     assert volumes["sysfs"]["hostPath"]["path"] == "/sys"
     assert env["GPUTOPO_DEVICE_PLUGIN"] == "true"
     assert env["GPUTOPO_DEVICE_PLUGIN_DIR"] == "/var/lib/kubelet/device-plugins"
-    assert env["GPUTOPO_RESOURCE_NAME"] == "nvidia.com/gpu"
+    assert env["GPUTOPO_RESOURCE_NAME"] == GPU_RESOURCE
     assert env["GPUTOPO_DEVICE_LIST_STRATEGY"] == "envvar"
     assert env["GPUTOPO_PREFERRED_ALLOCATION"] == "placement"
     assert volumes["device-plugins"]["hostPath"] == {"path": "/var/lib/kubelet/device-plugins", "type": "Directory"}
@@ -536,7 +537,7 @@ def test_agent_admission_policy_binds_node_changes_to_the_token_node() -> None:
     assert "oldObject.metadata.annotations" in text
     assert "oldObject.metadata.labels" in text
     assert "object.spec == oldObject.spec" in text
-    assert "'gputopo-agent-' + variables.nodeNames[0]" in text
+    assert f"'{AGENT_LEASE_PREFIX}' + variables.nodeNames[0]" in text
     binding = one(docs, "ValidatingAdmissionPolicyBinding", component="agent")
     assert binding["apiVersion"] == "admissionregistration.k8s.io/v1"
     assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from agent.labels import node_labels
 from gputopo.engine.placement import evaluate_node
 from gputopo.engine.reasons import Code, Reason
 from gputopo.engine.snapshot import node_state
-from gputopo.model import LinkLayer, PcieDistance, node_labels, parse_pod_request
+from gputopo.model import LinkLayer, PcieDistance, parse_pod_request
 from gputopo.systems import GB200_CLIQUE, SYSTEMS, UnknownSystemError, build_system
 
 DGX1V_LINKS = [

@@ -16,6 +16,7 @@ from typing import Any
 
 from extender.kube import JSON, Kind
 from gputopo.kube import Gone, KubeError, WatchEvent
+from gputopo.model import DEFAULT_NAMESPACE
 
 
 def _key(obj: Mapping[str, Any]) -> tuple[str, str]:
@@ -24,7 +25,7 @@ def _key(obj: Mapping[str, Any]) -> tuple[str, str]:
 
 
 class FakeSource:
-    def __init__(self, namespace: str = "gputopo-system") -> None:
+    def __init__(self, namespace: str = DEFAULT_NAMESPACE) -> None:
         self.namespace = namespace
         self._lock = threading.Condition()
         self._rv = 0

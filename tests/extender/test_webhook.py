@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from extender.webhook import GPUTOPO_SCHEDULER, mutate_pod
+from extender.webhook import mutate_pod
+from gputopo.model import SCHEDULER_NAME
 
 
 def _pod(annotations: dict[str, str] | None = None, scheduler: str | None = None) -> dict[str, Any]:
@@ -55,7 +56,7 @@ def _patch(out: dict[str, Any]) -> list[dict[str, Any]] | None:
     return patch
 
 
-SET_SCHEDULER = [{"op": "add", "path": "/spec/schedulerName", "value": GPUTOPO_SCHEDULER}]
+SET_SCHEDULER = [{"op": "add", "path": "/spec/schedulerName", "value": SCHEDULER_NAME}]
 
 CASES = [
     pytest.param(_pod({"gputopo.io/nvlink": "required"}), SET_SCHEDULER, id="gputopo annotation, no scheduler: set it"),
@@ -73,7 +74,7 @@ CASES = [
         id="explicit other scheduler is respected",
     ),
     pytest.param(
-        _pod({"gputopo.io/nvlink": "required"}, scheduler=GPUTOPO_SCHEDULER),
+        _pod({"gputopo.io/nvlink": "required"}, scheduler=SCHEDULER_NAME),
         None,
         id="already gputopo-scheduler: no patch",
     ),
@@ -140,7 +141,7 @@ def test_the_patch_applies_to_the_pod() -> None:
         assert op["op"] == "add"
         _, top, field = op["path"].split("/")
         pod[top][field] = op["value"]
-    assert pod["spec"]["schedulerName"] == GPUTOPO_SCHEDULER
+    assert pod["spec"]["schedulerName"] == SCHEDULER_NAME
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,65 @@
+"""The `gputopo.io/placement` pod annotation: what gputopo decided for a pod, and why."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+from pydantic import Field, ValidationError
+
+from gputopo.model.base import AnnotationError, Wire, format_validation_error
+from gputopo.model.names import PLACEMENT_ANNOTATION
+from gputopo.model.quantity import MAX_QUANTITY
+from gputopo.model.request import MAX_MESSAGE_BYTES
+from gputopo.model.topology import MAX_GPUS_PER_NODE, MAX_TEXT_LENGTH, Name
+
+# Anyone who can edit a pod can write this annotation, and its GPU indices become bit positions: bound
+# them to a node's GPUs, and the texts to a few sentences.
+_Sentence = Annotated[str, Field(max_length=4 * MAX_TEXT_LENGTH)]
+_Score = Annotated[int, Field(ge=-MAX_QUANTITY, le=MAX_QUANTITY)]
+
+
+class RunnerUp(Wire):
+    node: Name
+    score: _Score
+    why: _Sentence
+
+
+_Millis = Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
+
+
+class CommEstimate(Wire):
+    """Predicted communication times of a placement (docs/cost-model.md), in milliseconds."""
+
+    message_bytes: Annotated[int, Field(alias="messageBytes", ge=1, le=MAX_MESSAGE_BYTES)]
+    # The pod's all-reduce over its own GPUs; absent for one GPU.
+    all_reduce_ms: _Millis | None = Field(alias="allReduceMs", default=None)
+    # The same all-reduce on the runner-up node's GPUs.
+    runner_up_all_reduce_ms: _Millis | None = Field(alias="runnerUpAllReduceMs", default=None)
+    # A group member: the transfer to the next stage (the last stage: from the previous one).
+    stage_transfer_ms: _Millis | None = Field(alias="stageTransferMs", default=None)
+    # A group member: the all-reduce across the group's members (one rank per member, over the NICs).
+    group_all_reduce_ms: _Millis | None = Field(alias="groupAllReduceMs", default=None)
+
+
+class Placement(Wire):
+    """What gputopo decided for a pod; written at bind time and read back to rebuild assumed GPUs."""
+
+    node: Name
+    gpus: Annotated[tuple[Annotated[int, Field(ge=0, lt=MAX_GPUS_PER_NODE)], ...], Field(max_length=MAX_GPUS_PER_NODE)]
+    score: _Score
+    reason: _Sentence
+    runner_up: RunnerUp | None = Field(alias="runnerUp", default=None)
+    group: Name | None = None
+    stage: Annotated[int, Field(ge=0, le=4096)] | None = None
+    estimate: CommEstimate | None = None
+
+    def to_annotation(self) -> str:
+        return json.dumps(self.model_dump(mode="json", by_alias=True, exclude_none=True), separators=(",", ":"))
+
+
+def parse_placement(text: str) -> Placement:
+    try:
+        return Placement.model_validate_json(text)
+    except ValidationError as e:
+        raise AnnotationError(PLACEMENT_ANNOTATION, text, format_validation_error(e)) from None

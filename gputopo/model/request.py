@@ -1,0 +1,180 @@
+"""A pod's placement request: its GPU count and its `gputopo.io/*` annotations, validated."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from gputopo.model.base import AnnotationError
+from gputopo.model.names import GPU_RESOURCE, PLACEMENT_ANNOTATION, PREFIX
+from gputopo.model.quantity import MAX_QUANTITY, parse_quantity_bytes
+from gputopo.model.topology import NicInfo
+
+# The annotations a pod opts in with (docs/annotations.md).
+ANN_NVLINK = "gputopo.io/nvlink"
+ANN_MIN_GPU_MEMORY = "gputopo.io/min-gpu-memory"
+ANN_GROUP = "gputopo.io/group"
+ANN_GROUP_SIZE = "gputopo.io/group-size"
+ANN_STAGE = "gputopo.io/stage"
+ANN_NETWORK = "gputopo.io/network"
+ANN_SPREAD = "gputopo.io/spread"
+ANN_REQUIRED_TIER = "gputopo.io/required-tier"
+ANN_PREFERRED_TIER = "gputopo.io/preferred-tier"
+ANN_MESSAGE_SIZE = "gputopo.io/message-size"
+POD_OPT_IN_ANNOTATIONS = (
+    ANN_NVLINK,
+    ANN_MIN_GPU_MEMORY,
+    ANN_GROUP,
+    ANN_GROUP_SIZE,
+    ANN_STAGE,
+    ANN_NETWORK,
+    ANN_SPREAD,
+    ANN_REQUIRED_TIER,
+    ANN_PREFERRED_TIER,
+    ANN_MESSAGE_SIZE,
+)
+# Written by gputopo itself; present on pods but not part of the user's request.
+POD_OUTPUT_ANNOTATIONS = (PLACEMENT_ANNOTATION,)
+
+
+class NvlinkPolicy(StrEnum):
+    REQUIRED = "required"
+    PREFERRED = "preferred"
+    IGNORE = "ignore"
+
+
+class NetworkKind(StrEnum):
+    INFINIBAND = "infiniband"
+    ROCE = "roce"
+    RDMA = "rdma"
+    ANY = "any"
+
+    def accepts(self, nic: NicInfo) -> bool:
+        if not nic.active:
+            return False
+        if self is NetworkKind.ANY or self is NetworkKind.RDMA:
+            return True
+        return nic.rdma_kind == self.value
+
+
+class Spread(StrEnum):
+    NODE = "node"
+    NONE = "none"
+
+
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9._]{0,61}[a-z0-9])?$")
+
+
+# `gputopo.io/message-size`: the bytes of one all-reduce the communication estimate assumes. 1 GiB by
+# default; at most 1 TiB (a larger single collective exceeds any GPU's memory, so it is a typo).
+DEFAULT_MESSAGE_BYTES = 1 << 30
+MAX_MESSAGE_BYTES = 1 << 40
+
+
+class PodRequest(BaseModel):
+    """A pod's placement request: its GPU count plus its parsed `gputopo.io/*` annotations."""
+
+    model_config = ConfigDict(frozen=True)
+
+    gpus: int
+    nvlink: NvlinkPolicy = NvlinkPolicy.REQUIRED
+    min_gpu_memory_mib: int | None = None
+    group: str | None = None
+    group_size: int | None = None
+    stage: int | None = None
+    network: NetworkKind = NetworkKind.ANY
+    spread: Spread = Spread.NODE
+    required_tier: str | None = None
+    preferred_tier: str | None = None
+    message_bytes: int = DEFAULT_MESSAGE_BYTES
+
+    @property
+    def is_group(self) -> bool:
+        return self.group is not None
+
+
+def is_gputopo_pod(annotations: Mapping[str, str] | None) -> bool:
+    """True when the pod opted in: at least one `gputopo.io/` annotation of the request."""
+    return bool(annotations) and any(
+        k.startswith(PREFIX) and k not in POD_OUTPUT_ANNOTATIONS for k in (annotations or {})
+    )
+
+
+def _enum(key: str, value: str, enum: type[StrEnum]) -> Any:
+    try:
+        return enum(value.strip())
+    except ValueError:
+        raise AnnotationError(key, value, "must be one of " + ", ".join(e.value for e in enum)) from None
+
+
+def _int(key: str, value: str, lo: int, hi: int | None = None) -> int:
+    if len(value) > 32:  # before int(): its cost grows with the square of the digits
+        raise AnnotationError(key, value, "must be an integer" + (f" between {lo} and {hi}" if hi is not None else ""))
+    try:
+        v = int(value.strip())
+    except ValueError:
+        raise AnnotationError(key, value, "must be an integer") from None
+    if v < lo or (hi is not None and v > hi):
+        raise AnnotationError(key, value, f"must be between {lo} and {hi}" if hi is not None else f"must be >= {lo}")
+    return v
+
+
+def parse_pod_request(
+    annotations: Mapping[str, str] | None, gpus: int, tiers: tuple[str, ...] = ("spine", "leaf", "nvlink-domain")
+) -> PodRequest:
+    """Validate a pod's `gputopo.io/*` annotations. Raises AnnotationError on the first bad one."""
+    ann = {k: v for k, v in (annotations or {}).items() if k.startswith(PREFIX)}
+    for key, value in ann.items():
+        if key not in POD_OPT_IN_ANNOTATIONS and key not in POD_OUTPUT_ANNOTATIONS:
+            raise AnnotationError(key, value, "unknown gputopo annotation; known: " + ", ".join(POD_OPT_IN_ANNOTATIONS))
+    fields: dict[str, Any] = {"gpus": gpus}
+    if ANN_NVLINK in ann:
+        fields["nvlink"] = _enum(ANN_NVLINK, ann[ANN_NVLINK], NvlinkPolicy)
+    if ANN_MIN_GPU_MEMORY in ann:
+        v = ann[ANN_MIN_GPU_MEMORY]
+        try:
+            fields["min_gpu_memory_mib"] = -(-parse_quantity_bytes(v) // (1024 * 1024))
+        except ValueError as e:
+            raise AnnotationError(ANN_MIN_GPU_MEMORY, v, str(e)) from None
+    if ANN_MESSAGE_SIZE in ann:
+        v = ann[ANN_MESSAGE_SIZE]
+        try:
+            size = parse_quantity_bytes(v)
+        except ValueError as e:
+            raise AnnotationError(ANN_MESSAGE_SIZE, v, str(e)) from None
+        if not 1 <= size <= MAX_MESSAGE_BYTES:
+            raise AnnotationError(ANN_MESSAGE_SIZE, v, "must be between 1 byte and 1Ti")
+        fields["message_bytes"] = size
+    if ANN_NETWORK in ann:
+        fields["network"] = _enum(ANN_NETWORK, ann[ANN_NETWORK], NetworkKind)
+    if ANN_SPREAD in ann:
+        fields["spread"] = _enum(ANN_SPREAD, ann[ANN_SPREAD], Spread)
+    for key, name in ((ANN_REQUIRED_TIER, "required_tier"), (ANN_PREFERRED_TIER, "preferred_tier")):
+        if key in ann:
+            t = ann[key].strip()
+            if t not in tiers:
+                raise AnnotationError(key, ann[key], "unknown tier; configured tiers: " + ", ".join(tiers))
+            fields[name] = t
+    if ANN_GROUP in ann:
+        g = ann[ANN_GROUP].strip()
+        if not _NAME.match(g):
+            raise AnnotationError(ANN_GROUP, ann[ANN_GROUP], "must be a DNS-1123 name (lower case, digits, - . _)")
+        fields["group"] = g
+        if ANN_GROUP_SIZE not in ann:
+            raise AnnotationError(ANN_GROUP, ann[ANN_GROUP], f"needs {ANN_GROUP_SIZE} as well")
+    if ANN_GROUP_SIZE in ann:
+        if ANN_GROUP not in ann:
+            raise AnnotationError(ANN_GROUP_SIZE, ann[ANN_GROUP_SIZE], f"needs {ANN_GROUP} as well")
+        fields["group_size"] = _int(ANN_GROUP_SIZE, ann[ANN_GROUP_SIZE], 1, 4096)
+    if ANN_STAGE in ann:
+        group_size = fields.get("group_size")
+        if group_size is None:
+            raise AnnotationError(ANN_STAGE, ann[ANN_STAGE], f"needs {ANN_GROUP} and {ANN_GROUP_SIZE}")
+        fields["stage"] = _int(ANN_STAGE, ann[ANN_STAGE], 0, group_size - 1)
+    if not 0 <= gpus <= MAX_QUANTITY:
+        raise AnnotationError(GPU_RESOURCE, str(gpus), f"GPU count must be between 0 and {MAX_QUANTITY}")
+    return PodRequest(**fields)
