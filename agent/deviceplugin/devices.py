@@ -14,13 +14,13 @@ from enum import StrEnum
 
 from agent.deviceplugin import api_pb2
 from agent.nvml_backend import MIG_REASON
-from gputopo.model import Health, NodeTopology
+from gputopo.model import AGENT_COMPONENT, Health, NodeTopology
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 CDI_KIND = "nvidia.com/gpu"
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
-CDI_PLUGIN_NAME = "gputopo-agent"
+CDI_PLUGIN_NAME = AGENT_COMPONENT
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
 # The CDI annotation key's name part (plugin + "_" + id) is at most 63 characters, alnum at both ends.
 _CDI_NAME_MAX = 63
