@@ -1,4 +1,4 @@
-"""The local control plane itself: real etcd, kube-apiserver and kube-scheduler v1.34."""
+"""The local control plane itself: real etcd, kube-apiserver and kube-scheduler (1.34 or 1.37)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from gputopo.localcluster import (
     network_labels,
     pod_manifest,
 )
+from gputopo.localcluster.binaries import kubernetes_version
+from gputopo.localcluster.chart import helm_binary, local_scheduler_config, local_values, render
 
 MakeNodes = Callable[[Sequence[SimNode]], list[str]]
 
@@ -40,7 +42,9 @@ def _alive(pid: int, marker: str) -> bool:
 
 def test_apiserver_ready_and_version(control_plane: ControlPlane, kube: KubeClient) -> None:
     assert kube.kubectl("get", "--raw", "/readyz").strip() == "ok"
-    assert kube.request("GET", "/version")["gitVersion"] == "v1.34.4"
+    # the release the binaries were built as (GPUTOPO_K8S_VERSION picks 1.34.4 or 1.37.2)
+    built = "v{}.{}.{}".format(*kubernetes_version(control_plane.bin_dir))
+    assert kube.request("GET", "/version")["gitVersion"] == built
     me = kube.whoami()
     assert "system:masters" in me["groups"]
     assert control_plane.server.startswith("https://127.0.0.1:")
@@ -169,7 +173,10 @@ def stub_extender_scheduler(
 ) -> Iterator[tuple[_StubExtender, list[str]]]:
     names = make_nodes([SimNode(f"{test_id}-{i}", gpus=8) for i in range(3)])
     stub = _StubExtender(kube, allowed=names, preferred=names[1])
-    control_plane.start_gputopo_scheduler(stub.url, name="gputopo-scheduler-stub", http_timeout="5s")
+    # The chart's own scheduler configuration, pointed at the stub instead of the extender sidecar.
+    chart = render(helm_binary(control_plane.bin_dir), local_values())
+    cfg = local_scheduler_config(chart.scheduler_config(), kubeconfig=control_plane.kubeconfig, extender_url=stub.url)
+    control_plane.start_scheduler_config("gputopo-scheduler-stub", cfg)
     try:
         yield stub, names
     finally:
@@ -177,7 +184,7 @@ def stub_extender_scheduler(
         stub.close()
 
 
-def test_gputopo_profile_calls_extender_filter_prioritize_bind(
+def test_the_charts_gputopo_profile_calls_extender_filter_prioritize_bind(
     kube: KubeClient, stub_extender_scheduler: tuple[_StubExtender, list[str]], namespace: str
 ) -> None:
     stub, names = stub_extender_scheduler

@@ -10,6 +10,7 @@ this module only runs it.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from collections import deque
 from collections.abc import Callable
@@ -41,6 +42,20 @@ def find_binaries() -> Path | None:
 def expected_bin_dir() -> Path:
     """The directory the build script uses (whether or not it is complete)."""
     return _check()[1]
+
+
+def kubernetes_version(bin_dir: Path) -> tuple[int, int, int]:
+    """The (major, minor, patch) of the kube-scheduler in ``bin_dir``, from ``--version`` ("Kubernetes
+    v1.37.2"): what version-dependent behaviour (e2e expectations) keys on, whichever way the directory
+    was chosen (the build's cache key or ``GPUTOPO_BIN_DIR``)."""
+    out = subprocess.run(
+        [str(bin_dir / "kube-scheduler"), "--version"], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    match = re.search(r"v(\d+)\.(\d+)\.(\d+)", out)
+    if match is None:
+        raise BinariesError(f"{bin_dir / 'kube-scheduler'} --version printed no version: {out.strip()!r}")
+    major, minor, patch = (int(g) for g in match.groups())
+    return major, minor, patch
 
 
 def _check() -> tuple[bool, Path]:

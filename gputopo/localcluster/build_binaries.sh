@@ -11,7 +11,10 @@
 #
 # Environment: GPUTOPO_CACHE (cache root, default ${XDG_CACHE_HOME:-~/.cache}/gputopo),
 # GPUTOPO_K8S_VERSION, GPUTOPO_ETCD_VERSION, GPUTOPO_HELM_VERSION (pins; each set is its own
-# cache key). Concurrent runs for the same key wait for each other (flock), never build twice.
+# cache key: GPUTOPO_K8S_VERSION=1.37.2 builds next to the default 1.34.4, both stay usable),
+# GPUTOPO_GOTOOLCHAIN (a Go toolchain for the Kubernetes build, e.g. go1.27.3; default: the local Go,
+# or the oldest the release's go.mod accepts when the local one is older). Concurrent runs for the
+# same key wait for each other (flock), never build twice.
 set -euo pipefail
 
 K8S_VERSION="${GPUTOPO_K8S_VERSION:-1.34.4}"
@@ -52,7 +55,20 @@ if k8s_missing; then
   log "kubernetes v$K8S_VERSION: wrapper module (staging modules pinned to $staging)"
   d="$WORK/k8s"; mkdir -p "$d"; cd "$d"
   [[ -f go.mod ]] || go mod init gputopo.local/k8sbin >/dev/null 2>&1
-  gomod=$(go mod download -json "k8s.io/kubernetes@v$K8S_VERSION" | python3 -c 'import json,sys;print(json.load(sys.stdin)["GoMod"])')
+  # The release's go.mod names the oldest Go that builds it (1.34: 1.24, 1.37: 1.26, 1.38: 1.27). An
+  # older local Go answers with an error but still names the downloaded go.mod; then the matching
+  # toolchain comes through the Go module proxy (GOTOOLCHAIN), for this build only.
+  meta=$(go mod download -json "k8s.io/kubernetes@v$K8S_VERSION" || true)
+  gomod=$(python3 -c 'import json,sys;print(json.loads(sys.argv[1]).get("GoMod",""))' "$meta")
+  [[ -f "$gomod" ]] || { log "cannot download k8s.io/kubernetes@v$K8S_VERSION: $meta"; exit 1; }
+  need_go=$(awk '$1 == "go" {print $2; exit}' "$gomod")
+  have_go=$(go env GOVERSION); have_go="${have_go#go}"
+  if [[ -n "${GPUTOPO_GOTOOLCHAIN:-}" ]]; then
+    export GOTOOLCHAIN="$GPUTOPO_GOTOOLCHAIN"
+  elif [[ "$(printf '%s\n%s\n' "$need_go" "$have_go" | sort -V | tail -1)" != "$have_go" ]]; then
+    export GOTOOLCHAIN="go$need_go"
+    log "kubernetes v$K8S_VERSION needs Go >= $need_go (have $have_go): using toolchain $GOTOOLCHAIN"
+  fi
   # The release's own go.mod names every staging module it maps to ./staging; pin each to v0.X.Y.
   for m in $(grep -oE '^\s*k8s\.io/[a-z0-9-]+ => \./staging' "$gomod" | awk '{print $1}' | sort -u); do
     go mod edit -replace="$m=$m@$staging"

@@ -101,6 +101,9 @@ def kubelet_configuration(
         # That write is the map's only one after construction; nothing here needs the capacity.
         "localStorageCapacityIsolation": False,
         "failSwapOn": False,
+        # From 1.35 the kubelet refuses to start on a cgroup v1 host unless told otherwise (the
+        # default turned true); it manages no cgroups here, so the host's cgroup version is moot.
+        "failCgroupV1": False,
         "containerRuntimeEndpoint": cri_endpoint,
         "imageServiceEndpoint": cri_endpoint,
         "registerNode": True,
