@@ -7,7 +7,8 @@
    intervals against an in-memory NodeApi for a bounded time, counting Node patches against Lease
    renewals; then the same loop on a simulated clock at the production settings for one hour.
    Target: zero Node writes after the first publish; only the Lease renews.
-3. The device plugin over its real gRPC unix socket: GetPreferredAllocation latency when the
+3. Node writes per pod start and per pod stop, with per-pod truth from a simulated kubelet.
+4. The device plugin over its real gRPC unix socket: GetPreferredAllocation latency when the
    admitted pod has a placement (among running pods that do not match) and when it falls back to
    best effort, and Allocate latency, over a bounded number of calls each.
 
@@ -62,6 +63,19 @@ class Alternating:
     def gpus_in_use(self, topology: NodeTopology) -> GpusInUse:
         self.n += 1
         return GpusInUse(other=frozenset({self.n % len(topology.gpus)}))
+
+    def close(self) -> None:
+        pass
+
+
+class Kubelet:
+    """Per-pod truth as the kubelet's PodResources would report it: pods start and stop between cycles."""
+
+    def __init__(self) -> None:
+        self.pods: dict[str, frozenset[int]] = {}
+
+    def gpus_in_use(self, topology: NodeTopology) -> GpusInUse:
+        return GpusInUse(pods=dict(self.pods))
 
     def close(self) -> None:
         pass
@@ -173,6 +187,30 @@ def bench_pod(name: str, gpus: tuple[int, ...] | None, count: int, phase: str, s
     }
 
 
+def bench_pod_churn(system: str, pods: int, cycles_per_phase: int = 5) -> None:
+    """Node writes per pod start and per pod stop: each pod runs for several agent cycles, then ends."""
+    stop = threading.Event()
+    kubelet = Kubelet()
+    agent, api = make_agent(system, kubelet, 10, 30, stop)
+    agent.cycle()  # the first publish
+    gpu_count = len(build_system(system, NODE).gpus)
+    starts = stops = 0
+    for i in range(pods):
+        before = api.calls["patch_node"]
+        kubelet.pods[f"uid-{i}"] = frozenset({i % gpu_count})
+        for _ in range(cycles_per_phase):
+            agent.cycle()
+        starts += api.calls["patch_node"] - before
+        before = api.calls["patch_node"]
+        del kubelet.pods[f"uid-{i}"]
+        for _ in range(cycles_per_phase):
+            agent.cycle()
+        stops += api.calls["patch_node"] - before
+    print(f"== pod churn, {pods} pods, each alive for {cycles_per_phase} agent cycles (per-pod truth, version 2)")
+    print(f"Node writes per pod start:        {starts / pods:.2f}")
+    print(f"Node writes per pod stop:         {stops / pods:.2f}")
+
+
 def bench_device_plugin(system: str, calls: int) -> None:
     topology = build_system(system, NODE)
     uuids = [g.uuid for g in topology.gpus]
@@ -236,6 +274,7 @@ def main() -> int:
     bench_cycles(args.system, args.cycles)
     bench_real_loop(args.system, args.seconds, args.interval, args.heartbeat)
     bench_simulated_hour(args.system)
+    bench_pod_churn(args.system, pods=200)
     bench_device_plugin(args.system, args.calls)
     return 0
 
