@@ -392,6 +392,7 @@ def test_custom_tiers_and_score_weights_reach_the_extender_as_valid_settings() -
     assert tiers.names == ("pod", "rack", "nvlink-domain")
     assert tiers != DEFAULT_TIERS
     assert tiers.switch_of({"example.com/rack": "r7"}, "rack") == "r7"
+    assert [t.oversubscription for t in tiers.tiers] == [2.0, 1.0, 1.0]
     assert env["GPUTOPO_MAX_REQUEST_BYTES"] == "16777216", "a whole number, not 1.6777216e+07"
     weights = ScoreWeights.model_validate_json(env["GPUTOPO_SCORE_WEIGHTS"])
     assert weights.clique == 4.0
