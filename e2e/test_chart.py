@@ -8,7 +8,8 @@ the API server accepts and what each component's identity may do:
 - ``helm install`` succeeds, and ``helm upgrade`` keeps the generated CA and certificate;
 - the agent, with a token bound to node A (as the kubelet's projected token is), may change
   ``gputopo.io/`` annotations and labels of node A and its own Lease, and nothing else;
-- the extender's service account cannot touch Nodes; the scheduler's has what kube-scheduler needs.
+- the scheduler pod's service account (kube-scheduler and its extender sidecar) cannot touch Nodes and
+  has what kube-scheduler and the extender need.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import pytest
 import yaml
 
 from gputopo.localcluster import ControlPlane, KubeApiError, KubeClient, SimNode
+from gputopo.model import agent_lease_name
 
 pytestmark = pytest.mark.e2e
 
@@ -102,12 +104,15 @@ def _eventually(check: Any, what: str, timeout: float = 30.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def release(control_plane: ControlPlane, kube: KubeClient) -> Release:
-    """The chart installed once for this module, with default values, in a fresh namespace."""
+def release(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Release]:
+    """The chart installed once for this module, with default values, in a fresh namespace. Uninstalled
+    afterwards: its cluster-wide placement policy exempts only this release's scheduler, so left in
+    place it would refuse every other scheduler's bindings in the session."""
     rel = Release(name=f"gtc{secrets.token_hex(3)}", namespace=f"gputopo-e2e-{secrets.token_hex(3)}")
     kube.create_namespace(rel.namespace)
     _helm(control_plane, "install", rel.name, str(CHART), "--namespace", rel.namespace)
-    return rel
+    yield rel
+    _helm(control_plane, "uninstall", rel.name, "--namespace", rel.namespace, "--wait")
 
 
 @contextmanager
@@ -191,34 +196,32 @@ def test_helm_install_creates_every_component(control_plane: ControlPlane, kube:
     assert status["info"]["status"] == "deployed"
     ns = release.namespace
     assert kube.request("GET", f"/apis/apps/v1/namespaces/{ns}/daemonsets/{release.sa('agent')}")
-    assert kube.request("GET", f"/apis/apps/v1/namespaces/{ns}/deployments/{release.sa('extender')}")
-    assert kube.request("GET", f"/apis/apps/v1/namespaces/{ns}/deployments/{release.sa('scheduler')}")
-    assert kube.request("GET", f"/api/v1/namespaces/{ns}/services/{release.sa('extender')}")
-    assert kube.request(
-        "GET", f"/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies/{release.sa('agent')}"
-    )
-    secret = kube.request("GET", f"/api/v1/namespaces/{ns}/secrets/{release.sa('extender')}-tls")
-    assert set(secret["data"]) == {"ca.crt", "tls.crt", "tls.key"}
+    scheduler = kube.request("GET", f"/apis/apps/v1/namespaces/{ns}/deployments/{release.sa('scheduler')}")
+    # The extender is the scheduler pod's sidecar: no Deployment or Service of its own.
+    assert {c["name"] for c in scheduler["spec"]["template"]["spec"]["containers"]} >= {"kube-scheduler", "extender"}
+    with pytest.raises(KubeApiError) as err:
+        kube.request("GET", f"/apis/apps/v1/namespaces/{ns}/deployments/{release.sa('extender')}")
+    assert err.value.status == 404
+    for policy in ("agent", "placement"):
+        vap = f"/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies/{release.sa(policy)}"
+        assert kube.request("GET", vap)
 
 
-def test_helm_upgrade_keeps_the_generated_certificate_and_the_webhook_trusts_it(
+def test_helm_upgrade_keeps_the_generated_webhook_certificate_and_the_webhook_trusts_it(
     control_plane: ControlPlane, kube: KubeClient, release: Release
 ) -> None:
-    path = f"/api/v1/namespaces/{release.namespace}/secrets/{release.sa('extender')}-tls"
-    before = kube.request("GET", path)["data"]
-    _helm(
-        control_plane,
-        "upgrade",
-        release.name,
-        str(CHART),
-        "--namespace",
-        release.namespace,
+    path = f"/api/v1/namespaces/{release.namespace}/secrets/{release.sa('webhook')}-tls"
+    webhook = [
         "--set",
         "webhook.enabled=true",
         # match no namespace, so that other tests' pods never reach this endpoint-less webhook
         "--set",
         f"webhook.namespaceSelector.matchLabels.gputopo-e2e-webhook={release.name}",
-    )
+    ]
+    _helm(control_plane, "upgrade", release.name, str(CHART), "--namespace", release.namespace, *webhook)
+    before = kube.request("GET", path)["data"]
+    assert set(before) == {"ca.crt", "tls.crt", "tls.key"}
+    _helm(control_plane, "upgrade", release.name, str(CHART), "--namespace", release.namespace, *webhook)
     after = kube.request("GET", path)["data"]
     assert after == before
     hook = kube.request(
@@ -341,17 +344,17 @@ def test_agent_writes_only_its_own_lease(
     node_a, node_b = make_nodes([SimNode(f"{test_id}-a"), SimNode(f"{test_id}-b")])
     leases = f"/apis/coordination.k8s.io/v1/namespaces/{release.namespace}/leases"
     with _client_for(control_plane, kube, release, "agent", node_a) as agent:
-        own = agent.request("POST", leases, _lease(f"gputopo-agent-{node_a}", node_a))
+        own = agent.request("POST", leases, _lease(agent_lease_name(node_a), node_a))
         own["spec"]["renewTime"] = "2026-01-01T00:00:00.000000Z"
-        agent.request("PUT", f"{leases}/gputopo-agent-{node_a}", own)
+        agent.request("PUT", f"{leases}/{agent_lease_name(node_a)}", own)
         agent.request(
             "PATCH",
-            f"{leases}/gputopo-agent-{node_a}",
+            f"{leases}/{agent_lease_name(node_a)}",
             {"spec": {"renewTime": "2026-01-01T00:00:30.000000Z"}},
             content_type="application/merge-patch+json",
         )
         with pytest.raises(KubeApiError) as err:
-            agent.request("POST", leases, _lease(f"gputopo-agent-{node_b}", node_a))
+            agent.request("POST", leases, _lease(agent_lease_name(node_b), node_a))
         assert err.value.status in DENIED
         assert "may write only its own Lease" in err.value.message
         kube.request("POST", leases, _lease("gputopo-scheduler", "someone"))
@@ -370,21 +373,23 @@ def test_agent_writes_only_its_own_lease(
 
 CAN_I = [
     # component, verb, resource, subresource, namespace ("" = cluster; "@" = the release namespace), expected
-    ("extender", "get", "nodes", "", "", True),
-    ("extender", "list", "nodes", "", "", True),
-    ("extender", "watch", "nodes", "", "", True),
-    ("extender", "patch", "nodes", "", "", False),
-    ("extender", "update", "nodes", "", "", False),
-    ("extender", "delete", "nodes", "", "", False),
-    ("extender", "patch", "nodes", "status", "", False),
-    ("extender", "patch", "pods", "", "team-a", True),
-    ("extender", "create", "pods", "binding", "team-a", True),
-    ("extender", "delete", "pods", "", "team-a", False),
-    ("extender", "create", "events", "", "team-a", True),
-    ("extender", "create", "events.events.k8s.io", "", "team-a", True),
-    ("extender", "watch", "leases.coordination.k8s.io", "", "@", True),
-    ("extender", "update", "leases.coordination.k8s.io", "", "@", False),
-    ("extender", "get", "secrets", "", "@", False),
+    # The scheduler pod's account is also its extender sidecar's.
+    ("scheduler", "get", "nodes", "", "", True),
+    ("scheduler", "list", "nodes", "", "", True),
+    ("scheduler", "watch", "nodes", "", "", True),
+    ("scheduler", "patch", "nodes", "", "", False),
+    ("scheduler", "update", "nodes", "", "", False),
+    ("scheduler", "delete", "nodes", "", "", False),
+    ("scheduler", "patch", "nodes", "status", "", False),
+    ("scheduler", "create", "pods", "binding", "team-a", True),
+    ("scheduler", "update", "pods", "", "team-a", False),
+    ("scheduler", "create", "events", "", "team-a", True),
+    ("scheduler", "create", "events.events.k8s.io", "", "team-a", True),
+    ("scheduler", "watch", "leases.coordination.k8s.io", "", "@", True),
+    ("scheduler", "update", "leases.coordination.k8s.io/gputopo-scheduler", "", "@", True),
+    ("scheduler", "update", "leases.coordination.k8s.io/another-lease", "", "@", False),
+    ("scheduler", "get", "configmaps/extension-apiserver-authentication", "", "kube-system", True),
+    ("scheduler", "get", "secrets", "", "@", False),
     ("agent", "get", "nodes", "", "", True),
     ("agent", "patch", "nodes", "", "", True),
     ("agent", "list", "nodes", "", "", False),
@@ -395,13 +400,11 @@ CAN_I = [
     ("agent", "patch", "leases.coordination.k8s.io", "", "@", True),
     ("agent", "delete", "leases.coordination.k8s.io", "", "@", False),
     ("agent", "create", "leases.coordination.k8s.io", "", "kube-node-lease", False),
-    ("agent", "list", "pods", "", "", False),
+    # Reads pods (always with the field selector spec.nodeName=<its node>; RBAC cannot narrow reads), never writes.
+    ("agent", "list", "pods", "", "", True),
+    ("agent", "patch", "pods", "", "team-a", False),
+    ("agent", "delete", "pods", "", "team-a", False),
     ("agent", "get", "secrets", "", "@", False),
-    ("scheduler", "create", "pods", "binding", "team-a", True),
-    ("scheduler", "update", "leases.coordination.k8s.io/gputopo-scheduler", "", "@", True),
-    ("scheduler", "update", "leases.coordination.k8s.io/another-lease", "", "@", False),
-    ("scheduler", "get", "configmaps/extension-apiserver-authentication", "", "kube-system", True),
-    ("scheduler", "patch", "nodes", "", "", False),
 ]
 
 
@@ -430,12 +433,12 @@ def test_component_permissions(
     assert (rc == 0) is expected, out
 
 
-def test_extender_token_cannot_patch_nodes(
+def test_the_scheduler_pods_token_cannot_patch_nodes(
     control_plane: ControlPlane, kube: KubeClient, release: Release, make_nodes: Any, test_id: str
 ) -> None:
     (node,) = make_nodes([SimNode(f"{test_id}-a")])
-    with _client_for(control_plane, kube, release, "extender", None) as extender:
-        _eventually(lambda: extender.can_i("get", "nodes"), "the extender's RBAC")
+    with _client_for(control_plane, kube, release, "scheduler", None) as extender:
+        _eventually(lambda: extender.can_i("get", "nodes"), "the scheduler pod's RBAC")
         extender.get_node(node)
         with pytest.raises(KubeApiError) as err:
             extender.annotate_node(node, {"gputopo.io/topology": "{}"})

@@ -24,10 +24,10 @@ from gputopo.engine.besteffort import best_effort
 from gputopo.engine.placement import evaluate_node
 from gputopo.engine.snapshot import node_state
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from gputopo.localcluster.kube import GPU_RESOURCE
 from gputopo.localcluster.kubelet import RealKubelet, kubelet_unavailable
 from gputopo.localcluster.stack import Stack
 from gputopo.model import (
+    GPU_RESOURCE,
     GPUS_IN_USE_ANNOTATION,
     PLACEMENT_ANNOTATION,
     NvlinkPolicy,

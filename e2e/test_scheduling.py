@@ -34,12 +34,9 @@ STALE_AFTER = 6.0  # seconds; agents heartbeat every 2 s
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
     s = Stack(control_plane, kube, stale_after_seconds=STALE_AFTER, heartbeat_seconds=2, interval_seconds=1)
-    s.install()
-    s.start_extender()
-    s.start_scheduler()
+    s.start()
     yield s
-    control_plane.remove(s.scheduler_name)
-    control_plane.stop("gputopo-extender", grace=3)
+    s.stop()
 
 
 class Nodes:
@@ -367,38 +364,28 @@ def test_gputopo_explain_lists_every_verdict_and_changes_nothing(
     assert kube.get_pod(namespace, pod)["metadata"]["resourceVersion"] == before
 
 
-def test_scheduler_reaches_the_extender_over_https_verified_against_its_ca(
-    kube: KubeClient, control_plane: ControlPlane, nodes: Nodes, namespace: str, test_id: str
+def test_the_scheduler_runs_the_charts_configuration_with_only_the_local_rewrites(
+    control_plane: ControlPlane, stack: Stack
 ) -> None:
-    (node,) = nodes.add(GpuNode("h100", "dgx-h100"))
-    tls = Stack(control_plane, kube, scheduler_name="gputopo-tls", extender_name="gputopo-extender-tls", tls=True)
-    tls.start_extender()
-    assert tls.extender_url.startswith("https://") and tls.ca_file is not None
-    other_ca = tls.serving_cert("other")[0]  # a CA that did not sign the running extender's certificate
-    wrong = control_plane.start_gputopo_scheduler(
-        tls.extender_url, name="gputopo-tls-wrong-ca", profile="gputopo-tls", ca_file=other_ca
-    )
-    try:
-        kube.create_pod(
-            pod_manifest(
-                "tp4",
-                namespace=namespace,
-                scheduler_name="gputopo-tls",
-                gpus=4,
-                annotations={"gputopo.io/nvlink": "required"},
-                node_selector={TEST_LABEL: test_id},
-            )
+    (pod,) = stack.pods
+    running = json.loads((control_plane.dir / f"scheduler-{pod.scheduler}.yaml").read_text())
+    chart = stack.chart.scheduler_config()
+    assert running["clientConnection"]["kubeconfig"] == str(pod.kubeconfig)
+    (ext,) = running["extenders"]
+    assert ext["urlPrefix"] == pod.extender_url and pod.extender_url.startswith("http://127.0.0.1:")
+    (chart_ext,) = chart["extenders"]
+    rewritten = {"urlPrefix", "enableHTTPS", "tlsConfig"}
+    assert {k: v for k, v in ext.items() if k not in rewritten} == {
+        k: v for k, v in chart_ext.items() if k not in rewritten
+    }
+    assert {k: v for k, v in running.items() if k not in ("clientConnection", "extenders")} == {
+        k: v for k, v in chart.items() if k not in ("clientConnection", "extenders")
+    }
+    # The scheduler and its sidecar both authenticate as the chart's scheduler service account.
+    with KubeClient(pod.kubeconfig) as as_pod:
+        assert as_pod.whoami()["username"] == (
+            f"system:serviceaccount:{stack.namespace}:{stack.chart.scheduler_service_account}"
         )
-        assert "certificate signed by unknown authority" in failed_scheduling(kube, namespace, "tp4", "x509")
-    finally:
-        control_plane.remove(wrong)
-    try:
-        tls.start_scheduler()
-        kube.patch_node(node, {"metadata": {"labels": {"e2e.gputopo.io/nudge": "1"}}})  # retry the pod now
-        assert placement(kube, namespace, "tp4")[0] == node
-    finally:
-        control_plane.remove(tls.scheduler_name)
-        control_plane.remove(tls.extender_name)
 
 
 def test_mutating_webhook_lets_the_annotation_alone_opt_a_pod_in(
@@ -407,10 +394,10 @@ def test_mutating_webhook_lets_the_annotation_alone_opt_a_pod_in(
     import base64
 
     (node,) = nodes.add(GpuNode("h100", "dgx-h100"))
-    # The webhook is served by an extender over HTTPS (the apiserver calls webhooks only over TLS).
-    hook = Stack(control_plane, kube, extender_name="gputopo-extender-webhook", tls=True)
+    # The webhook is the extender's own HTTPS listener (the apiserver calls webhooks only over TLS).
+    hook = Stack(control_plane, kube, extender_name="gputopo-extender-webhook", webhook=True)
     hook.start_extender()
-    assert hook.ca_file is not None
+    assert hook.ca_file is not None and hook.webhook_url.startswith("https://127.0.0.1:")
     name = f"gputopo-e2e-{test_id}"[:63]
     config = {
         "apiVersion": "admissionregistration.k8s.io/v1",
@@ -420,7 +407,7 @@ def test_mutating_webhook_lets_the_annotation_alone_opt_a_pod_in(
             {
                 "name": "pods.gputopo.io",
                 "clientConfig": {
-                    "url": f"{hook.extender_url}/mutate",
+                    "url": f"{hook.webhook_url}/mutate",
                     "caBundle": base64.b64encode(hook.ca_file.read_bytes()).decode(),
                 },
                 "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"]}],
@@ -467,4 +454,4 @@ def test_mutating_webhook_lets_the_annotation_alone_opt_a_pod_in(
         assert placement(kube, namespace, "opted-in")[0] == node
     finally:
         kube.request("DELETE", f"/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/{name}")
-        control_plane.remove(hook.extender_name)
+        hook.stop()

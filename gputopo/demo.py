@@ -15,7 +15,7 @@ from typing import Any
 
 from gputopo.clusterfile import ClusterFileError, load_cluster, load_jobs
 from gputopo.engine.explain import gpu_ranges
-from gputopo.model import PLACEMENT_ANNOTATION, AnnotationError, parse_placement
+from gputopo.model import LABEL_NETWORK_LEAF, PLACEMENT_ANNOTATION, SCHEDULER_NAME, AnnotationError, parse_placement
 
 STALE_AFTER = 10.0
 
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             _say(f"   stopped the agent of {', '.join(stale)}; its topology goes stale after {STALE_AFTER:.0f}s")
             time.sleep(STALE_AFTER + 1)
         for n in cluster.nodes:
-            _say(f"   {n.name:<16} {n.fixture or 'inline topology':<18} {n.labels.get('gputopo.io/network-leaf', '-')}")
+            _say(f"   {n.name:<16} {n.fixture or 'inline topology':<18} {n.labels.get(LABEL_NETWORK_LEAF, '-')}")
 
         ns = "demo"
         kube.create_namespace(ns)
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
                     pod_manifest(
                         name,
                         namespace=ns,
-                        scheduler_name="gputopo-scheduler",
+                        scheduler_name=SCHEDULER_NAME,
                         gpus=job.gpus_per_pod,
                         annotations=job.pod_annotations(i),
                     )
@@ -171,7 +171,7 @@ def _real_kubelet_part(stack: Any, kube: Any, bin_dir: Path, ns: str, timeout: f
         manifest = pod_manifest(
             name,
             namespace=ns,
-            scheduler_name="gputopo-scheduler",
+            scheduler_name=SCHEDULER_NAME,
             gpus=gpus,
             annotations={"gputopo.io/nvlink": "required"},
             node_selector={"kubernetes.io/hostname": KUBELET_NODE},

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Renders manifests/gputopo.yaml from charts/gputopo with the default values, for users who do
-# not use Helm. The output is deterministic: the chart's generated TLS material (a new CA per
-# render) is left out by naming an existing Secret, which the user creates (docs/install.md);
-# the "helm test" Pod is left out too. tests/chart/test_manifests_in_sync.py fails when
-# manifests/ is out of date.
+# not use Helm. The output is deterministic: the defaults leave the webhook off, so the chart
+# generates no TLS material (a new CA per render); the "helm test" hooks are left out.
+# tests/chart/test_manifests_in_sync.py fails when manifests/ is out of date.
 #
 #   scripts/render-manifests.sh           rewrite manifests/gputopo.yaml
 #   scripts/render-manifests.sh --stdout  print the rendering instead
@@ -16,7 +15,6 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RELEASE=gputopo
 NAMESPACE=gputopo-system
 KUBE_VERSION=1.34.4
-TLS_SECRET=gputopo-extender-tls
 OUT="$ROOT/manifests/gputopo.yaml"
 
 find_helm() {
@@ -38,19 +36,14 @@ render() {
 # gputopo: plain manifests rendered from charts/gputopo with default values by
 # scripts/render-manifests.sh (release "$RELEASE", namespace "$NAMESPACE"). Do not edit; re-render.
 #
-# Before applying, create the namespace and the extender's TLS Secret "$TLS_SECRET"
-# (keys tls.crt, tls.key, ca.crt; the certificate must name
-# gputopo-extender.$NAMESPACE.svc). docs/install.md shows the openssl commands.
+# The mutating webhook is off (it needs TLS material: install with Helm for it). To apply:
 #   kubectl create namespace $NAMESPACE
-#   kubectl -n $NAMESPACE create secret generic $TLS_SECRET \\
-#     --from-file=tls.crt --from-file=tls.key --from-file=ca.crt
 #   kubectl apply -f manifests/gputopo.yaml
 HEADER
   "$helm" template "$RELEASE" "$ROOT/charts/gputopo" \
     --namespace "$NAMESPACE" \
     --kube-version "$KUBE_VERSION" \
-    --skip-tests \
-    --set "tls.existingSecret=$TLS_SECRET"
+    --skip-tests
 }
 
 if [[ "${1:-}" == "--stdout" ]]; then

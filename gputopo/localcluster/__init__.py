@@ -7,6 +7,8 @@ by a real kubelet with a fake container runtime (``RealKubelet``, root only);
 The binaries are built once per machine by ``build_binaries.sh`` (``ensure_binaries``).
 """
 
+from gputopo.model import GPU_RESOURCE
+
 from .binaries import BUILD_SCRIPT, BinariesError, ensure_binaries, expected_bin_dir, find_binaries
 from .controlplane import (
     APISERVER,
@@ -21,10 +23,7 @@ from .controlplane import (
     scheduler_configuration,
 )
 from .kube import (
-    GPU_RESOURCE,
-    LEAF_LABEL,
     NODE_NAME_EXTRA,
-    SPINE_LABEL,
     TEST_LABEL,
     KubeApiError,
     KubeClient,
@@ -43,10 +42,8 @@ __all__ = [
     "ETCD",
     "GPUTOPO_PROFILE",
     "GPU_RESOURCE",
-    "LEAF_LABEL",
     "NODE_NAME_EXTRA",
     "PLAIN_PROFILE",
-    "SPINE_LABEL",
     "TEST_LABEL",
     "BinariesError",
     "ControlPlane",

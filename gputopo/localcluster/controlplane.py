@@ -8,7 +8,7 @@ component). Nodes have no kubelet: they are Node objects created through the API
 Typical use::
 
     with ControlPlane() as cp:
-        cp.start_gputopo_scheduler("http://127.0.0.1:8888")
+        cp.start_plain_scheduler()
         kube = cp.client()
         ...
 
@@ -39,6 +39,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from gputopo.model import GPU_RESOURCE, SCHEDULER_NAME
+
 from .binaries import find_binaries
 
 if TYPE_CHECKING:
@@ -46,7 +48,7 @@ if TYPE_CHECKING:
 
 ETCD = "etcd"
 APISERVER = "kube-apiserver"
-GPUTOPO_PROFILE = "gputopo-scheduler"
+GPUTOPO_PROFILE = SCHEDULER_NAME
 PLAIN_PROFILE = "plain-scheduler"
 ADMIN_USER = "gputopo-admin"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
@@ -72,7 +74,7 @@ class ExtenderConfig:
     http_timeout: str = "5s"
     ignorable: bool = False
     # (name, ignoredByScheduler)
-    managed_resources: tuple[tuple[str, bool], ...] = (("nvidia.com/gpu", False),)
+    managed_resources: tuple[tuple[str, bool], ...] = ((GPU_RESOURCE, False),)
     ca_file: Path | None = None  # tlsConfig.caFile: verify the extender's serving certificate
 
     def to_config(self) -> dict[str, Any]:
@@ -428,6 +430,16 @@ class ControlPlane:
         usually needs the whole grace period, since its graceful shutdown waits for them."""
         self._stop(self._get(name), grace)
 
+    def kill(self, name: str) -> None:
+        """SIGKILL one component at once, as a crash or an evicted pod would end it: nothing is
+        flushed or released. Start it again with ``start_component``."""
+        c = self._get(name)
+        if c.proc is not None and c.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(c.proc.pid, signal.SIGKILL)
+            c.proc.wait(timeout=30)
+        self._write_pids()
+
     def restart(self, name: str, *, grace: float = 5.0) -> None:
         """Stop (if running) and start one component again with the same ports, data and
         configuration, waiting until it is ready."""
@@ -466,14 +478,12 @@ class ControlPlane:
         extra_args: Sequence[str] = (),
     ) -> str:
         """Start a kube-scheduler process whose only profile is ``profile`` (default: ``name``),
-        calling ``extender`` if given. Returns the component name (``name``); waits for /healthz."""
-        self._require_started()
-        if name in self._components:
-            raise ControlPlaneError(f"component {name!r} exists; use restart()")
-        prof = profile or name
+        calling ``extender`` if given, as the admin. Returns the component name (``name``); waits
+        for /healthz. gputopo's own scheduler runs the chart's configuration instead
+        (``Stack.start_scheduler``)."""
         cfg = scheduler_configuration(
             self.kubeconfig,
-            prof,
+            profile or name,
             extender,
             percentage_of_nodes_to_score=percentage_of_nodes_to_score,
             disable_preemption=disable_preemption,
@@ -481,21 +491,39 @@ class ControlPlane:
             client_burst=client_burst,
             parallelism=parallelism,
         )
+        return self.start_scheduler_config(name, cfg, verbosity=verbosity, extra_args=extra_args)
+
+    def start_scheduler_config(
+        self,
+        name: str,
+        config: Mapping[str, Any],
+        *,
+        kubeconfig: Path | None = None,
+        verbosity: int | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> str:
+        """Start a kube-scheduler process with a whole KubeSchedulerConfiguration. ``kubeconfig``
+        (default: the admin's) also serves the scheduler's delegated authentication and
+        authorization, as the in-cluster config would. Waits for /healthz."""
+        self._require_started()
+        if name in self._components:
+            raise ControlPlaneError(f"component {name!r} exists; use restart()")
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
         cfg_path = self.dir / f"scheduler-{safe}.yaml"
-        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+        cfg_path.write_text(json.dumps(dict(config), indent=2) + "\n")
         port = free_port()
         self._scheduler_ports[name] = port
         cert_dir = self.dir / f"scheduler-{safe}-certs"
         cert_dir.mkdir(exist_ok=True)
+        auth = kubeconfig or self.kubeconfig
         argv = [
             str(self.bin_dir / "kube-scheduler"),
             f"--config={cfg_path}",
             f"--bind-address={HOST}",
             f"--secure-port={port}",
             f"--cert-dir={cert_dir}",
-            f"--authentication-kubeconfig={self.kubeconfig}",
-            f"--authorization-kubeconfig={self.kubeconfig}",
+            f"--authentication-kubeconfig={auth}",
+            f"--authorization-kubeconfig={auth}",
             "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics",
             f"--v={self.verbosity if verbosity is None else verbosity}",
             *extra_args,
@@ -534,26 +562,6 @@ class ControlPlane:
             self._removed_pids.extend(c.started_pids)
             raise
         return name
-
-    def start_gputopo_scheduler(
-        self,
-        extender_url: str,
-        *,
-        name: str = GPUTOPO_PROFILE,
-        profile: str = GPUTOPO_PROFILE,
-        http_timeout: str = "5s",
-        weight: int = 5,
-        ignorable: bool = False,
-        ca_file: Path | None = None,
-        **kwargs: Any,
-    ) -> str:
-        """A scheduler with the single profile ``profile`` calling the extender at ``extender_url``
-        for filter, prioritize and bind (nodeCacheCapable, managedResources nvidia.com/gpu,
-        DefaultPreemption off); over HTTPS verified against ``ca_file`` when given."""
-        ext = ExtenderConfig(
-            url=extender_url, http_timeout=http_timeout, weight=weight, ignorable=ignorable, ca_file=ca_file
-        )
-        return self.start_scheduler(name, profile=profile, extender=ext, **kwargs)
 
     def start_plain_scheduler(self, *, name: str = PLAIN_PROFILE, **kwargs: Any) -> str:
         """A scheduler with the single profile ``plain-scheduler`` and no extender."""

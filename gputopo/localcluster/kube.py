@@ -18,13 +18,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gputopo.kube import Kube, KubeError
+from gputopo.model import GPU_RESOURCE, LABEL_NETWORK_LEAF, LABEL_NETWORK_SPINE
 
 JSON = dict[str, Any]
 T = TypeVar("T")
 
-GPU_RESOURCE = "nvidia.com/gpu"
-LEAF_LABEL = "gputopo.io/network-leaf"
-SPINE_LABEL = "gputopo.io/network-spine"
 TEST_LABEL = "gputopo.io/e2e-test"  # per-test node label used by the e2e suite
 NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
 FIXED_TIME = "2026-01-01T00:00:00Z"
@@ -105,9 +103,9 @@ def network_labels(*, leaf: str | None = None, spine: str | None = None) -> dict
     """gputopo's default network-tier labels (leaf and spine)."""
     out: dict[str, str] = {}
     if leaf is not None:
-        out[LEAF_LABEL] = leaf
+        out[LABEL_NETWORK_LEAF] = leaf
     if spine is not None:
-        out[SPINE_LABEL] = spine
+        out[LABEL_NETWORK_SPINE] = spine
     return out
 
 

@@ -1,6 +1,13 @@
-"""gputopo running for real on the local control plane: the extender, a kube-scheduler whose profile
-calls it, and one `gputopo-agent` process per simulated GPU node (fixture or file backend), each with
-its own node-bound service-account token. Used by the e2e suite and by `gputopo demo`."""
+"""gputopo running for real on the local control plane, laid out as the Helm chart lays it out.
+
+The chart (``charts/gputopo``) is rendered with ``helm template`` (``chart.py``): its ServiceAccounts,
+RBAC and admission policies are applied as rendered, and each kube-scheduler runs the KubeSchedulerConfiguration
+of the rendered ConfigMap (rewritten only where a local process must differ, ``chart.local_scheduler_config``).
+Each scheduler "pod" is a kube-scheduler process and its gputopo-extender sidecar process, on a loopback
+port of its own, both authenticating with one token of the pod's service account. One such pod runs by
+default; two elect a leader on a Lease in the release namespace. One `gputopo-agent` process runs per
+simulated GPU node (fixture or file backend), each with its own node-bound service-account token. Used by the
+e2e suite, `gputopo demo` and the benchmarks."""
 
 from __future__ import annotations
 
@@ -16,84 +23,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gputopo.localcluster.chart import (
+    NAMESPACE,
+    RELEASE,
+    RenderedChart,
+    helm_binary,
+    local_extender_args,
+    local_scheduler_config,
+    local_values,
+    render,
+)
 from gputopo.localcluster.controlplane import ControlPlane, free_port
-from gputopo.localcluster.kube import GPU_RESOURCE, KubeApiError, KubeClient, SimNode
+from gputopo.localcluster.kube import KubeApiError, KubeClient, SimNode
 from gputopo.localcluster.kubelet import RealKubelet
-from gputopo.model import GpusInUse, NodeTopology
+from gputopo.model import (
+    AGENT_COMPONENT,
+    EXTENDER_COMPONENT,
+    GPU_RESOURCE,
+    SCHEDULER_NAME,
+    TOPOLOGY_ANNOTATION,
+    GpusInUse,
+    NodeTopology,
+    agent_lease_name,
+)
 from gputopo.systems import build_system
 
-NAMESPACE = "gputopo-system"
-AGENT_SA = "gputopo-agent"
-EXTENDER_SA = "gputopo-extender"
-EXTENDER = "gputopo-extender"
-
-
-def rbac_objects(namespace: str = NAMESPACE) -> list[dict[str, Any]]:
-    """Least privilege for each component, the same rules as the Helm chart's RBAC templates."""
-    sa = [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": n, "namespace": namespace}}
-        for n in (AGENT_SA, EXTENDER_SA)
-    ]
-    roles: list[dict[str, Any]] = [
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRole",
-            "metadata": {"name": "gputopo-agent"},
-            "rules": [
-                {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
-                # Pods on its own node only (field selector spec.nodeName): which pod holds which
-                # GPUs, and, as the device plugin, the placement of the pod being admitted.
-                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-            ],
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": {"name": "gputopo-agent", "namespace": namespace},
-            "rules": [
-                {
-                    "apiGroups": ["coordination.k8s.io"],
-                    "resources": ["leases"],
-                    "verbs": ["get", "create", "update", "patch"],
-                }
-            ],
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRole",
-            "metadata": {"name": "gputopo-extender"},
-            "rules": [
-                {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
-                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch"]},
-                {"apiGroups": [""], "resources": ["pods/binding"], "verbs": ["create"]},
-                {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
-                {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "list", "watch"]},
-            ],
-        },
-    ]
-    bindings = [
-        _binding("ClusterRoleBinding", "gputopo-agent", AGENT_SA, namespace),
-        _binding("RoleBinding", "gputopo-agent", AGENT_SA, namespace),
-        _binding("ClusterRoleBinding", "gputopo-extender", EXTENDER_SA, namespace),
-    ]
-    return [*sa, *roles, *bindings]
-
-
-def _binding(kind: str, role: str, sa: str, namespace: str) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": role}
-    if kind == "RoleBinding":
-        meta["namespace"] = namespace
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": kind,
-        "metadata": meta,
-        "roleRef": {
-            "apiGroup": "rbac.authorization.k8s.io",
-            "kind": "Role" if kind == "RoleBinding" else "ClusterRole",
-            "name": role,
-        },
-        "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": namespace}],
-    }
+LEADER_LOG_LINE = "successfully acquired lease"
 
 
 @dataclass
@@ -120,9 +75,36 @@ def _http_ok(url: str, ctx: ssl.SSLContext | None = None) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class SchedulerPod:
+    """One replica of the chart's scheduler pod: a kube-scheduler and its extender sidecar, as two
+    components of the control plane, with the ports and the service-account kubeconfig they share."""
+
+    index: int
+    scheduler: str  # component names
+    extender: str
+    extender_port: int
+    metrics_port: int
+    kubeconfig: Path
+
+    @property
+    def extender_url(self) -> str:
+        return f"http://127.0.0.1:{self.extender_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+
 class Stack:
     """The gputopo parts on top of a started ControlPlane. Every process is a component of the
-    control plane, so its log sits in the control plane's directory and teardown stops it."""
+    control plane, so its log sits in the control plane's directory and teardown stops it.
+
+    ``replicas`` scheduler pods run; with two they elect a leader on the Lease ``lease_name`` (the
+    chart's leader election). ``scheduler_name`` is the profile pods name in ``schedulerName`` and the
+    component name of replica 0's kube-scheduler; ``extender_name`` that of replica 0's extender
+    (replica i > 0 adds ``-<i>`` to both). ``webhook`` also serves the mutating webhook over HTTPS
+    (``webhook_url``, trusted through ``ca_file``)."""
 
     def __init__(
         self,
@@ -130,27 +112,35 @@ class Stack:
         kube: KubeClient,
         *,
         namespace: str = NAMESPACE,
+        release: str = RELEASE,
         stale_after_seconds: float = 120,
         heartbeat_seconds: float = 2,
         interval_seconds: float = 1,
         reservation_timeout_seconds: float = 120,
-        scheduler_name: str = "gputopo-scheduler",
-        extender_name: str = EXTENDER,
-        tls: bool = False,
+        scheduler_name: str = SCHEDULER_NAME,
+        extender_name: str = EXTENDER_COMPONENT,
+        replicas: int = 1,
+        lease_name: str = "gputopo-scheduler",
+        webhook: bool = False,
         progress: Callable[[str], None] | None = None,
     ) -> None:
+        if replicas < 1:
+            raise ValueError("replicas must be at least 1")
         self.cp = cp
         self.kube = kube
         self.namespace = namespace
+        self.release = release
         self.stale_after_seconds = stale_after_seconds
         self.heartbeat_seconds = heartbeat_seconds
         self.interval_seconds = interval_seconds
         self.reservation_timeout_seconds = reservation_timeout_seconds
         self.scheduler_name = scheduler_name  # also the profile pods name in schedulerName
         self.extender_name = extender_name
-        self.tls = tls
+        self.replicas = replicas
+        self.lease_name = lease_name
+        self.webhook = webhook
         self.ca_file: Path | None = None
-        self.extender_url = ""
+        self.webhook_url = ""
         self.nodes: dict[str, GpuNode] = {}
         # Nodes run by a real kubelet, and their agents' device-plugin options (mode, resource).
         self.kubelets: dict[str, RealKubelet] = {}
@@ -158,7 +148,8 @@ class Stack:
         self.dir = cp.dir / "gputopo"
         self.dir.mkdir(exist_ok=True)
         self._progress = progress
-        self._extender_port = 0
+        self._chart: RenderedChart | None = None
+        self.pods: list[SchedulerPod] = []
 
     def _say(self, msg: str) -> None:
         if self._progress is not None:
@@ -177,14 +168,33 @@ class Stack:
 
     # ---------------------------------------------------------------- setup
 
+    @property
+    def chart(self) -> RenderedChart:
+        """The chart rendered for this stack's layout (once)."""
+        if self._chart is None:
+            values = local_values(
+                scheduler_name=self.scheduler_name,
+                replicas=self.replicas,
+                lease_name=self.lease_name,
+                stale_after_seconds=self.stale_after_seconds,
+                reservation_timeout_seconds=self.reservation_timeout_seconds,
+            )
+            self._chart = render(helm_binary(self.cp.bin_dir), values, release=self.release, namespace=self.namespace)
+        return self._chart
+
     def install(self) -> None:
-        """Namespace and RBAC for the agents and the extender."""
+        """The release namespace, then the chart's ServiceAccounts, RBAC and admission policies."""
         try:
             self.kube.create_namespace(self.namespace)
         except KubeApiError as e:
             if e.status != 409:
                 raise
-        self.kube.apply(rbac_objects(self.namespace))
+        self.kube.apply(self.chart.access_objects())
+
+    @property
+    def extender_url(self) -> str:
+        """Replica 0's extender (the only one unless ``replicas`` > 1)."""
+        return self.pods[0].extender_url if self.pods else ""
 
     def _token_kubeconfig(self, sa: str, name: str, *, bound_node: str | None = None) -> Path:
         token = self.kube.create_token(self.namespace, sa, bound_node=bound_node)
@@ -198,22 +208,9 @@ class Stack:
         ca_key, ca, key, csr, crt = (d / n for n in ("ca.key", "ca.crt", "tls.key", "tls.csr", "tls.crt"))
         ext = d / "san.cnf"
         ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        ca_args = ["-days", "2", "-subj", "/CN=gputopo-local-ca"]
         for argv in (
-            [
-                "req",
-                "-x509",
-                "-newkey",
-                "rsa:2048",
-                "-nodes",
-                "-keyout",
-                ca_key,
-                "-out",
-                ca,
-                "-days",
-                "2",
-                "-subj",
-                "/CN=gputopo-local-ca",
-            ],
+            ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, *ca_args],
             ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=gputopo-extender"],
             [
                 "x509",
@@ -236,44 +233,142 @@ class Stack:
             subprocess.run(["openssl", *map(str, argv)], check=True, capture_output=True)
         return ca, crt, key
 
-    def start_extender(self, *, extra_args: Sequence[str] = ()) -> str:
-        """Run `gputopo-extender` with its own service-account token (over HTTPS when `tls`); returns its URL."""
-        kubeconfig = self._token_kubeconfig(EXTENDER_SA, self.extender_name)
-        self._extender_port = self._extender_port or free_port()
-        scheme = "https" if self.tls else "http"
-        self.extender_url = f"{scheme}://127.0.0.1:{self._extender_port}"
-        tls_args: list[str] = []
-        ready_ctx: ssl.SSLContext | None = None
-        if self.tls:
-            ca, crt, key = self.serving_cert()
-            self.ca_file = ca
-            tls_args = [f"--tls-cert-file={crt}", f"--tls-key-file={key}"]
-            ready_ctx = ssl.create_default_context(cafile=str(ca))
-        argv = [
-            self._exe("gputopo-extender"),
-            "--host=127.0.0.1",
-            f"--port={self._extender_port}",
-            f"--kubeconfig={kubeconfig}",
-            f"--namespace={self.namespace}",
-            f"--stale-after-seconds={self.stale_after_seconds}",
-            f"--reservation-timeout-seconds={self.reservation_timeout_seconds}",
-            *tls_args,
-            *extra_args,
-        ]
-        self._say(f"starting gputopo-extender ({scheme})")
-        self.cp.start_process(
-            self.extender_name, argv, ready=lambda: _http_ok(f"{self.extender_url}/readyz", ready_ctx)
+    def _pod(self, index: int) -> SchedulerPod:
+        if index < len(self.pods):
+            return self.pods[index]
+        suffix = f"-{index}" if index else ""
+        scheduler = f"{self.scheduler_name}{suffix}"
+        # One token per pod: its kube-scheduler and, where the chart makes the extender a sidecar,
+        # its extender authenticate with it (the pod's service account).
+        kubeconfig = self._token_kubeconfig(self.chart.scheduler_service_account, scheduler)
+        pod = SchedulerPod(
+            index=index,
+            scheduler=scheduler,
+            extender=f"{self.extender_name}{suffix}",
+            extender_port=free_port(),
+            metrics_port=free_port(),
+            kubeconfig=kubeconfig,
         )
+        self.pods.append(pod)
+        return pod
+
+    def start_extender(self, *, extra_args: Sequence[str] = ()) -> str:
+        """Start every replica's extender sidecar; returns replica 0's URL."""
+        for i in range(self.replicas):
+            self._start_extender(self._pod(i), extra_args)
         return self.extender_url
 
-    def restart_extender(self) -> None:
-        self.cp.restart(self.extender_name)
+    def extender_kubeconfig(self, pod: SchedulerPod) -> Path:
+        """The extender's credentials: its pod's, where the chart makes it the scheduler's sidecar."""
+        if self.chart.extender_is_sidecar:
+            return pod.kubeconfig
+        return self._token_kubeconfig(self.chart.extender_service_account, pod.extender)
 
-    def start_scheduler(self, **kwargs: Any) -> str:
-        self._say(f"starting kube-scheduler with the {self.scheduler_name} profile")
-        return self.cp.start_gputopo_scheduler(
-            self.extender_url, name=self.scheduler_name, profile=self.scheduler_name, ca_file=self.ca_file, **kwargs
+    def _start_extender(self, pod: SchedulerPod, extra_args: Sequence[str]) -> None:
+        kubeconfig = self.extender_kubeconfig(pod)
+        webhook_args: list[str] = []
+        if self.webhook:
+            ca, crt, key = self.serving_cert()
+            self.ca_file = ca
+            port = free_port()
+            self.webhook_url = f"https://127.0.0.1:{port}"
+            webhook_args = [
+                "--webhook-host=127.0.0.1",
+                f"--webhook-port={port}",
+                f"--tls-cert-file={crt}",
+                f"--tls-key-file={key}",
+            ]
+        argv = [
+            self._exe(EXTENDER_COMPONENT),
+            *local_extender_args(
+                port=pod.extender_port,
+                metrics_port=pod.metrics_port,
+                kubeconfig=kubeconfig,
+                env=self.chart.extender_env(),
+                stale_after_seconds=self.stale_after_seconds,
+                reservation_timeout_seconds=self.reservation_timeout_seconds,
+            ),
+            *webhook_args,
+            *extra_args,
+        ]
+        self._say(f"starting {pod.extender} (sidecar of {pod.scheduler}, port {pod.extender_port})")
+        url = f"{pod.extender_url}/readyz"
+        # The sidecar container's environment from the chart; the flags above win over it.
+        self.cp.start_process(pod.extender, argv, ready=lambda: _http_ok(url), env=self.chart.extender_env())
+
+    def restart_extender(self, index: int | None = None) -> None:
+        """Restart one replica's extender (default: every replica's)."""
+        for pod in self.pods if index is None else [self.pods[index]]:
+            self.cp.restart(pod.extender)
+
+    def start_scheduler(
+        self, *, client_qps: float | None = None, client_burst: int | None = None, verbosity: int | None = None
+    ) -> str:
+        """Start every replica's kube-scheduler with the chart's configuration; returns replica 0's
+        component name. With several replicas, returns once one of them leads."""
+        for i in range(self.replicas):
+            pod = self._pod(i)
+            self._say(f"starting {pod.scheduler} with the chart's {self.scheduler_name} profile")
+            cfg = local_scheduler_config(
+                self.chart.scheduler_config(),
+                kubeconfig=pod.kubeconfig,
+                extender_url=pod.extender_url,
+                client_qps=client_qps,
+                client_burst=client_burst,
+            )
+            self.cp.start_scheduler_config(pod.scheduler, cfg, kubeconfig=pod.kubeconfig, verbosity=verbosity)
+        if self.replicas > 1:
+            self.wait_leader()
+        return self.pods[0].scheduler
+
+    def start(self, **scheduler_kwargs: Any) -> None:
+        """install, then every scheduler pod (extenders first: kube-scheduler calls them at once)."""
+        self.install()
+        self.start_extender()
+        self.start_scheduler(**scheduler_kwargs)
+
+    def stop(self) -> None:
+        """Remove every scheduler pod's processes (the nodes' agents stay)."""
+        for pod in self.pods:
+            for name in (pod.scheduler, pod.extender):
+                if name in self.cp.components():
+                    self.cp.remove(name, grace=3)
+        self.pods = []
+
+    # ---------------------------------------------------------------- leader election
+
+    def _leads(self, pod: SchedulerPod) -> bool:
+        """Whether this replica's running kube-scheduler holds the Lease: it logged the acquisition
+        since its last start, and it is alive (kube-scheduler exits when it loses the Lease)."""
+        if pod.scheduler not in self.cp.components() or not self.cp.is_running(pod.scheduler):
+            return False
+        try:
+            text = self.cp.log_path(pod.scheduler).read_text(errors="replace")
+        except OSError:
+            return False
+        return LEADER_LOG_LINE in text.rsplit("\n=== ", 1)[-1]
+
+    def leader(self) -> SchedulerPod | None:
+        leading = [p for p in self.pods if self._leads(p)]
+        return leading[0] if len(leading) == 1 else None
+
+    def wait_leader(self, *, exclude: SchedulerPod | None = None, timeout: float = 90.0) -> SchedulerPod:
+        """Until one live replica (other than ``exclude``) holds the Lease. A Lease left by a killed
+        leader is taken over only after its leaseDuration (the chart's: kube-scheduler's 15 s)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pod = self.leader()
+            if pod is not None and pod != exclude:
+                return pod
+            time.sleep(0.3)
+        raise TimeoutError(
+            f"no scheduler replica acquired the Lease {self.namespace}/{self.lease_name} in {timeout:.0f}s"
         )
+
+    def kill_pod(self, pod: SchedulerPod) -> None:
+        """The scheduler pod dies at once (SIGKILL to both processes): nothing is released."""
+        for name in (pod.scheduler, pod.extender):
+            self.cp.kill(name)
 
     # ---------------------------------------------------------------- nodes and agents
 
@@ -300,10 +395,10 @@ class Stack:
     def start_agent(self, node: str) -> None:
         n = self.nodes[node]
         topo_file, in_use_file = self._node_files(node)
-        kubeconfig = self._token_kubeconfig(AGENT_SA, f"agent-{node}", bound_node=node)
+        kubeconfig = self._token_kubeconfig(self.chart.agent_service_account, f"agent-{node}", bound_node=node)
         backend = f"fixture:{n.fixture}" if n.fixture and n.topology is None else f"file:{topo_file}"
         argv = [
-            self._exe("gputopo-agent"),
+            self._exe(AGENT_COMPONENT),
             f"--node-name={node}",
             f"--namespace={self.namespace}",
             f"--backend={backend}",
@@ -406,13 +501,13 @@ class Stack:
             missing = []
             for name in want:
                 node = self.kube.get_node(name)
-                if "gputopo.io/topology" not in node.get("metadata", {}).get("annotations", {}):
+                if TOPOLOGY_ANNOTATION not in node.get("metadata", {}).get("annotations", {}):
                     missing.append(name)
                     continue
                 try:
                     self.kube.request(
                         "GET",
-                        f"/apis/coordination.k8s.io/v1/namespaces/{self.namespace}/leases/gputopo-agent-{name}",
+                        f"/apis/coordination.k8s.io/v1/namespaces/{self.namespace}/leases/{agent_lease_name(name)}",
                     )
                 except KubeApiError:
                     missing.append(name)
@@ -425,7 +520,7 @@ class Stack:
         """Until the agent's Lease was renewed later than `after` (epoch seconds)."""
         from datetime import datetime
 
-        path = f"/apis/coordination.k8s.io/v1/namespaces/{self.namespace}/leases/gputopo-agent-{node}"
+        path = f"/apis/coordination.k8s.io/v1/namespaces/{self.namespace}/leases/{agent_lease_name(node)}"
         deadline = time.monotonic() + timeout
         renewed = ""
         while time.monotonic() < deadline:

@@ -11,7 +11,6 @@ import pytest
 
 from gputopo.localcluster.binaries import BUILD_SCRIPT
 from gputopo.localcluster.kubelet import kubelet_configuration, kubelet_unavailable
-from gputopo.localcluster.stack import AGENT_SA, rbac_objects
 
 ALL_BINARIES = ("kube-apiserver", "kube-scheduler", "kubectl", "kubelet", "fakecri", "etcd", "helm")
 
@@ -72,9 +71,3 @@ def test_build_check_counts_a_cache_without_the_kubelet_or_fakecri_as_incomplete
     _bin_dir(bin_dir.parent, ("kubelet", "fakecri"))
     done = _check(tmp_path)
     assert (done.returncode, done.stdout.strip()) == (0, str(bin_dir))
-
-
-def test_agent_rbac_reads_pods_but_never_writes_them() -> None:
-    role = next(o for o in rbac_objects() if o["kind"] == "ClusterRole" and o["metadata"]["name"] == AGENT_SA)
-    pods = [r for r in role["rules"] if "pods" in r["resources"]]
-    assert [sorted(r["verbs"]) for r in pods] == [["get", "list", "watch"]]
