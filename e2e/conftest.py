@@ -13,6 +13,7 @@ through ``make_nodes`` (unique names, a per-test label, deleted afterwards) and 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import sys
@@ -113,19 +114,7 @@ def make_nodes(kube: KubeClient, test_id: str) -> Iterator[MakeNodes]:
     created: list[str] = []
 
     def make(nodes: Sequence[SimNode]) -> list[str]:
-        tagged = [
-            SimNode(
-                name=n.name,
-                gpus=n.gpus,
-                cpu=n.cpu,
-                memory=n.memory,
-                pods=n.pods,
-                labels={**n.labels, TEST_LABEL: test_id},
-                annotations=n.annotations,
-                taints=n.taints,
-            )
-            for n in nodes
-        ]
+        tagged = [dataclasses.replace(n, labels={**n.labels, TEST_LABEL: test_id}) for n in nodes]
         kube.create_nodes(tagged)
         created.extend(n.name for n in tagged)
         return [n.name for n in tagged]

@@ -68,7 +68,7 @@ class ExtenderConfig:
     filter_verb: str | None = "filter"
     prioritize_verb: str | None = "prioritize"
     bind_verb: str | None = "bind"
-    preempt_verb: str | None = None  # see extender-protocol.md gotcha 9 before enabling on 1.34
+    preempt_verb: str | None = None  # "preempt": clique-aware victims (docs/extender.md, "Preemption")
     weight: int = 5
     node_cache_capable: bool = True
     http_timeout: str = "5s"

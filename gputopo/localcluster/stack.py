@@ -487,11 +487,6 @@ class Stack:
             text = GpusInUse(pods={u: frozenset(g) for u, g in pods.items()}, other=frozenset(gpus)).to_annotation()
         self._node_files(node)[1].write_text(text)
 
-    def set_topology(self, node: str, topology: NodeTopology) -> None:
-        """Change a file-backed node's hardware (e.g. a link goes down) under its running agent."""
-        self.nodes[node].topology = topology
-        self._node_files(node)[0].write_text(topology.to_annotation())
-
     def wait_published(self, nodes: Sequence[str] | None = None, *, timeout: float = 60.0) -> None:
         """Until every node carries its topology annotation and its agent's Lease exists."""
         want = list(nodes or self.nodes)

@@ -200,12 +200,14 @@ def test_scheduler_config_has_exactly_the_extender_protocol_keys() -> None:
     assert cfg["kind"] == "KubeSchedulerConfiguration"
     assert set(cfg) == {"apiVersion", "kind", "leaderElection", "percentageOfNodesToScore", "profiles", "extenders"}
     [ext] = cfg["extenders"]
-    assert set(ext) == EXTENDER_KEYS
+    assert set(ext) == EXTENDER_KEYS | {"preemptVerb"}
     assert ext == {
         "urlPrefix": EXTENDER_URL,
         "filterVerb": "filter",
         "prioritizeVerb": "prioritize",
         "bindVerb": "bind",
+        # Clique-aware preemption is safe on every release: no-clique nodes are unresolvable.
+        "preemptVerb": "preempt",
         "weight": 5,
         "nodeCacheCapable": True,
         "httpTimeout": "5s",
@@ -224,11 +226,10 @@ def test_scheduler_config_has_exactly_the_extender_protocol_keys() -> None:
 
 def test_scheduler_config_options_come_from_values() -> None:
     cfg = scheduler_config(
-        render(["custom-tiers-values.yaml"], scheduler__extender__preemptVerb="preempt", scheduler__replicas="2")
+        render(["custom-tiers-values.yaml"], scheduler__extender__preemptVerb="", scheduler__replicas="2")
     )
     [ext] = cfg["extenders"]
-    assert set(ext) == EXTENDER_KEYS | {"preemptVerb"}
-    assert ext["preemptVerb"] == "preempt"
+    assert set(ext) == EXTENDER_KEYS, "an empty preemptVerb leaves preemption to kube-scheduler alone"
     assert ext["weight"] == 10
     assert ext["httpTimeout"] == "10s"
 
