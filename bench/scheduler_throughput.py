@@ -22,7 +22,9 @@ only the processes this script started.
     .venv/bin/python bench/scheduler_throughput.py --diagnose     # + run C: the scheduler binds itself
 
 Also printed: CPU seconds per process during each run (on a small machine every component competes
-for the same cores), and kube-scheduler's own attempt/algorithm/bind latencies.
+for the same cores) and per bound pod summed over every process, kube-apiserver's requests per bound
+pod by verb and resource (`bench/api_counts.py`), the extender's request and answer bytes per call,
+and kube-scheduler's own attempt/algorithm/bind latencies.
 """
 
 from __future__ import annotations
@@ -38,6 +40,15 @@ from datetime import UTC, datetime
 from typing import Any
 
 # Beside this script: bench/ is no package, and running a script puts its own folder on sys.path.
+from api_counts import (
+    SCHEDULER_VIEW,
+    apiserver_calls,
+    between,
+    bytes_lines,
+    calls_table,
+    cpu_per_pod_lines,
+    extender_bytes,
+)
 from throughput_run import GPUS_PER_POD, Deadline, RunResult, delete_pods, measure_run, say
 
 from agent.labels import node_labels
@@ -193,6 +204,27 @@ def print_report(
             )
 
 
+def print_per_pod(
+    runs: list[RunResult],
+    calls: list[dict[str, float]],
+    ext: dict[str, HistSum],
+    bytes_before: dict[tuple[str, str], float],
+    bytes_after: dict[tuple[str, str], float],
+) -> None:
+    """What each bound pod cost: CPU over every process, API calls, the extender's bytes per call."""
+    labels = [" ".join(r.label.split()[:2]) for r in runs]
+    print("\nCPU per bound pod, every process together (target: gputopo <= 1.25x plain; extender <= 2 ms):")
+    print("\n".join(cpu_per_pod_lines([(lab, r.cpu_s, r.bound) for lab, r in zip(labels, runs, strict=True)])))
+    if calls:
+        print("\nkube-apiserver requests per bound pod (apiserver_request_total; every client, watches included):")
+        print("\n".join(calls_table([(lab, c, r.bound) for lab, c, r in zip(labels, calls, runs, strict=False)])))
+    lines = bytes_lines(bytes_before, bytes_after, {v: h.count for v, h in ext.items()})
+    if lines:
+        print("\ngputopo-extender bytes per call during run B (gputopo_extender_wire_bytes_total):")
+        print("\n".join(lines))
+    print(SCHEDULER_VIEW)
+
+
 # ----------------------------------------------------------------------------------- main
 
 
@@ -203,6 +235,9 @@ def run(args: argparse.Namespace) -> int:
         print("control-plane binaries are not built: run gputopo/localcluster/build_binaries.sh first", file=sys.stderr)
         return 2
     runs: list[RunResult] = []
+    calls: list[dict[str, float]] = []  # kube-apiserver requests during each run
+    bytes_before: dict[tuple[str, str], float] = {}
+    bytes_after: dict[tuple[str, str], float] = {}
     ext_lat: dict[str, HistSum] = {}
     sched_lat: dict[str, dict[str, HistSum]] = {}
     progress: Callable[[str], None] | None = say if args.verbose else None
@@ -222,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
         plain = cp.start_plain_scheduler(**sched_kw)
         wait_scheduler_ready(cp, plain, deadline)
         before = scheduler_metrics(cp, plain)
+        calls_before = apiserver_calls(cp)
         a = measure_run(
             kube,
             cp,
@@ -234,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
             deadline=deadline,
         )
         runs.append(a)
+        calls.append(between(apiserver_calls(cp), calls_before))
         sched_lat[PLAIN_PROFILE] = diff(scheduler_metrics(cp, plain), before)
         cp.remove(plain)
         say("deleting run A's pods")
@@ -251,6 +288,8 @@ def run(args: argparse.Namespace) -> int:
             # The extender serves /metrics on its own metrics port, not beside the scheduler verbs.
             ext_metrics = stack.pods[0].metrics_url
             ext_before = extender_metrics(ext_metrics)
+            bytes_before = extender_bytes(ext_metrics)
+            calls_before = apiserver_calls(cp)
             b = measure_run(
                 kube,
                 cp,
@@ -263,6 +302,8 @@ def run(args: argparse.Namespace) -> int:
                 deadline=deadline,
             )
             runs.append(b)
+            calls.append(between(apiserver_calls(cp), calls_before))
+            bytes_after = extender_bytes(ext_metrics)
             sched_lat[GPUTOPO_PROFILE] = diff(scheduler_metrics(cp, sched), before)
             ext_lat = diff(extender_metrics(ext_metrics), ext_before)
             if args.diagnose and not deadline.expired():
@@ -276,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
                 cp.start_scheduler(name, profile=GPUTOPO_PROFILE, extender=ext, **sched_kw)
                 wait_scheduler_ready(cp, name, deadline)
                 before = scheduler_metrics(cp, name)
+                calls_before = apiserver_calls(cp)
                 runs.append(
                     measure_run(
                         kube,
@@ -290,10 +332,12 @@ def run(args: argparse.Namespace) -> int:
                     )
                 )
                 sched_lat[name] = diff(scheduler_metrics(cp, name), before)
+                calls.append(between(apiserver_calls(cp), calls_before))
         if args.keep:
             say(f"keeping {cp.dir} (logs: scheduler-*.log, gputopo-extender.log)")
         kube.close()
     print_report(args, runs, ext_lat, sched_lat)
+    print_per_pod(runs, calls, ext_lat, bytes_before, bytes_after)
     if deadline.expired():
         print(f"\nthe global deadline ({args.deadline:.0f}s) ran out: the figures above are partial")
     return 0 if len(runs) >= 2 and all(r.bound == r.pods for r in runs) else 1

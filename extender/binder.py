@@ -23,7 +23,6 @@ from extender.wire import PodInfo, pod_info
 from gputopo.engine.cliques import mask_of
 from gputopo.engine.explain import placement_estimate, placement_sentence, why_lost
 from gputopo.engine.placement import NodeVerdict, Outcome, evaluate_node, outcome_on
-from gputopo.engine.reasons import Code
 from gputopo.engine.scoring import to_extender_priority
 from gputopo.kube import KubeError
 from gputopo.model import (
@@ -204,18 +203,10 @@ class Binder:
         return placement, outcome
 
     def _runner_up(self, node: str, req: PodRequest) -> NodeVerdict | None:
-        """The best other feasible node: `runner_up(node, rank(...))` over every cached node, in one pass
-        (no verdict list, no sort of the whole cluster on every bind)."""
-        best: NodeVerdict | None = None
-        best_key: tuple[float, str] | None = None
-        success = Code.SUCCESS
-        for st, o in self.ledger.evaluate_states(list(self.ledger.nodes), req):
-            if o.code is not success or st.name == node:
-                continue
-            key = (-o.score, st.name)
-            if best_key is None or key < best_key:
-                best, best_key = NodeVerdict(st, o), key
-        return best
+        """The best other feasible node over every cached node (`Ledger.runner_up`: no verdict list, no
+        sort of the whole cluster on every bind)."""
+        found = self.ledger.runner_up(node, req)
+        return NodeVerdict(*found) if found is not None else None
 
     def _post_binding(
         self, source: ClusterSource, info: PodInfo, node: str, placement: Placement | None

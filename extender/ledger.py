@@ -12,7 +12,11 @@ touching it change. In-use GPUs of a node are
 Readers (`evaluate`, `states`) take each node's state without the lock: a `NodeEntry.fresh` is replaced
 whole, never mutated, so a decision over thousands of nodes holds the lock only for the rare node
 that needs building (stale, or seen without a pod's own GPUs). Staleness is decided at request time
-against the injected clock from each node's deadline (Lease renewTime + staleAfterSeconds).
+against the injected clock from each node's deadline (Lease renewTime + staleAfterSeconds): each entry's
+current state and equivalence key are kept in name -> state and name -> key dicts, right for every time
+between the latest deadline already passed and the earliest one not passed yet, so a decision reads
+thousands of keys with C-level lookups and re-checks deadlines node by node only when the clock
+crosses one (`_sweep`).
 
 Equivalent nodes share `NodeState.key`; outcomes are memoised by (PodRequest, key), so a decision over
 5,000 nodes evaluates each distinct kind once.
@@ -22,10 +26,12 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import compress
 from typing import TypedDict
 
 from extender import mismatch
@@ -33,7 +39,7 @@ from extender.mismatch import Mismatch
 from extender.objects import NodeEntry, NodeFacts, PodRecord
 from extender.reservations import GroupKey, Reservation, ReservationBook, SlotKey
 from gputopo.engine.placement import Outcome, evaluate_node
-from gputopo.engine.reasons import Reason
+from gputopo.engine.reasons import Code, Reason
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.snapshot import NodeState, node_state
 from gputopo.model import GpusInUse, PodRequest, agent_lease_name
@@ -42,6 +48,8 @@ from gputopo.tiers import DEFAULT_TIERS, TierConfig
 log = logging.getLogger("gputopo.extender.ledger")
 
 STALE_DETAIL = "agent heartbeat (Lease {lease}) is older than staleAfterSeconds"
+BUILT_PER_NODE = 4  # states kept per node by in-use set (one bind's claim, bound pod and release share one)
+_KEY = operator.attrgetter("key")
 
 
 class LedgerOptions(TypedDict, total=False):
@@ -85,6 +93,12 @@ class Ledger:
         # Bumps on every change that can alter a verdict (node states, leases, reservations). Cheap
         # "did anything change" for reusing a filter's outcomes in the prioritize that follows.
         self.generation = 0
+        # The state (and its equivalence key) pods see of each cached node, right for every `now` with
+        # _passed < now <= _earliest (see _sweep); -inf/+inf as set here force a sweep on the first read.
+        self._now: dict[str, NodeState] = {}
+        self._now_keys: dict[str, int] = {}
+        self._earliest = -math.inf
+        self._passed = math.inf
 
     @property
     def reservations(self) -> Mapping[GroupKey, Reservation]:
@@ -112,23 +126,77 @@ class Ledger:
         return frozenset(used)
 
     def _build(self, e: NodeEntry, in_use: frozenset[int] | None = None) -> NodeState:
-        return node_state(
-            e.name,
-            e.topology,
-            labels=e.labels,
-            in_use=self._in_use(e.name, e.report) if in_use is None else in_use,
-            problem=e.problem,
-            problem_detail=e.detail,
-            tiers=self.tiers,
-        )
+        used = self._in_use(e.name, e.report) if in_use is None else in_use
+        # A bind rebuilds its node three times with the same GPUs in use (claim, the bound pod, unclaim)
+        # and the pod's watch event a fourth: node_state is pure in (entry, in-use set), so the entry
+        # keeps its last few states by in-use set.
+        built = e.built.get(used)
+        if built is None:
+            built = node_state(
+                e.name,
+                e.topology,
+                labels=e.labels,
+                in_use=used,
+                problem=e.problem,
+                problem_detail=e.detail,
+                tiers=self.tiers,
+            )
+            if len(e.built) >= BUILT_PER_NODE:
+                del e.built[next(iter(e.built))]
+            e.built[used] = built
+        return built
 
     def _rebuild(self, names: Iterable[str | None]) -> None:
         for name in names:
             e = self.nodes.get(name) if name else None
             if e is not None:
+                built = self._build(e)
+                if built is e.fresh:
+                    continue  # the same GPUs in use as before (a bound pod's watch event after our bind)
                 e.stale = None
-                e.fresh = self._build(e)
+                e.fresh = built
+                self._settle(e, self.clock())
                 self.generation += 1
+
+    def _settle(self, e: NodeEntry, now: float) -> None:
+        """Record the state pods see of `e` at `now` after its state or deadline changed (under the lock)."""
+        if e.problem is None and now > e.deadline:
+            self._set_now(e.name, self._stale(e))
+            self._passed = max(self._passed, e.deadline)
+        else:
+            self._set_now(e.name, e.fresh)
+            if e.problem is None:
+                self._earliest = min(self._earliest, e.deadline)
+
+    def _set_now(self, name: str, state: NodeState) -> None:
+        self._now[name] = state
+        self._now_keys[name] = state.key
+
+    def _sweep(self, now: float) -> None:
+        """Re-decide every node's current state for `now`; afterwards _passed < now <= _earliest."""
+        with self.lock:
+            earliest, passed = math.inf, -math.inf
+            for e in self.nodes.values():
+                if e.problem is None and now > e.deadline:
+                    self._set_now(e.name, self._stale(e))
+                    passed = max(passed, e.deadline)
+                else:
+                    self._set_now(e.name, e.fresh)
+                    if e.problem is None:
+                        earliest = min(earliest, e.deadline)
+            self._earliest, self._passed = earliest, passed
+
+    def _kinds(self, names: list[str], now: float) -> tuple[list[int], list[NodeState] | None]:
+        """Each node's equivalence key at `now`, by one C-level lookup per node (a plain name -> key
+        dict: no node object is touched). When a name is not in the cache the states are built one by
+        one (`resolve`) and returned too."""
+        if not self._passed < now <= self._earliest:
+            self._sweep(now)
+        try:
+            return list(map(self._now_keys.__getitem__, names)), None
+        except KeyError:
+            states = [self._view(n, now) for n in names]
+            return list(map(_KEY, states)), states
 
     def _stale(self, e: NodeEntry) -> NodeState:
         if e.stale is None:
@@ -163,7 +231,13 @@ class Ledger:
     def states(self, names: Iterable[str] | None = None, now: float | None = None) -> list[NodeState]:
         now = self.clock() if now is None else now
         self.expire(now)
-        return [self._view(n, now) for n in (list(self.nodes) if names is None else names)]
+        names = list(self.nodes) if names is None else names
+        if not self._passed < now <= self._earliest:
+            self._sweep(now)
+        try:
+            return list(map(self._now.__getitem__, names))
+        except KeyError:
+            return [self._view(n, now) for n in names]
 
     def node_for(self, name: str, *, without_pod: str = "", without_slot: SlotKey | None = None) -> NodeState:
         """The node as the given pod (or group member) sees it: its own assumed/reserved GPUs are free."""
@@ -176,19 +250,13 @@ class Ledger:
 
     def evaluate(self, names: Sequence[str], req: PodRequest) -> list[Outcome]:
         """Outcome per requested node, in request order (unknown nodes: topology not reported)."""
-        return [o for _, o in self.evaluate_states(names, req)]
+        return self._evaluate(list(names), req)
 
     def evaluate_states(self, names: Iterable[str], req: PodRequest) -> list[tuple[NodeState, Outcome]]:
+        """Each node's state with its outcome (read together, node by node: not for the hot path)."""
         now = self.clock()
         self.expire(now)
-        with self.lock:
-            memo = self._verdicts.get(req)
-            if memo is None:
-                memo = self._verdicts[req] = {}
-                if len(self._verdicts) > self.MAX_REQUESTS_MEMOISED:
-                    self._verdicts.popitem(last=False)
-            else:
-                self._verdicts.move_to_end(req)
+        memo = self._memo(req)
         out: list[tuple[NodeState, Outcome]] = []
         view, weights = self._view, self.weights
         for name in names:
@@ -198,6 +266,60 @@ class Ledger:
                 o = memo[state.key] = evaluate_node(state, req, weights)
             out.append((state, o))
         return out
+
+    def _memo(self, req: PodRequest) -> dict[int, Outcome]:
+        with self.lock:
+            memo = self._verdicts.get(req)
+            if memo is None:
+                memo = self._verdicts[req] = {}
+                if len(self._verdicts) > self.MAX_REQUESTS_MEMOISED:
+                    self._verdicts.popitem(last=False)
+            else:
+                self._verdicts.move_to_end(req)
+        return memo
+
+    def _evaluate(self, names: list[str], req: PodRequest) -> list[Outcome]:
+        """Outcomes in request order. Thousands of nodes per call and a few distinct kinds: a node costs
+        two C-level dict lookups (its key, the memoised outcome of that key), and only kinds the memo
+        has not seen (a node whose GPUs just changed) are evaluated."""
+        now = self.clock()
+        self.expire(now)
+        memo = self._memo(req)
+        for _ in range(3):
+            keys, states = self._kinds(names, now)
+            try:
+                return list(map(memo.__getitem__, keys))
+            except KeyError:
+                pass
+            weights = self.weights
+            where = dict(zip(keys, range(len(keys)), strict=True))  # a node of each kind (C-level)
+            for key in set(keys).difference(memo):
+                i = where[key]
+                state = states[i] if states is not None else self._now.get(names[i])
+                if state is None or state.key != key:
+                    break  # the node changed since its key was read: read the keys again
+                # two threads may both compute one outcome: equal values, no harm
+                memo[key] = evaluate_node(state, req, weights)
+            else:
+                return list(map(memo.__getitem__, keys))
+        return [o for _, o in self.evaluate_states(names, req)]  # nodes changing under every read
+
+    def runner_up(self, node: str, req: PodRequest) -> tuple[NodeState, Outcome] | None:
+        """The best feasible node other than `node` over every cached node: the highest score, then the
+        first name (what ranking the whole cluster would put first), without sorting the cluster."""
+        names = list(self.nodes)
+        outcomes = self._evaluate(names, req)
+        success = Code.SUCCESS
+        ids = list(map(id, outcomes))
+        distinct = dict(zip(ids, outcomes, strict=True))
+        # Scores of the feasible kinds, best first; usually the first score settles it. Each step is a
+        # C-level pass over the nodes (thousands per bind).
+        for score in sorted({o.score for o in distinct.values() if o.code is success}, reverse=True):
+            best = {k for k, o in distinct.items() if o.code is success and o.score == score}
+            pick = min(filter(node.__ne__, compress(names, map(best.__contains__, ids))), default=None)
+            if pick is not None:
+                return self.resolve(pick, self.clock()), outcomes[names.index(pick)]
+        return None
 
     # ------------------------------------------------------------------ nodes and leases
 
@@ -210,7 +332,18 @@ class Ledger:
     def put_node(self, facts: NodeFacts) -> None:
         with self.lock:
             e = NodeEntry(**vars(facts), deadline=self.deadline(facts.name))
+            prev = self.nodes.get(facts.name)
+            if (
+                prev is not None
+                and prev.topology is e.topology
+                and prev.labels == e.labels
+                and (prev.problem, prev.detail) == (e.problem, e.detail)
+            ):
+                # Same topology document (node_facts reuses it while the annotation text is unchanged):
+                # a gpus-in-use update lands on a state built before, e.g. by the bind that caused it.
+                e.built = prev.built
             e.fresh = self._build(e)  # built before it is visible: readers take entries without the lock
+            self._settle(e, self.clock())
             self.nodes[facts.name] = e
             self.generation += 1
             for uid in e.report.pods:
@@ -228,6 +361,8 @@ class Ledger:
         with self.lock:
             for name in names:
                 if self.nodes.pop(name, None) is not None:
+                    self._now.pop(name, None)
+                    self._now_keys.pop(name, None)
                     self.generation += 1
 
     def put_lease(self, node: str, renew: float | None) -> bool:
@@ -242,6 +377,7 @@ class Ledger:
                 self.leases[node] = renew
             if entry is not None:
                 entry.deadline = self.deadline(node)
+                self._settle(entry, self.clock())
             changed = renew is None or not was_fresh
             if changed:
                 self.generation += 1
@@ -252,6 +388,7 @@ class Ledger:
             self.leases = dict(leases)
             for e in self.nodes.values():
                 e.deadline = self.deadline(e.name)
+            self._sweep(self.clock())
             self.generation += 1
 
     # ------------------------------------------------------------------ pods

@@ -17,7 +17,7 @@ import signal
 import socket
 import ssl
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,7 +65,9 @@ def endpoints(settings: Settings) -> list[Endpoint]:
 
 def _bind(ep: Endpoint) -> socket.socket:
     family = socket.AF_INET6 if ":" in ep.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY only on accepted sockets whose proto says TCP,
+    # and with proto 0 every small answer waited for the client's delayed ACK (about 40 ms per call).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         # Restarted in place (a container restart) the port may still hold TIME_WAIT connections.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -139,6 +141,16 @@ async def serve(listeners: Listeners, settings: Settings, stop: asyncio.Event | 
             sock.close()
 
 
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop where it is installed (a dependency on Linux): the verbs listener handles three requests per
+    scheduled pod, and uvloop's transport and loop cost a fraction of asyncio's per request."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(sys.argv[1:] if argv is None else argv)
@@ -158,7 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(listeners, settings))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(serve(listeners, settings))
     except ListenError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 1

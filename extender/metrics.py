@@ -30,6 +30,12 @@ class Metrics:
             buckets=BUCKETS,
             registry=self.registry,
         )
+        self.wire_bytes = Counter(
+            "gputopo_extender_wire_bytes",
+            "Bytes of extender calls, by verb and direction (in: request body, out: answer body).",
+            ["verb", "direction"],
+            registry=self.registry,
+        )
         self.decisions = Counter(
             "gputopo_extender_decisions",
             "Extender decisions by verb, outcome and reason (the dominant failure reason when nothing fits).",
@@ -71,8 +77,10 @@ class Metrics:
         self.fragmentation: FragmentationTracker | None = None  # track_fragmentation sets it
         for kind in KINDS:
             self.bad_objects.labels(kind)
-        for verb in VERBS:
-            self.duration.labels(verb)
+        # Each call records its duration and bytes: the children are looked up once, here.
+        self.durations = {verb: self.duration.labels(verb) for verb in VERBS}
+        self.bytes_in = {verb: self.wire_bytes.labels(verb, "in") for verb in VERBS}
+        self.bytes_out = {verb: self.wire_bytes.labels(verb, "out") for verb in VERBS}
 
     def decision(self, verb: str, outcome: str, reason: str = "") -> None:
         self.decisions.labels(verb, outcome, reason).inc()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -111,6 +111,7 @@ class NodeEntry(NodeFacts):
     deadline: float = -math.inf  # epoch seconds after which the topology is stale
     fresh: NodeState = _UNBUILT  # replaced whole, never mutated: readers take it without the ledger's lock
     stale: NodeState | None = None
+    built: dict[frozenset[int], NodeState] = field(default_factory=dict)  # states by in-use set, newest last
 
 
 def node_metadata(obj: Any) -> tuple[dict[str, str], dict[str, str]]:

@@ -13,6 +13,7 @@ import collections
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import compress, repeat
 
 from extender.binder import Binder
 from extender.cache import ClusterCache
@@ -51,12 +52,25 @@ class Decision:
 
     def reason_label(self) -> str:
         """The dominant failure reason when nothing fits ('' when something does)."""
-        counts: collections.Counter[str] = collections.Counter()
-        for o in self.outcomes:
-            if o.code is Code.SUCCESS:
-                return ""
-            counts[o.reason.value if o.reason else "unknown"] += 1
-        return counts.most_common(1)[0][0] if counts else ""
+        # Filter and prioritize of one pod share one outcomes list: label it once.
+        labelled, last = _last_label[0]  # one tuple, read whole: threads replace it, never edit it
+        if labelled is self.outcomes:
+            return last
+        # Outcomes are shared between equivalent nodes: look at each distinct one; count nodes per
+        # outcome (C-level) only when none fits.
+        distinct = dict(zip(map(id, self.outcomes), self.outcomes, strict=True))
+        label = ""
+        if distinct and all(o.code is not Code.SUCCESS for o in distinct.values()):
+            counts: collections.Counter[str] = collections.Counter()
+            for k, n in collections.Counter(map(id, self.outcomes)).items():
+                o = distinct[k]
+                counts[o.reason.value if o.reason else "unknown"] += n
+            label = counts.most_common(1)[0][0]
+        _last_label[0] = (self.outcomes, label)
+        return label
+
+
+_last_label: list[tuple[object, str]] = [(None, "")]  # (outcomes list, its label): the last one labelled
 
 
 @dataclass(frozen=True)
@@ -149,36 +163,60 @@ class Extender:
         d = self.decide(info, names)
         if d.kind == "pass_through":
             return FilterAnswer(list(names), {}, {}, d)
-        passed: list[str] = []
-        failed: dict[str, str] = {}
-        unresolvable: dict[str, str] = {}
-        success, unresolvable_code = Code.SUCCESS, Code.UNRESOLVABLE
-        for name, o in zip(d.names, d.outcomes, strict=True):
-            code = o.code
-            if code is success:
-                passed.append(name)
-            elif code is unresolvable_code or o.reason is Reason.NO_FREE_CLIQUE:
-                # Enough GPUs are free but no clique: kube-scheduler's preemption counts GPUs, finds
-                # nothing to evict there, and before kubernetes#135486 fails the whole attempt
-                # ("expected at least one victim"). gputopo only narrows offered victims, so no
-                # release can resolve this node by preemption: keep it out of the candidates.
-                unresolvable[name] = o.message
-            else:
-                failed[name] = o.message
-        return FilterAnswer(passed, failed, unresolvable, d)
+        # Outcomes are shared between equivalent nodes: sort each distinct one into passed, failed or
+        # unresolvable once, then split the node list with C-level maps (thousands of nodes per call).
+        outcomes = d.outcomes
+        ids = list(map(id, outcomes))
+        distinct = dict(zip(ids, outcomes, strict=True))
+        passing = {k for k, o in distinct.items() if o.code is Code.SUCCESS}
+        # Enough GPUs are free but no clique: kube-scheduler's preemption counts GPUs, finds nothing to
+        # evict there, and before kubernetes#135486 fails the whole attempt ("expected at least one
+        # victim"). gputopo only narrows offered victims, so no release can resolve this node by
+        # preemption: keep it out of the candidates.
+        unresolvable_ids = {
+            k for k, o in distinct.items() if o.code is Code.UNRESOLVABLE or o.reason is Reason.NO_FREE_CLIQUE
+        } - passing
+        messages = {k: o.message for k, o in distinct.items()}
+        nodes = d.names
+        if len(distinct) == 1:  # one kind of node (often: none fits): no per-node split at all
+            (only,) = distinct
+            if only in passing:
+                return FilterAnswer(list(nodes), {}, {}, d)
+            answer = dict(zip(nodes, repeat(messages[only])))
+            return FilterAnswer([], {}, answer, d) if only in unresolvable_ids else FilterAnswer([], answer, {}, d)
+        passed = list(compress(nodes, map(passing.__contains__, ids)))
+        failed_ids = set(distinct) - passing - unresolvable_ids
+        return FilterAnswer(
+            passed,
+            self._split(nodes, ids, failed_ids, messages),
+            self._split(nodes, ids, unresolvable_ids, messages),
+            d,
+        )
 
-    def prioritize(self, info: PodInfo, names: Sequence[str]) -> tuple[list[tuple[str, int]], Decision]:
+    @staticmethod
+    def _split(nodes: Sequence[str], ids: list[int], wanted: set[int], messages: dict[int, str]) -> dict[str, str]:
+        if not wanted:
+            return {}
+        selected = map(wanted.__contains__, ids)
+        texts = {messages[k] for k in wanted}
+        if len(texts) == 1:  # messages are categorical: often one text for all these kinds of node
+            return dict.fromkeys(compress(nodes, selected), texts.pop())
+        return dict(compress(zip(nodes, map(messages.__getitem__, ids), strict=True), selected))
+
+    def prioritize(self, info: PodInfo, names: Sequence[str]) -> tuple[Sequence[str], list[int], Decision]:
+        """The nodes and their scores (0..10, parallel lists), and the decision behind them."""
         d = self.decide(info, names)
         if d.kind == "pass_through":
-            return [(n, NEUTRAL_SCORE) for n in names], d
+            return names, [NEUTRAL_SCORE] * len(names), d
         if d.priorities is not None:
-            return list(zip(names, d.priorities, strict=True)), d
+            return names, list(d.priorities), d
         # Outcomes are shared between equivalent nodes: quantise each distinct one once, then map
         # node by node with C-level iteration (thousands of nodes per call).
         success = Code.SUCCESS
-        distinct = {id(o): o for o in d.outcomes}
+        ids = list(map(id, d.outcomes))
+        distinct = dict(zip(ids, d.outcomes, strict=True))
         prio = {k: (to_extender_priority(o.score) if o.code is success else 0) for k, o in distinct.items()}
-        return list(zip(d.names, map(prio.__getitem__, map(id, d.outcomes)), strict=True)), d
+        return d.names, list(map(prio.__getitem__, ids)), d
 
     def _group_decision(self, info: PodInfo, req: PodRequest, names: Sequence[str]) -> Decision:
         slot = self.groups.slot_for(info, req, names)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gputopo.model import GPU_RESOURCE, MAX_QUANTITY, parse_quantity
@@ -92,6 +93,68 @@ class ExtenderArgs(_GoStruct):
         if self.nodes is not None:
             return self.nodes.names()
         return []
+
+
+# pydantic-core refuses JSON nested deeper than this; the fast path below keeps the same bound.
+MAX_JSON_DEPTH = 200
+_FAST_KEYS = frozenset(("Pod", "Nodes", "NodeNames"))
+
+
+def _depth_within(value: Any, limit: int) -> bool:
+    """Whether `value` nests at most `limit` arrays/objects deep (iterative: no recursion to exhaust)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return False
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, dict | list))
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item if isinstance(v, dict | list))
+    return True
+
+
+def fast_extender_args(body: bytes) -> ExtenderArgs | None:
+    """kube-scheduler's own filter/prioritize request (Go-cased keys, `NodeNames` a list of strings,
+    `Nodes` null), decoded by orjson without validating the embedded Pod through pydantic (`pod_info`
+    checks what is read from it). None for anything else, including every malformed body: the caller
+    then parses with `ExtenderArgs`, whose errors name the field (HTTP 400) exactly as before."""
+    # Each nesting level needs one bracket: with fewer than MAX_JSON_DEPTH of them (strings included) the
+    # depth bound holds without walking the document. Near the bound, pydantic-core decides.
+    shallow = body.count(b"{") + body.count(b"[") < MAX_JSON_DEPTH
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or not data.keys() <= _FAST_KEYS or data.get("Nodes") is not None:
+        return None
+    pod, names = data.get("Pod"), data.get("NodeNames")
+    if not isinstance(pod, dict) or not isinstance(names, list) or len(names) > MAX_CANDIDATE_NODES:
+        return None
+    if not set(map(type, names)) <= {str}:
+        return None
+    if not shallow and not _depth_within(pod, MAX_JSON_DEPTH - 2):
+        return None
+    if _float_gpu_count(pod):
+        return None
+    return ExtenderArgs.model_construct(pod=pod, nodes=None, node_names=names)
+
+
+def _float_gpu_count(pod: dict[str, Any]) -> bool:
+    """Whether a container's GPU count decoded as a float: orjson reads an integer literal past 64 bits
+    as one, pydantic-core as an int, and the error for it should read the same either way."""
+    spec = pod.get("spec")
+    if not isinstance(spec, dict):
+        return False
+    for key in ("containers", "initContainers"):
+        containers = spec.get(key)
+        for c in containers if isinstance(containers, list) else ():
+            resources = c.get("resources") if isinstance(c, dict) else None
+            for kind in ("limits", "requests"):
+                values = resources.get(kind) if isinstance(resources, dict) else None
+                if isinstance(values, dict) and isinstance(values.get(GPU_RESOURCE), float):
+                    return True
+    return False
 
 
 class ExtenderFilterResult(_GoStruct):
@@ -193,13 +256,22 @@ def _gpu_count(raw: Any, where: str) -> int:
         raise WireError(f"{where}: {_short(raw)} is not a Kubernetes quantity")
     if isinstance(raw, float) and not math.isfinite(raw):
         raise WireError(f"{where}: {raw!r} is not a finite number of GPUs")
+    text = raw if isinstance(raw, str) else repr(raw)
+    known = _GPU_COUNTS.get(text)
+    if known is not None:
+        return known
     try:
-        value = parse_quantity(raw if isinstance(raw, str) else repr(raw))
+        value = parse_quantity(text)
     except ValueError as e:
         raise WireError(f"{where}: {_short(raw)}: {e}") from None
     if value < 0 or value != value.to_integral_value():
         raise WireError(f"{where}: {_short(raw)} is not a whole, non-negative number of GPUs")
+    if len(_GPU_COUNTS) < 1024:  # a pod is read up to five times per scheduling (verbs, watch, bind)
+        _GPU_COUNTS[text] = int(value)
     return int(value)
+
+
+_GPU_COUNTS: dict[str, int] = {}  # quantity text -> whole GPUs, for texts that parsed as such
 
 
 def _short(value: Any, limit: int = 40) -> str:

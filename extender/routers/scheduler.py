@@ -3,33 +3,39 @@
 Every decision runs on a worker thread (`run_in_threadpool`): the event loop stays free for the health
 endpoints, the other listeners and the next request while a large filter call is evaluated.
 
-Bodies are parsed straight from bytes by pydantic-core (both key casings, `Nodes: null`), and answers
-are encoded by pydantic-core too, with the Go field names. A request that does not have the
-protocol's shape gets HTTP 400 naming the problem; anything unexpected after that is caught and
-reported in the `Error` field (filter, bind) or as neutral scores (prioritize): never a 500.
+Filter and prioritize bodies as kube-scheduler sends them (Go-cased keys, `NodeNames`) are decoded by
+orjson and only the fields the decision reads are checked (`wire.fast_extender_args`, `wire.pod_info`);
+any other body is parsed by pydantic-core (both key casings, `Nodes` objects). Answers are encoded by
+orjson, with the Go field names: a 5,000-entry FailedNodes map costs about a fifth of pydantic-core's
+time. A request that does not have the protocol's shape gets HTTP 400 naming the problem; anything
+unexpected after that is caught and reported in the `Error` field (filter, bind) or as neutral scores
+(prioritize): never a 500. The service and metrics are read from `app.state` directly (no dependency
+injection per call: it is a measurable share of a request at thousands of calls per second).
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any, TypeVar, cast
 
+import orjson
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ValidationError
 from pydantic_core import to_json
 from starlette.concurrency import run_in_threadpool
 
-from extender.deps import ExtenderDep, MetricsDep
 from extender.metrics import Metrics
-from extender.service import NEUTRAL_SCORE
+from extender.service import NEUTRAL_SCORE, Extender
 from extender.wire import (
     ExtenderArgs,
     ExtenderBindingArgs,
     ExtenderPreemptionArgs,
     PodInfo,
     WireError,
+    fast_extender_args,
     pod_info,
 )
 
@@ -45,7 +51,43 @@ class BadRequest(Exception):
 
 
 def _json(body: Any, status: int = 200) -> Response:
-    return Response(to_json(body), status_code=status, media_type="application/json")
+    try:
+        data = orjson.dumps(body)
+    except TypeError:  # an integer past 64 bits echoed from a request's Node objects: pydantic-core takes it
+        data = to_json(body)
+    return Response(data, status_code=status, media_type="application/json")
+
+
+class _HostScores(dict[str, orjson.Fragment]):
+    """`{"Host":<name>,"Score":<score>}` per node name for one score, encoded once: a prioritize answer
+    for thousands of nodes is then orjson writing cached fragments (a fifth of the time of encoding a
+    dict per node on every call). Names come from requests (only kube-scheduler's: the verbs listener is
+    loopback-only), so each cache is bounded: cleared when full; the largest clusters have 65,000 nodes,
+    and kube-scheduler names the same nodes call after call."""
+
+    LIMIT = 70_000
+
+    def __init__(self, score: int) -> None:
+        super().__init__()
+        self.score = score
+
+    def __missing__(self, name: str) -> orjson.Fragment:
+        if len(self) >= self.LIMIT:
+            self.clear()
+        fragment = self[name] = orjson.Fragment(orjson.dumps({"Host": name, "Score": self.score}))
+        return fragment
+
+
+_HOST_SCORES = {s: _HostScores(s) for s in range(11)}  # extender scores are 0..10 (MaxExtenderPriority)
+
+
+def _priorities(names: Sequence[str], scores: list[int]) -> bytes:
+    """The HostPriorityList `[{"Host": name, "Score": score}, ...]`, as orjson would encode it."""
+    try:
+        # Two C-level lookups per node: the cache of its score, then its name's fragment in it.
+        return orjson.dumps(list(map(operator.getitem, map(_HOST_SCORES.__getitem__, scores), names)))
+    except (KeyError, TypeError):  # a score outside 0..10 (never expected): encode it plainly
+        return orjson.dumps([{"Host": n, "Score": s} for n, s in zip(names, scores, strict=True)])
 
 
 def _describe(err: ValidationError) -> str:
@@ -73,8 +115,15 @@ async def _parse(request: Request, model: type[M]) -> M:
 
 async def _scheduling_args(request: Request) -> tuple[ExtenderArgs, list[str], PodInfo]:
     """What filter and prioritize both read: the args, the candidate node names, the pod."""
-    args = await _parse(request, ExtenderArgs)
+    args = fast_extender_args(await request.body())
+    if args is None:
+        args = await _parse(request, ExtenderArgs)
     return args, args.candidate_names(), pod_info(args.pod)
+
+
+def _state(request: Request) -> tuple[Extender, Metrics]:
+    state = request.app.state
+    return cast(Extender, state.extender), cast(Metrics, state.metrics)
 
 
 def _bad(verb: str, metrics: Metrics, err: BadRequest | WireError) -> Response:
@@ -97,22 +146,37 @@ def _not_ready(verb: str, metrics: Metrics, body: dict[str, Any]) -> Response:
     return _json({**body, "Error": NOT_READY})
 
 
-def _timed(metrics: Metrics, verb: str) -> Callable[[], None]:
-    start = time.perf_counter()
-    return lambda: metrics.duration.labels(verb).observe(time.perf_counter() - start)
+class _Timed:
+    """One call's duration and bytes in and out (the throughput benchmark reports bytes per call),
+    recorded by `await done(request, answer)`, which returns the answer."""
+
+    __slots__ = ("metrics", "start", "verb")
+
+    def __init__(self, metrics: Metrics, verb: str) -> None:
+        self.metrics, self.verb, self.start = metrics, verb, time.perf_counter()
+
+    async def __call__(self, request: Request, answer: Response) -> Response:
+        m, verb = self.metrics, self.verb
+        m.durations[verb].observe(time.perf_counter() - self.start)
+        m.bytes_in[verb].inc(len(await request.body()))
+        m.bytes_out[verb].inc(len(answer.body))
+        return answer
 
 
-@router.post("/filter")
-async def filter_(request: Request, extender: ExtenderDep, metrics: MetricsDep) -> Response:
+def _timed(metrics: Metrics, verb: str) -> _Timed:
+    return _Timed(metrics, verb)
+
+
+async def filter_(request: Request) -> Response:
+    extender, metrics = _state(request)
     done = _timed(metrics, "filter")
     try:
         args, names, info = await _scheduling_args(request)
     except (BadRequest, WireError) as e:
-        done()
-        return _bad("filter", metrics, e)
+        return await done(request, _bad("filter", metrics, e))
     if not extender.cache.ready:
-        done()
-        return _not_ready("filter", metrics, {"NodeNames": None, "FailedNodes": {}, "FailedAndUnresolvableNodes": {}})
+        empty: dict[str, Any] = {"NodeNames": None, "FailedNodes": {}, "FailedAndUnresolvableNodes": {}}
+        return await done(request, _not_ready("filter", metrics, empty))
     try:
         # The decision is CPU work on worker threads, so /healthz and /readyz answer while it runs.
         answer = await run_in_threadpool(extender.filter, info, names)
@@ -140,41 +204,36 @@ async def filter_(request: Request, extender: ExtenderDep, metrics: MetricsDep) 
         log.exception("filter failed", extra={"verb": "filter", "pod": info.ref})
         metrics.decision("filter", "error")
         body = {"NodeNames": None, "FailedNodes": {}, "FailedAndUnresolvableNodes": {}, "Error": f"internal: {e}"}
-    done()
-    return _json(body)
+    return await done(request, _json(body))
 
 
-@router.post("/prioritize")
-async def prioritize(request: Request, extender: ExtenderDep, metrics: MetricsDep) -> Response:
+async def prioritize(request: Request) -> Response:
+    extender, metrics = _state(request)
     done = _timed(metrics, "prioritize")
     try:
         _, names, info = await _scheduling_args(request)
     except (BadRequest, WireError) as e:
-        done()
-        return _bad("prioritize", metrics, e)
+        return await done(request, _bad("prioritize", metrics, e))
     try:
-        scores, d = await run_in_threadpool(extender.prioritize, info, names)
-        body: list[dict[str, Any]] = [{"Host": n, "Score": s} for n, s in scores]
+        hosts, scores, d = await run_in_threadpool(extender.prioritize, info, names)
+        data = _priorities(hosts, scores)
         metrics.decision("prioritize", "pass_through" if d.kind == "pass_through" else "scored", d.reason_label())
     except Exception:
         log.exception("prioritize failed; neutral scores", extra={"verb": "prioritize", "pod": info.ref})
         metrics.decision("prioritize", "error")
-        body = [{"Host": n, "Score": NEUTRAL_SCORE} for n in names]
-    done()
-    return _json(body)
+        data = _priorities(names, [NEUTRAL_SCORE] * len(names))
+    return await done(request, Response(data, media_type="application/json"))
 
 
-@router.post("/bind")
-async def bind(request: Request, extender: ExtenderDep, metrics: MetricsDep) -> Response:
+async def bind(request: Request) -> Response:
+    extender, metrics = _state(request)
     done = _timed(metrics, "bind")
     try:
         args = await _parse(request, ExtenderBindingArgs)
     except BadRequest as e:
-        done()
-        return _bad("bind", metrics, e)
+        return await done(request, _bad("bind", metrics, e))
     if not extender.cache.ready:
-        done()
-        return _not_ready("bind", metrics, {})
+        return await done(request, _not_ready("bind", metrics, {}))
     try:
         error = await run_in_threadpool(extender.bind, args.pod_namespace, args.pod_name, args.pod_uid, args.node)
     except Exception as e:
@@ -186,24 +245,27 @@ async def bind(request: Request, extender: ExtenderDep, metrics: MetricsDep) -> 
             "bind refused",
             extra={"verb": "bind", "pod": f"{args.pod_namespace}/{args.pod_name}", "node": args.node, "error": error},
         )
-    done()
-    return _json({"Error": error})
+    return await done(request, _json({"Error": error}))
 
 
-@router.post("/preempt")
-async def preempt(request: Request, extender: ExtenderDep, metrics: MetricsDep) -> Response:
+async def preempt(request: Request) -> Response:
+    extender, metrics = _state(request)
     done = _timed(metrics, "preempt")
     try:
         args = await _parse(request, ExtenderPreemptionArgs)
         pod_info(args.pod)
     except (BadRequest, WireError) as e:
-        done()
-        return _bad("preempt", metrics, e)
+        return await done(request, _bad("preempt", metrics, e))
     try:
         kept = await run_in_threadpool(extender.preempt, args)
     except Exception:
         log.exception("preempt failed; candidates unchanged", extra={"verb": "preempt"})
         kept = args.meta_victims()
     metrics.decision("preempt", "answered")
-    done()
-    return _json({"NodeNameToMetaVictims": {n: v.to_wire() for n, v in kept.items()}})
+    return await done(request, _json({"NodeNameToMetaVictims": {n: v.to_wire() for n, v in kept.items()}}))
+
+
+# Plain Starlette routes: the verbs read the Request themselves, so FastAPI's per-call dependency and
+# parameter machinery (a measurable share of a request at three calls per scheduled pod) is skipped.
+for _path, _endpoint in (("/filter", filter_), ("/prioritize", prioritize), ("/bind", bind), ("/preempt", preempt)):
+    router.add_route(_path, _endpoint, methods=["POST"])

@@ -48,6 +48,8 @@ from gputopo.model import (
 )
 from gputopo.systems import build_system
 
+# kube-scheduler's log line on winning the election, lower-cased: 1.34 writes "successfully acquired
+# lease ns/name", 1.37 the structured "Successfully acquired lease" lock="ns/name".
 LEADER_LOG_LINE = "successfully acquired lease"
 
 
@@ -346,7 +348,7 @@ class Stack:
             text = self.cp.log_path(pod.scheduler).read_text(errors="replace")
         except OSError:
             return False
-        return LEADER_LOG_LINE in text.rsplit("\n=== ", 1)[-1]
+        return LEADER_LOG_LINE in text.rsplit("\n=== ", 1)[-1].lower()
 
     def leader(self) -> SchedulerPod | None:
         leading = [p for p in self.pods if self._leads(p)]

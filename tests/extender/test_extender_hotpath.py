@@ -1,0 +1,145 @@
+"""The hot path's shortcuts give exactly what the plain way gives: the orjson request decoder, the
+pre-encoded prioritize answer, the ledger's C-level kind lookups (across Lease deadlines), the
+filter's split of outcomes and bind's runner-up."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import orjson
+import pytest
+
+from extender.routers.scheduler import _priorities
+from extender.wire import MAX_JSON_DEPTH, ExtenderArgs, fast_extender_args, pod_info
+from gputopo.engine.reasons import Code, Reason
+from gputopo.model import parse_pod_request
+from tests.extender.harness import Env, gputopo_pod, node_obj, pod_obj
+
+POD = gputopo_pod("p", 4)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"Pod": POD, "Nodes": None, "NodeNames": ["a", "b", "a"]},
+        {"Pod": POD, "NodeNames": []},
+        {
+            "Pod": {**POD, "spec": {"containers": [{"resources": {"limits": {"nvidia.com/gpu": 2}}}]}},
+            "NodeNames": ["x"],
+        },
+    ],
+    ids=["go-cased", "no Nodes key", "numeric quantity"],
+)
+def test_the_fast_decoder_reads_what_the_models_read(body: dict[str, Any]) -> None:
+    raw = json.dumps(body).encode()
+    fast, slow = fast_extender_args(raw), ExtenderArgs.model_validate_json(raw)
+    assert fast is not None
+    assert (fast.pod, fast.node_names, fast.nodes) == (slow.pod, slow.node_names, slow.nodes)
+    assert pod_info(fast.pod) == pod_info(slow.pod)
+
+
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        json.dumps({"pod": POD, "nodenames": ["a"]}).encode(),  # other casing: the models fold it
+        json.dumps({"Pod": POD, "Nodes": {"items": []}}).encode(),  # Node objects
+        json.dumps({"Pod": POD, "NodeNames": ["a", 1]}).encode(),  # a name that is not a string
+        json.dumps({"Pod": POD, "NodeNames": "a"}).encode(),
+        json.dumps({"Pod": None, "NodeNames": ["a"]}).encode(),
+        json.dumps({"Pod": POD, "NodeNames": ["a"], "Extra": 1}).encode(),
+        json.dumps({"Pod": {**POD, "x": _nested(MAX_JSON_DEPTH)}, "NodeNames": []}).encode(),
+        b'{"Pod": {"metadata": {"name": "p"}, "x": NaN}, "NodeNames": []}',
+        b'{"Pod": {"metadata": {"name": "p"}, "x": 1e400}, "NodeNames": []}',
+        # past 64 bits orjson reads a float where pydantic-core reads an int: the models decide
+        json.dumps({"Pod": gputopo_pod("p", 4), "NodeNames": []}).replace('"4"', "99999999999999999999999").encode(),
+        b'{"Pod": {"metadata": {"name": "\\ud800"}}, "NodeNames": []}',
+        b"[]",
+        b"not json",
+    ],
+)
+def test_anything_else_goes_to_the_models(raw: bytes) -> None:
+    assert fast_extender_args(raw) is None
+
+
+def test_prioritize_answers_are_the_bytes_orjson_would_write() -> None:
+    rng = random.Random(5)
+    names = [f"n-{i}" for i in range(300)] + ['quote"d', "back\\slash", "é-ü", "tab\t", "n-1"]
+    for _ in range(20):
+        scores = [rng.randint(0, 10) for _ in names]
+        assert _priorities(names, scores) == orjson.dumps(
+            [{"Host": n, "Score": s} for n, s in zip(names, scores, strict=True)]
+        )
+    assert _priorities(["a"], [11]) == b'[{"Host":"a","Score":11}]'  # never expected: encoded plainly
+    assert _priorities(["a"], [-1]) == b'[{"Host":"a","Score":-1}]'
+    assert _priorities([], []) == b"[]"
+
+
+def _cluster(env: Env) -> list[str]:
+    rng = random.Random(11)
+    nodes = []
+    for i in range(40):
+        fixture = ("dgx-h100", "hgx-h200", "l40s-4", "dgx-a100")[i % 4]
+        gpus = 4 if fixture == "l40s-4" else 8
+        in_use = sorted(rng.sample(range(gpus), rng.randint(0, gpus))) if i % 3 else None
+        nodes.append(node_obj(f"n{i:02d}", fixture, in_use=in_use))
+    env.add_nodes(*nodes)
+    return [f"n{i:02d}" for i in range(40)]
+
+
+def _plain_outcomes(env: Env, names: list[str], gpus: int) -> list[Any]:
+    req = parse_pod_request({"gputopo.io/nvlink": "required"}, gpus, env.ledger.tier_names)
+    return [o for _, o in env.ledger.evaluate_states(names, req)]
+
+
+def test_kind_lookups_follow_lease_deadlines(env: Env) -> None:
+    names = [*_cluster(env), "not-a-node"]
+    req = parse_pod_request({"gputopo.io/nvlink": "required"}, 4, env.ledger.tier_names)
+    assert env.ledger.evaluate(names, req) == _plain_outcomes(env, names, 4)
+    env.clock.advance(121)  # every Lease deadline passed: every node is stale
+    stale = env.ledger.evaluate(names, req)
+    assert stale == _plain_outcomes(env, names, 4)
+    assert {o.reason for o in stale[:-1]} == {Reason.TOPOLOGY_STALE}
+    env.renew_leases()  # fresh again
+    assert env.ledger.evaluate(names, req) == _plain_outcomes(env, names, 4)
+    assert Reason.TOPOLOGY_STALE not in {o.reason for o in env.ledger.evaluate(names, req)}
+
+
+def test_filter_splits_outcomes_as_a_node_by_node_loop_would(env: Env) -> None:
+    names = [*_cluster(env), "not-a-node", "n01"]
+    for gpus in (1, 4, 8):
+        answer = env.client.app.state.extender.filter(pod_info(gputopo_pod(f"p{gpus}", gpus)), names)  # type: ignore[attr-defined]
+        passed, failed, unresolvable = [], {}, {}
+        for name, o in zip(names, _plain_outcomes(env, names, gpus), strict=True):
+            if o.code is Code.SUCCESS:
+                passed.append(name)
+            elif o.code is Code.UNRESOLVABLE or o.reason is Reason.NO_FREE_CLIQUE:
+                unresolvable[name] = o.message
+            else:
+                failed[name] = o.message
+        assert answer.passed == passed
+        assert list(answer.failed.items()) == list(failed.items())
+        assert list(answer.unresolvable.items()) == list(unresolvable.items())
+
+
+def test_runner_up_is_the_best_other_node_by_score_then_name(env: Env) -> None:
+    names = _cluster(env)
+    env.add_pods(pod_obj("busy", 2, {"gputopo.io/nvlink": "required"}))
+    for gpus in (1, 2, 4, 8):
+        req = parse_pod_request({"gputopo.io/nvlink": "required"}, gpus, env.ledger.tier_names)
+        verdicts = env.ledger.evaluate_states(names, req)
+        for node in [*names[:6], "elsewhere"]:
+            feasible = [(-o.score, st.name, o) for st, o in verdicts if o.code is Code.SUCCESS and st.name != node]
+            want = min(feasible, key=lambda t: (t[0], t[1]), default=None)
+            got = env.ledger.runner_up(node, req)
+            assert (got is None) == (want is None)
+            if got is not None and want is not None:
+                assert (got[0].name, got[1]) == (want[1], want[2])
