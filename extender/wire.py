@@ -157,28 +157,11 @@ def _float_gpu_count(pod: dict[str, Any]) -> bool:
     return False
 
 
-class ExtenderFilterResult(_GoStruct):
-    nodes: NodeList | None = Field(default=None, alias="Nodes")
-    node_names: list[str] | None = Field(default=None, alias="NodeNames")
-    failed_nodes: dict[str, str] = Field(default_factory=dict, alias="FailedNodes")
-    failed_and_unresolvable_nodes: dict[str, str] = Field(default_factory=dict, alias="FailedAndUnresolvableNodes")
-    error: str = Field(default="", alias="Error")
-
-
-class HostPriority(_GoStruct):
-    host: str = Field(alias="Host")
-    score: int = Field(alias="Score", ge=0, le=10)
-
-
 class ExtenderBindingArgs(_GoStruct):
     pod_name: str = Field(alias="PodName", min_length=1)
     pod_namespace: str = Field(alias="PodNamespace", min_length=1)
     pod_uid: str = Field(default="", alias="PodUID")
     node: str = Field(alias="Node", min_length=1)
-
-
-class ExtenderBindingResult(_GoStruct):
-    error: str = Field(default="", alias="Error")
 
 
 class MetaPod(_GoStruct):
