@@ -21,7 +21,6 @@ from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
     PydanticBaseSettingsSource,
-    SettingsConfigDict,
     SettingsError,
 )
 
@@ -50,11 +49,11 @@ from agent.runner import Agent
 from gputopo.jsonlog import configure_logging
 from gputopo.model import AGENT_COMPONENT, DEFAULT_NAMESPACE, GPU_RESOURCE
 from gputopo.render import render_topology
+from gputopo.settingsconfig import ENV_PREFIX, command_settings
 
 log = logging.getLogger("agent")
 
 PROG = AGENT_COMPONENT
-ENV_PREFIX = "GPUTOPO_"
 # An extended resource name: <DNS subdomain>/<name>, as the kubelet's device manager accepts it.
 _RESOURCE_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 
@@ -63,16 +62,7 @@ class AgentSettings(BaseSettings):
     """The agent's settings, docs/configuration.md's gputopo-agent table: each is a flag and an environment
     variable (`NODE_NAME` for the node name, from the downward API)."""
 
-    model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX,
-        extra="ignore",
-        frozen=True,
-        cli_prog_name=PROG,
-        cli_kebab_case=True,
-        cli_implicit_flags=True,  # --device-plugin / --no-device-plugin
-        cli_hide_none_type=True,
-        cli_exit_on_error=False,  # main() reports a bad flag like any invalid setting (exit 2)
-    )
+    model_config = command_settings(PROG)
 
     node_name: str | None = Field(
         default=None,

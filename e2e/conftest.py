@@ -33,6 +33,7 @@ from gputopo.localcluster import (
     expected_bin_dir,
     find_binaries,
 )
+from gputopo.localcluster.stack import GpuNode, Stack
 
 MakeNodes = Callable[[Sequence[SimNode]], list[str]]
 
@@ -139,3 +140,36 @@ def pytest_runtest_makereport(
             for name in cp.components():
                 report.sections.append((f"log tail: {name} ({cp.log_path(name)})", cp.log_tail(name, 30)))
     return report
+
+
+class StackNodes:
+    """A test's simulated GPU nodes on a module's Stack (labelled with the test id) and their agents,
+    removed afterwards. Modules that run a Stack define a `stack` fixture and get `nodes` from here."""
+
+    def __init__(self, stack: Stack, test_id: str) -> None:
+        self.stack = stack
+        self.test_id = test_id
+        self.names: list[str] = []
+
+    def add(self, *nodes: GpuNode) -> list[str]:
+        named = [dataclasses.replace(n, name=f"{n.name}-{self.test_id[-6:]}") for n in nodes]
+        self.stack.add_nodes(named, extra_labels={TEST_LABEL: self.test_id})
+        self.names.extend(n.name for n in named)
+        self.stack.wait_published([n.name for n in named])
+        return [n.name for n in named]
+
+    def cleanup(self) -> None:
+        for name in self.names:
+            self.stack.cp.remove(self.stack.agent_component(name), grace=2)
+            try:
+                self.stack.kube.delete_node(name)
+            except KubeApiError as e:
+                if e.status != 404:
+                    raise
+
+
+@pytest.fixture
+def nodes(stack: Stack, test_id: str) -> Iterator[StackNodes]:
+    n = StackNodes(stack, test_id)
+    yield n
+    n.cleanup()

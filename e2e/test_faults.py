@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from conftest import StackNodes
 from gputopo.localcluster import APISERVER, TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from gputopo.localcluster.checks import check_gpus
 from gputopo.localcluster.kube import KubeApiError
@@ -39,38 +40,6 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
     s.start()
     yield s
     s.stop()
-
-
-class Nodes:
-    """This test's simulated GPU nodes (labelled with the test id) and their agents; removed afterwards."""
-
-    def __init__(self, stack: Stack, test_id: str) -> None:
-        self.stack = stack
-        self.test_id = test_id
-        self.names: list[str] = []
-
-    def add(self, count: int, system: str = "dgx-h100") -> list[str]:
-        named = [GpuNode(f"f{i}-{self.test_id[-6:]}", system) for i in range(count)]
-        self.stack.add_nodes(named, extra_labels={TEST_LABEL: self.test_id})
-        self.names.extend(n.name for n in named)
-        self.stack.wait_published([n.name for n in named])
-        return [n.name for n in named]
-
-    def cleanup(self) -> None:
-        for name in self.names:
-            self.stack.cp.remove(self.stack.agent_component(name), grace=2)
-            try:
-                self.stack.kube.delete_node(name)
-            except KubeApiError as e:
-                if e.status != 404:
-                    raise
-
-
-@pytest.fixture
-def nodes(stack: Stack, test_id: str) -> Iterator[Nodes]:
-    n = Nodes(stack, test_id)
-    yield n
-    n.cleanup()
 
 
 def gpu_pod(ns: str, test_id: str, name: str, gpus: int, scheduler: str = "gputopo-scheduler") -> dict[str, Any]:
@@ -146,9 +115,9 @@ def filter_verdict(url: str, node: str, ns: str) -> str:
 
 
 def test_apiserver_restart_mid_stream_every_pod_ends_bound_and_no_gpu_is_double_booked(
-    control_plane: ControlPlane, kube: KubeClient, nodes: Nodes, namespace: str, test_id: str
+    control_plane: ControlPlane, kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
-    names = nodes.add(3)
+    names = nodes.add(*[GpuNode(f"f{i}", "dgx-h100") for i in range(3)])
     pods = [f"s{i}" for i in range(12)]  # 12 x 2 GPUs fill the 24 GPUs exactly
     for name in pods[:6]:
         kube.create_pod(gpu_pod(namespace, test_id, name, 2))
@@ -172,9 +141,9 @@ def _etcd(cp: ControlPlane, path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_watch_expired_after_compaction_the_extender_relists_and_keeps_placing(
-    control_plane: ControlPlane, kube: KubeClient, stack: Stack, nodes: Nodes, namespace: str, test_id: str
+    control_plane: ControlPlane, kube: KubeClient, stack: Stack, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
-    (node,) = nodes.add(1)
+    (node,) = nodes.add(*[GpuNode(f"f{i}", "dgx-h100") for i in range(1)])
     kube.create_pod(gpu_pod(namespace, test_id, "before", 4))
     kube.wait_pod_bound(namespace, "before", timeout=60)
     # Writes the extender does not watch move etcd's revision past the last one it saw; compacting
@@ -203,9 +172,9 @@ def test_watch_expired_after_compaction_the_extender_relists_and_keeps_placing(
 
 
 def test_killed_agent_makes_its_node_stale_within_stale_after_and_fresh_again_when_back(
-    control_plane: ControlPlane, stack: Stack, nodes: Nodes, namespace: str
+    control_plane: ControlPlane, stack: Stack, nodes: StackNodes, namespace: str
 ) -> None:
-    (node,) = nodes.add(1)
+    (node,) = nodes.add(*[GpuNode(f"f{i}", "dgx-h100") for i in range(1)])
     url = stack.extender_url
     assert filter_verdict(url, node, namespace) == ""
     control_plane.kill(stack.agent_component(node))
@@ -316,12 +285,12 @@ class ProxiedExtenderStack(Stack):
 def test_extender_killed_during_a_bind_the_pod_ends_bound_once_and_no_gpu_is_held_twice(
     control_plane: ControlPlane,
     kube: KubeClient,
-    nodes: Nodes,
+    nodes: StackNodes,
     namespace: str,
     test_id: str,
     binding_arrives: bool,
 ) -> None:
-    (node,) = nodes.add(1)
+    (node,) = nodes.add(*[GpuNode(f"f{i}", "dgx-h100") for i in range(1)])
     proxy = HoldingProxy(control_plane.apiserver_port)
     s = ProxiedExtenderStack(
         control_plane,
@@ -379,9 +348,9 @@ def _diagnosis(cp: ControlPlane, kube: KubeClient, ns: str, s: Stack) -> str:
 
 
 def test_leader_failover_under_a_stream_of_pods_binds_every_pod_and_double_books_no_gpu(
-    control_plane: ControlPlane, kube: KubeClient, nodes: Nodes, namespace: str, test_id: str
+    control_plane: ControlPlane, kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
-    names = nodes.add(4)
+    names = nodes.add(*[GpuNode(f"f{i}", "dgx-h100") for i in range(4)])
     ha = Stack(
         control_plane,
         kube,

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from conftest import StackNodes
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from gputopo.localcluster.kube import KubeApiError
 from gputopo.localcluster.stack import GpuNode, Stack
@@ -37,38 +38,6 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
     s.start()
     yield s
     s.stop()
-
-
-class Nodes:
-    """This test's simulated GPU nodes and their agents; removed afterwards."""
-
-    def __init__(self, stack: Stack, test_id: str) -> None:
-        self.stack = stack
-        self.test_id = test_id
-        self.names: list[str] = []
-
-    def add(self, *nodes: GpuNode) -> list[str]:
-        named = [GpuNode(f"{n.name}-{self.test_id[-6:]}", n.fixture, n.topology, n.labels, n.in_use) for n in nodes]
-        self.stack.add_nodes(named, extra_labels={TEST_LABEL: self.test_id})
-        self.names.extend(n.name for n in named)
-        self.stack.wait_published([n.name for n in named])
-        return [n.name for n in named]
-
-    def cleanup(self) -> None:
-        for name in self.names:
-            self.stack.cp.remove(self.stack.agent_component(name), grace=2)
-            try:
-                self.stack.kube.delete_node(name)
-            except KubeApiError as e:
-                if e.status != 404:
-                    raise
-
-
-@pytest.fixture
-def nodes(stack: Stack, test_id: str) -> Iterator[Nodes]:
-    n = Nodes(stack, test_id)
-    yield n
-    n.cleanup()
 
 
 def gputopo_pod(
@@ -104,7 +73,7 @@ def failed_scheduling(kube: KubeClient, ns: str, pod: str, contains: str, timeou
 
 
 def test_tp4_on_dgx1v_takes_the_intact_nvlink_quad_when_gpus_are_in_use(
-    kube: KubeClient, nodes: Nodes, namespace: str, test_id: str
+    kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
     (dgx1,) = nodes.add(GpuNode("dgx1v", "dgx-1v", in_use=[1]))
     pod = gputopo_pod(kube, namespace, test_id, "tp4", 4)
@@ -120,7 +89,7 @@ def test_tp4_on_dgx1v_takes_the_intact_nvlink_quad_when_gpus_are_in_use(
 
 
 def test_free_gpus_that_form_no_clique_are_refused_for_tp4(
-    kube: KubeClient, nodes: Nodes, namespace: str, test_id: str
+    kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
     (dgx1,) = nodes.add(GpuNode("dgx1v", "dgx-1v", in_use=[1, 5]))
     pod = gputopo_pod(kube, namespace, test_id, "tp4", 4)
@@ -134,7 +103,7 @@ def test_free_gpus_that_form_no_clique_are_refused_for_tp4(
 
 
 def test_8_gpu_pods_land_on_separate_nvswitch_nodes_with_every_gpu(
-    kube: KubeClient, nodes: Nodes, namespace: str, test_id: str
+    kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
     names = nodes.add(GpuNode("h100-a", "dgx-h100"), GpuNode("h100-b", "dgx-h100"))
     pods = [gputopo_pod(kube, namespace, test_id, f"tp8-{i}", 8) for i in range(2)]
@@ -145,7 +114,7 @@ def test_8_gpu_pods_land_on_separate_nvswitch_nodes_with_every_gpu(
 
 
 def test_node_with_a_down_nvlink_link_is_avoided_and_the_reason_is_visible(
-    kube: KubeClient, nodes: Nodes, namespace: str, test_id: str
+    kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
     doc = json.loads(build_system("dgx-h100").to_annotation())
     doc["degradedLinks"] = [{"gpu": 3, "link": 7, "state": "down", "detail": "link inactive"}]
@@ -164,7 +133,7 @@ def test_node_with_a_down_nvlink_link_is_avoided_and_the_reason_is_visible(
 
 
 def test_min_gpu_memory_100gi_chooses_h200_over_h100(
-    kube: KubeClient, nodes: Nodes, namespace: str, test_id: str
+    kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
     h100, h200 = nodes.add(GpuNode("h100", "dgx-h100"), GpuNode("h200", "hgx-h200"))
     pod = gputopo_pod(kube, namespace, test_id, "big-kv", 2, {"gputopo.io/min-gpu-memory": "100Gi"})
@@ -176,7 +145,7 @@ def test_min_gpu_memory_100gi_chooses_h200_over_h100(
 
 
 def test_four_stage_infiniband_group_lands_one_stage_per_node_under_one_leaf(
-    kube: KubeClient, nodes: Nodes, namespace: str, test_id: str
+    kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
     leaf = {"gputopo.io/network-spine": "spine-a"}
     added = nodes.add(
@@ -202,7 +171,7 @@ def test_four_stage_infiniband_group_lands_one_stage_per_node_under_one_leaf(
 
 
 def test_group_waits_for_its_members_then_places_all_of_them(
-    kube: KubeClient, nodes: Nodes, namespace: str, test_id: str
+    kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
     nodes.add(*[GpuNode(f"g{i}", "dgx-h100") for i in range(3)])
     ann = {"gputopo.io/group": "trio", "gputopo.io/group-size": "3"}
@@ -220,7 +189,7 @@ def test_group_waits_for_its_members_then_places_all_of_them(
 
 
 def test_malformed_annotation_gives_a_clear_reason_and_changes_nothing(
-    kube: KubeClient, nodes: Nodes, namespace: str, test_id: str
+    kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
     (node,) = nodes.add(GpuNode("h100", "dgx-h100"))
     before = kube.get_node(node)["metadata"]["annotations"]
@@ -240,7 +209,7 @@ def test_malformed_annotation_gives_a_clear_reason_and_changes_nothing(
 
 
 def test_plain_pods_under_the_same_scheduler_are_unaffected(
-    kube: KubeClient, nodes: Nodes, namespace: str, test_id: str
+    kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
     (node,) = nodes.add(GpuNode("l40s", "l40s-4"))
     for name, gpus in (("plain-gpu", 1), ("plain-cpu", 0)):
@@ -262,7 +231,7 @@ def test_plain_pods_under_the_same_scheduler_are_unaffected(
 
 
 def test_extender_restart_loses_no_assumed_allocation_or_reservation(
-    kube: KubeClient, stack: Stack, nodes: Nodes, namespace: str, test_id: str
+    kube: KubeClient, stack: Stack, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
     (node,) = nodes.add(GpuNode("h100", "dgx-h100"))
     first = gputopo_pod(kube, namespace, test_id, "half-1", 4)
@@ -283,7 +252,7 @@ def test_extender_restart_loses_no_assumed_allocation_or_reservation(
 
 
 def test_group_reservation_survives_an_extender_restart(
-    kube: KubeClient, stack: Stack, nodes: Nodes, namespace: str, test_id: str
+    kube: KubeClient, stack: Stack, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
     nodes.add(*[GpuNode(f"r{i}", "dgx-h100") for i in range(2)])
     ann = {"gputopo.io/group": "duo", "gputopo.io/group-size": "2"}
@@ -296,7 +265,7 @@ def test_group_reservation_survives_an_extender_restart(
 
 
 def test_agent_that_stops_heartbeating_makes_its_node_stale(
-    kube: KubeClient, stack: Stack, nodes: Nodes, namespace: str, test_id: str
+    kube: KubeClient, stack: Stack, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
     (node,) = nodes.add(GpuNode("h100", "dgx-h100"))
     stack.stop_agent(node)
@@ -315,7 +284,7 @@ def test_agent_that_stops_heartbeating_makes_its_node_stale(
 
 
 def test_agent_republishes_gpus_in_use_and_extender_respects_them(
-    kube: KubeClient, stack: Stack, nodes: Nodes, namespace: str, test_id: str
+    kube: KubeClient, stack: Stack, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
     (node,) = nodes.add(GpuNode("h100", "dgx-h100"))
     stack.set_in_use(node, [0, 1, 2, 3, 4, 5])
@@ -341,7 +310,7 @@ def _cli(stack: Stack, *args: str) -> str:
     return done.stdout
 
 
-def test_gputopo_topo_shows_a_live_node_like_nvidia_smi(stack: Stack, nodes: Nodes) -> None:
+def test_gputopo_topo_shows_a_live_node_like_nvidia_smi(stack: Stack, nodes: StackNodes) -> None:
     (dgx1,) = nodes.add(GpuNode("dgx1v", "dgx-1v", in_use=[1]))
     out = _cli(stack, "topo", dgx1)
     assert "GPU0  X     NV1   NV1   NV2   NV2   SYS" in out
@@ -351,7 +320,7 @@ def test_gputopo_topo_shows_a_live_node_like_nvidia_smi(stack: Stack, nodes: Nod
 
 
 def test_gputopo_explain_lists_every_verdict_and_changes_nothing(
-    kube: KubeClient, stack: Stack, nodes: Nodes, namespace: str, test_id: str
+    kube: KubeClient, stack: Stack, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
     h100, l40s = nodes.add(GpuNode("h100", "dgx-h100"), GpuNode("l40s", "l40s-4"))
     pod = gputopo_pod(kube, namespace, test_id, "tp8", 8)
@@ -389,7 +358,7 @@ def test_the_scheduler_runs_the_charts_configuration_with_only_the_local_rewrite
 
 
 def test_mutating_webhook_lets_the_annotation_alone_opt_a_pod_in(
-    kube: KubeClient, control_plane: ControlPlane, nodes: Nodes, namespace: str, test_id: str
+    kube: KubeClient, control_plane: ControlPlane, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
     import base64
 

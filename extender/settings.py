@@ -9,16 +9,16 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
-from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
+from pydantic_settings import BaseSettings, CliSuppress
 
 from extender.limits import DEFAULT_MAX_REQUEST_BYTES
 from gputopo.engine.scoring import ScoreWeights
 from gputopo.model import DEFAULT_NAMESPACE, EXTENDER_COMPONENT
+from gputopo.settingsconfig import ENV_PREFIX, command_settings
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 PROG = EXTENDER_COMPONENT
-ENV_PREFIX = "GPUTOPO_"
 
 
 def is_loopback(host: str) -> bool:
@@ -36,17 +36,7 @@ class Settings(BaseSettings):
     metrics. Every flag is also an environment variable (--stale-after-seconds is GPUTOPO_STALE_AFTER_SECONDS);
     flags win. GPUTOPO_SCORE_WEIGHTS and GPUTOPO_TIERS (JSON) are environment only."""
 
-    model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX,
-        extra="ignore",
-        frozen=True,
-        cli_prog_name=PROG,
-        cli_kebab_case=True,
-        cli_implicit_flags=True,
-        cli_hide_none_type=True,
-        # A bad flag is reported by main() like every other invalid setting (exit 2), not by argparse's exit.
-        cli_exit_on_error=False,
-    )
+    model_config = command_settings(PROG)
 
     # The scheduling verbs and their health endpoints: plain HTTP, loopback only (see _listeners).
     host: str = Field("127.0.0.1", description="listen address of the scheduling verbs; loopback only")

@@ -1,1 +1,1 @@
-"""Kubelet PodResources v1 API: vendored proto, generated stubs (scripts/gen_podresources.sh), client."""
+"""Kubelet PodResources v1 API: vendored proto, generated stubs (scripts/gen_protos.sh), client."""
