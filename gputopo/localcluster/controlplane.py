@@ -19,32 +19,46 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import json
 import os
 import secrets
 import shutil
-import signal
-import socket
 import ssl
-import subprocess
 import tempfile
-import time
-import urllib.error
-import urllib.request
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from gputopo.model import GPU_RESOURCE, SCHEDULER_NAME
+from gputopo.model import SCHEDULER_NAME
 
 from .binaries import find_binaries
+from .pki import generate_sa_keys, kubeconfig_text, write_private
+
+# The process supervision, the credential files and the scheduler configuration live in their own
+# modules; these names stay importable from here, where callers have always found them.
+from .procs import HOST, Component, ControlPlaneError, Supervisor, free_port, http_ok, insecure_ctx
+from .schedconfig import ExtenderConfig, scheduler_configuration
 
 if TYPE_CHECKING:
     from .kube import KubeClient
+
+__all__ = [
+    "ADMIN_USER",
+    "APISERVER",
+    "ETCD",
+    "GPUTOPO_PROFILE",
+    "HOST",
+    "PLAIN_PROFILE",
+    "SA_ISSUER",
+    "SERVICE_CIDR",
+    "ControlPlane",
+    "ControlPlaneError",
+    "ExtenderConfig",
+    "free_port",
+    "kubeconfig_text",
+    "scheduler_configuration",
+]
 
 ETCD = "etcd"
 APISERVER = "kube-apiserver"
@@ -53,211 +67,9 @@ PLAIN_PROFILE = "plain-scheduler"
 ADMIN_USER = "gputopo-admin"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 SERVICE_CIDR = "10.0.0.0/24"
-HOST = "127.0.0.1"
 
 
-class ControlPlaneError(RuntimeError):
-    """A component failed to start or the control plane is used wrongly."""
-
-
-@dataclass(frozen=True)
-class ExtenderConfig:
-    """One ``extenders[]`` entry of a KubeSchedulerConfiguration (upstream field names in comments)."""
-
-    url: str  # urlPrefix
-    filter_verb: str | None = "filter"
-    prioritize_verb: str | None = "prioritize"
-    bind_verb: str | None = "bind"
-    preempt_verb: str | None = None  # "preempt": clique-aware victims (docs/extender.md, "Preemption")
-    weight: int = 5
-    node_cache_capable: bool = True
-    http_timeout: str = "5s"
-    ignorable: bool = False
-    # (name, ignoredByScheduler)
-    managed_resources: tuple[tuple[str, bool], ...] = ((GPU_RESOURCE, False),)
-    ca_file: Path | None = None  # tlsConfig.caFile: verify the extender's serving certificate
-
-    def to_config(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "urlPrefix": self.url,
-            "weight": self.weight,
-            "nodeCacheCapable": self.node_cache_capable,
-            "enableHTTPS": self.url.startswith("https://"),
-            "httpTimeout": self.http_timeout,
-            "ignorable": self.ignorable,
-            "managedResources": [{"name": n, "ignoredByScheduler": ignored} for n, ignored in self.managed_resources],
-        }
-        if self.ca_file is not None:
-            out["tlsConfig"] = {"caFile": str(self.ca_file)}
-        for key, verb in (
-            ("filterVerb", self.filter_verb),
-            ("prioritizeVerb", self.prioritize_verb),
-            ("bindVerb", self.bind_verb),
-            ("preemptVerb", self.preempt_verb),
-        ):
-            if verb:
-                out[key] = verb
-        return out
-
-
-def scheduler_configuration(
-    kubeconfig: Path,
-    profile: str,
-    extender: ExtenderConfig | None = None,
-    *,
-    percentage_of_nodes_to_score: int = 100,
-    disable_preemption: bool = True,
-    client_qps: float = 50.0,
-    client_burst: int = 100,
-    parallelism: int | None = None,
-) -> dict[str, Any]:
-    """The KubeSchedulerConfiguration (as a dict) for a scheduler with exactly one profile."""
-    prof: dict[str, Any] = {"schedulerName": profile}
-    if disable_preemption:
-        prof["plugins"] = {"postFilter": {"disabled": [{"name": "DefaultPreemption"}]}}
-    cfg: dict[str, Any] = {
-        "apiVersion": "kubescheduler.config.k8s.io/v1",
-        "kind": "KubeSchedulerConfiguration",
-        "clientConnection": {"kubeconfig": str(kubeconfig), "qps": client_qps, "burst": client_burst},
-        "leaderElection": {"leaderElect": False},
-        "percentageOfNodesToScore": percentage_of_nodes_to_score,
-        "profiles": [prof],
-    }
-    if parallelism is not None:
-        cfg["parallelism"] = parallelism
-    if extender is not None:
-        cfg["extenders"] = [extender.to_config()]
-    return cfg
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def _insecure_ctx() -> ssl.SSLContext:
-    ctx = ssl.create_default_context()
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    return ctx
-
-
-def _http_ok(url: str, *, token: str | None = None, ctx: ssl.SSLContext | None = None) -> bool:
-    req = urllib.request.Request(url)
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=2, context=ctx) as resp:
-            return int(resp.status) == 200
-    except (urllib.error.URLError, OSError, ssl.SSLError):
-        return False
-
-
-def _set_pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
-    # PR_SET_PDEATHSIG = 1: the kernel sends SIGTERM to the child when the forking thread exits.
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    try:
-        with path.open("r", errors="replace") as f:
-            return "".join(deque(f, maxlen=lines))
-    except OSError:
-        return "(no log)"
-
-
-def _diagnosis(path: Path, lines: int = 40) -> str:
-    """Error lines from anywhere in a log (cobra prints the error before a long usage text;
-    klog's E/F lines; etcd's JSON error levels), then the tail."""
-    try:
-        text = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "(no log)"
-    errors = [
-        ln
-        for ln in text
-        if ln.startswith(("Error:", "error:", "E1", "E0", "F1", "F0"))
-        or '"level":"error"' in ln
-        or '"level":"fatal"' in ln
-        or '"level":"panic"' in ln
-    ][-10:]
-    head = ("error lines:\n" + "\n".join(errors) + "\n--- last lines:\n") if errors else ""
-    return head + "\n".join(text[-lines:])
-
-
-def _write_private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-
-
-def _generate_sa_keys(key: Path, pub: Path) -> None:
-    """RSA key pair for signing service-account tokens: openssl CLI, else ``cryptography``."""
-    openssl = shutil.which("openssl")
-    if openssl:
-        subprocess.run(
-            [openssl, "genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", str(key)],
-            check=True,
-            capture_output=True,
-        )
-        subprocess.run([openssl, "pkey", "-in", str(key), "-pubout", "-out", str(pub)], check=True, capture_output=True)
-        key.chmod(0o600)
-        return
-    try:
-        import importlib
-
-        rsa: Any = importlib.import_module("cryptography.hazmat.primitives.asymmetric.rsa")
-        ser: Any = importlib.import_module("cryptography.hazmat.primitives.serialization")
-    except ImportError as e:
-        raise ControlPlaneError(
-            "need the openssl command or the Python 'cryptography' package to create service-account signing keys"
-        ) from e
-    k = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    _write_private(
-        key,
-        k.private_bytes(ser.Encoding.PEM, ser.PrivateFormat.PKCS8, ser.NoEncryption()).decode(),
-    )
-    pub.write_bytes(k.public_key().public_bytes(ser.Encoding.PEM, ser.PublicFormat.SubjectPublicKeyInfo))
-
-
-@dataclass
-class _Component:
-    name: str
-    argv: list[str]
-    log_path: Path
-    ready: Callable[[], bool]
-    env: dict[str, str] = field(default_factory=dict)
-    proc: subprocess.Popen[bytes] | None = None
-    started_pids: list[int] = field(default_factory=list)
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-
-def kubeconfig_text(server: str, *, token: str, user: str, ca_file: Path | None, cluster: str = "gputopo-local") -> str:
-    """A kubeconfig (JSON, which is YAML) for one bearer token."""
-    cl: dict[str, Any] = {"server": server}
-    if ca_file is not None:
-        cl["certificate-authority"] = str(ca_file)
-    else:
-        cl["insecure-skip-tls-verify"] = True
-    doc = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": cluster, "cluster": cl}],
-        "users": [{"name": user, "user": {"token": token}}],
-        "contexts": [{"name": f"{user}@{cluster}", "context": {"cluster": cluster, "user": user}}],
-        "current-context": f"{user}@{cluster}",
-        "preferences": {},
-    }
-    return json.dumps(doc, indent=2) + "\n"
-
-
-class ControlPlane:
+class ControlPlane(Supervisor):
     """etcd + kube-apiserver (+ kube-schedulers) on loopback, in a private directory.
 
     ``bin_dir``: the directory with the binaries (default: the built cache, see
@@ -304,7 +116,7 @@ class ControlPlane:
         self.server = f"https://{HOST}:{self.apiserver_port}"
         self.kubeconfig = self.dir / "admin.kubeconfig"
         self.ca_file: Path | None = None
-        self._components: dict[str, _Component] = {}
+        self._components: dict[str, Component] = {}
         self._scheduler_ports: dict[str, int] = {}
         self._removed_pids: list[int] = []
         self._torn_down = False
@@ -375,26 +187,6 @@ class ControlPlane:
     def kubectl(self) -> Path:
         return self.bin_dir / "kubectl"
 
-    def components(self) -> list[str]:
-        return list(self._components)
-
-    def pid(self, name: str) -> int | None:
-        c = self._get(name)
-        return c.proc.pid if c.running and c.proc is not None else None
-
-    def is_running(self, name: str) -> bool:
-        return self._get(name).running
-
-    def owned_pids(self) -> list[int]:
-        """Every PID this control plane has started, including stopped ones."""
-        return self._removed_pids + [p for c in self._components.values() for p in c.started_pids]
-
-    def log_path(self, name: str) -> Path:
-        return self._get(name).log_path
-
-    def log_tail(self, name: str, lines: int = 40) -> str:
-        return _tail(self._get(name).log_path, lines)
-
     def scheduler_port(self, name: str) -> int:
         """The scheduler's secure port (serves /healthz, /readyz, /metrics without auth)."""
         return self._scheduler_ports[name]
@@ -419,33 +211,10 @@ class ControlPlane:
     def write_kubeconfig(self, path: Path, *, token: str, user: str = "user") -> Path:
         """Write a kubeconfig for ``token`` against this apiserver (mode 0600)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_private(path, kubeconfig_text(self.server, token=token, user=user, ca_file=self.ca_file))
+        write_private(path, kubeconfig_text(self.server, token=token, user=user, ca_file=self.ca_file))
         return path
 
     # ----------------------------------------------------------------- component control
-
-    def stop(self, name: str, *, grace: float = 5.0) -> None:
-        """Stop one component (SIGTERM, then SIGKILL after ``grace`` seconds). Start it again
-        with ``start_component`` or ``restart``. A kube-apiserver with schedulers watching it
-        usually needs the whole grace period, since its graceful shutdown waits for them."""
-        self._stop(self._get(name), grace)
-
-    def kill(self, name: str) -> None:
-        """SIGKILL one component at once, as a crash or an evicted pod would end it: nothing is
-        flushed or released. Start it again with ``start_component``."""
-        c = self._get(name)
-        if c.proc is not None and c.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(c.proc.pid, signal.SIGKILL)
-            c.proc.wait(timeout=30)
-        self._write_pids()
-
-    def restart(self, name: str, *, grace: float = 5.0) -> None:
-        """Stop (if running) and start one component again with the same ports, data and
-        configuration, waiting until it is ready."""
-        c = self._get(name)
-        self._stop(c, grace)
-        self._start(name)
 
     def remove(self, name: str, *, grace: float = 5.0) -> None:
         """Stop a scheduler and forget it, so that its name (and profile) can be used again.
@@ -457,11 +226,6 @@ class ControlPlane:
         self._removed_pids.extend(c.started_pids)
         del self._components[name]
         self._scheduler_ports.pop(name, None)
-
-    def start_component(self, name: str) -> None:
-        """Start a stopped component again (no-op if it runs)."""
-        if not self._get(name).running:
-            self._start(name)
 
     def start_scheduler(
         self,
@@ -531,37 +295,11 @@ class ControlPlane:
         url = f"https://{HOST}:{port}/healthz"
         try:
             return self.start_process(
-                name, argv, ready=lambda: _http_ok(url, ctx=_insecure_ctx()), log_name=f"scheduler-{safe}"
+                name, argv, ready=lambda: http_ok(url, ctx=insecure_ctx()), log_name=f"scheduler-{safe}"
             )
         except BaseException:
             self._scheduler_ports.pop(name, None)
             raise
-
-    def start_process(
-        self,
-        name: str,
-        argv: Sequence[str],
-        *,
-        ready: Callable[[], bool],
-        env: Mapping[str, str] | None = None,
-        log_name: str | None = None,
-    ) -> str:
-        """Run a process (a scheduler, the extender, an agent) as a managed component: logged into
-        the directory, stopped with the rest, restartable by name. Waits until ``ready()``."""
-        self._require_started()
-        if name in self._components:
-            raise ControlPlaneError(f"component {name!r} exists; use restart()")
-        safe = log_name or "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
-        self._components[name] = _Component(
-            name=name, argv=list(argv), log_path=self.dir / f"{safe}.log", ready=ready, env=dict(env or {})
-        )
-        try:
-            self._start(name)
-        except BaseException:
-            c = self._components.pop(name)
-            self._removed_pids.extend(c.started_pids)
-            raise
-        return name
 
     def start_plain_scheduler(self, *, name: str = PLAIN_PROFILE, **kwargs: Any) -> str:
         """A scheduler with the single profile ``plain-scheduler`` and no extender."""
@@ -569,24 +307,10 @@ class ControlPlane:
 
     # ----------------------------------------------------------------- internals
 
-    def _say(self, msg: str) -> None:
-        if self._progress is not None:
-            self._progress(msg)
-
-    def _get(self, name: str) -> _Component:
-        try:
-            return self._components[name]
-        except KeyError:
-            raise ControlPlaneError(f"no component {name!r}; have {', '.join(self._components) or 'none'}") from None
-
-    def _require_started(self) -> None:
-        if not self._started or self._torn_down:
-            raise ControlPlaneError("the control plane is not running; call start() first")
-
     def _prepare_files(self) -> None:
         (self.dir / "pki").mkdir(mode=0o700)
-        _generate_sa_keys(self.dir / "sa.key", self.dir / "sa.pub")
-        _write_private(self.dir / "tokens.csv", f'{self.admin_token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n')
+        generate_sa_keys(self.dir / "sa.key", self.dir / "sa.pub")
+        write_private(self.dir / "tokens.csv", f'{self.admin_token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n')
 
     def _add_etcd(self) -> None:
         client = f"http://{HOST}:{self.etcd_port}"
@@ -605,8 +329,8 @@ class ControlPlane:
             "--log-level=warn",
             "--quota-backend-bytes=8589934592",
         ]
-        self._components[ETCD] = _Component(
-            name=ETCD, argv=argv, log_path=self.dir / "etcd.log", ready=lambda: _http_ok(f"{client}/health")
+        self._components[ETCD] = Component(
+            name=ETCD, argv=argv, log_path=self.dir / "etcd.log", ready=lambda: http_ok(f"{client}/health")
         )
 
     def _add_apiserver(self) -> None:
@@ -634,11 +358,11 @@ class ControlPlane:
             f"--v={min(self.verbosity, 2)}",
         ]
         readyz = f"{self.server}/readyz"
-        self._components[APISERVER] = _Component(
+        self._components[APISERVER] = Component(
             name=APISERVER,
             argv=argv,
             log_path=self.dir / "kube-apiserver.log",
-            ready=lambda: _http_ok(readyz, token=self.admin_token, ctx=_insecure_ctx()),
+            ready=lambda: http_ok(readyz, token=self.admin_token, ctx=insecure_ctx()),
         )
 
     def _write_admin_kubeconfig(self) -> None:
@@ -649,65 +373,8 @@ class ControlPlane:
         if crt.is_file():
             try:
                 ctx = ssl.create_default_context(cafile=str(crt))
-                if _http_ok(f"{self.server}/readyz", token=self.admin_token, ctx=ctx):
+                if http_ok(f"{self.server}/readyz", token=self.admin_token, ctx=ctx):
                     self.ca_file = crt
             except ssl.SSLError:
                 self.ca_file = None
         self.write_kubeconfig(self.kubeconfig, token=self.admin_token, user=ADMIN_USER)
-
-    def _write_pids(self) -> None:
-        pids = {n: c.proc.pid for n, c in self._components.items() if c.running and c.proc is not None}
-        with contextlib.suppress(OSError):
-            (self.dir / "pids.json").write_text(json.dumps(pids, indent=2) + "\n")
-
-    def _start(self, name: str) -> None:
-        c = self._get(name)
-        if c.running:
-            return
-        self._say(f"starting {name}")
-        with c.log_path.open("ab") as log:
-            log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: {' '.join(c.argv)}\n".encode())
-            log.flush()
-            c.proc = subprocess.Popen(
-                c.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self.dir,
-                env={**os.environ, **c.env} if c.env else None,
-                start_new_session=True,
-                preexec_fn=_set_pdeathsig if self.die_with_parent else None,
-            )
-        c.started_pids.append(c.proc.pid)
-        self._write_pids()
-        deadline = time.monotonic() + self.startup_timeout
-        while True:
-            rc = c.proc.poll()
-            if rc is not None:
-                raise ControlPlaneError(
-                    f"{name} exited with status {rc} during startup; log {c.log_path}:\n" + _diagnosis(c.log_path)
-                )
-            if c.ready():
-                self._say(f"{name} ready (pid {c.proc.pid})")
-                return
-            if time.monotonic() > deadline:
-                self._stop(c)
-                raise ControlPlaneError(
-                    f"{name} not ready after {self.startup_timeout:.0f}s; log {c.log_path}:\n" + _diagnosis(c.log_path)
-                )
-            time.sleep(0.1)
-
-    def _stop(self, c: _Component, timeout: float = 5.0) -> None:
-        p = c.proc
-        if p is None:
-            return
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGTERM)
-            try:
-                p.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGKILL)
-                p.wait(timeout=30)
-        self._write_pids()

@@ -13,19 +13,40 @@ import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from gputopo.kube import Kube, KubeError
-from gputopo.model import GPU_RESOURCE, LABEL_NETWORK_LEAF, LABEL_NETWORK_SPINE
 
-JSON = dict[str, Any]
+# The manifests live in their own module; their names stay importable from here, where callers know them.
+from .manifests import (
+    FIXED_TIME,
+    JSON,
+    NODE_NAME_EXTRA,
+    TEST_LABEL,
+    PodCondition,
+    PodEvent,
+    SimNode,
+    network_labels,
+    pod_manifest,
+)
+
+__all__ = [
+    "FIXED_TIME",
+    "JSON",
+    "NODE_NAME_EXTRA",
+    "TEST_LABEL",
+    "KubeApiError",
+    "KubeClient",
+    "PodCondition",
+    "PodEvent",
+    "SimNode",
+    "WaitTimeout",
+    "network_labels",
+    "pod_manifest",
+]
+
 T = TypeVar("T")
-
-TEST_LABEL = "gputopo.io/e2e-test"  # per-test node label used by the e2e suite
-NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
-FIXED_TIME = "2026-01-01T00:00:00Z"
 
 
 # The layer's one error type, under the name the local cluster's callers know.
@@ -34,140 +55,6 @@ KubeApiError = KubeError
 
 class WaitTimeout(TimeoutError):
     """A wait helper gave up; the message says what it last saw."""
-
-
-@dataclass(frozen=True)
-class SimNode:
-    """A simulated node (no kubelet): a Node object created with its status set."""
-
-    name: str
-    gpus: int = 8
-    cpu: str = "64"
-    memory: str = "512Gi"
-    pods: int = 110
-    labels: Mapping[str, str] = field(default_factory=dict)
-    annotations: Mapping[str, str] = field(default_factory=dict)
-    taints: Sequence[Mapping[str, str]] = ()
-
-    def manifest(self) -> JSON:
-        resources = {"cpu": self.cpu, "memory": self.memory, "pods": str(self.pods)}
-        if self.gpus:
-            resources[GPU_RESOURCE] = str(self.gpus)
-        labels = {
-            "kubernetes.io/hostname": self.name,
-            "kubernetes.io/os": "linux",
-            "kubernetes.io/arch": "amd64",
-            "gputopo.io/simulated": "true",
-            **self.labels,
-        }
-        spec: JSON = {}
-        if self.taints:
-            spec["taints"] = [dict(t) for t in self.taints]
-        return {
-            "apiVersion": "v1",
-            "kind": "Node",
-            "metadata": {"name": self.name, "labels": labels, "annotations": dict(self.annotations)},
-            "spec": spec,
-            "status": {
-                "capacity": dict(resources),
-                "allocatable": dict(resources),
-                "conditions": [
-                    {
-                        "type": "Ready",
-                        "status": "True",
-                        "reason": "KubeletReady",
-                        "message": "simulated node (no kubelet)",
-                        "lastHeartbeatTime": FIXED_TIME,
-                        "lastTransitionTime": FIXED_TIME,
-                    }
-                ],
-                "addresses": [{"type": "Hostname", "address": self.name}],
-                "nodeInfo": {
-                    "architecture": "amd64",
-                    "operatingSystem": "linux",
-                    "kubeletVersion": "simulated",
-                    "kubeProxyVersion": "simulated",
-                    "containerRuntimeVersion": "simulated://0",
-                    "kernelVersion": "",
-                    "osImage": "gputopo simulated node",
-                    "machineID": "",
-                    "systemUUID": "",
-                    "bootID": "",
-                },
-                "phase": "Running",
-            },
-        }
-
-
-def network_labels(*, leaf: str | None = None, spine: str | None = None) -> dict[str, str]:
-    """gputopo's default network-tier labels (leaf and spine)."""
-    out: dict[str, str] = {}
-    if leaf is not None:
-        out[LABEL_NETWORK_LEAF] = leaf
-    if spine is not None:
-        out[LABEL_NETWORK_SPINE] = spine
-    return out
-
-
-def pod_manifest(
-    name: str,
-    *,
-    namespace: str = "default",
-    scheduler_name: str = "default-scheduler",
-    gpus: int = 0,
-    annotations: Mapping[str, str] | None = None,
-    labels: Mapping[str, str] | None = None,
-    cpu: str = "100m",
-    memory: str = "64Mi",
-    image: str = "pause:3.10",
-    node_selector: Mapping[str, str] | None = None,
-    tolerations: Sequence[Mapping[str, Any]] = (),
-    priority: int | None = None,
-) -> JSON:
-    """A bare Pod (no controller) with one container; ``gpus`` sets ``nvidia.com/gpu`` limits
-    (requests default to limits). The image is never pulled: there is no kubelet."""
-    limits: dict[str, str] = {"cpu": cpu, "memory": memory}
-    if gpus:
-        limits[GPU_RESOURCE] = str(gpus)
-    spec: JSON = {
-        "schedulerName": scheduler_name,
-        "terminationGracePeriodSeconds": 0,
-        "containers": [{"name": "main", "image": image, "resources": {"limits": limits, "requests": limits}}],
-    }
-    if node_selector:
-        spec["nodeSelector"] = dict(node_selector)
-    if tolerations:
-        spec["tolerations"] = [dict(t) for t in tolerations]
-    if priority is not None:
-        spec["priority"] = priority
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "annotations": dict(annotations or {}),
-            "labels": dict(labels or {}),
-        },
-        "spec": spec,
-    }
-
-
-@dataclass(frozen=True)
-class PodCondition:
-    type: str
-    status: str
-    reason: str
-    message: str
-
-
-@dataclass(frozen=True)
-class PodEvent:
-    type: str  # Normal | Warning
-    reason: str
-    message: str
-    source: str  # reporting component, e.g. default-scheduler / gputopo-scheduler
-    count: int
 
 
 def _run_parallel(fn: Callable[[T], object], items: Sequence[T], workers: int) -> None:
