@@ -9,12 +9,13 @@ import pytest
 
 from gputopo.engine.cliques import all_subsets, bits, k_cliques, mask_of, popcount
 from gputopo.engine.explain import placement_sentence
-from gputopo.engine.gpusets import RAIL_AFTER, Kind, _rank, exhaustive_set, rail_options
+from gputopo.engine.gpusets import RAIL_AFTER, Kind, exhaustive_set, rail_options
 from gputopo.engine.groups import GroupPlan, Member, plan_group
 from gputopo.engine.placement import evaluate_node, outcome_on
 from gputopo.engine.rails import assess, rail_ranges
 from gputopo.engine.reasons import Reason
 from gputopo.engine.replan import MemberView, Replan, replan
+from gputopo.engine.setrank import _rank
 from gputopo.engine.snapshot import NodeState, node_state
 from gputopo.model import LABEL_RAILS, LabelError, NicInfo, parse_pod_request, parse_rails_label
 from gputopo.systems import SYSTEMS, build_system

@@ -1,0 +1,181 @@
+"""Each node's engine state as pods see it: built from the node's GPUs in use, stale past its Lease deadline."""
+
+from __future__ import annotations
+
+import math
+import operator
+import threading
+from collections.abc import Callable, Iterable
+
+from extender.objects import NodeEntry
+from extender.reservations import ReservationBook, SlotKey
+from gputopo.engine.reasons import Reason
+from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.model import GpusInUse, agent_lease_name
+from gputopo.tiers import TierConfig
+
+STALE_DETAIL = "agent heartbeat (Lease {lease}) is older than staleAfterSeconds"
+BUILT_PER_NODE = 4  # states kept per node by in-use set (one bind's claim, bound pod and release share one)
+_KEY = operator.attrgetter("key")
+
+
+class NodeStates:
+    """The engine `NodeState` of every node, rebuilt only when that node, the pods placed on it or a
+    reservation touching it change. In-use GPUs of a node are
+
+        the GPUs the agent's gputopo.io/gpus-in-use reports, per pod UID and `other`
+      ∪ GPUs of non-terminated pods bound to the node whose gputopo.io/placement names it and that the
+        node has not reported under their UID yet (assumed allocations; once reported, the actual GPUs
+        replace them)
+      ∪ GPUs of binds this process has in flight to the node
+      ∪ GPUs reserved by group plans whose members are not bound yet.
+
+    Readers take each node's state without the lock: a `NodeEntry.fresh` is replaced whole, never
+    mutated, so a decision over thousands of nodes holds the lock only for the rare node that needs
+    building (stale, or seen without a pod's own GPUs). Staleness is decided at request time against the
+    injected clock from each node's deadline (Lease renewTime + staleAfterSeconds): each entry's current
+    state and equivalence key are kept in name -> state and name -> key dicts, right for every time
+    between the latest deadline already passed and the earliest one not passed yet, so a decision reads
+    thousands of keys with C-level lookups and re-checks deadlines node by node only when the clock
+    crosses one (`_sweep`).
+    """
+
+    def __init__(self, *, tiers: TierConfig, clock: Callable[[], float], reservation_timeout_seconds: float) -> None:
+        self.tiers = tiers
+        self.clock = clock
+        self.lock = threading.RLock()
+        self.nodes: dict[str, NodeEntry] = {}
+        self._assumed: dict[str, dict[str, frozenset[int]]] = {}  # node -> pod uid -> GPUs
+        self._claims: dict[str, dict[str, frozenset[int]]] = {}  # node -> pod uid -> GPUs being bound
+        self.book = ReservationBook(reservation_timeout_seconds)
+        # Bumps on every change that can alter a verdict (node states, leases, reservations). Cheap
+        # "did anything change" for reusing a filter's outcomes in the prioritize that follows.
+        self.generation = 0
+        # The state (and its equivalence key) pods see of each cached node, right for every `now` with
+        # _passed < now <= _earliest (see _sweep); -inf/+inf as set here force a sweep on the first read.
+        self._now: dict[str, NodeState] = {}
+        self._now_keys: dict[str, int] = {}
+        self._earliest = -math.inf
+        self._passed = math.inf
+
+    def _in_use(
+        self, name: str, report: GpusInUse, without_pod: str = "", without_slot: SlotKey | None = None
+    ) -> frozenset[int]:
+        used = set(report.other)
+        reported = report.pods
+        for uid, gpus in reported.items():
+            if uid != without_pod:
+                used |= gpus
+        for uid, gpus in self._assumed.get(name, {}).items():
+            if uid != without_pod and uid not in reported:  # reported: the actual GPUs replaced these
+                used |= gpus
+        for uid, gpus in self._claims.get(name, {}).items():
+            if uid != without_pod:
+                used |= gpus
+        for slot_key, gpus in self.book.on(name).items():
+            if slot_key != without_slot:
+                used |= gpus
+        return frozenset(used)
+
+    def _build(self, e: NodeEntry, in_use: frozenset[int] | None = None) -> NodeState:
+        used = self._in_use(e.name, e.report) if in_use is None else in_use
+        # A bind rebuilds its node three times with the same GPUs in use (claim, the bound pod, unclaim)
+        # and the pod's watch event a fourth: node_state is pure in (entry, in-use set), so the entry
+        # keeps its last few states by in-use set.
+        built = e.built.get(used)
+        if built is None:
+            built = node_state(
+                e.name,
+                e.topology,
+                labels=e.labels,
+                in_use=used,
+                problem=e.problem,
+                problem_detail=e.detail,
+                tiers=self.tiers,
+            )
+            if len(e.built) >= BUILT_PER_NODE:
+                del e.built[next(iter(e.built))]
+            e.built[used] = built
+        return built
+
+    def _rebuild(self, names: Iterable[str | None]) -> None:
+        for name in names:
+            e = self.nodes.get(name) if name else None
+            if e is not None:
+                built = self._build(e)
+                if built is e.fresh:
+                    continue  # the same GPUs in use as before (a bound pod's watch event after our bind)
+                e.stale = None
+                e.fresh = built
+                self._settle(e, self.clock())
+                self.generation += 1
+
+    def _settle(self, e: NodeEntry, now: float) -> None:
+        """Record the state pods see of `e` at `now` after its state or deadline changed (under the lock)."""
+        if e.problem is None and now > e.deadline:
+            self._set_now(e.name, self._stale(e))
+            self._passed = max(self._passed, e.deadline)
+        else:
+            self._set_now(e.name, e.fresh)
+            if e.problem is None:
+                self._earliest = min(self._earliest, e.deadline)
+
+    def _set_now(self, name: str, state: NodeState) -> None:
+        self._now[name] = state
+        self._now_keys[name] = state.key
+
+    def _sweep(self, now: float) -> None:
+        """Re-decide every node's current state for `now`; afterwards _passed < now <= _earliest."""
+        with self.lock:
+            earliest, passed = math.inf, -math.inf
+            for e in self.nodes.values():
+                if e.problem is None and now > e.deadline:
+                    self._set_now(e.name, self._stale(e))
+                    passed = max(passed, e.deadline)
+                else:
+                    self._set_now(e.name, e.fresh)
+                    if e.problem is None:
+                        earliest = min(earliest, e.deadline)
+            self._earliest, self._passed = earliest, passed
+
+    def _kinds(self, names: list[str], now: float) -> tuple[list[int], list[NodeState] | None]:
+        """Each node's equivalence key at `now`, by one C-level lookup per node (a plain name -> key
+        dict: no node object is touched). When a name is not in the cache the states are built one by
+        one (`resolve`) and returned too."""
+        if not self._passed < now <= self._earliest:
+            self._sweep(now)
+        try:
+            return list(map(self._now_keys.__getitem__, names)), None
+        except KeyError:
+            states = [self._view(n, now) for n in names]
+            return list(map(_KEY, states)), states
+
+    def _stale(self, e: NodeEntry) -> NodeState:
+        if e.stale is None:
+            e.stale = node_state(
+                e.name,
+                e.topology,
+                labels=e.labels,
+                in_use=e.fresh.in_use,
+                problem=Reason.TOPOLOGY_STALE,
+                problem_detail=STALE_DETAIL.format(lease=agent_lease_name(e.name)),
+                tiers=self.tiers,
+            )
+        return e.stale
+
+    def resolve(self, name: str, now: float) -> NodeState:
+        """The node as a pod sees it right now (stale once its Lease deadline passed). A name not in the
+        cache gets a state built on the spot: requests name any strings, none of them is kept."""
+        e = self.nodes.get(name)
+        if e is None:
+            return node_state(name, None, problem=Reason.TOPOLOGY_MISSING, problem_detail="node not in the cache")
+        if e.problem is None and now > e.deadline:
+            with self.lock:
+                return self._stale(e)
+        return e.fresh
+
+    def _view(self, name: str, now: float) -> NodeState:
+        e = self.nodes.get(name)
+        if e is not None and (e.problem is not None or now <= e.deadline):
+            return e.fresh  # the common case: no lock
+        return self.resolve(name, now)
