@@ -3,10 +3,9 @@ agent's lifetime with the discovery cycle's topology, and a MIG node refused at 
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,25 +22,8 @@ from gputopo.model import Health, NodeTopology
 from tests.agent.dp_harness import FakeKubelet, pod_object, topology, with_gpu
 from tests.agent.memory_api import InMemoryNodeApi
 
-
-@pytest.fixture(autouse=True)
-def restore_logging_and_signals() -> Iterator[None]:
-    """main() configures the root logger and signal handlers; put them back for other tests."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    sigterm, sigint = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    signal.signal(signal.SIGTERM, sigterm)
-    signal.signal(signal.SIGINT, sigint)
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in list(os.environ):
-        if key.startswith("GPUTOPO_") or key == "NODE_NAME":
-            monkeypatch.delenv(key)
+# main() touches process-wide state: run each test on a clean environment and restore the rest.
+pytestmark = pytest.mark.usefixtures("restore_logging_and_signals", "clean_env")
 
 
 @pytest.mark.parametrize(
