@@ -2,9 +2,10 @@
 
 For 100, 1,000 and 5,000 nodes this writes a cluster file (a mix of dgx-h100, hgx-h200, dgx-a100 and
 l40s-4 nodes under leaf/spine labels, some GPUs in use), starts the real `gputopo-extender --snapshot`
-in a subprocess, and a floor: a bare FastAPI app on the same server (uvicorn, same loop and HTTP
-parser) that decodes the same request with the same JSON library (orjson) and encodes an answer of
-the same size (the extender's own answer to that request, handed to it beforehand as Python objects).
+in a subprocess, and a floor: a bare ASGI callable on the same server (uvicorn, same loop and HTTP
+parser, as the extender's verbs) that decodes the same request with the same JSON library (orjson)
+and encodes an answer of the same size (the extender's own answer to that request, handed to it
+beforehand as Python objects).
 The floor is therefore the HTTP + JSON cost of the exchange; what the extender adds is its decision.
 
 It sends filter followed by prioritize (`NodeNames` = all nodes, Go-cased, `Nodes: null`) for an 8-GPU
@@ -36,7 +37,6 @@ from typing import Any
 import httpx
 import orjson
 import yaml
-from fastapi import FastAPI, Request, Response
 
 from gputopo.model import GPU_RESOURCE, LABEL_NETWORK_LEAF, LABEL_NETWORK_SPINE, SCHEDULER_NAME
 
@@ -95,34 +95,34 @@ def free_port() -> int:
 def serve_floor(port: int) -> None:
     """The floor: decode the request with orjson, answer the stored answer for its path, encoded again.
 
+    A plain ASGI callable on uvicorn, as the extender's verbs are (`extender.routers.scheduler.VerbLane`);
     `PUT /answer/{verb}` stores the answer to give (the extender's own, so the sizes match)."""
     import uvicorn
 
-    app = FastAPI()
     answers: dict[str, Any] = {"filter": {}, "prioritize": []}
 
-    @app.put("/answer/{verb}")
-    async def store(verb: str, request: Request) -> Response:
-        answers[verb] = orjson.loads(await request.body())
-        return Response(b"{}", media_type="application/json")
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body, path = b"".join(chunks), scope["path"]
+        out = b"{}"
+        if scope["method"] == "PUT" and path.startswith("/answer/"):
+            answers[path.removeprefix("/answer/")] = orjson.loads(body)
+        elif scope["method"] == "POST" and path in ("/filter", "/prioritize"):
+            args = orjson.loads(body)
+            assert isinstance(args["NodeNames"], list)
+            out = orjson.dumps(answers[path[1:]])
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": out})
 
-    @app.post("/filter")
-    async def filter_(request: Request) -> Response:
-        args = orjson.loads(await request.body())
-        assert isinstance(args["NodeNames"], list)
-        return Response(orjson.dumps(answers["filter"]), media_type="application/json")
-
-    @app.post("/prioritize")
-    async def prioritize(request: Request) -> Response:
-        args = orjson.loads(await request.body())
-        assert isinstance(args["NodeNames"], list)
-        return Response(orjson.dumps(answers["prioritize"]), media_type="application/json")
-
-    @app.get("/readyz")
-    async def readyz() -> Response:
-        return Response(b"{}", media_type="application/json")
-
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="off")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -187,9 +187,8 @@ def in_process_decision(path: Path, names: list[str], repeat: int) -> tuple[floa
     with the ledger's per-kind memo warm, and cleared before each decision (cold)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from extender.app import create_app
-    from extender.routers.scheduler import _json
+    from extender.routers.scheduler import filter_
     from extender.settings import Settings
-    from extender.wire import fast_extender_args, pod_info
 
     app = create_app(Settings(snapshot=path, metrics_port=0))
     extender = app.state.extender
@@ -203,10 +202,8 @@ def in_process_decision(path: Path, names: list[str], repeat: int) -> tuple[floa
         if i % 2:
             ledger._verdicts.clear()
         t0 = time.process_time()
-        args = fast_extender_args(body)
-        assert args is not None
-        answer = extender.filter(pod_info(args.pod), args.candidate_names())
-        _json({"NodeNames": answer.passed, "FailedNodes": answer.failed, "Error": ""})
+        status, _ = filter_(extender, app.state.metrics, body)
+        assert status == 200
         dt = (time.process_time() - t0) * 1000
         if i >= 2:
             (cold if i % 2 else warm).append(dt)

@@ -26,12 +26,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import APIRouter, FastAPI
+from starlette.types import Receive, Scope, Send
 
 from extender.cache import ClusterCache
 from extender.kube import ClusterSource, Informer, KubeSource, start_informers
 from extender.limits import RequestGuard
 from extender.metrics import Metrics
-from extender.routers import health, metrics, mutate, scheduler
+from extender.routers import health, metrics, mutate
+from extender.routers.scheduler import VerbLane
 from extender.service import Extender
 from extender.settings import Settings
 from gputopo.clusterfile import cluster_states, load_cluster
@@ -40,11 +42,24 @@ from gputopo.model import EXTENDER_COMPONENT
 log = logging.getLogger("gputopo.extender")
 
 
+class VerbsApp(FastAPI):
+    """The verbs listener's app: kube-scheduler's POSTs go straight to the `VerbLane`, around FastAPI's
+    stack (three calls per scheduled pod: its per-request cost showed); the rest is FastAPI's."""
+
+    lane: VerbLane
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.lane.matches(scope):
+            await self.lane(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+
 @dataclass(frozen=True)
 class Listeners:
     """One app per listener; `verbs` owns the lifespan that starts and stops the informers."""
 
-    verbs: FastAPI
+    verbs: VerbsApp
     webhook: FastAPI
     metrics: FastAPI
 
@@ -102,13 +117,16 @@ def create_listeners(
         finally:
             for inf in informers:
                 inf.stop.set()
+            lane.close()
             extender.close()  # queued Events go out while the API client is still open
             if owned is not None:
                 owned.close()
                 extender.source = None
 
-    def build(title: str, *routers: APIRouter, owns_lifespan: bool = False) -> FastAPI:
-        app = FastAPI(
+    lane = VerbLane(extender, prometheus, settings.max_request_bytes)
+
+    def build(title: str, *routers: APIRouter, owns_lifespan: bool = False, cls: type[FastAPI] = FastAPI) -> FastAPI:
+        app = cls(
             title=title,
             lifespan=lifespan if owns_lifespan else None,
             docs_url=None,
@@ -126,8 +144,11 @@ def create_listeners(
         app.add_middleware(RequestGuard, max_request_bytes=settings.max_request_bytes)
         return app
 
+    verbs = build(EXTENDER_COMPONENT, health.router, owns_lifespan=True, cls=VerbsApp)
+    assert isinstance(verbs, VerbsApp)
+    verbs.lane = lane
     listeners = Listeners(
-        verbs=build(EXTENDER_COMPONENT, scheduler.router, health.router, owns_lifespan=True),
+        verbs=verbs,
         webhook=build("gputopo-extender webhook", mutate.router, health.router),
         metrics=build("gputopo-extender metrics", metrics.router, health.router),
     )
@@ -143,7 +164,7 @@ def create_app(
     clock: Callable[[], float] | None = None,
     watch: bool = True,
     watch_timeout_seconds: int = 300,
-) -> FastAPI:
+) -> VerbsApp:
     """The verbs app of `create_listeners` (its siblings are `app.state.listeners`)."""
     return create_listeners(
         settings, cluster=cluster, clock=clock, watch=watch, watch_timeout_seconds=watch_timeout_seconds

@@ -40,8 +40,12 @@ async def _answer(send: Send, status: int, body: dict[str, Any], *, close: bool 
     await send({"type": "http.response.body", "body": payload})
 
 
+def too_large_body(limit: int) -> str:
+    return f"request body is larger than {limit} bytes (--max-request-bytes)"
+
+
 def _too_large(limit: int) -> dict[str, Any]:
-    return {"Error": f"request body is larger than {limit} bytes (--max-request-bytes)"}
+    return {"Error": too_large_body(limit)}
 
 
 class RequestGuard:
@@ -55,34 +59,18 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.max_request_bytes
-        declared = self._content_length(scope)
-        if declared is not None and (declared < 0 or declared > limit):
-            await _answer(send, 413, _too_large(limit), close=True)
+        # Read the whole body here, under the limit, then replay it: the routes parse it in one piece anyway,
+        # and the limit then holds for chunked bodies without relying on how each route reads.
+        whole = await read_body(scope, receive, send, self.max_request_bytes)
+        if whole is None:
             return
-        # Read the whole body here, counting, then replay it: the routes parse it in one piece anyway, and
-        # the limit then holds for chunked bodies without relying on how each route reads.
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body = message.get("body", b"")
-            size += len(body)
-            if size > limit:
-                await _answer(send, 413, _too_large(limit), close=True)
-                return
-            chunks.append(body)
-            if not message.get("more_body", False):
-                break
         replayed = False
 
         async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return {"type": "http.request", "body": whole, "more_body": False}
             return await receive()  # after the body: wait for the disconnect, as the server would
 
         started = False
@@ -100,12 +88,35 @@ class RequestGuard:
             if not started:
                 await _answer(send, 500, {"Error": f"internal: {type(e).__name__}: {e}"})
 
-    @staticmethod
-    def _content_length(scope: Scope) -> int | None:
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    return int(value) if len(value) <= 20 else -1
-                except ValueError:
-                    return -1  # unreadable: refused like an oversized one
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value) if len(value) <= 20 else -1
+            except ValueError:
+                return -1  # unreadable: refused like an oversized one
+    return None
+
+
+async def read_body(scope: Scope, receive: Receive, send: Send, limit: int) -> bytes | None:
+    """The request's whole body, or None once a 413 is answered (or the client left): a declared
+    Content-Length over `limit` is refused unread, a chunked body the moment it passes it."""
+    declared = _content_length(scope)
+    if declared is not None and (declared < 0 or declared > limit):
+        await _answer(send, 413, _too_large(limit), close=True)
         return None
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        body = message.get("body", b"")
+        size += len(body)
+        if size > limit:
+            await _answer(send, 413, _too_large(limit), close=True)
+            return None
+        chunks.append(body)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import uvicorn
 from pydantic import ValidationError
@@ -78,6 +78,14 @@ def _bind(ep: Endpoint) -> socket.socket:
     return sock
 
 
+class _Serving(Protocol):
+    """What `serve` needs of a listener's server: uvicorn's, or the verbs listener's own."""
+
+    should_exit: bool
+
+    async def serve(self, sockets: list[socket.socket]) -> None: ...
+
+
 class _Server(uvicorn.Server):
     """A uvicorn server whose signals `serve` handles once for all listeners (uvicorn's own handler would
     stop only the server that installed it last)."""
@@ -94,10 +102,15 @@ async def serve(listeners: Listeners, settings: Settings, stop: asyncio.Event | 
     cannot be loaded."""
     apps = {"verbs": listeners.verbs, "webhook": listeners.webhook, "metrics": listeners.metrics}
     eps = endpoints(settings)
-    servers: list[tuple[uvicorn.Server, socket.socket]] = []
+    from extender.verbserver import VerbServer  # with the app: only once the settings are valid
+
+    servers: list[tuple[_Serving, socket.socket]] = []
     try:
         for ep in eps:
             sock = _bind(ep)
+            if ep.name == "verbs":  # kube-scheduler's calls: the lean server (extender/verbserver.py)
+                servers.append((VerbServer(listeners.verbs), sock))
+                continue
             config = uvicorn.Config(
                 apps[ep.name],
                 lifespan="off",  # entered once below, for all listeners

@@ -73,6 +73,17 @@ class Decision:
 _last_label: list[tuple[object, str]] = [(None, "")]  # (outcomes list, its label): the last one labelled
 
 
+@dataclass
+class _Recent:
+    """The last evaluation (its pod, request and ledger generation as `key`), for the prioritize that follows."""
+
+    key: tuple[object, ...]
+    at: float
+    names: list[str]
+    outcomes: list[Outcome]
+    passed: tuple[list[str], list[Outcome]] | None = None  # the nodes filter passed, and their outcomes
+
+
 @dataclass(frozen=True)
 class FilterAnswer:
     passed: list[str]
@@ -98,7 +109,7 @@ class Extender:
         self.ledger = cache.ledger
         self.source = source
         self.metrics = metrics
-        self._last_outcomes: tuple[tuple[object, ...], float, list[str], list[Outcome]] | None = None
+        self._last_outcomes: _Recent | None = None
         self.events = EventPoster(lambda: self.source)
         self.groups = GroupDesk(self.ledger)
         self.binder = Binder(self.ledger, lambda: self.source, self.events)
@@ -146,17 +157,20 @@ class Extender:
         key = (info.uid or info.ref, req, ledger.generation)
         last = self._last_outcomes
         now = ledger.clock()
-        if last is not None and last[0] == key and 0 <= now - last[1] < self.REUSE_SECONDS:
-            last_names, last_outcomes = last[2], last[3]
-            if names == last_names:  # the same list: compared in C, no per-node Python work
-                return Decision("evaluated", names, last_outcomes, request=req)
-            by_name = dict(zip(last_names, last_outcomes, strict=True))
+        if last is not None and last.key == key and 0 <= now - last.at < self.REUSE_SECONDS:
+            # Lists compared in C, no per-node Python work: the filter's own list, or the nodes it passed
+            # (what kube-scheduler sends to prioritize).
+            if names == last.names:
+                return Decision("evaluated", names, last.outcomes, request=req)
+            if last.passed is not None and names == last.passed[0]:
+                return Decision("evaluated", names, last.passed[1], request=req)
+            by_name = dict(zip(last.names, last.outcomes, strict=True))
             try:
                 return Decision("evaluated", names, [by_name[n] for n in names], request=req)
             except KeyError:
                 pass  # a node the filter did not see: evaluate afresh
         outcomes = ledger.evaluate(names, req)
-        self._last_outcomes = (key, now, list(names), outcomes)
+        self._last_outcomes = _Recent(key, now, list(names), outcomes)
         return Decision("evaluated", names, outcomes, request=req)
 
     def filter(self, info: PodInfo, names: Sequence[str]) -> FilterAnswer:
@@ -184,7 +198,15 @@ class Extender:
                 return FilterAnswer(list(nodes), {}, {}, d)
             answer = dict(zip(nodes, repeat(messages[only])))
             return FilterAnswer([], {}, answer, d) if only in unresolvable_ids else FilterAnswer([], answer, {}, d)
-        passed = list(compress(nodes, map(passing.__contains__, ids)))
+        selected = list(map(passing.__contains__, ids))
+        passed = list(compress(nodes, selected))
+        last = self._last_outcomes
+        if last is not None and last.outcomes is outcomes:  # prioritize will name exactly these nodes
+            last.passed = (passed, list(compress(outcomes, selected)))
+        if passed:
+            # kube-scheduler reads why nodes failed only when none passed (to explain the pod and to pick
+            # preemption candidates): thousands of reasons per call would be built, sent and decoded for nothing.
+            return FilterAnswer(passed, {}, {}, d)
         failed_ids = set(distinct) - passing - unresolvable_ids
         return FilterAnswer(
             passed,

@@ -1,4 +1,6 @@
-"""GET /healthz (the process answers) and /readyz (the cache finished its first full sync), on every listener."""
+"""GET /healthz (the process answers) and /readyz (the cache finished its first full sync), on every listener.
+
+`readiness` is also what the verbs listener's own server answers (`extender.verbserver`)."""
 
 from __future__ import annotations
 
@@ -6,19 +8,26 @@ from fastapi import APIRouter, Response
 from pydantic_core import to_json
 
 from extender.deps import ExtenderDep
+from extender.service import Extender
 
 router = APIRouter(tags=["health"])
+
+HEALTHY = b'{"status":"ok"}'
+
+
+def readiness(extender: Extender) -> tuple[int, bytes]:
+    cache = extender.cache
+    if cache.ready:
+        return 200, to_json({"status": "ready", "nodes": len(cache.nodes)})
+    return 503, to_json({"status": "syncing", "synced": sorted(cache.synced)})
 
 
 @router.get("/healthz")
 async def healthz() -> Response:
-    return Response(b'{"status":"ok"}', media_type="application/json")
+    return Response(HEALTHY, media_type="application/json")
 
 
 @router.get("/readyz")
 async def readyz(extender: ExtenderDep) -> Response:
-    cache = extender.cache
-    if cache.ready:
-        return Response(to_json({"status": "ready", "nodes": len(cache.nodes)}), media_type="application/json")
-    body = {"status": "syncing", "synced": sorted(cache.synced)}
-    return Response(to_json(body), status_code=503, media_type="application/json")
+    status, body = readiness(extender)
+    return Response(body, status_code=status, media_type="application/json")

@@ -1,32 +1,44 @@
 """The extender verbs kube-scheduler calls: POST /filter, /prioritize, /bind, /preempt (the verbs listener).
 
-Every decision runs on a worker thread (`run_in_threadpool`): the event loop stays free for the health
-endpoints, the other listeners and the next request while a large filter call is evaluated.
+They do not go through FastAPI's stack: kube-scheduler makes three of these calls per scheduled pod, and
+the per-request cost of its middleware, routing and anyio's threadpool was a measurable share of the
+extender's CPU. `VerbLane` is a plain ASGI callable that the verbs app calls first (`extender.app`): it
+reads the body under the same limit as every listener (`limits.read_body`), then hands the whole call
+(decode, decide, encode) to a worker thread in one hop, so the event loop stays free for /healthz, the
+other listeners and the next request while a large filter call is evaluated. Anything else the verbs
+listener gets (health, other paths and methods) is FastAPI's.
 
 Filter and prioritize bodies as kube-scheduler sends them (Go-cased keys, `NodeNames`) are decoded by
 orjson and only the fields the decision reads are checked (`wire.fast_extender_args`, `wire.pod_info`);
 any other body is parsed by pydantic-core (both key casings, `Nodes` objects). Answers are encoded by
-orjson, with the Go field names: a 5,000-entry FailedNodes map costs about a fifth of pydantic-core's
-time. A request that does not have the protocol's shape gets HTTP 400 naming the problem; anything
-unexpected after that is caught and reported in the `Error` field (filter, bind) or as neutral scores
-(prioritize): never a 500. The service and metrics are read from `app.state` directly (no dependency
-injection per call: it is a measurable share of a request at thousands of calls per second).
+orjson, with the Go field names. A request that does not have the protocol's shape gets HTTP 400 naming
+the problem; anything unexpected after that is caught and reported in the `Error` field (filter, bind) or
+as neutral scores (prioritize): never a 500.
+
+Two answers carry less than every node, with the same effect on kube-scheduler (docs/extender.md):
+- filter names why nodes failed only when none passed: kube-scheduler reads the failure maps only to
+  explain an unschedulable pod (its FailedScheduling message, and preemption's candidates);
+- prioritize scores nodes relative to the lowest score, and leaves out the nodes at it: kube-scheduler adds
+  an extender's score to each listed node's total and nothing to an unlisted one, so the same amount taken
+  off every node leaves its choice unchanged.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import operator
 import time
-from collections.abc import Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from itertools import compress, repeat
+from typing import Any, TypeVar
 
 import orjson
-from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ValidationError
 from pydantic_core import to_json
-from starlette.concurrency import run_in_threadpool
 
+from extender.limits import Receive, Scope, Send, read_body
 from extender.metrics import Metrics
 from extender.service import NEUTRAL_SCORE, Extender
 from extender.wire import (
@@ -40,8 +52,9 @@ from extender.wire import (
 )
 
 log = logging.getLogger("gputopo.extender.http")
-router = APIRouter(tags=["scheduler"])
 M = TypeVar("M", bound=BaseModel)
+
+Answer = tuple[int, bytes]  # HTTP status, JSON body
 
 
 class BadRequest(Exception):
@@ -50,12 +63,11 @@ class BadRequest(Exception):
         super().__init__(message)
 
 
-def _json(body: Any, status: int = 200) -> Response:
+def _json(body: Any) -> bytes:
     try:
-        data = orjson.dumps(body)
+        return orjson.dumps(body)
     except TypeError:  # an integer past 64 bits echoed from a request's Node objects: pydantic-core takes it
-        data = to_json(body)
-    return Response(data, status_code=status, media_type="application/json")
+        return to_json(body)
 
 
 class _HostScores(dict[str, orjson.Fragment]):
@@ -82,12 +94,18 @@ _HOST_SCORES = {s: _HostScores(s) for s in range(11)}  # extender scores are 0..
 
 
 def _priorities(names: Sequence[str], scores: list[int]) -> bytes:
-    """The HostPriorityList `[{"Host": name, "Score": score}, ...]`, as orjson would encode it."""
+    """The HostPriorityList `[{"Host": name, "Score": score}, ...]` relative to the lowest score: nodes at
+    it are left out and the rest lowered by it (the module doc says why kube-scheduler decides the same)."""
+    lowest = min(scores, default=0)
+    if lowest:
+        scores = list(map(operator.sub, scores, repeat(lowest)))
+    above = list(map(bool, scores))  # C-level: which nodes stay
+    kept_names, kept_scores = list(compress(names, above)), list(compress(scores, above))
     try:
         # Two C-level lookups per node: the cache of its score, then its name's fragment in it.
-        return orjson.dumps(list(map(operator.getitem, map(_HOST_SCORES.__getitem__, scores), names)))
+        return orjson.dumps(list(map(operator.getitem, map(_HOST_SCORES.__getitem__, kept_scores), kept_names)))
     except (KeyError, TypeError):  # a score outside 0..10 (never expected): encode it plainly
-        return orjson.dumps([{"Host": n, "Score": s} for n, s in zip(names, scores, strict=True)])
+        return orjson.dumps([{"Host": n, "Score": s} for n, s in zip(kept_names, kept_scores, strict=True)])
 
 
 def _describe(err: ValidationError) -> str:
@@ -103,8 +121,7 @@ def _describe(err: ValidationError) -> str:
     return "; ".join(parts)
 
 
-async def _parse(request: Request, model: type[M]) -> M:
-    body = await request.body()
+def _parse(body: bytes, model: type[M]) -> M:
     if not body.strip():
         raise BadRequest("request body is empty")
     try:
@@ -113,75 +130,44 @@ async def _parse(request: Request, model: type[M]) -> M:
         raise BadRequest(_describe(e)) from None
 
 
-async def _scheduling_args(request: Request) -> tuple[ExtenderArgs, list[str], PodInfo]:
+def _scheduling_args(body: bytes) -> tuple[ExtenderArgs, list[str], PodInfo]:
     """What filter and prioritize both read: the args, the candidate node names, the pod."""
-    args = fast_extender_args(await request.body())
+    args = fast_extender_args(body)
     if args is None:
-        args = await _parse(request, ExtenderArgs)
+        args = _parse(body, ExtenderArgs)
     return args, args.candidate_names(), pod_info(args.pod)
 
 
-def _state(request: Request) -> tuple[Extender, Metrics]:
-    state = request.app.state
-    return cast(Extender, state.extender), cast(Metrics, state.metrics)
-
-
-def _bad(verb: str, metrics: Metrics, err: BadRequest | WireError) -> Response:
+def _bad(verb: str, metrics: Metrics, err: BadRequest | WireError) -> Answer:
     text = err.message if isinstance(err, BadRequest) else str(err)
     metrics.decision(verb, "bad_request")
     log.warning("malformed request", extra={"verb": verb, "error": text})
-    return _json({"Error": text}, 400)
+    return 400, _json({"Error": text})
 
-
-T = TypeVar("T")
 
 # Before the first full list of nodes, pods and Leases the ledger lacks placements: a filter or bind then
 # could hand out GPUs that bound pods hold. kube-scheduler retries a pod whose filter or bind reports an error.
 NOT_READY = "gputopo-extender is not ready: its cache has not finished listing nodes, pods and Leases yet"
 
 
-def _not_ready(verb: str, metrics: Metrics, body: dict[str, Any]) -> Response:
+def _not_ready(verb: str, metrics: Metrics, body: dict[str, Any]) -> Answer:
     metrics.decision(verb, "not_ready")
     log.warning("not ready", extra={"verb": verb})
-    return _json({**body, "Error": NOT_READY})
+    return 200, _json({**body, "Error": NOT_READY})
 
 
-class _Timed:
-    """One call's duration and bytes in and out (the throughput benchmark reports bytes per call),
-    recorded by `await done(request, answer)`, which returns the answer."""
-
-    __slots__ = ("metrics", "start", "verb")
-
-    def __init__(self, metrics: Metrics, verb: str) -> None:
-        self.metrics, self.verb, self.start = metrics, verb, time.perf_counter()
-
-    async def __call__(self, request: Request, answer: Response) -> Response:
-        m, verb = self.metrics, self.verb
-        m.durations[verb].observe(time.perf_counter() - self.start)
-        m.bytes_in[verb].inc(len(await request.body()))
-        m.bytes_out[verb].inc(len(answer.body))
-        return answer
-
-
-def _timed(metrics: Metrics, verb: str) -> _Timed:
-    return _Timed(metrics, verb)
-
-
-async def filter_(request: Request) -> Response:
-    extender, metrics = _state(request)
-    done = _timed(metrics, "filter")
+def filter_(extender: Extender, metrics: Metrics, body: bytes) -> Answer:
     try:
-        args, names, info = await _scheduling_args(request)
+        args, names, info = _scheduling_args(body)
     except (BadRequest, WireError) as e:
-        return await done(request, _bad("filter", metrics, e))
+        return _bad("filter", metrics, e)
     if not extender.cache.ready:
         empty: dict[str, Any] = {"NodeNames": None, "FailedNodes": {}, "FailedAndUnresolvableNodes": {}}
-        return await done(request, _not_ready("filter", metrics, empty))
+        return _not_ready("filter", metrics, empty)
     try:
-        # The decision is CPU work on worker threads, so /healthz and /readyz answer while it runs.
-        answer = await run_in_threadpool(extender.filter, info, names)
+        answer = extender.filter(info, names)
         d = answer.decision
-        body: dict[str, Any] = {
+        out: dict[str, Any] = {
             "NodeNames": answer.passed,
             "FailedNodes": answer.failed,
             "FailedAndUnresolvableNodes": answer.unresolvable,
@@ -190,82 +176,132 @@ async def filter_(request: Request) -> Response:
         if args.node_names is None and args.nodes is not None:
             keep = set(answer.passed)
             items = [i for i, n in zip(args.nodes.items or [], names, strict=True) if n in keep]
-            body["Nodes"] = {"metadata": args.nodes.metadata or {}, "items": items}
+            out["Nodes"] = {"metadata": args.nodes.metadata or {}, "items": items}
         else:
-            body["Nodes"] = None
+            out["Nodes"] = None
         outcome = "pass_through" if d.kind == "pass_through" else ("feasible" if answer.passed else "infeasible")
         metrics.decision("filter", outcome, d.reason_label())
         if d.kind != "pass_through":
-            log.debug(
-                "filter",
-                extra={"verb": "filter", "pod": info.ref, "passed": len(answer.passed), "kind": d.kind},
-            )
+            log.debug("filter", extra={"verb": "filter", "pod": info.ref, "passed": len(answer.passed), "kind": d.kind})
     except Exception as e:
         log.exception("filter failed", extra={"verb": "filter", "pod": info.ref})
         metrics.decision("filter", "error")
-        body = {"NodeNames": None, "FailedNodes": {}, "FailedAndUnresolvableNodes": {}, "Error": f"internal: {e}"}
-    return await done(request, _json(body))
+        out = {"NodeNames": None, "FailedNodes": {}, "FailedAndUnresolvableNodes": {}, "Error": f"internal: {e}"}
+    return 200, _json(out)
 
 
-async def prioritize(request: Request) -> Response:
-    extender, metrics = _state(request)
-    done = _timed(metrics, "prioritize")
+def prioritize(extender: Extender, metrics: Metrics, body: bytes) -> Answer:
     try:
-        _, names, info = await _scheduling_args(request)
+        _, names, info = _scheduling_args(body)
     except (BadRequest, WireError) as e:
-        return await done(request, _bad("prioritize", metrics, e))
+        return _bad("prioritize", metrics, e)
     try:
-        hosts, scores, d = await run_in_threadpool(extender.prioritize, info, names)
+        hosts, scores, d = extender.prioritize(info, names)
         data = _priorities(hosts, scores)
         metrics.decision("prioritize", "pass_through" if d.kind == "pass_through" else "scored", d.reason_label())
     except Exception:
         log.exception("prioritize failed; neutral scores", extra={"verb": "prioritize", "pod": info.ref})
         metrics.decision("prioritize", "error")
         data = _priorities(names, [NEUTRAL_SCORE] * len(names))
-    return await done(request, Response(data, media_type="application/json"))
+    return 200, data
 
 
-async def bind(request: Request) -> Response:
-    extender, metrics = _state(request)
-    done = _timed(metrics, "bind")
+def bind(extender: Extender, metrics: Metrics, body: bytes) -> Answer:
     try:
-        args = await _parse(request, ExtenderBindingArgs)
+        args = _parse(body, ExtenderBindingArgs)
     except BadRequest as e:
-        return await done(request, _bad("bind", metrics, e))
+        return _bad("bind", metrics, e)
     if not extender.cache.ready:
-        return await done(request, _not_ready("bind", metrics, {}))
+        return _not_ready("bind", metrics, {})
+    ref = f"{args.pod_namespace}/{args.pod_name}"
     try:
-        error = await run_in_threadpool(extender.bind, args.pod_namespace, args.pod_name, args.pod_uid, args.node)
+        error = extender.bind(args.pod_namespace, args.pod_name, args.pod_uid, args.node)
     except Exception as e:
-        log.exception("bind failed", extra={"verb": "bind", "pod": f"{args.pod_namespace}/{args.pod_name}"})
+        log.exception("bind failed", extra={"verb": "bind", "pod": ref})
         error = f"internal: {e}"
     metrics.decision("bind", "error" if error else "bound")
     if error:
-        log.warning(
-            "bind refused",
-            extra={"verb": "bind", "pod": f"{args.pod_namespace}/{args.pod_name}", "node": args.node, "error": error},
-        )
-    return await done(request, _json({"Error": error}))
+        log.warning("bind refused", extra={"verb": "bind", "pod": ref, "node": args.node, "error": error})
+    return 200, _json({"Error": error})
 
 
-async def preempt(request: Request) -> Response:
-    extender, metrics = _state(request)
-    done = _timed(metrics, "preempt")
+def preempt(extender: Extender, metrics: Metrics, body: bytes) -> Answer:
     try:
-        args = await _parse(request, ExtenderPreemptionArgs)
+        args = _parse(body, ExtenderPreemptionArgs)
         pod_info(args.pod)
     except (BadRequest, WireError) as e:
-        return await done(request, _bad("preempt", metrics, e))
+        return _bad("preempt", metrics, e)
     try:
-        kept = await run_in_threadpool(extender.preempt, args)
+        kept = extender.preempt(args)
     except Exception:
         log.exception("preempt failed; candidates unchanged", extra={"verb": "preempt"})
         kept = args.meta_victims()
     metrics.decision("preempt", "answered")
-    return await done(request, _json({"NodeNameToMetaVictims": {n: v.to_wire() for n, v in kept.items()}}))
+    return 200, _json({"NodeNameToMetaVictims": {n: v.to_wire() for n, v in kept.items()}})
 
 
-# Plain Starlette routes: the verbs read the Request themselves, so FastAPI's per-call dependency and
-# parameter machinery (a measurable share of a request at three calls per scheduled pod) is skipped.
-for _path, _endpoint in (("/filter", filter_), ("/prioritize", prioritize), ("/bind", bind), ("/preempt", preempt)):
-    router.add_route(_path, _endpoint, methods=["POST"])
+Verb = Callable[[Extender, Metrics, bytes], Answer]
+VERBS: dict[str, tuple[str, Verb]] = {
+    "/filter": ("filter", filter_),
+    "/prioritize": ("prioritize", prioritize),
+    "/bind": ("bind", bind),
+    "/preempt": ("preempt", preempt),
+}
+_HEADERS = [(b"content-type", b"application/json")]
+
+
+class VerbLane:
+    """The verbs as one ASGI callable: `matches(scope)` says whether a request is one of them.
+
+    Decisions and binds run on separate worker pools: binds wait on the API server (many at once, since
+    kube-scheduler binds asynchronously), and a filter must not queue behind them."""
+
+    def __init__(self, extender: Extender, metrics: Metrics, max_request_bytes: int) -> None:
+        self.extender = extender
+        self.metrics = metrics
+        self.max_request_bytes = max_request_bytes
+        self._pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
+
+    @staticmethod
+    def matches(scope: Scope) -> bool:
+        return scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in VERBS
+
+    def pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        """(decisions, binds), started on first use and again after `close` (an app served twice)."""
+        if self._pools is None:
+            self._pools = (
+                ThreadPoolExecutor(max_workers=4, thread_name_prefix="gputopo-decide"),
+                ThreadPoolExecutor(max_workers=8, thread_name_prefix="gputopo-bind"),
+            )
+        return self._pools
+
+    def close(self) -> None:
+        pools, self._pools = self._pools, None
+        for pool in pools or ():
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def answer(self, verb: str, handler: Verb, body: bytes) -> Answer:
+        """One call, on a worker thread: the handler, timed, with its bytes counted."""
+        start = time.perf_counter()
+        m = self.metrics
+        try:
+            status, data = handler(self.extender, m, body)
+        except Exception as e:  # the handlers catch their own errors: this is the last resort
+            log.exception("unhandled error", extra={"verb": verb})
+            status, data = 500, _json({"Error": f"internal: {type(e).__name__}: {e}"})
+        m.durations[verb].observe(time.perf_counter() - start)
+        m.bytes_in[verb].inc(len(body))
+        m.bytes_out[verb].inc(len(data))
+        return status, data
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await read_body(scope, receive, send, self.max_request_bytes)
+        if body is None:
+            return  # answered (413) or the client left
+        verb, handler = VERBS[scope["path"]]
+        decide, binds = self.pools()
+        pool = binds if verb == "bind" else decide
+        status, data = await asyncio.get_running_loop().run_in_executor(pool, self.answer, verb, handler, body)
+        headers = [*_HEADERS, (b"content-length", str(len(data)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})

@@ -9,6 +9,7 @@ agent, the local control plane's client and the benchmarks. Importers take every
 - `paths`: where the project's resources live, and their JSON and MicroTime formats;
 - `watch`: a watch stream decoded line by line into `WatchEvent`s;
 - `backoff`: the one capped exponential backoff, `retry`, and the list+watch thread body;
+- `transport`: ordinary requests over kept-alive connections (watches stay on the `kubernetes` client);
 - `client`: `Kube`, the requests, paged lists, watches and typed writes.
 """
 

@@ -7,10 +7,11 @@ never sets for ERROR events when asked not to deserialize, and buffers an unboun
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+
+import orjson
 
 from gputopo.kube.errors import Gone, KubeError
 from gputopo.kube.paths import JSON
@@ -64,8 +65,8 @@ def decode_event(line: bytes) -> WatchEvent | None:
     reconnect from the same resourceVersion and meet the same line again). An ERROR event raises its
     Status as `KubeError` (`Gone` for 410)."""
     try:
-        doc = json.loads(line)
-    except ValueError as e:
+        doc = orjson.loads(line)
+    except orjson.JSONDecodeError as e:  # a ValueError, as json's; invalid UTF-8 lands here too
         log.warning("skipped a watch line that is not JSON", extra={"error": str(e)[:200]})
         return None
     if not isinstance(doc, dict):

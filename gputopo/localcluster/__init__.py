@@ -3,7 +3,7 @@
 Upstream etcd, kube-apiserver and kube-scheduler run as child processes on loopback
 (``ControlPlane``); GPU nodes are simulated as Node objects without kubelets (``SimNode``), or run
 by a real kubelet with a fake container runtime (``RealKubelet``, root only);
-``KubeClient`` is a small typed wrapper over the ``kubernetes`` client plus the real kubectl.
+``KubeClient`` is a small typed wrapper over ``gputopo.kube`` plus the real kubectl.
 The binaries are built once per machine by ``build_binaries.sh`` (``ensure_binaries``).
 """
 

@@ -1,4 +1,4 @@
-"""A small typed wrapper over the ``kubernetes`` client for the local control plane.
+"""A small typed wrapper over the project's Kubernetes layer for the local control plane.
 
 ``gputopo.kube`` (the project's one Kubernetes layer) loads the kubeconfig and carries the
 requests; bodies and results are plain JSON dicts, as the API server speaks them, so callers never

@@ -197,8 +197,10 @@ def test_registration_waits_for_the_kubelet(tmp_path: Path) -> None:
     with running_plugin(tmp_path, kubelet=False) as h:
         assert h.plugin.server is not None and not h.plugin.server.registered
         h.kubelet.start()
-        wait_for(lambda: h.kubelet.count() == 1, what="registration once kubelet.sock appears")
-        assert h.plugin.server.registered
+        # The kubelet counts the Register call before its answer reaches the plugin: wait for both.
+        server = h.plugin.server
+        wait_for(lambda: h.kubelet.count() == 1 and server.registered, what="registration once kubelet.sock appears")
+        assert h.kubelet.count() == 1
 
 
 def test_stale_socket_of_a_previous_agent_is_replaced(tmp_path: Path) -> None:

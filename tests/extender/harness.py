@@ -185,7 +185,8 @@ class Env:
         assert r.status_code == 200, r.text
         body = r.json()
         assert isinstance(body, list)
-        return {h["Host"]: h["Score"] for h in body}
+        # What kube-scheduler adds per node: a node missing from the answer gets 0.
+        return {**dict.fromkeys(names, 0), **{h["Host"]: h["Score"] for h in body}}
 
     def bind(self, pod: JSON, node: str) -> str:
         meta = pod["metadata"]

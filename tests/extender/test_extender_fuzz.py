@@ -1,4 +1,4 @@
-"""Fuzz: every verb, fed mutated and raw garbage over a real uvicorn server and one keep-alive client,
+"""Fuzz: every verb, fed mutated and raw garbage over the real servers and one keep-alive client,
 answers below 500 with a JSON body, and the next valid request on the same connection still succeeds.
 
 Examples are few and unshrunk-heavy cases are cheap: the suite runs on a busy 2-core CI. More examples:
@@ -7,9 +7,11 @@ GPUTOPO_FUZZ_EXAMPLES=2000 (bench/fuzz.py runs 100,000 cases against the real bi
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -21,9 +23,10 @@ import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extender.app import create_listeners
-from extender.main import load_settings
+from extender.app import VerbsApp, create_listeners
+from extender.main import _loop_factory, load_settings
 from extender.settings import Settings
+from extender.verbserver import VerbServer
 from extender.wire import MAX_CANDIDATE_NODES
 from tests.extender.fake import FakeSource
 from tests.extender.harness import NS, Env, FakeClock, args, gputopo_pod, lease_obj, node_obj, sync
@@ -149,16 +152,31 @@ def garbage(draw: st.DrawFn, verb: str) -> bytes:
     return draw(st.sampled_from(RAW_TOKENS)).encode()
 
 
-def _start(app: Any) -> tuple[uvicorn.Server, threading.Thread, str]:
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True)
+def _start(app: Any) -> tuple[uvicorn.Server | VerbServer, threading.Thread, str]:
+    """The app on the server production gives it: the verbs listener's own, uvicorn for the others."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    server: uvicorn.Server | VerbServer
+    if isinstance(app, VerbsApp):
+        verbs = server = VerbServer(app)
+
+        def target() -> None:  # on uvloop where installed, as `gputopo-extender` runs it
+            with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+                runner.run(verbs.serve([sock]))
+
+    else:
+        uv = server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False))
+
+        def target() -> None:
+            uv.run(sockets=[sock])
+
+    thread = threading.Thread(target=target, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
     while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    return server, thread, f"http://127.0.0.1:{port}"
+    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,8 @@ def cluster(env: Env) -> Env:
 def planned_node(env: Env, pod: JSON) -> str:
     out = env.filter(pod, NODES)
     (node,) = out["NodeNames"]
-    assert out["FailedAndUnresolvableNodes"] == {n: ELSEWHERE for n in NODES if n != node}
+    # The other nodes are reserved for other members; a node passed, so kube-scheduler needs no reasons.
+    assert out["FailedNodes"] == {} and out["FailedAndUnresolvableNodes"] == {}
     return str(node)
 
 
@@ -62,7 +63,8 @@ def test_a_complete_group_is_planned_reserved_and_each_member_gets_its_node(clus
     # Other pods see the reserved GPUs as taken.
     out = cluster.filter(gputopo_pod("other", 8), NODES)
     assert sorted(out["NodeNames"]) == sorted(set(NODES) - {node_a, node_b})
-    assert out["FailedNodes"] == {node_a: "fewer than 8 free GPUs", node_b: "fewer than 8 free GPUs"}
+    held = cluster.filter(gputopo_pod("other", 8), [node_a, node_b])
+    assert held["FailedNodes"] == {node_a: "fewer than 8 free GPUs", node_b: "fewer than 8 free GPUs"}
 
 
 def test_binding_a_member_records_group_and_stage(cluster: Env) -> None:
@@ -90,7 +92,9 @@ def test_unbound_reservations_are_released_after_the_timeout(cluster: Env) -> No
     cluster.renew_leases()
     out = cluster.filter(gputopo_pod("other", 8), NODES)
     assert node_b in out["NodeNames"]  # released
-    assert out["FailedNodes"] == {node_a: "fewer than 8 free GPUs"}  # bound: still held by its placement
+    assert node_a not in out["NodeNames"]
+    held = cluster.filter(gputopo_pod("other", 8), [node_a])
+    assert held["FailedNodes"] == {node_a: "fewer than 8 free GPUs"}  # bound: still held by its placement
     assert ("default", "llama") not in cluster.ledger.reservations
 
 

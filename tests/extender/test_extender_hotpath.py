@@ -10,6 +10,8 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from extender.routers.scheduler import _priorities
 from extender.wire import MAX_JSON_DEPTH, ExtenderArgs, fast_extender_args, pod_info
@@ -70,17 +72,30 @@ def test_anything_else_goes_to_the_models(raw: bytes) -> None:
     assert fast_extender_args(raw) is None
 
 
-def test_prioritize_answers_are_the_bytes_orjson_would_write() -> None:
+def test_prioritize_answers_are_the_bytes_orjson_would_write_relative_to_the_lowest_score() -> None:
     rng = random.Random(5)
     names = [f"n-{i}" for i in range(300)] + ['quote"d', "back\\slash", "é-ü", "tab\t", "n-1"]
-    for _ in range(20):
-        scores = [rng.randint(0, 10) for _ in names]
+    for low in (0, 1, 4):
+        scores = [rng.randint(low, 10) for _ in names]
+        lowest = min(scores)
         assert _priorities(names, scores) == orjson.dumps(
-            [{"Host": n, "Score": s} for n, s in zip(names, scores, strict=True)]
+            [{"Host": n, "Score": s - lowest} for n, s in zip(names, scores, strict=True) if s > lowest]
         )
-    assert _priorities(["a"], [11]) == b'[{"Host":"a","Score":11}]'  # never expected: encoded plainly
-    assert _priorities(["a"], [-1]) == b'[{"Host":"a","Score":-1}]'
+    assert _priorities(["a", "b"], [0, 11]) == b'[{"Host":"b","Score":11}]'  # never expected: encoded plainly
+    assert _priorities(["a", "b"], [-1, 3]) == b'[{"Host":"b","Score":4}]'
+    assert _priorities(["a", "b"], [7, 7]) == b"[]"  # no preference: nothing to add to any node
     assert _priorities([], []) == b"[]"
+
+
+@given(st.lists(st.integers(0, 10), max_size=40))
+def test_relative_scores_rank_every_pair_of_nodes_as_the_absolute_ones_do(scores: list[int]) -> None:
+    # kube-scheduler adds a listed node's score to its total and nothing for an unlisted one: every
+    # difference between two nodes, and so its choice, must be what the absolute scores give.
+    names = [f"n{i}" for i in range(len(scores))]
+    sent = {h["Host"]: h["Score"] for h in orjson.loads(_priorities(names, scores))}
+    added = [sent.get(n, 0) for n in names]
+    assert all(0 <= a <= 10 for a in added)
+    assert [a - b for a in added for b in added] == [a - b for a in scores for b in scores]
 
 
 def _cluster(env: Env) -> list[str]:
@@ -115,7 +130,7 @@ def test_kind_lookups_follow_lease_deadlines(env: Env) -> None:
 
 def test_filter_splits_outcomes_as_a_node_by_node_loop_would(env: Env) -> None:
     names = [*_cluster(env), "not-a-node", "n01"]
-    for gpus in (1, 4, 8):
+    for gpus in (1, 4, 8, 16):  # 16: no node fits, so every reason is sent
         answer = env.client.app.state.extender.filter(pod_info(gputopo_pod(f"p{gpus}", gpus)), names)  # type: ignore[attr-defined]
         passed, failed, unresolvable = [], {}, {}
         for name, o in zip(names, _plain_outcomes(env, names, gpus), strict=True):
@@ -125,6 +140,8 @@ def test_filter_splits_outcomes_as_a_node_by_node_loop_would(env: Env) -> None:
                 unresolvable[name] = o.message
             else:
                 failed[name] = o.message
+        if passed:  # reasons only when no node passed: kube-scheduler reads them only then
+            failed, unresolvable = {}, {}
         assert answer.passed == passed
         assert list(answer.failed.items()) == list(failed.items())
         assert list(answer.unresolvable.items()) == list(unresolvable.items())

@@ -29,9 +29,12 @@ def test_filter_answers_with_go_field_names(cluster: Env, lower: bool) -> None:
     out = cluster.filter(gputopo_pod("train", 4), NODES, lower=lower)
     assert set(out) == {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
     assert out["NodeNames"] == ["h100-a", "h100-b"]
-    assert out["FailedAndUnresolvableNodes"] == {"l40s-a": "fewer than 4 NVLink-connected GPUs"}
-    assert out["FailedNodes"] == {}
+    assert out["FailedNodes"] == {} and out["FailedAndUnresolvableNodes"] == {}  # a node passed: no reasons
     assert out["Error"] == ""
+    none_fit = cluster.filter(gputopo_pod("train", 8), ["h100-b", "l40s-a"], lower=lower)
+    assert none_fit["NodeNames"] == []
+    assert none_fit["FailedNodes"] == {"h100-b": "fewer than 8 free GPUs"}
+    assert none_fit["FailedAndUnresolvableNodes"] == {"l40s-a": "fewer than 8 GPUs"}
 
 
 def test_filter_accepts_camel_case_nodenames_spelling(cluster: Env) -> None:
@@ -44,8 +47,8 @@ def test_prioritize_returns_a_json_array_of_host_scores(cluster: Env, lower: boo
     r = cluster.client.post("/prioritize", json=args(gputopo_pod("train", 4), ["h100-a", "h100-b"], lower=lower))
     body = r.json()
     assert isinstance(body, list)
-    assert [set(h) for h in body] == [{"Host", "Score"}] * 2
-    scores = {h["Host"]: h["Score"] for h in body}
+    assert [set(h) for h in body] == [{"Host", "Score"}] * len(body)
+    scores = {"h100-a": 0, "h100-b": 0, **{h["Host"]: h["Score"] for h in body}}  # unlisted: kube-scheduler adds 0
     assert all(0 <= s <= 10 for s in scores.values())
     # h100-b already has GPUs 0-1 in use: taking 4 more packs it fuller, so it scores at least as well
     assert scores["h100-b"] >= scores["h100-a"]
@@ -71,11 +74,13 @@ def test_pods_without_gputopo_annotations_pass_through(cluster: Env, pod: dict[s
     out = cluster.filter(pod, names)
     assert out["NodeNames"] == names
     assert out["FailedNodes"] == {} and out["FailedAndUnresolvableNodes"] == {}
-    assert cluster.prioritize(pod, names) == dict.fromkeys(names, 5)
+    assert cluster.client.post("/prioritize", json=args(pod, names)).json() == []  # no preference for any node
 
 
 def test_filter_never_returns_a_node_that_was_not_asked_about(cluster: Env) -> None:
     out = cluster.filter(gputopo_pod("t", 1), ["h100-b", "ghost"])
+    assert out["NodeNames"] == ["h100-b"]
+    out = cluster.filter(gputopo_pod("t", 8), ["h100-b", "ghost"])  # none fits: every node with its reason
     returned = set(out["NodeNames"]) | set(out["FailedNodes"]) | set(out["FailedAndUnresolvableNodes"])
     assert returned == {"h100-b", "ghost"}
     assert out["FailedAndUnresolvableNodes"]["ghost"] == "GPU topology not reported"
@@ -162,7 +167,7 @@ def test_an_unexpected_failure_is_reported_in_error_not_as_500(cluster: Env, mon
     assert "cache exploded" in r.json()["Error"]
     r = cluster.client.post("/prioritize", json=args(gputopo_pod("t", 4), NODES))
     assert r.status_code == 200
-    assert r.json() == [{"Host": n, "Score": 5} for n in NODES]
+    assert r.json() == []  # neutral: the same score for every node, so no node is preferred
 
 
 def test_failure_messages_aggregate_into_the_failed_scheduling_text(env: Env) -> None:
