@@ -17,9 +17,12 @@ the schedulers' from theirs. The target (ratio B/A >= 0.5 for 8-GPU gputopo pods
 not asserted. Everything listens on 127.0.0.1 and is bounded by a global deadline; teardown stops
 only the processes this script started.
 
-    .venv/bin/python bench/scheduler_throughput.py                     # 1,000 nodes, 500 pods
+    .venv/bin/python bench/scheduler_throughput.py                     # 1,000 nodes, 500 pods, 3 rounds
     .venv/bin/python bench/scheduler_throughput.py --nodes 200 --pods 100
     .venv/bin/python bench/scheduler_throughput.py --diagnose     # + run C: the scheduler binds itself
+
+Runs A and B alternate for `--rounds` rounds (every process of a run stopped, its pods gone, before the
+next); each round's figures and their medians are printed, with the details of the median round.
 
 Also printed: CPU seconds per process during each run (on a small machine every component competes
 for the same cores) and per bound pod summed over every process, kube-apiserver's requests per bound
@@ -32,10 +35,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -228,18 +233,156 @@ def print_per_pod(
 # ----------------------------------------------------------------------------------- main
 
 
+@dataclass
+class Round:
+    """One round: run A, then run B (and C with --diagnose), with what each cost."""
+
+    runs: list[RunResult] = field(default_factory=list)
+    calls: list[dict[str, float]] = field(default_factory=list)  # kube-apiserver requests during each run
+    bytes_before: dict[tuple[str, str], float] = field(default_factory=dict)
+    bytes_after: dict[tuple[str, str], float] = field(default_factory=dict)
+    ext_lat: dict[str, HistSum] = field(default_factory=dict)
+    sched_lat: dict[str, dict[str, HistSum]] = field(default_factory=dict)
+
+    def ratio(self) -> float:
+        ok = len(self.runs) >= 2 and self.runs[0].throughput > 0
+        return self.runs[1].throughput / self.runs[0].throughput if ok else float("nan")
+
+
+def one_round(args: argparse.Namespace, cp: ControlPlane, kube: KubeClient, stack: Stack, deadline: Deadline) -> Round:
+    """Run A (plain profile, no extender process at all), then run B (the same scheduler binary, the gputopo
+    profile calling the real extender); every process of a run is stopped and its pods are gone before the
+    next run starts, so each starts on free nodes and no idle process's CPU counts against the other."""
+    rnd = Round()
+    sched_kw: dict[str, Any] = {"client_qps": args.qps, "client_burst": args.burst}
+    plain = cp.start_plain_scheduler(**sched_kw)
+    wait_scheduler_ready(cp, plain, deadline)
+    before = scheduler_metrics(cp, plain)
+    calls_before = apiserver_calls(cp)
+    rnd.runs.append(
+        measure_run(
+            kube,
+            cp,
+            label="A plain-scheduler (no extender)",
+            scheduler=PLAIN_PROFILE,
+            namespace="bench-plain",
+            pods=args.pods,
+            annotations={},
+            workers=args.workers,
+            deadline=deadline,
+        )
+    )
+    rnd.calls.append(between(apiserver_calls(cp), calls_before))
+    rnd.sched_lat[PLAIN_PROFILE] = diff(scheduler_metrics(cp, plain), before)
+    cp.remove(plain)
+    say("deleting run A's pods")
+    delete_pods(kube, "bench-plain", args.workers, deadline)
+    if deadline.expired():
+        return rnd
+    stack.start_extender(extra_args=[f"--log-level={args.extender_log_level}"])
+    status, body = http_get(f"{stack.extender_url}/readyz")
+    cached = json.loads(body).get("nodes") if status == 200 else None
+    say(f"extender ready at {stack.extender_url}: {cached} nodes in its cache")
+    sched = stack.start_scheduler(**sched_kw)
+    wait_scheduler_ready(cp, sched, deadline)
+    before = scheduler_metrics(cp, sched)
+    # The extender serves /metrics on its own metrics port, not beside the scheduler verbs.
+    ext_metrics = stack.pods[0].metrics_url
+    ext_before = extender_metrics(ext_metrics)
+    rnd.bytes_before = extender_bytes(ext_metrics)
+    calls_before = apiserver_calls(cp)
+    rnd.runs.append(
+        measure_run(
+            kube,
+            cp,
+            label="B gputopo-scheduler (extender)",
+            scheduler=GPUTOPO_PROFILE,
+            namespace="bench-gputopo",
+            pods=args.pods,
+            annotations={"gputopo.io/nvlink": "required"},
+            workers=args.workers,
+            deadline=deadline,
+        )
+    )
+    rnd.calls.append(between(apiserver_calls(cp), calls_before))
+    rnd.bytes_after = extender_bytes(ext_metrics)
+    rnd.sched_lat[GPUTOPO_PROFILE] = diff(scheduler_metrics(cp, sched), before)
+    rnd.ext_lat = diff(extender_metrics(ext_metrics), ext_before)
+    if args.diagnose and not deadline.expired():
+        # Run C: the same pods and profile, but kube-scheduler binds itself: the extender
+        # answers filter and prioritize only. Separates the bind path's cost from the rest.
+        cp.remove(sched)
+        say("deleting run B's pods")
+        delete_pods(kube, "bench-gputopo", args.workers, deadline)
+        name = "gputopo-scheduler-nobind"
+        ext = ExtenderConfig(url=stack.extender_url, bind_verb=None)
+        cp.start_scheduler(name, profile=GPUTOPO_PROFILE, extender=ext, **sched_kw)
+        wait_scheduler_ready(cp, name, deadline)
+        before = scheduler_metrics(cp, name)
+        calls_before = apiserver_calls(cp)
+        rnd.runs.append(
+            measure_run(
+                kube,
+                cp,
+                label="C gputopo, scheduler binds",
+                scheduler=GPUTOPO_PROFILE,
+                namespace="bench-gputopo-nobind",
+                pods=args.pods,
+                annotations={"gputopo.io/nvlink": "required"},
+                workers=args.workers,
+                deadline=deadline,
+            )
+        )
+        rnd.sched_lat[name] = diff(scheduler_metrics(cp, name), before)
+        rnd.calls.append(between(apiserver_calls(cp), calls_before))
+        cp.remove(name)
+        say("deleting run C's pods")
+        delete_pods(kube, "bench-gputopo-nobind", args.workers, deadline)
+    else:
+        say("deleting run B's pods")
+        delete_pods(kube, "bench-gputopo", args.workers, deadline)
+    stack.stop()  # the next round's run A runs with no extender process
+    return rnd
+
+
+def print_rounds(rounds: list[Round]) -> None:
+    """Every round's figures side by side, and their medians: on a shared machine one round's ratio swings
+    by a third, the median of several much less."""
+
+    def per_pod(r: RunResult, proc: str | None = None) -> float:
+        cpu = r.cpu_s.get(proc, 0.0) if proc else sum(r.cpu_s.values())
+        return 1000 * cpu / max(r.bound, 1)
+
+    rows = []
+    for rnd in rounds:
+        if len(rnd.runs) < 2:
+            continue
+        a, b = rnd.runs[0], rnd.runs[1]
+        rows.append((a.throughput, b.throughput, rnd.ratio(), per_pod(a), per_pod(b), per_pod(b, "gputopo-extender")))
+    if not rows:
+        return
+    print(f"\nRounds ({len(rows)}; each: run A, then run B, on free nodes):")
+    head = f"  {'round':<8} {'A pods/s':>9} {'B pods/s':>9} {'B/A':>6} {'A CPU ms/pod':>13} {'B CPU ms/pod':>13}"
+    head += f" {'B/A CPU':>8} {'extender ms/pod':>16}"
+    print(head)
+    for i, (ta, tb, ratio, ca, cb, ce) in enumerate(rows, 1):
+        print(f"  {i:<8} {ta:>9.1f} {tb:>9.1f} {ratio:>6.2f} {ca:>13.1f} {cb:>13.1f} {cb / ca:>8.2f} {ce:>16.1f}")
+    med = [statistics.median(col) for col in zip(*rows, strict=True)]
+    print(
+        f"  {'median':<8} {med[0]:>9.1f} {med[1]:>9.1f} {med[2]:>6.2f} {med[3]:>13.1f} {med[4]:>13.1f} "
+        f"{med[4] / med[3]:>8.2f} {med[5]:>16.1f}"
+    )
+    verdict = "met" if med[2] >= TARGET_RATIO else "NOT met"
+    print(f"  median ratio {med[2]:.2f} (target >= {TARGET_RATIO}: {verdict}); CPU per pod {med[4] / med[3]:.2f}x")
+
+
 def run(args: argparse.Namespace) -> int:
     deadline = Deadline(args.deadline)
     bin_dir = find_binaries()
     if bin_dir is None:
         print("control-plane binaries are not built: run gputopo/localcluster/build_binaries.sh first", file=sys.stderr)
         return 2
-    runs: list[RunResult] = []
-    calls: list[dict[str, float]] = []  # kube-apiserver requests during each run
-    bytes_before: dict[tuple[str, str], float] = {}
-    bytes_after: dict[tuple[str, str], float] = {}
-    ext_lat: dict[str, HistSum] = {}
-    sched_lat: dict[str, dict[str, HistSum]] = {}
+    rounds: list[Round] = []
     progress: Callable[[str], None] | None = say if args.verbose else None
     with ControlPlane(bin_dir, keep=args.keep, verbosity=args.scheduler_v, progress=progress) as cp:
         say(f"control plane up in {cp.dir}")
@@ -251,96 +394,27 @@ def run(args: argparse.Namespace) -> int:
         kube.create_nodes(nodes, workers=args.workers)
         create_leases(kube, stack.namespace, [n.name for n in nodes], args.workers)
         say(f"{args.nodes} nodes and Leases created in {time.monotonic() - t:.1f}s")
-        sched_kw: dict[str, Any] = {"client_qps": args.qps, "client_burst": args.burst}
-
-        # Run A: plain profile, no extender process at all.
-        plain = cp.start_plain_scheduler(**sched_kw)
-        wait_scheduler_ready(cp, plain, deadline)
-        before = scheduler_metrics(cp, plain)
-        calls_before = apiserver_calls(cp)
-        a = measure_run(
-            kube,
-            cp,
-            label="A plain-scheduler (no extender)",
-            scheduler=PLAIN_PROFILE,
-            namespace="bench-plain",
-            pods=args.pods,
-            annotations={},
-            workers=args.workers,
-            deadline=deadline,
-        )
-        runs.append(a)
-        calls.append(between(apiserver_calls(cp), calls_before))
-        sched_lat[PLAIN_PROFILE] = diff(scheduler_metrics(cp, plain), before)
-        cp.remove(plain)
-        say("deleting run A's pods")
-        delete_pods(kube, "bench-plain", args.workers, deadline)
-
-        # Run B: the same scheduler binary, the gputopo profile calling the real extender.
-        if not deadline.expired():
-            stack.start_extender(extra_args=[f"--log-level={args.extender_log_level}"])
-            status, body = http_get(f"{stack.extender_url}/readyz")
-            cached = json.loads(body).get("nodes") if status == 200 else None
-            say(f"extender ready at {stack.extender_url}: {cached} nodes in its cache")
-            sched = stack.start_scheduler(**sched_kw)
-            wait_scheduler_ready(cp, sched, deadline)
-            before = scheduler_metrics(cp, sched)
-            # The extender serves /metrics on its own metrics port, not beside the scheduler verbs.
-            ext_metrics = stack.pods[0].metrics_url
-            ext_before = extender_metrics(ext_metrics)
-            bytes_before = extender_bytes(ext_metrics)
-            calls_before = apiserver_calls(cp)
-            b = measure_run(
-                kube,
-                cp,
-                label="B gputopo-scheduler (extender)",
-                scheduler=GPUTOPO_PROFILE,
-                namespace="bench-gputopo",
-                pods=args.pods,
-                annotations={"gputopo.io/nvlink": "required"},
-                workers=args.workers,
-                deadline=deadline,
-            )
-            runs.append(b)
-            calls.append(between(apiserver_calls(cp), calls_before))
-            bytes_after = extender_bytes(ext_metrics)
-            sched_lat[GPUTOPO_PROFILE] = diff(scheduler_metrics(cp, sched), before)
-            ext_lat = diff(extender_metrics(ext_metrics), ext_before)
-            if args.diagnose and not deadline.expired():
-                # Run C: the same pods and profile, but kube-scheduler binds itself: the extender
-                # answers filter and prioritize only. Separates the bind path's cost from the rest.
-                cp.remove(sched)
-                say("deleting run B's pods")
-                delete_pods(kube, "bench-gputopo", args.workers, deadline)
-                name = "gputopo-scheduler-nobind"
-                ext = ExtenderConfig(url=stack.extender_url, bind_verb=None)
-                cp.start_scheduler(name, profile=GPUTOPO_PROFILE, extender=ext, **sched_kw)
-                wait_scheduler_ready(cp, name, deadline)
-                before = scheduler_metrics(cp, name)
-                calls_before = apiserver_calls(cp)
-                runs.append(
-                    measure_run(
-                        kube,
-                        cp,
-                        label="C gputopo, scheduler binds",
-                        scheduler=GPUTOPO_PROFILE,
-                        namespace="bench-gputopo-nobind",
-                        pods=args.pods,
-                        annotations={"gputopo.io/nvlink": "required"},
-                        workers=args.workers,
-                        deadline=deadline,
-                    )
-                )
-                sched_lat[name] = diff(scheduler_metrics(cp, name), before)
-                calls.append(between(apiserver_calls(cp), calls_before))
+        for i in range(args.rounds):
+            if deadline.expired():
+                break
+            say(f"round {i + 1} of {args.rounds}")
+            rounds.append(one_round(args, cp, kube, stack, deadline))
         if args.keep:
             say(f"keeping {cp.dir} (logs: scheduler-*.log, gputopo-extender.log)")
         kube.close()
-    print_report(args, runs, ext_lat, sched_lat)
-    print_per_pod(runs, calls, ext_lat, bytes_before, bytes_after)
+    if not rounds:
+        return 1
+    # The details of the round whose ratio is the median (the middle one of an odd count).
+    shown = sorted(rounds, key=lambda r: r.ratio() if r.ratio() == r.ratio() else -1.0)[(len(rounds) - 1) // 2]
+    if len(rounds) > 1:
+        print(f"\nDetails of the median round ({rounds.index(shown) + 1} of {len(rounds)}):")
+    print_report(args, shown.runs, shown.ext_lat, shown.sched_lat)
+    print_per_pod(shown.runs, shown.calls, shown.ext_lat, shown.bytes_before, shown.bytes_after)
+    print_rounds(rounds)
     if deadline.expired():
         print(f"\nthe global deadline ({args.deadline:.0f}s) ran out: the figures above are partial")
-    return 0 if len(runs) >= 2 and all(r.bound == r.pods for r in runs) else 1
+    complete = all(len(r.runs) >= 2 and all(x.bound == x.pods for x in r.runs) for r in rounds)
+    return 0 if complete else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -352,7 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--qps", type=float, default=200.0, help="both schedulers' client QPS (default 200)")
     p.add_argument("--burst", type=int, default=400, help="both schedulers' client burst (default 400)")
     p.add_argument("--workers", type=int, default=32, help="parallel API clients for creates/deletes (32)")
-    p.add_argument("--deadline", type=float, default=600.0, help="global time budget in seconds (600)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of run A then run B; medians are printed (3)")
+    p.add_argument("--deadline", type=float, default=900.0, help="global time budget in seconds (900)")
     p.add_argument("--stale-after-seconds", type=float, default=3600.0, help="extender's Lease staleness (3600)")
     p.add_argument("--extender-log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--scheduler-v", type=int, default=2, help="kube-scheduler --v (default 2)")
@@ -364,8 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the control plane's folder (logs) after teardown")
     p.add_argument("--verbose", action="store_true", help="show control-plane progress")
     args = p.parse_args(argv)
-    if args.nodes < 1 or args.pods < 1:
-        p.error("--nodes and --pods must be positive")
+    if args.nodes < 1 or args.pods < 1 or args.rounds < 1:
+        p.error("--nodes, --pods and --rounds must be positive")
     if args.pods > args.nodes:
         p.error("--pods must not exceed --nodes: every pod takes a whole 8-GPU node")
     try:
