@@ -52,25 +52,16 @@ class Decision:
 
     def reason_label(self) -> str:
         """The dominant failure reason when nothing fits ('' when something does)."""
-        # Filter and prioritize of one pod share one outcomes list: label it once.
-        labelled, last = _last_label[0]  # one tuple, read whole: threads replace it, never edit it
-        if labelled is self.outcomes:
-            return last
         # Outcomes are shared between equivalent nodes: look at each distinct one; count nodes per
         # outcome (C-level) only when none fits.
         distinct = dict(zip(map(id, self.outcomes), self.outcomes, strict=True))
-        label = ""
-        if distinct and all(o.code is not Code.SUCCESS for o in distinct.values()):
-            counts: collections.Counter[str] = collections.Counter()
-            for k, n in collections.Counter(map(id, self.outcomes)).items():
-                o = distinct[k]
-                counts[o.reason.value if o.reason else "unknown"] += n
-            label = counts.most_common(1)[0][0]
-        _last_label[0] = (self.outcomes, label)
-        return label
-
-
-_last_label: list[tuple[object, str]] = [(None, "")]  # (outcomes list, its label): the last one labelled
+        if not distinct or any(o.code is Code.SUCCESS for o in distinct.values()):
+            return ""
+        counts: collections.Counter[str] = collections.Counter()
+        for k, n in collections.Counter(map(id, self.outcomes)).items():
+            o = distinct[k]
+            counts[o.reason.value if o.reason else "unknown"] += n
+        return counts.most_common(1)[0][0]
 
 
 @dataclass

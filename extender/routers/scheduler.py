@@ -180,7 +180,8 @@ def filter_(extender: Extender, metrics: Metrics, body: bytes) -> Answer:
         else:
             out["Nodes"] = None
         outcome = "pass_through" if d.kind == "pass_through" else ("feasible" if answer.passed else "infeasible")
-        metrics.decision("filter", outcome, d.reason_label())
+        # Why nothing fits, when nothing does (a pass over every node: not paid when a node passed).
+        metrics.decision("filter", outcome, "" if answer.passed else d.reason_label())
         if d.kind != "pass_through":
             log.debug("filter", extra={"verb": "filter", "pod": info.ref, "passed": len(answer.passed), "kind": d.kind})
     except Exception as e:
@@ -198,7 +199,8 @@ def prioritize(extender: Extender, metrics: Metrics, body: bytes) -> Answer:
     try:
         hosts, scores, d = extender.prioritize(info, names)
         data = _priorities(hosts, scores)
-        metrics.decision("prioritize", "pass_through" if d.kind == "pass_through" else "scored", d.reason_label())
+        # kube-scheduler asks only about nodes that passed filter: no failure reason to label.
+        metrics.decision("prioritize", "pass_through" if d.kind == "pass_through" else "scored")
     except Exception:
         log.exception("prioritize failed; neutral scores", extra={"verb": "prioritize", "pod": info.ref})
         metrics.decision("prioritize", "error")
