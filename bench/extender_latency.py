@@ -2,10 +2,10 @@
 
 For 100, 1,000 and 5,000 nodes this writes a cluster file (a mix of dgx-h100, hgx-h200, dgx-a100 and
 l40s-4 nodes under leaf/spine labels, some GPUs in use), starts the real `gputopo-extender --snapshot`
-in a subprocess, and a floor: a bare ASGI callable on the same server (uvicorn, same loop and HTTP
-parser, as the extender's verbs) that decodes the same request with the same JSON library (orjson)
-and encodes an answer of the same size (the extender's own answer to that request, handed to it
-beforehand as Python objects).
+in a subprocess, and a floor: the extender's own verbs server (`extender.verbserver`: same loop, same
+HTTP parser, same worker-thread hop) with verbs that only decode the same request with the same JSON
+library (orjson) and encode an answer of the same size (the extender's own answer to that request,
+handed to it beforehand as Python objects).
 The floor is therefore the HTTP + JSON cost of the exchange; what the extender adds is its decision.
 
 It sends filter followed by prioritize (`NodeNames` = all nodes, Go-cased, `Nodes: null`) for an 8-GPU
@@ -22,6 +22,7 @@ one in-process decision <= 5 ms.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import random
 import signal
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ FIXTURES = ("dgx-h100", "hgx-h200", "dgx-a100", "l40s-4")
 TARGET_P99_MS = {("gputopo-8", 5000): 5.0}
 TARGET_FLOOR_RATIO = 1.5
 TARGET_DECISION_MS = 5.0
+VERBS = ("filter", "prioritize")
 
 
 def write_cluster(path: Path, n: int, seed: int = 7) -> list[str]:
@@ -92,37 +95,40 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve_floor(port: int) -> None:
-    """The floor: decode the request with orjson, answer the stored answer for its path, encoded again.
+class FloorLane:
+    """The floor's verbs: decode the request with orjson, answer the extender's own answer to it, encoded
+    again. Served by the extender's verbs server (`extender.verbserver`), worker-thread hop included."""
 
-    A plain ASGI callable on uvicorn, as the extender's verbs are (`extender.routers.scheduler.VerbLane`);
-    `PUT /answer/{verb}` stores the answer to give (the extender's own, so the sizes match)."""
-    import uvicorn
+    max_request_bytes = 64 * 1024 * 1024
 
-    answers: dict[str, Any] = {"filter": {}, "prioritize": []}
+    def __init__(self, answers: dict[str, Any]) -> None:
+        self.answers = answers
+        self._pools = (ThreadPoolExecutor(max_workers=4), ThreadPoolExecutor(max_workers=4))
 
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body, path = b"".join(chunks), scope["path"]
-        out = b"{}"
-        if scope["method"] == "PUT" and path.startswith("/answer/"):
-            answers[path.removeprefix("/answer/")] = orjson.loads(body)
-        elif scope["method"] == "POST" and path in ("/filter", "/prioritize"):
-            args = orjson.loads(body)
-            assert isinstance(args["NodeNames"], list)
-            out = orjson.dumps(answers[path[1:]])
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": out})
+    def pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        return self._pools
 
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="off")
+    def readiness(self) -> tuple[int, bytes]:
+        return 200, b"{}"
+
+    def answer(self, verb: str, handler: Any, body: bytes) -> tuple[int, bytes]:
+        args = orjson.loads(body)
+        assert isinstance(args["NodeNames"], list)
+        return 200, orjson.dumps(self.answers[verb])
+
+
+def serve_floor(port: int, answers_file: Path) -> None:
+    """The floor on the extender's own verbs server and loop, answering what `answers_file` holds."""
+    from extender.main import _loop_factory
+    from extender.verbserver import VerbServer
+
+    server = VerbServer(FloorLane(orjson.loads(answers_file.read_bytes())))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(server.serve([sock]))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -221,61 +227,69 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--decisions", type=int, default=20, help="in-process decisions timed, warm and cold each")
     p.add_argument("--serve-floor", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    p.add_argument("--answers", help=argparse.SUPPRESS)  # with --serve-floor: the answers to give
     args = p.parse_args(argv)
     if args.serve_floor:
-        serve_floor(args.serve_floor)
+        serve_floor(args.serve_floor, Path(args.answers))
         return 0
     import json
 
     sizes = [int(s) for s in args.sizes.split(",")]
-    floor_port = free_port()
-    floor = start([sys.executable, __file__, "--serve-floor", str(floor_port)], floor_port)
-    floor_url = f"http://127.0.0.1:{floor_port}"
     rows: list[tuple[int, str, list[float], list[float], float, float, int, int]] = []
     decision: tuple[float, float] | None = None
-    try:
-        with tempfile.TemporaryDirectory(prefix="gputopo-bench-") as tmp:
-            for n in sizes:
-                path = Path(tmp) / f"cluster-{n}.yaml"
-                names = write_cluster(path, n)
-                port = free_port()
-                ext = start(
-                    [
-                        sys.executable,
-                        "-m",
-                        "extender.main",
-                        "--snapshot",
-                        str(path),
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(port),
-                        "--log-level",
-                        "warning",
-                        "--metrics-port",
-                        "0",
-                    ],
-                    port,
-                )
-                url = f"http://127.0.0.1:{port}"
-                try:
-                    for case, gputopo in (("gputopo-8", True), ("plain", False)):
-                        body = json.dumps({"Pod": pod(gputopo), "Nodes": None, "NodeNames": names}).encode()
-                        # The floor answers what the extender answers, so both move the same bytes.
-                        sizes_out = 0
-                        for verb in ("filter", "prioritize"):
-                            answer = httpx.post(f"{url}/{verb}", content=body, timeout=30).content
-                            httpx.put(f"{floor_url}/answer/{verb}", content=answer, timeout=30)
-                            sizes_out += len(answer)
+    with tempfile.TemporaryDirectory(prefix="gputopo-bench-") as tmp:
+        for n in sizes:
+            path = Path(tmp) / f"cluster-{n}.yaml"
+            names = write_cluster(path, n)
+            port = free_port()
+            ext = start(
+                [
+                    sys.executable,
+                    "-m",
+                    "extender.main",
+                    "--snapshot",
+                    str(path),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--log-level",
+                    "warning",
+                    "--metrics-port",
+                    "0",
+                ],
+                port,
+            )
+            url = f"http://127.0.0.1:{port}"
+            try:
+                for case, gputopo in (("gputopo-8", True), ("plain", False)):
+                    body = json.dumps({"Pod": pod(gputopo), "Nodes": None, "NodeNames": names}).encode()
+                    # The floor answers what the extender answers, so both move the same bytes.
+                    answers = {
+                        verb: httpx.post(f"{url}/{verb}", content=body, timeout=30).content
+                        for verb in ("filter", "prioritize")
+                    }
+                    answers_file = Path(tmp) / f"answers-{n}-{case}.json"
+                    answers_file.write_bytes(
+                        b'{"filter":%s,"prioritize":%s}' % (answers["filter"], answers["prioritize"])
+                    )
+                    floor_port = free_port()
+                    floor = start(
+                        [sys.executable, __file__, "--serve-floor", str(floor_port), "--answers", str(answers_file)],
+                        floor_port,
+                    )
+                    try:
                         got, cpu = measure(url, body, args.requests, args.warmup, 30.0, ext.pid)
+                        floor_url = f"http://127.0.0.1:{floor_port}"
                         base, base_cpu = measure(floor_url, body, args.requests, args.warmup, 30.0, floor.pid)
-                        rows.append((n, case, got, base, cpu, base_cpu, 2 * len(body), sizes_out))
-                finally:
-                    stop(ext)
-                if n == max(sizes):
-                    decision = in_process_decision(path, names, args.decisions)
-    finally:
-        stop(floor)
+                    finally:
+                        stop(floor)
+                    sizes_out = sum(map(len, answers.values()))
+                    rows.append((n, case, got, base, cpu, base_cpu, 2 * len(body), sizes_out))
+            finally:
+                stop(ext)
+            if n == max(sizes):
+                decision = in_process_decision(path, names, args.decisions)
     print(
         f"{'nodes':>6} {'case':<10} {'p50 ms':>7} {'p99 ms':>7} {'floor p50':>9} {'floor p99':>9} {'x floor':>7} "
         f"{'CPU ms':>7} {'floor CPU':>9} {'KB in':>6} {'KB out':>6}  target"

@@ -109,7 +109,7 @@ async def serve(listeners: Listeners, settings: Settings, stop: asyncio.Event | 
         for ep in eps:
             sock = _bind(ep)
             if ep.name == "verbs":  # kube-scheduler's calls: the lean server (extender/verbserver.py)
-                servers.append((VerbServer(listeners.verbs), sock))
+                servers.append((VerbServer(listeners.verbs.lane), sock))
                 continue
             config = uvicorn.Config(
                 apps[ep.name],

@@ -23,19 +23,18 @@ import asyncio
 import collections
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import httptools
 import orjson
 
 from extender.limits import too_large_body
-from extender.routers.health import HEALTHY, readiness
-from extender.routers.scheduler import VERBS
+from extender.routers.health import HEALTHY
+from extender.routers.scheduler import VERBS, Answer, Verb
 
 if TYPE_CHECKING:
     import socket
-
-    from extender.app import VerbsApp
+    from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger("gputopo.extender.http")
 
@@ -52,6 +51,20 @@ class _Request:
     keep_alive: bool
 
 
+class Lane(Protocol):
+    """What the server hands requests to: `extender.routers.scheduler.VerbLane` (or a benchmark's floor)."""
+
+    max_request_bytes: int
+
+    def pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        """(decisions, binds) worker pools."""
+        ...
+
+    def answer(self, verb: str, handler: Verb, body: bytes) -> Answer: ...
+
+    def readiness(self) -> tuple[int, bytes]: ...
+
+
 def _error(text: str) -> bytes:
     return orjson.dumps({"Error": text})
 
@@ -59,10 +72,9 @@ def _error(text: str) -> bytes:
 class VerbProtocol(asyncio.Protocol):
     """One connection. httptools calls the `on_*` methods while `data_received` feeds it."""
 
-    def __init__(self, app: VerbsApp) -> None:
-        self.app = app
-        self.lane = app.lane
-        self.limit = app.lane.max_request_bytes
+    def __init__(self, lane: Lane) -> None:
+        self.lane = lane
+        self.limit = lane.max_request_bytes
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.queue: collections.deque[_Request] = collections.deque()
@@ -174,7 +186,7 @@ class VerbProtocol(asyncio.Protocol):
         if req.method == b"GET" and req.path == "/healthz":
             return 200, HEALTHY
         if req.method == b"GET" and req.path == "/readyz":
-            return readiness(self.lane.extender)
+            return self.lane.readiness()
         return 404, _error(f"{req.path} is not served on this listener")
 
     def _send(self, req: _Request, status: int, data: bytes, *, close: bool = False) -> None:
@@ -207,14 +219,14 @@ class VerbProtocol(asyncio.Protocol):
 class VerbServer:
     """The verbs listener on an already bound socket, with uvicorn.Server's surface that `serve` uses."""
 
-    def __init__(self, app: VerbsApp) -> None:
-        self.app = app
+    def __init__(self, lane: Lane) -> None:
+        self.lane = lane
         self.should_exit = False
         self.started = False
 
     async def serve(self, sockets: list[socket.socket]) -> None:
         loop = asyncio.get_running_loop()
-        servers = [await loop.create_server(lambda: VerbProtocol(self.app), sock=s, backlog=2048) for s in sockets]
+        servers = [await loop.create_server(lambda: VerbProtocol(self.lane), sock=s, backlog=2048) for s in sockets]
         self.started = True
         try:
             while not self.should_exit:

@@ -40,6 +40,7 @@ from pydantic_core import to_json
 
 from extender.limits import Receive, Scope, Send, read_body
 from extender.metrics import Metrics
+from extender.routers.health import readiness
 from extender.service import NEUTRAL_SCORE, Extender
 from extender.wire import (
     ExtenderArgs,
@@ -281,6 +282,9 @@ class VerbLane:
         pools, self._pools = self._pools, None
         for pool in pools or ():
             pool.shutdown(wait=False, cancel_futures=True)
+
+    def readiness(self) -> tuple[int, bytes]:
+        return readiness(self.extender)
 
     def answer(self, verb: str, handler: Verb, body: bytes) -> Answer:
         """One call, on a worker thread: the handler, timed, with its bytes counted."""

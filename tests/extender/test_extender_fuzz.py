@@ -158,7 +158,7 @@ def _start(app: Any) -> tuple[uvicorn.Server | VerbServer, threading.Thread, str
     sock.bind(("127.0.0.1", 0))
     server: uvicorn.Server | VerbServer
     if isinstance(app, VerbsApp):
-        verbs = server = VerbServer(app)
+        verbs = server = VerbServer(app.lane)
 
         def target() -> None:  # on uvloop where installed, as `gputopo-extender` runs it
             with asyncio.Runner(loop_factory=_loop_factory()) as runner:

@@ -33,7 +33,7 @@ def address() -> Iterator[tuple[str, int]]:
     sync(listeners.verbs.state.cache, source)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
-    server = VerbServer(listeners.verbs)
+    server = VerbServer(listeners.verbs.lane)
 
     def run() -> None:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
