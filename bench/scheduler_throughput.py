@@ -291,19 +291,21 @@ def one_round(args: argparse.Namespace, cp: ControlPlane, kube: KubeClient, stac
     ext_before = extender_metrics(ext_metrics)
     rnd.bytes_before = extender_bytes(ext_metrics)
     calls_before = apiserver_calls(cp)
-    rnd.runs.append(
-        measure_run(
+
+    def gputopo_run(label: str, namespace: str) -> RunResult:
+        return measure_run(
             kube,
             cp,
-            label="B gputopo-scheduler (extender)",
+            label=label,
             scheduler=GPUTOPO_PROFILE,
-            namespace="bench-gputopo",
+            namespace=namespace,
             pods=args.pods,
             annotations={"gputopo.io/nvlink": "required"},
             workers=args.workers,
             deadline=deadline,
         )
-    )
+
+    rnd.runs.append(gputopo_run("B gputopo-scheduler (extender)", "bench-gputopo"))
     rnd.calls.append(between(apiserver_calls(cp), calls_before))
     rnd.bytes_after = extender_bytes(ext_metrics)
     rnd.sched_lat[GPUTOPO_PROFILE] = diff(scheduler_metrics(cp, sched), before)
@@ -320,19 +322,7 @@ def one_round(args: argparse.Namespace, cp: ControlPlane, kube: KubeClient, stac
         wait_scheduler_ready(cp, name, deadline)
         before = scheduler_metrics(cp, name)
         calls_before = apiserver_calls(cp)
-        rnd.runs.append(
-            measure_run(
-                kube,
-                cp,
-                label="C gputopo, scheduler binds",
-                scheduler=GPUTOPO_PROFILE,
-                namespace="bench-gputopo-nobind",
-                pods=args.pods,
-                annotations={"gputopo.io/nvlink": "required"},
-                workers=args.workers,
-                deadline=deadline,
-            )
-        )
+        rnd.runs.append(gputopo_run("C gputopo, scheduler binds", "bench-gputopo-nobind"))
         rnd.sched_lat[name] = diff(scheduler_metrics(cp, name), before)
         rnd.calls.append(between(apiserver_calls(cp), calls_before))
         cp.remove(name)

@@ -350,12 +350,7 @@ def _more(recv: Callable[[int], bytes], buf: bytearray) -> None:
 
 def _read_head(recv: Callable[[int], bytes], buf: bytearray) -> tuple[int, str, dict[str, str]]:
     """The status line and headers (names lower-cased); consumes them and the blank line from `buf`."""
-    start = 0
-    while (end := buf.find(b"\r\n\r\n", start)) < 0:
-        if len(buf) > MAX_HEAD_BYTES:
-            raise http.client.LineTooLong("the answer's headers")
-        start = max(0, len(buf) - 3)
-        _more(recv, buf)
+    end = _find(recv, buf, b"\r\n\r\n", "the answer's headers")
     lines = buf[:end].decode("latin-1").split("\r\n")
     del buf[: end + 4]
     version, _, rest = lines[0].partition(" ")
@@ -393,13 +388,19 @@ def _read_exactly(recv: Callable[[int], bytes], buf: bytearray, n: int) -> bytes
     return out
 
 
-def _read_line(recv: Callable[[int], bytes], buf: bytearray) -> bytes:
+def _find(recv: Callable[[int], bytes], buf: bytearray, sep: bytes, what: str) -> int:
+    """Where `sep` starts in `buf`, receiving more until it arrives (at most MAX_HEAD_BYTES before it)."""
     start = 0
-    while (end := buf.find(b"\r\n", start)) < 0:
+    while (end := buf.find(sep, start)) < 0:
         if len(buf) > MAX_HEAD_BYTES:
-            raise http.client.LineTooLong("a chunk-size or trailer line")
-        start = max(0, len(buf) - 1)
+            raise http.client.LineTooLong(what)
+        start = max(0, len(buf) - len(sep) + 1)
         _more(recv, buf)
+    return end
+
+
+def _read_line(recv: Callable[[int], bytes], buf: bytearray) -> bytes:
+    end = _find(recv, buf, b"\r\n", "a chunk-size or trailer line")
     line = bytes(buf[:end])
     del buf[: end + 2]
     return line

@@ -4,20 +4,27 @@ the informers driven synchronously. Lives under tests/: the wheel carries no tes
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
+import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 
-from extender.app import create_app
+from extender.app import VerbsApp, create_app
 from extender.cache import ClusterCache
 from extender.kube import KINDS, Informer
 from extender.ledger import Ledger
+from extender.main import _loop_factory
 from extender.settings import Settings
+from extender.verbserver import VerbServer
 from gputopo.model import (
     DEFAULT_NAMESPACE,
     GPU_RESOURCE,
@@ -210,3 +217,31 @@ def env() -> Iterator[Env]:
         e = Env(source, clock, client, settings)
         e.resync()
         yield e
+
+
+def start_server(app: Any) -> tuple[uvicorn.Server | VerbServer, threading.Thread, str]:
+    """`app` served in a thread on the server production gives it (the verbs listener's own, uvicorn for the
+    others), on a free loopback port: (server, thread, base URL). Stop it with `server.should_exit = True`."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    server: uvicorn.Server | VerbServer
+    if isinstance(app, VerbsApp):
+        verbs = server = VerbServer(app.lane)
+
+        def target() -> None:  # on uvloop where installed, as `gputopo-extender` runs it
+            with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+                runner.run(verbs.serve([sock]))
+
+    else:
+        uv = server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False))
+
+        def target() -> None:
+            uv.run(sockets=[sock])
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"

@@ -7,29 +7,23 @@ GPUTOPO_FUZZ_EXAMPLES=2000 (bench/fuzz.py runs 100,000 cases against the real bi
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extender.app import VerbsApp, create_listeners
-from extender.main import _loop_factory, load_settings
+from extender.app import create_listeners
+from extender.main import load_settings
 from extender.settings import Settings
-from extender.verbserver import VerbServer
 from extender.wire import MAX_CANDIDATE_NODES
 from tests.extender.fake import FakeSource
-from tests.extender.harness import NS, Env, FakeClock, args, gputopo_pod, lease_obj, node_obj, sync
+from tests.extender.harness import NS, Env, FakeClock, args, gputopo_pod, lease_obj, node_obj, start_server, sync
 
 EXAMPLES = int(os.environ.get("GPUTOPO_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(
@@ -152,33 +146,6 @@ def garbage(draw: st.DrawFn, verb: str) -> bytes:
     return draw(st.sampled_from(RAW_TOKENS)).encode()
 
 
-def _start(app: Any) -> tuple[uvicorn.Server | VerbServer, threading.Thread, str]:
-    """The app on the server production gives it: the verbs listener's own, uvicorn for the others."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server: uvicorn.Server | VerbServer
-    if isinstance(app, VerbsApp):
-        verbs = server = VerbServer(app.lane)
-
-        def target() -> None:  # on uvloop where installed, as `gputopo-extender` runs it
-            with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-                runner.run(verbs.serve([sock]))
-
-    else:
-        uv = server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False))
-
-        def target() -> None:
-            uv.run(sockets=[sock])
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-
 @pytest.fixture(scope="module")
 def clients() -> Iterator[dict[str, httpx.Client]]:
     """One keep-alive client per listener: the verbs app, and the webhook app (/mutate) over plain HTTP, since
@@ -194,7 +161,7 @@ def clients() -> Iterator[dict[str, httpx.Client]]:
         source.put("nodes", node)
         source.put("leases", lease_obj(node["metadata"]["name"], clock.now))
     sync(listeners.verbs.state.cache, source)
-    started = {name: _start(app) for name, app in (("verbs", listeners.verbs), ("webhook", listeners.webhook))}
+    started = {name: start_server(app) for name, app in (("verbs", listeners.verbs), ("webhook", listeners.webhook))}
     with contextlib.ExitStack() as stack:
         yield {
             name: stack.enter_context(httpx.Client(base_url=url, timeout=10)) for name, (_, _, url) in started.items()

@@ -3,21 +3,16 @@ careless or hostile local client can send (pipelining, Expect, HTTP/1.0, wrong m
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import orjson
 import pytest
 
 from extender.app import create_listeners
-from extender.main import _loop_factory
 from extender.settings import Settings
-from extender.verbserver import VerbServer
 from tests.extender.fake import FakeSource
-from tests.extender.harness import NS, FakeClock, args, gputopo_pod, lease_obj, node_obj, sync
+from tests.extender.harness import NS, FakeClock, args, gputopo_pod, lease_obj, node_obj, start_server, sync
 
 LIMIT = 64 * 1024
 
@@ -31,21 +26,8 @@ def address() -> Iterator[tuple[str, int]]:
     source.put("nodes", node_obj("h100-a"))
     source.put("leases", lease_obj("h100-a", clock.now))
     sync(listeners.verbs.state.cache, source)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = VerbServer(listeners.verbs.lane)
-
-    def run() -> None:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(server.serve([sock]))
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the verbs server did not start"
-        time.sleep(0.01)
-    yield "127.0.0.1", sock.getsockname()[1]
+    server, thread, url = start_server(listeners.verbs)
+    yield "127.0.0.1", int(url.rsplit(":", 1)[1])
     server.should_exit = True
     thread.join(10)
     listeners.verbs.lane.close()
