@@ -103,10 +103,10 @@ class FloorLane:
 
     def __init__(self, answers: dict[str, Any]) -> None:
         self.answers = answers
-        self._pools = (ThreadPoolExecutor(max_workers=4), ThreadPoolExecutor(max_workers=4))
+        self._pool = ThreadPoolExecutor(max_workers=4)
 
-    def pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
-        return self._pools
+    def pool_for(self, verb: str) -> ThreadPoolExecutor:
+        return self._pool
 
     def readiness(self) -> tuple[int, bytes]:
         return 200, b"{}"

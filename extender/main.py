@@ -100,7 +100,7 @@ async def serve(listeners: Listeners, settings: Settings, stop: asyncio.Event | 
 
     Raises ListenError before anything starts when a socket cannot be bound or the webhook's certificate
     cannot be loaded."""
-    apps = {"verbs": listeners.verbs, "webhook": listeners.webhook, "metrics": listeners.metrics}
+    apps = {"webhook": listeners.webhook, "metrics": listeners.metrics}  # the verbs have their own server
     eps = endpoints(settings)
     from extender.verbserver import VerbServer  # with the app: only once the settings are valid
 

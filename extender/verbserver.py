@@ -56,8 +56,8 @@ class Lane(Protocol):
 
     max_request_bytes: int
 
-    def pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
-        """(decisions, binds) worker pools."""
+    def pool_for(self, verb: str) -> ThreadPoolExecutor:
+        """The worker pool `verb` runs on."""
         ...
 
     def answer(self, verb: str, handler: Verb, body: bytes) -> Answer: ...
@@ -160,10 +160,9 @@ class VerbProtocol(asyncio.Protocol):
             return
         self.busy = True
         name, handler = verb
-        pools = self.lane.pools()
         try:
             future = asyncio.get_running_loop().run_in_executor(
-                pools[1] if name == "bind" else pools[0], self.lane.answer, name, handler, req.body
+                self.lane.pool_for(name), self.lane.answer, name, handler, req.body
             )
         except RuntimeError:  # the pools are shut down: the server is stopping
             self.busy = False

@@ -269,14 +269,16 @@ class VerbLane:
     def matches(scope: Scope) -> bool:
         return scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in VERBS
 
-    def pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
-        """(decisions, binds), started on first use and again after `close` (an app served twice)."""
+    def pool_for(self, verb: str) -> ThreadPoolExecutor:
+        """The worker pool `verb` runs on; the pools start on first use and again after `close` (an app
+        served twice)."""
         if self._pools is None:
             self._pools = (
                 ThreadPoolExecutor(max_workers=4, thread_name_prefix="gputopo-decide"),
                 ThreadPoolExecutor(max_workers=8, thread_name_prefix="gputopo-bind"),
             )
-        return self._pools
+        decide, binds = self._pools
+        return binds if verb == "bind" else decide
 
     def close(self) -> None:
         pools, self._pools = self._pools, None
@@ -305,9 +307,8 @@ class VerbLane:
         if body is None:
             return  # answered (413) or the client left
         verb, handler = VERBS[scope["path"]]
-        decide, binds = self.pools()
-        pool = binds if verb == "bind" else decide
-        status, data = await asyncio.get_running_loop().run_in_executor(pool, self.answer, verb, handler, body)
+        loop = asyncio.get_running_loop()
+        status, data = await loop.run_in_executor(self.pool_for(verb), self.answer, verb, handler, body)
         headers = [*_HEADERS, (b"content-length", str(len(data)).encode())]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data})
