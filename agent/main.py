@@ -221,6 +221,7 @@ def start_device_plugin(
         plugin_dir=settings.device_plugin_dir,
         device_list_strategy=settings.device_list_strategy,
         preferred_allocation=settings.preferred_allocation,
+        podresources_socket=settings.podresources_socket,
     )
     plugin = DevicePlugin(config, pods if pods is not None else StaticLocalPods(node))
     plugin.start(backend.discover())

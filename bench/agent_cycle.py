@@ -36,6 +36,7 @@ from agent.backends import FixtureBackend, InUseSource, NoneInUse
 from agent.deviceplugin import api_pb2, api_pb2_grpc
 from agent.deviceplugin.plugin import DevicePlugin, PluginConfig
 from agent.metrics import AgentMetrics
+from agent.podresources import api_pb2 as pr_pb2
 from agent.pods import StaticLocalPods
 from agent.publisher import Publisher
 from agent.runner import Agent
@@ -49,6 +50,7 @@ from gputopo.model import (
     Placement,
 )
 from gputopo.systems import build_system
+from tests.agent.dp_harness import serve_podresources
 from tests.agent.memory_api import InMemoryNodeApi
 
 NODE = "bench-node"
@@ -211,14 +213,16 @@ def bench_pod_churn(system: str, pods: int, cycles_per_phase: int = 5) -> None:
     print(f"Node writes per pod stop:         {stops / pods:.2f}")
 
 
-def bench_device_plugin(system: str, calls: int) -> None:
+def bench_device_plugin(system: str, calls: int, kubelet_pods: int = 0) -> None:
+    """With `kubelet_pods`, every request also reads a PodResources `List` of that many pods over a socket."""
     topology = build_system(system, NODE)
     uuids = [g.uuid for g in topology.gpus]
     # Running pods hold GPUs 0-3 (their placements are not available); the admitted pod asks for 2 of 4-7.
     running = [bench_pod(f"run-{i}", (i,), 1, "Running", i) for i in range(4)]
     pods = StaticLocalPods(NODE, running)
-    with tempfile.TemporaryDirectory(prefix="gputopo-bench-") as tmp:
-        plugin = DevicePlugin(PluginConfig(plugin_dir=Path(tmp), poll_s=5.0), pods)
+    with tempfile.TemporaryDirectory(prefix="gputopo-bench-") as tmp, serve_podresources(Path(tmp) / "pr.sock") as kl:
+        config = PluginConfig(plugin_dir=Path(tmp), poll_s=5.0, podresources_socket=kl.socket if kubelet_pods else None)
+        plugin = DevicePlugin(config, pods)
         plugin.start(topology)
         assert plugin.server is not None
         channel = grpc.insecure_channel(f"unix://{plugin.server.socket_path}")
@@ -246,6 +250,11 @@ def bench_device_plugin(system: str, calls: int) -> None:
             # A new pending pod each time, so every call identifies a pod and answers from its placement.
             gpus = (4 + i % 4, 4 + (i + 1) % 4)
             pods.set_objects([*running, bench_pod(f"p{i}", gpus, 2, "Pending", 100 + i)])
+            names = [*(f"other-{k}" for k in range(max(kubelet_pods - 5, 0))), *(f"run-{k}" for k in range(4)), f"p{i}"]
+            kl.pods = [
+                pr_pb2.PodResources(name=n, namespace="bench", containers=[pr_pb2.ContainerResources(name="main")])
+                for n in names
+            ]
             took, answer = ask(2)
             assert answer == [uuids[g] for g in gpus], answer
             placed.append(took)
@@ -255,7 +264,8 @@ def bench_device_plugin(system: str, calls: int) -> None:
             best.append(ask(2)[0])
         channel.close()
         plugin.stop()
-    print(f"== device plugin over its unix socket, fixture:{system}, {calls} calls each")
+    kubelet = f", the kubelet's PodResources List of {kubelet_pods} pods read per request" if kubelet_pods else ""
+    print(f"== device plugin over its unix socket, fixture:{system}, {calls} calls each{kubelet}")
     print(f"GetPreferredAllocation, placement: {ms(placed)}")
     print(f"GetPreferredAllocation, besteffort: {ms(best)}")
     print(f"Allocate (envvar):                 {ms(alloc)}")
@@ -276,6 +286,7 @@ def main() -> int:
     bench_simulated_hour(args.system)
     bench_pod_churn(args.system, pods=200)
     bench_device_plugin(args.system, args.calls)
+    bench_device_plugin(args.system, args.calls, kubelet_pods=40)
     return 0
 
 

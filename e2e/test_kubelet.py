@@ -141,17 +141,18 @@ def node(stack: Stack, test_id: str) -> Iterator[KubeletNode]:
     n.remove()
 
 
-def gputopo_pod(kube: KubeClient, ns: str, test_id: str, name: str, gpus: int) -> str:
-    kube.create_pod(
-        pod_manifest(
-            name,
-            namespace=ns,
-            scheduler_name="gputopo-scheduler",
-            gpus=gpus,
-            annotations={"gputopo.io/nvlink": "required"},
-            node_selector={TEST_LABEL: test_id},
-        )
+def gputopo_pod(kube: KubeClient, ns: str, test_id: str, name: str, gpus: int, *, gated: bool = False) -> str:
+    manifest = pod_manifest(
+        name,
+        namespace=ns,
+        scheduler_name="gputopo-scheduler",
+        gpus=gpus,
+        annotations={"gputopo.io/nvlink": "required"},
+        node_selector={TEST_LABEL: test_id},
     )
+    if gated:  # not scheduled until the gate is removed
+        manifest["spec"]["schedulingGates"] = [{"name": "gputopo.io/test-hold"}]
+    kube.create_pod(manifest)
     return name
 
 
@@ -213,6 +214,25 @@ def test_real_kubelet_gives_two_same_size_pods_admitted_back_to_back_each_its_ow
         wait_running(kube, namespace, p)
     assert node.wait_allocations(pods) == placed
     node.wait_in_use({0, 1, 2, 3})
+
+
+def test_real_kubelet_reaching_the_younger_pod_first_gives_each_pod_its_own_placement(
+    kube: KubeClient, node: KubeletNode, namespace: str, test_id: str
+) -> None:
+    # The older pod is bound after the younger one, both while the kubelet is stopped: it then admits
+    # the younger first, with both pending in the agent's view. Only the kubelet's own pod list says
+    # which one it is admitting; "the oldest pending pod" would hand the younger the older's pair.
+    node.start()
+    older = gputopo_pod(kube, namespace, test_id, "older", 2, gated=True)
+    younger = gputopo_pod(kube, namespace, test_id, "younger", 2)
+    with node.kubelet.paused():
+        placed = {younger: placed_gpus(kube, namespace, younger, node.name)}
+        kube.patch_pod(namespace, older, {"spec": {"schedulingGates": None}})
+        placed[older] = placed_gpus(kube, namespace, older, node.name)
+    assert placed[older] != placed[younger]
+    for p in (younger, older):
+        wait_running(kube, namespace, p)
+    assert node.wait_allocations([younger, older]) == placed
 
 
 def test_real_kubelet_allocation_unlike_the_placement_gives_a_mismatch_event_and_actual_accounting(

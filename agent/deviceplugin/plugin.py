@@ -2,7 +2,8 @@
 
 `DevicePlugin.start(topology)` refuses a node with a MIG-mode GPU, serves the DevicePlugin service on
 `<dir>/gputopo-<suffix>.sock` and registers with the kubelet; `update(topology)` is called by every
-discovery cycle; `stop()` ends the streams and removes the socket.
+discovery cycle; `stop()` ends the streams and removes the socket. With `podresources_socket` set, the
+kubelet's PodResources `List` tells which pod it is admitting (see `preferred`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from agent.deviceplugin.devices import CDI_KIND, DeviceListStrategy, check_no_mi
 from agent.deviceplugin.preferred import BestEffort, PreferredAllocation, Preferrer
 from agent.deviceplugin.server import DEFAULT_PLUGIN_DIR, PluginServer
 from agent.deviceplugin.servicer import DevicePluginServicer
+from agent.podresources.client import PodResourcesClient
 from agent.pods import LocalPods
 from gputopo.engine.besteffort import best_effort
 from gputopo.model import GPU_RESOURCE, NodeTopology
@@ -32,12 +34,20 @@ class PluginConfig:
     preferred_allocation: PreferredAllocation = PreferredAllocation.PLACEMENT
     cdi_kind: str = CDI_KIND
     poll_s: float = 1.0
+    podresources_socket: Path | None = None
+    # The kubelet waits on GetPreferredAllocation while we ask it; a short bound, then the guess.
+    podresources_timeout_s: float = 2.0
 
 
 class DevicePlugin:
     def __init__(self, config: PluginConfig, pods: LocalPods, best: BestEffort = best_effort) -> None:
         self.config = config
-        self.preferrer = Preferrer(pods, config.preferred_allocation, best)
+        self._kubelet: PodResourcesClient | None = None
+        if config.podresources_socket is not None:
+            self._kubelet = PodResourcesClient(
+                config.podresources_socket, config.podresources_timeout_s, config.resource_name
+            )
+        self.preferrer = Preferrer(pods, config.preferred_allocation, best, self._kubelet)
         self.servicer: DevicePluginServicer | None = None
         self.server: PluginServer | None = None
 
@@ -61,6 +71,8 @@ class DevicePlugin:
             self.servicer.stop()
         if self.server is not None:
             self.server.stop()
+        if self._kubelet is not None:
+            self._kubelet.close()
 
 
 class TopologyTap:

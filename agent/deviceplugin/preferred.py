@@ -1,15 +1,20 @@
 """GetPreferredAllocation: find the pod being admitted and answer with its gputopo placement.
 
 The kubelet's request names no pod, only the available devices, the ones that must be included and a
-size. It admits pods one at a time, oldest first, and asks per container (init containers first). So
-the pod being admitted is the oldest still-pending local pod that has an unanswered request of that
-size whose placed GPUs are all available and hold every must-include device:
+size. It admits pods one at a time, in the order they reached it (oldest first among pods that reached
+it together), and asks per container (init containers first). Before it admits a pod it adds it to the
+pods its PodResources `List` reports, and it has not added the pods it has not reached yet. So the pod
+being admitted is, among the pending pods the kubelet lists, the oldest with an unanswered request of
+that size whose placed GPUs are all available and hold every must-include device. Without the
+kubelet's list (PodResources unreachable) the search runs over every pending local pod, which guesses
+wrong only when the kubelet reached a younger pod first:
 
 - a pod's requests are its app containers' slices of the placement, in container order (container
   `k` gets the next `n_k` placed GPUs), plus, for init containers which the pod view does not list,
   a prefix of the placement of any other size while no app container has been answered yet;
-- every answer is remembered as a promise (pod, slice) and not handed out again; Allocate confirms
-  which devices went out; promises of pods that left the view are forgotten;
+- every answer is remembered as a promise (pod, slice) and not handed out again, and neither is a
+  container the kubelet lists as holding devices already; Allocate confirms which devices went out;
+  promises of pods that left the view are forgotten;
 - when no pod in the view could be the one (the watch may lag behind the binding), the view is
   refreshed once and the search repeated;
 - no candidate (no placement, its GPUs taken, or `besteffort` mode): go-gpuallocator's besteffort
@@ -20,9 +25,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
 from agent.pods import LocalPod, LocalPods
 from gputopo.engine.besteffort import best_effort
@@ -47,6 +53,15 @@ class AllocationRequestError(ValueError):
 
 
 BestEffort = Callable[[NodeTopology, Sequence[int], Sequence[int], int], tuple[int, ...]]
+
+# (namespace, name) → names of its containers already holding devices, for every pod the kubelet holds.
+KubeletHolds = Mapping[tuple[str, str], frozenset[str]]
+
+
+class KubeletPods(Protocol):
+    def kubelet_pods(self) -> KubeletHolds:
+        """The kubelet's PodResources `List`; raises when it cannot be read."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -102,10 +117,13 @@ class Preferrer:
         pods: LocalPods,
         mode: PreferredAllocation = PreferredAllocation.PLACEMENT,
         best: BestEffort = best_effort,
+        kubelet: KubeletPods | None = None,
     ) -> None:
         self._pods = pods
         self._mode = mode
         self._best = best
+        self._kubelet = kubelet
+        self._kubelet_failing = False
         self._lock = threading.Lock()
         self._handed: dict[str, set[str]] = {}  # pod uid → slice keys answered (or allocated)
         # The last answer until its Allocate arrives (the kubelet allocates right after asking): the promise
@@ -139,11 +157,28 @@ class Preferrer:
             self._awaiting = BESTEFFORT_ANSWER
             return Answer(self._best_effort(topology, avail, must, size), None, BESTEFFORT_ANSWER)
 
+    def _kubelet_holds(self) -> KubeletHolds | None:
+        """The kubelet's pods now, or None (search every pending pod) when it cannot say."""
+        if self._kubelet is None:
+            return None
+        try:
+            holds = self._kubelet.kubelet_pods()
+        except Exception as e:
+            if not self._kubelet_failing:
+                log.warning("kubelet PodResources unreadable; guessing the admitted pod", extra={"error": str(e)})
+            self._kubelet_failing = True
+            return None
+        if self._kubelet_failing:
+            log.info("kubelet PodResources readable again")
+        self._kubelet_failing = False
+        return holds
+
     def _from_placement(self, topology: NodeTopology, avail: list[str], must: list[str], size: int) -> Answer | None:
+        holds = self._kubelet_holds()
         for attempt in (0, 1):
             pods = self._pods.pods()
             self._forget_gone(pods)
-            found = self._candidate(pods, topology, set(avail), set(must), size)
+            found = self._candidate(pods, topology, set(avail), set(must), size, holds)
             if found is not None:
                 pod, piece, ids = found
                 self._handed.setdefault(pod.uid, set()).add(piece.key)
@@ -153,7 +188,7 @@ class Preferrer:
                     extra={"pod": pod.ref, "request": piece.key, "gpus": list(piece.gpus)},
                 )
                 return Answer(ids, pod.ref, PreferredAllocation.PLACEMENT.value)
-            if attempt == 0 and not any(self._could_be(p, size) for p in pods):
+            if attempt == 0 and not any(self._could_be(p, size, holds) for p in pods):
                 # No pod in the view could be the one being admitted: the watch lags behind the binding.
                 try:
                     self._pods.refresh()
@@ -164,24 +199,38 @@ class Preferrer:
             return None
         return None
 
-    def _could_be(self, pod: LocalPod, size: int) -> bool:
+    def _could_be(self, pod: LocalPod, size: int, holds: KubeletHolds | None) -> bool:
         if pod.phase not in ADMITTABLE_PHASES or not 0 < size <= pod.gpus_requested:
             return False
-        return not self._app_done(pod)
+        if holds is not None and (pod.namespace, pod.name) not in holds:
+            return False
+        answered = self._answered(pod, holds)
+        return not (pod.container_gpus and all(f"c:{name}" in answered for name, _ in pod.container_gpus))
 
-    def _app_done(self, pod: LocalPod) -> bool:
+    def _answered(self, pod: LocalPod, holds: KubeletHolds | None) -> set[str]:
+        """Keys of the pod's requests answered: promised here, or holding devices per the kubelet."""
         handed = self._handed.get(pod.uid, set())
-        return bool(pod.container_gpus) and all(f"c:{name}" in handed for name, _ in pod.container_gpus)
+        if holds is None:
+            return handed
+        return handed | {f"c:{name}" for name in holds.get((pod.namespace, pod.name), frozenset())}
 
     def _candidate(
-        self, pods: Sequence[LocalPod], topology: NodeTopology, avail: set[str], must: set[str], size: int
+        self,
+        pods: Sequence[LocalPod],
+        topology: NodeTopology,
+        avail: set[str],
+        must: set[str],
+        size: int,
+        holds: KubeletHolds | None,
     ) -> tuple[LocalPod, Slice, tuple[str, ...]] | None:
         uuids = {g.index: g.uuid for g in topology.gpus}
         best: tuple[LocalPod, Slice, tuple[str, ...]] | None = None
         for pod in pods:
             if pod.phase not in ADMITTABLE_PHASES:
                 continue
-            handed = self._handed.get(pod.uid, set())
+            if holds is not None and (pod.namespace, pod.name) not in holds:
+                continue  # the kubelet has not reached it: it cannot be the one it admits
+            handed = self._answered(pod, holds)
             app_started = any(k.startswith("c:") for k in handed)
             for piece in pod_slices(pod):
                 if len(piece.gpus) != size or piece.key in handed or (app_started and piece.key.startswith("p:")):
@@ -255,10 +304,13 @@ class Preferrer:
         # The kubelet skips GetPreferredAllocation when it has no choice; the request these devices answer
         # exactly, of the oldest pending pod, is then answered and must not be offered again.
         uuids = {g.index: g.uuid for g in topology.gpus}
+        holds = self._kubelet_holds()
         for pod in sorted(self._pods.pods(), key=lambda p: (p.created, p.namespace, p.name)):
             if pod.phase not in ADMITTABLE_PHASES:
                 continue
-            handed = self._handed.get(pod.uid, set())
+            if holds is not None and (pod.namespace, pod.name) not in holds:
+                continue
+            handed = self._answered(pod, holds)
             for piece in pod_slices(pod):
                 if piece.key not in handed and frozenset(uuids.get(i, "") for i in piece.gpus) == got:
                     self._handed.setdefault(pod.uid, set()).add(piece.key)

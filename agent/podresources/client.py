@@ -135,6 +135,24 @@ class PodResourcesClient:
                 self._allocatable_served = False
         return GpuAllocation(in_use=frozenset(in_use), allocatable=allocatable, by_pod=by_pod)
 
+    def kubelet_pods(self) -> dict[PodKey, frozenset[str]]:
+        """Every pod the kubelet holds, the one it is admitting included, with the names of its
+        containers that already hold a device of this resource.
+
+        The kubelet adds a pod to the set `List` reads before it admits it, and admits one pod at a
+        time; so during a device-plugin call the pod being admitted is listed and the pods it has
+        not reached yet are not."""
+        try:
+            listed = self._stub.List(api_pb2.ListPodResourcesRequest(), timeout=self._timeout)
+        except grpc.RpcError as e:
+            raise PodResourcesError(f"PodResources List on {self._target} failed: {_rpc_text(e)}") from None
+        out: dict[PodKey, frozenset[str]] = {}
+        for pod in listed.pod_resources:
+            holding = {c.name for c in pod.containers if _gpu_ids(c.devices, self._resource)}
+            key = (pod.namespace, pod.name)
+            out[key] = out.get(key, frozenset()) | holding
+        return out
+
     def close(self) -> None:
         self._channel.close()
 

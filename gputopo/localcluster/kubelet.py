@@ -27,10 +27,11 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -301,6 +302,19 @@ class RealKubelet:
         began = float(int(time.time()) + 1)
         self.cp.restart(self.kubelet_component)
         self.wait_ready(after=began, timeout=timeout)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The kubelet stopped (SIGSTOP to its process group) for the block, then continued: what the
+        API server sends it meanwhile waits in its watch, in order, as on a node too busy to keep up."""
+        pid = self.cp.pid(self.kubelet_component)
+        if pid is None:
+            raise ControlPlaneError(f"kubelet node {self.node} is not running")
+        os.killpg(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.killpg(pid, signal.SIGCONT)
 
     def stop(self) -> None:
         """Stop the kubelet and the fake CRI and forget them; restore the kernel tunables.

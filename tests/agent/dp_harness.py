@@ -1,4 +1,5 @@
-"""A device plugin on a real unix socket and a small stand-in for the kubelet's Registration service."""
+"""A device plugin on a real unix socket and small stand-ins for the kubelet's Registration and
+PodResources services."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -16,6 +18,8 @@ from agent.deviceplugin import api_pb2, api_pb2_grpc
 from agent.deviceplugin.devices import DeviceListStrategy
 from agent.deviceplugin.plugin import DevicePlugin, PluginConfig
 from agent.deviceplugin.preferred import PreferredAllocation
+from agent.podresources import api_pb2 as pr_pb2
+from agent.podresources import api_pb2_grpc as pr_grpc
 from agent.pods import StaticLocalPods
 from gputopo.model import PLACEMENT_ANNOTATION, NodeTopology, Placement
 from gputopo.systems import build_system
@@ -158,12 +162,19 @@ def running_plugin(
     strategy: DeviceListStrategy = DeviceListStrategy.ENVVAR,
     mode: PreferredAllocation = PreferredAllocation.PLACEMENT,
     kubelet: bool = True,
+    podresources: Path | None = None,
 ) -> Iterator[Harness]:
     fake = FakeKubelet(plugin_dir)
     if kubelet:
         fake.start()
     local = StaticLocalPods(NODE, pods)
-    config = PluginConfig(plugin_dir=plugin_dir, device_list_strategy=strategy, preferred_allocation=mode, poll_s=0.02)
+    config = PluginConfig(
+        plugin_dir=plugin_dir,
+        device_list_strategy=strategy,
+        preferred_allocation=mode,
+        poll_s=0.02,
+        podresources_socket=podresources,
+    )
     plugin = DevicePlugin(config, local)
     plugin.start(topo or topology())
     assert plugin.server is not None
@@ -174,3 +185,35 @@ def running_plugin(
         h.channel.close()
         plugin.stop()
         fake.stop()
+
+
+@dataclass
+class PodResourcesKubelet(pr_grpc.PodResourcesListerServicer):  # type: ignore[misc]
+    pods: list[Any] = field(default_factory=list)
+    allocatable: list[Any] | None = None  # None: answer UNIMPLEMENTED like an old kubelet
+    list_calls: int = 0
+    allocatable_calls: int = 0
+    socket: Path | None = None
+
+    def List(self, request: Any, context: Any) -> Any:
+        self.list_calls += 1
+        return pr_pb2.ListPodResourcesResponse(pod_resources=self.pods)
+
+    def GetAllocatableResources(self, request: Any, context: Any) -> Any:
+        self.allocatable_calls += 1
+        if self.allocatable is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "GetAllocatableResources is not served")
+        return pr_pb2.AllocatableResourcesResponse(devices=self.allocatable)
+
+
+@contextmanager
+def serve_podresources(socket_path: Path) -> Iterator[PodResourcesKubelet]:
+    servicer = PodResourcesKubelet(socket=socket_path)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pr_grpc.add_PodResourcesListerServicer_to_server(servicer, server)
+    server.add_insecure_port(f"unix:{socket_path}")
+    server.start()
+    try:
+        yield servicer
+    finally:
+        server.stop(grace=None).wait()

@@ -5,17 +5,15 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import Iterator
-from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
 from agent.backends import InUseError, InUseFile, NoneInUse, PodResourcesInUse
 from agent.main import AgentSettings, make_in_use
-from agent.podresources import api_pb2, api_pb2_grpc
+from agent.podresources import api_pb2
 from agent.podresources.client import (
     GpuAllocation,
     PodResourcesClient,
@@ -26,6 +24,8 @@ from agent.podresources.client import (
 )
 from gputopo.model import GpusInUse
 from gputopo.systems import build_system
+from tests.agent.dp_harness import PodResourcesKubelet as Kubelet
+from tests.agent.dp_harness import serve_podresources
 
 TOPO = build_system("dgx-h100", "node-a")
 UUIDS = [g.uuid for g in TOPO.gpus]
@@ -43,24 +43,6 @@ def pod(name: str, *containers: list[Any]) -> Any:
     )
 
 
-@dataclass
-class Kubelet(api_pb2_grpc.PodResourcesListerServicer):  # type: ignore[misc]
-    pods: list[Any] = field(default_factory=list)
-    allocatable: list[Any] | None = None  # None: answer UNIMPLEMENTED like an old kubelet
-    list_calls: int = 0
-    allocatable_calls: int = 0
-
-    def List(self, request: Any, context: Any) -> Any:
-        self.list_calls += 1
-        return api_pb2.ListPodResourcesResponse(pod_resources=self.pods)
-
-    def GetAllocatableResources(self, request: Any, context: Any) -> Any:
-        self.allocatable_calls += 1
-        if self.allocatable is None:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "GetAllocatableResources is not served")
-        return api_pb2.AllocatableResourcesResponse(devices=self.allocatable)
-
-
 @pytest.fixture
 def socket_path(tmp_path: Path) -> Iterator[Path]:
     path = tmp_path / "kubelet.sock"
@@ -76,15 +58,8 @@ def socket_path(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.fixture
 def kubelet(socket_path: Path) -> Iterator[Kubelet]:
-    servicer = Kubelet()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    api_pb2_grpc.add_PodResourcesListerServicer_to_server(servicer, server)
-    server.add_insecure_port(f"unix:{socket_path}")
-    server.start()
-    try:
+    with serve_podresources(socket_path) as servicer:
         yield servicer
-    finally:
-        server.stop(grace=None).wait()
 
 
 @pytest.fixture
@@ -243,11 +218,29 @@ def test_a_pod_the_local_view_has_not_seen_yet_is_attributed_after_one_refresh(
         source.close()
 
 
+def test_kubelet_pods_lists_every_pod_with_its_containers_holding_the_resource(
+    kubelet: Kubelet, client: PodResourcesClient
+) -> None:
+    kubelet.pods = [
+        pod("trainer", [devices("nvidia.com/gpu", UUIDS[0])], [devices("rdma/hca_shared", "mlx5_0")], []),
+        pod("admitting", [], []),  # the kubelet lists a pod before its devices are allocated
+        pod("replica", [devices("nvidia.com/gpu", f"{UUIDS[1]}::2")]),
+    ]
+    assert client.kubelet_pods() == {
+        ("default", "trainer"): frozenset({"c0"}),
+        ("default", "admitting"): frozenset(),
+        ("default", "replica"): frozenset({"c0"}),
+    }
+    assert kubelet.allocatable_calls == 0  # one List, nothing else, while the kubelet waits
+
+
 def test_unreachable_kubelet_is_an_error_not_a_crash(socket_path: Path) -> None:
     c = PodResourcesClient(socket_path, timeout_s=1.0)  # nothing listens on this socket
     try:
         with pytest.raises(PodResourcesError, match="List"):
             c.gpu_allocation()
+        with pytest.raises(PodResourcesError, match="List"):
+            c.kubelet_pods()
     finally:
         c.close()
     source = PodResourcesInUse(socket_path, timeout_s=1.0)

@@ -12,9 +12,10 @@ import grpc
 import pytest
 
 from agent.deviceplugin.preferred import PreferredAllocation, pod_slices
+from agent.podresources import api_pb2 as pr_pb2
 from agent.pods import StaticLocalPods, parse_local_pod
 from gputopo.engine.besteffort import best_effort
-from tests.agent.dp_harness import NODE, Harness, pod_object, running_plugin, topology
+from tests.agent.dp_harness import NODE, Harness, pod_object, running_plugin, serve_podresources, topology
 
 TOPO = topology()
 U = [g.uuid for g in TOPO.gpus]
@@ -241,3 +242,98 @@ def test_internal_failure_still_answers_because_an_error_fails_admission(tmp_pat
         answer = h.preferred([U[i] for i in (6, 2, 5, 7)], [U[5]], 3)
     assert len(set(answer)) == 3 and U[5] in answer
     assert set(answer) <= {U[i] for i in (6, 2, 5, 7)}
+
+
+class KubeletView:
+    """What the kubelet's PodResources `List` says: pod name → containers holding devices; None: unreadable."""
+
+    def __init__(self) -> None:
+        self.holds: dict[str, set[str]] | None = {}
+        self.calls = 0
+
+    def kubelet_pods(self) -> dict[tuple[str, str], frozenset[str]]:
+        self.calls += 1
+        if self.holds is None:
+            raise RuntimeError("PodResources List failed: UNAVAILABLE")
+        return {("default", name): frozenset(cs) for name, cs in self.holds.items()}
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The kubelet's pods at the time of one request, then the request."""
+
+    holds: dict[str, set[str]] | None
+    step: Step
+
+
+PAIR_A = pod_object("a", [0, 3], created=_t(1))
+PAIR_B = pod_object("b", [1, 2], created=_t(2))
+
+ADMISSIONS = {
+    "kubelet-reached-the-younger-pod-first": (
+        [PAIR_A, PAIR_B],
+        [
+            Admission({"b": set()}, Step(ALL, (), 2, [1, 2])),
+            Admission({"b": {"main"}, "a": set()}, Step(_minus(1, 2), (), 2, [0, 3])),
+        ],
+    ),
+    "kubelet-reached-the-older-pod-first": (
+        [PAIR_A, PAIR_B],
+        [
+            Admission({"a": set()}, Step(ALL, (), 2, [0, 3])),
+            Admission({"a": {"main"}, "b": set()}, Step(_minus(0, 3), (), 2, [1, 2])),
+        ],
+    ),
+    "a-pod-the-kubelet-has-not-reached-is-never-the-answer": (
+        [PAIR_A, PAIR_B],
+        [Admission({}, Step(ALL, (), 2, BE))],
+    ),
+    "unreadable-kubelet-falls-back-to-the-oldest-pending-pod": (
+        [PAIR_A, PAIR_B],
+        [Admission(None, Step(ALL, (), 2, [0, 3])), Admission(None, Step(_minus(0, 3), (), 2, [1, 2]))],
+    ),
+    # A restarted agent promised nothing yet; the kubelet says c1 already holds devices (not its placed ones).
+    "container-the-kubelet-lists-with-devices-is-answered": (
+        [pod_object("m", [0, 1, 4, 5], containers=[("c1", 2), ("c2", 2)])],
+        [Admission({"m": {"c1"}}, Step(_minus(6, 7), (), 2, [4, 5]))],
+    ),
+}
+
+
+@pytest.mark.parametrize(("pods", "admissions"), [pytest.param(*v, id=k) for k, v in ADMISSIONS.items()])
+def test_the_kubelets_pod_list_names_the_pod_being_admitted(
+    tmp_path: Path, pods: list[dict[str, Any]], admissions: list[Admission]
+) -> None:
+    view = KubeletView()
+    with running_plugin(tmp_path, TOPO, pods) as h:
+        h.plugin.preferrer._kubelet = view
+        for n, a in enumerate(admissions):
+            view.holds = a.holds
+            got = _admit(h, a.step, allocate=True)
+            want = _best(a.step.available, a.step.must, a.step.size) if a.step.expect == BE else list(a.step.expect)
+            assert got == want, f"admission {n}"
+    assert view.calls >= len(admissions)
+
+
+def test_allocate_without_asking_answers_only_a_pod_the_kubelet_holds(tmp_path: Path) -> None:
+    # Two pending pods placed on the same pair (the older one's placement went stale): the kubelet's
+    # list says which of them took it.
+    old = pod_object("old", [4, 5], created=_t(1))
+    new = pod_object("new", [4, 5], created=_t(2))
+    view = KubeletView()
+    view.holds = {"new": set()}
+    with running_plugin(tmp_path, TOPO, [old, new]) as h:
+        h.plugin.preferrer._kubelet = view
+        h.allocate([U[4], U[5]])
+        assert h.plugin.preferrer.promised() == {"uid-default-new": {"c:main"}}
+
+
+def test_the_plugin_asks_the_kubelets_podresources_socket(tmp_path: Path) -> None:
+    # The kubelet reached the younger pod first: over its PodResources socket it lists only that one.
+    sock = tmp_path / "pr.sock"
+    with serve_podresources(sock) as kubelet, running_plugin(tmp_path, TOPO, [PAIR_A, PAIR_B], podresources=sock) as h:
+        kubelet.pods = [
+            pr_pb2.PodResources(name="b", namespace="default", containers=[pr_pb2.ContainerResources(name="main")])
+        ]
+        assert [U.index(d) for d in h.preferred(U, [], 2)] == [1, 2]
+        assert kubelet.list_calls == 1
