@@ -16,7 +16,7 @@ import pytest
 
 from conftest import StackNodes
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from gputopo.localcluster.kube import KubeApiError
+from gputopo.localcluster.kube import KubeApiError, WaitTimeout
 from gputopo.localcluster.stack import GpuNode, Stack
 from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,
@@ -62,6 +62,26 @@ def placement(kube: KubeClient, ns: str, pod: str) -> tuple[str, list[int], str]
     p = parse_placement(ann[PLACEMENT_ANNOTATION])
     assert p.node == node
     return node, list(p.gpus), p.reason
+
+
+def bound_after_nudges(kube: KubeClient, ns: str, pod: str, node: str, *, timeout: float = 60) -> str:
+    """Until `pod` is bound, touching `node`'s labels every few seconds.
+
+    kube-scheduler retries a pod that an extender refused only on a cluster event (or after its
+    5-minute unschedulable flush). On a real node the agent's next Node update is that event, once
+    the freed GPUs or the renewed Lease reach it. These nodes have no kubelet and report nothing new,
+    and the extender's watch can lag behind the scheduler's: a retry may come before the extender
+    has seen the change. Each touch is a new event and a new retry, until the extender has caught up."""
+    deadline = time.monotonic() + timeout
+    touch = 0
+    while True:
+        touch += 1
+        kube.patch_node(node, {"metadata": {"labels": {"e2e.gputopo.io/nudge": str(touch)}}})
+        try:
+            return kube.wait_pod_bound(ns, pod, timeout=min(3.0, max(0.1, deadline - time.monotonic())))
+        except WaitTimeout:
+            if time.monotonic() >= deadline:
+                raise
 
 
 def described(kube: KubeClient, ns: str, pod: str) -> str:
@@ -247,6 +267,7 @@ def test_extender_restart_loses_no_assumed_allocation_or_reservation(
     third = gputopo_pod(kube, namespace, test_id, "half-3", 1)
     assert "Insufficient nvidia.com/gpu" in failed_scheduling(kube, namespace, third, "Insufficient")
     kube.delete_pod(namespace, first)
+    bound_after_nudges(kube, namespace, third, node)
     n3, gpus3, _ = placement(kube, namespace, third)
     assert n3 == node and set(gpus3) <= set(gpus1), "only the deleted pod's GPUs are free again"
 
@@ -273,13 +294,11 @@ def test_agent_that_stops_heartbeating_makes_its_node_stale(
     pod = gputopo_pod(kube, namespace, test_id, "after-stale", 2)
     assert "1 GPU topology stale" in failed_scheduling(kube, namespace, pod, "GPU topology stale")
     # The agent comes back: its Lease makes the node usable again. kube-scheduler does not watch
-    # Leases, so the waiting pod is retried on the next cluster event (here a node label) or after
-    # its 5-minute unschedulable flush (extender-protocol.md, gotcha 2).
+    # Leases, so the waiting pod is retried on the next cluster event (here node labels).
     restarted = time.time()
     stack.cp.start_component(stack.agent_component(node))
     stack.wait_heartbeat(node, after=restarted)
-    time.sleep(0.5)  # the extender's Lease watch delivers the renewal
-    kube.patch_node(node, {"metadata": {"labels": {"e2e.gputopo.io/nudge": "1"}}})
+    bound_after_nudges(kube, namespace, pod, node)
     assert placement(kube, namespace, pod)[0] == node
 
 
