@@ -105,11 +105,17 @@ class PodResourcesClient:
         self._stub = api_pb2_grpc.PodResourcesListerStub(self._channel)
         self._allocatable_served = True
 
-    def gpu_allocation(self) -> GpuAllocation:
+    def _list(self) -> api_pb2.ListPodResourcesResponse:
         try:
-            listed = self._stub.List(api_pb2.ListPodResourcesRequest(), timeout=self._timeout)
+            listed: api_pb2.ListPodResourcesResponse = self._stub.List(
+                api_pb2.ListPodResourcesRequest(), timeout=self._timeout
+            )
         except grpc.RpcError as e:
             raise PodResourcesError(f"PodResources List on {self._target} failed: {_rpc_text(e)}") from None
+        return listed
+
+    def gpu_allocation(self) -> GpuAllocation:
+        listed = self._list()
         in_use: set[str] = set()
         by_pod: dict[PodKey, frozenset[str]] = {}
         for pod in listed.pod_resources:
@@ -142,10 +148,7 @@ class PodResourcesClient:
         The kubelet adds a pod to the set `List` reads before it admits it, and admits one pod at a
         time; so during a device-plugin call the pod being admitted is listed and the pods it has
         not reached yet are not."""
-        try:
-            listed = self._stub.List(api_pb2.ListPodResourcesRequest(), timeout=self._timeout)
-        except grpc.RpcError as e:
-            raise PodResourcesError(f"PodResources List on {self._target} failed: {_rpc_text(e)}") from None
+        listed = self._list()
         out: dict[PodKey, frozenset[str]] = {}
         for pod in listed.pod_resources:
             holding = {c.name for c in pod.containers if _gpu_ids(c.devices, self._resource)}
