@@ -55,6 +55,7 @@ class NodeStates:
         # _passed < now <= _earliest (see _sweep); -inf/+inf as set here force a sweep on the first read.
         self._now: dict[str, NodeState] = {}
         self._now_keys: dict[str, int] = {}
+        self._by_key: dict[int, set[str]] = {}  # the inverse of _now_keys: the nodes of each kind
         self._earliest = -math.inf
         self._passed = math.inf
 
@@ -121,8 +122,25 @@ class NodeStates:
                 self._earliest = min(self._earliest, e.deadline)
 
     def _set_now(self, name: str, state: NodeState) -> None:
+        old = self._now_keys.get(name)
         self._now[name] = state
         self._now_keys[name] = state.key
+        if old != state.key:
+            if old is not None:
+                self._unkind(name, old)
+            self._by_key.setdefault(state.key, set()).add(name)
+
+    def _forget_now(self, name: str) -> None:
+        self._now.pop(name, None)
+        old = self._now_keys.pop(name, None)
+        if old is not None:
+            self._unkind(name, old)
+
+    def _unkind(self, name: str, key: int) -> None:
+        names = self._by_key[key]
+        names.discard(name)
+        if not names:
+            del self._by_key[key]
 
     def _sweep(self, now: float) -> None:
         """Re-decide every node's current state for `now`; afterwards _passed < now <= _earliest."""
@@ -138,12 +156,16 @@ class NodeStates:
                         earliest = min(earliest, e.deadline)
             self._earliest, self._passed = earliest, passed
 
+    def _current(self, now: float) -> None:
+        """Make _now, _now_keys and _by_key right for `now` (a sweep only when the clock crossed a deadline)."""
+        if not self._passed < now <= self._earliest:
+            self._sweep(now)
+
     def _kinds(self, names: list[str], now: float) -> tuple[list[int], list[NodeState] | None]:
         """Each node's equivalence key at `now`, by one C-level lookup per node (a plain name -> key
         dict: no node object is touched). When a name is not in the cache the states are built one by
         one (`resolve`) and returned too."""
-        if not self._passed < now <= self._earliest:
-            self._sweep(now)
+        self._current(now)
         try:
             return list(map(self._now_keys.__getitem__, names)), None
         except KeyError:

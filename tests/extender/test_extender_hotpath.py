@@ -147,6 +147,40 @@ def test_filter_splits_outcomes_as_a_node_by_node_loop_would(env: Env) -> None:
         assert list(answer.unresolvable.items()) == list(unresolvable.items())
 
 
+def _runner_up_by_walking_every_node(env: Env, node: str, req: Any) -> tuple[str, Any] | None:
+    verdicts = env.ledger.evaluate_states(list(env.ledger.nodes), req)
+    feasible = [(-o.score, st.name, o) for st, o in verdicts if o.code is Code.SUCCESS and st.name != node]
+    best = min(feasible, key=lambda t: (t[0], t[1]), default=None)
+    return (best[1], best[2]) if best is not None else None
+
+
+def test_runner_up_follows_binds_dropped_nodes_and_lease_deadlines(env: Env) -> None:
+    """The runner-up reads nodes by kind: after every change the kinds must still match the nodes."""
+    names = _cluster(env)
+    req = parse_pod_request({"gputopo.io/nvlink": "required"}, 2, env.ledger.tier_names)
+
+    def check() -> None:
+        for node in (names[0], names[7], "elsewhere"):
+            got = env.ledger.runner_up(node, req)
+            assert (None if got is None else (got[0].name, got[1])) == _runner_up_by_walking_every_node(env, node, req)
+
+    check()
+    bound = 0
+    for i, node in enumerate(names[:12]):  # binds change a node's kind, one node at a time
+        pod = gputopo_pod(f"b{i}", 2, nvlink="required")
+        env.add_pods(pod)
+        if env.bind(pod, node) == "":
+            bound += 1
+            check()
+    assert bound >= 3
+    env.ledger.drop_nodes(names[20:30])
+    check()
+    env.clock.advance(121)  # every Lease deadline passed: no node is feasible
+    assert env.ledger.runner_up(names[0], req) is None
+    env.renew_leases()
+    check()
+
+
 def test_runner_up_is_the_best_other_node_by_score_then_name(env: Env) -> None:
     names = _cluster(env)
     env.add_pods(pod_obj("busy", 2, {"gputopo.io/nvlink": "required"}))
