@@ -51,17 +51,20 @@ def apiserver_calls(cp: ControlPlane) -> dict[str, float]:
 
 
 def extender_bytes(metrics_url: str) -> dict[tuple[str, str], float]:
-    """(verb, in|out) -> bytes so far, from the extender's /metrics ({} when it does not answer)."""
+    """(verb, in|out) -> bytes so far, and ("prioritize", "ahead") -> prioritize calls answered with the
+    answer computed ahead, from the extender's /metrics ({} when it does not answer)."""
     status, text = http_get(metrics_url)
     if status != 200:
         return {}
     out: dict[tuple[str, str], float] = {}
     for family in text_string_to_metric_families(text):
-        if family.name != "gputopo_extender_wire_bytes":
-            continue
         for s in family.samples:
-            if s.name.endswith("_total"):
+            if not s.name.endswith("_total"):
+                continue
+            if family.name == "gputopo_extender_wire_bytes":
                 out[(s.labels["verb"], s.labels["direction"])] = s.value
+            elif family.name == "gputopo_extender_decisions" and s.labels.get("reason") == "ahead":
+                out[("prioritize", "ahead")] = out.get(("prioritize", "ahead"), 0.0) + s.value
     return out
 
 
@@ -92,6 +95,12 @@ def bytes_lines(
         got = [(after.get((verb, d), 0.0) - before.get((verb, d), 0.0)) / n for d in ("in", "out")]
         lines.append(
             f"  {verb:<12} {n:>6.0f} calls  {got[0] / 1024:>8.1f} KiB in  {got[1] / 1024:>8.1f} KiB out per call"
+        )
+    n = calls.get("prioritize", 0.0)
+    if n:
+        ahead = after.get(("prioritize", "ahead"), 0.0) - before.get(("prioritize", "ahead"), 0.0)
+        lines.append(
+            f"  prioritize answered ahead (computed while kube-scheduler ran its score plugins): {ahead:.0f} of {n:.0f}"
         )
     return lines
 

@@ -112,6 +112,12 @@ class FloorLane:
     def readiness(self) -> tuple[int, bytes]:
         return 200, b"{}"
 
+    def after(self, verb: str) -> None:
+        pass
+
+    def ready(self, verb: str, body: bytes) -> tuple[int, bytes] | None:
+        return None
+
     def answer(self, verb: str, handler: Any, body: bytes) -> tuple[int, bytes]:
         args = orjson.loads(body)
         assert isinstance(args["NodeNames"], list)

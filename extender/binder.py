@@ -203,8 +203,8 @@ class Binder:
         return placement, outcome
 
     def _runner_up(self, node: str, req: PodRequest) -> NodeVerdict | None:
-        """The best other feasible node over every cached node (`Ledger.runner_up`: no verdict list, no
-        sort of the whole cluster on every bind)."""
+        """The best other feasible node over every cached node (`Ledger.runner_up`: read kind by kind, no
+        pass over every node on every bind)."""
         found = self.ledger.runner_up(node, req)
         return NodeVerdict(*found) if found is not None else None
 

@@ -70,6 +70,7 @@ class _Recent:
 
     key: tuple[object, ...]
     at: float
+    info: PodInfo
     names: list[str]
     outcomes: list[Outcome]
     passed: tuple[list[str], list[Outcome]] | None = None  # the nodes filter passed, and their outcomes
@@ -101,6 +102,7 @@ class Extender:
         self.source = source
         self.metrics = metrics
         self._last_outcomes: _Recent | None = None
+        self._fresh: _Recent | None = None  # the evaluation of the filter answered last, until `last_filter`
         self.events = EventPoster(lambda: self.source)
         self.groups = GroupDesk(self.ledger)
         self.binder = Binder(self.ledger, lambda: self.source, self.events)
@@ -145,10 +147,9 @@ class Extender:
             return self._group_decision(info, req, names)
         # kube-scheduler calls prioritize right after filter for the same pod, with the nodes that
         # passed: answer it from the filter's outcomes while nothing in the ledger has changed.
-        key = (info.uid or info.ref, req, ledger.generation)
-        last = self._last_outcomes
-        now = ledger.clock()
-        if last is not None and last.key == key and 0 <= now - last.at < self.REUSE_SECONDS:
+        key, now = (info.uid or info.ref, req, ledger.generation), ledger.clock()
+        last = self._recent(key, now)
+        if last is not None:
             # Lists compared in C, no per-node Python work: the filter's own list, or the nodes it passed
             # (what kube-scheduler sends to prioritize).
             if names == last.names:
@@ -161,10 +162,37 @@ class Extender:
             except KeyError:
                 pass  # a node the filter did not see: evaluate afresh
         outcomes = ledger.evaluate(names, req)
-        self._last_outcomes = _Recent(key, now, list(names), outcomes)
+        self._last_outcomes = _Recent(key, now, info, list(names), outcomes)
         return Decision("evaluated", names, outcomes, request=req)
 
+    def _recent(self, key: tuple[object, ...], now: float) -> _Recent | None:
+        """The last evaluation, when it is of this pod and request at this ledger generation, and recent."""
+        last = self._last_outcomes
+        if last is not None and last.key == key and 0 <= now - last.at < self.REUSE_SECONDS:
+            return last
+        return None
+
+    def last_filter(self) -> tuple[object, PodInfo, list[str]] | None:
+        """The filter answered last, once, when it passed nodes (a token for `answers_from`, the pod, the
+        nodes it passed): what kube-scheduler's next prioritize names."""
+        last, self._fresh = self._fresh, None
+        return (last, last.info, last.passed[0]) if last is not None and last.passed is not None else None
+
+    def answers_from(self, token: object, info: PodInfo, names: Sequence[str]) -> bool:
+        """Whether prioritize for `info` over `names` would now be answered from the evaluation `token`
+        names, with exactly the nodes it passed: the same scores, so an answer computed from it holds."""
+        if not is_gputopo_pod(info.annotations):
+            return False
+        ledger = self.ledger
+        try:
+            req = parse_pod_request(info.annotations, info.gpus, ledger.tier_names)
+        except AnnotationError:
+            return False
+        last = self._recent((info.uid or info.ref, req, ledger.generation), ledger.clock())
+        return last is token and last is not None and last.passed is not None and names == last.passed[0]
+
     def filter(self, info: PodInfo, names: Sequence[str]) -> FilterAnswer:
+        self._fresh = None
         d = self.decide(info, names)
         if d.kind == "pass_through":
             return FilterAnswer(list(names), {}, {}, d)
@@ -183,17 +211,21 @@ class Extender:
         } - passing
         messages = {k: o.message for k, o in distinct.items()}
         nodes = d.names
+        last = self._last_outcomes
+        if last is None or last.outcomes is not outcomes:
+            last = None  # not an evaluation prioritize can reuse (a group's, an invalid request's)
         if len(distinct) == 1:  # one kind of node (often: none fits): no per-node split at all
             (only,) = distinct
             if only in passing:
+                if last is not None:
+                    self._passed(last, last.names, outcomes)
                 return FilterAnswer(list(nodes), {}, {}, d)
             answer = dict(zip(nodes, repeat(messages[only])))
             return FilterAnswer([], {}, answer, d) if only in unresolvable_ids else FilterAnswer([], answer, {}, d)
         selected = list(map(passing.__contains__, ids))
         passed = list(compress(nodes, selected))
-        last = self._last_outcomes
-        if last is not None and last.outcomes is outcomes:  # prioritize will name exactly these nodes
-            last.passed = (passed, list(compress(outcomes, selected)))
+        if last is not None and passed:  # prioritize will name exactly these nodes
+            self._passed(last, passed, list(compress(outcomes, selected)))
         if passed:
             # kube-scheduler reads why nodes failed only when none passed (to explain the pod and to pick
             # preemption candidates): thousands of reasons per call would be built, sent and decoded for nothing.
@@ -205,6 +237,10 @@ class Extender:
             self._split(nodes, ids, unresolvable_ids, messages),
             d,
         )
+
+    def _passed(self, last: _Recent, names: list[str], outcomes: list[Outcome]) -> None:
+        last.passed = (names, outcomes)
+        self._fresh = last
 
     @staticmethod
     def _split(nodes: Sequence[str], ids: list[int], wanted: set[int], messages: dict[int, str]) -> dict[str, str]:

@@ -63,6 +63,14 @@ class Lane(Protocol):
 
     def answer(self, verb: str, handler: Verb, body: bytes) -> Answer: ...
 
+    def after(self, verb: str) -> None:
+        """Called on the loop once an answer to `verb` is written."""
+        ...
+
+    def ready(self, verb: str, body: bytes) -> Answer | None:
+        """An answer the loop may send at once, without a worker (None: hand the call to a worker)."""
+        ...
+
     def readiness(self) -> tuple[int, bytes]: ...
 
 
@@ -160,8 +168,12 @@ class VerbProtocol(asyncio.Protocol):
         if req.method != b"POST":
             self._send(req, 405, _error(f"{req.path} takes POST"))
             return
-        self.busy = True
         name, handler = verb
+        ready = self.lane.ready(name, req.body)
+        if ready is not None:
+            self._send(req, *ready)
+            return
+        self.busy = True
         try:
             future = self.lane.pool_for(name).submit(self.lane.answer, name, handler, req.body)
         except RuntimeError:  # the pools are shut down: the server is stopping
@@ -174,11 +186,11 @@ class VerbProtocol(asyncio.Protocol):
 
         def finished(f: Future[Answer]) -> None:
             with contextlib.suppress(RuntimeError):  # a closed loop: the server stopped, nobody waits for it
-                loop.call_soon_threadsafe(self._done, req, f)
+                loop.call_soon_threadsafe(self._done, req, name, f)
 
         future.add_done_callback(finished)
 
-    def _done(self, req: _Request, future: Future[Answer]) -> None:
+    def _done(self, req: _Request, verb: str, future: Future[Answer]) -> None:
         self.busy = False
         if future.cancelled():
             status, data = 503, _error("gputopo-extender is shutting down")
@@ -188,6 +200,8 @@ class VerbProtocol(asyncio.Protocol):
         else:
             status, data = future.result()
         self._send(req, status, data)
+        if status == 200:
+            self.loop.call_soon(self.lane.after, verb)  # after the answer is written, and after a queued request
 
     def _direct(self, req: _Request) -> tuple[int, bytes]:
         if req.method == b"GET" and req.path == "/healthz":

@@ -264,6 +264,7 @@ class VerbLane:
         self.metrics = metrics
         self.max_request_bytes = max_request_bytes
         self._pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
+        self._ahead: tuple[object, bytes] | None = None  # see `after`: (the evaluation, the answer)
 
     @staticmethod
     def matches(scope: Scope) -> bool:
@@ -291,16 +292,59 @@ class VerbLane:
     def answer(self, verb: str, handler: Verb, body: bytes) -> Answer:
         """One call, on a worker thread: the handler, timed, with its bytes counted."""
         start = time.perf_counter()
-        m = self.metrics
         try:
-            status, data = handler(self.extender, m, body)
+            status, data = handler(self.extender, self.metrics, body)
         except Exception as e:  # the handlers catch their own errors: this is the last resort
             log.exception("unhandled error", extra={"verb": verb})
             status, data = 500, _json({"Error": f"internal: {type(e).__name__}: {e}"})
+        self._count(verb, start, body, data)
+        return status, data
+
+    def _count(self, verb: str, start: float, body: bytes, data: bytes) -> None:
+        m = self.metrics
         m.durations[verb].observe(time.perf_counter() - start)
         m.bytes_in[verb].inc(len(body))
         m.bytes_out[verb].inc(len(data))
-        return status, data
+
+    # kube-scheduler's cycle for one pod is serial: filter, its own score plugins, then prioritize over the
+    # nodes filter passed. The verbs server calls `after` on its event loop once a filter answer is written,
+    # and the prioritize answer is computed while kube-scheduler scores; `ready` then answers that prioritize
+    # on the loop, with no worker-thread hop. Prioritize is not on that serial path any more.
+
+    def after(self, verb: str) -> None:
+        """Once a filter answer is written: the prioritize answer for the nodes it passed, computed ahead."""
+        if verb != "filter":
+            return
+        self._ahead = None
+        last = self.extender.last_filter()
+        if last is None:
+            return
+        token, info, passed = last
+        try:
+            hosts, scores, _ = self.extender.prioritize(info, passed)
+            self._ahead = (token, _priorities(hosts, scores))
+        except Exception:  # prioritize itself then answers (and logs) when it is asked
+            log.debug("prioritize ahead failed", exc_info=True)
+
+    def ready(self, verb: str, body: bytes) -> Answer | None:
+        """The answer computed ahead, when this is the prioritize it was computed for (same pod and request,
+        the nodes filter passed, nothing in the ledger changed since); None sends the call to a worker."""
+        if verb != "prioritize":
+            return None
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        start = time.perf_counter()
+        try:
+            _, names, info = _scheduling_args(body)
+        except (BadRequest, WireError):
+            return None  # the worker answers it, with the 400 naming the problem
+        token, data = ahead
+        if not self.extender.answers_from(token, info, names):
+            return None
+        self.metrics.decision("prioritize", "scored", "ahead")
+        self._count(verb, start, body, data)
+        return 200, data
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await read_body(scope, receive, send, self.max_request_bytes)

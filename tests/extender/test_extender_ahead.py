@@ -1,0 +1,118 @@
+"""Prioritize answered ahead: the verbs server computes the prioritize answer for the nodes a filter passed
+while kube-scheduler runs its own score plugins, and sends it only when it is what prioritize would answer
+now. Spoken to over HTTP on the extender's own verbs server, as kube-scheduler does."""
+
+from __future__ import annotations
+
+import http.client
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pytest
+
+from extender.app import Listeners, create_listeners
+from extender.routers.scheduler import prioritize
+from extender.settings import Settings
+from tests.extender.fake import FakeSource
+from tests.extender.harness import NS, FakeClock, args, gputopo_pod, lease_obj, node_obj, start_server, sync
+
+# Three kinds of node, so prioritize answers carry different scores; dgx-01 half full.
+NODES = {"dgx-00": "dgx-h100", "dgx-01": "dgx-h100", "a100-0": "dgx-a100", "pcie-0": "l40s-4"}
+NAMES = list(NODES)
+
+
+@dataclass
+class Server:
+    listeners: Listeners
+    source: FakeSource
+    conn: http.client.HTTPConnection
+
+    def post(self, verb: str, body: Any) -> tuple[int, Any]:
+        self.conn.request("POST", f"/{verb}", orjson.dumps(body) if not isinstance(body, bytes) else body)
+        r = self.conn.getresponse()
+        return r.status, orjson.loads(r.read())
+
+    def ahead(self) -> float:
+        got = self.listeners.verbs.lane.metrics.registry.get_sample_value(
+            "gputopo_extender_decisions_total", {"verb": "prioritize", "outcome": "scored", "reason": "ahead"}
+        )
+        return got or 0.0
+
+    def afresh(self, body: Any) -> Any:
+        """What the prioritize verb answers for `body` computed now, without anything computed ahead."""
+        lane = self.listeners.verbs.lane
+        status, data = prioritize(lane.extender, lane.metrics, orjson.dumps(body))
+        assert status == 200
+        return orjson.loads(data)
+
+    def sync(self) -> None:
+        sync(self.listeners.verbs.state.cache, self.source)
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    source, clock = FakeSource(NS), FakeClock()
+    listeners = create_listeners(Settings(namespace=NS, log_level="critical"), cluster=source, clock=clock, watch=False)
+    for name, fixture in NODES.items():
+        source.put("nodes", node_obj(name, fixture, in_use=[0, 1, 2, 3] if name == "dgx-01" else None))
+        source.put("leases", lease_obj(name, clock.now))
+    sync(listeners.verbs.state.cache, source)
+    srv, thread, url = start_server(listeners.verbs)
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=20)
+    try:
+        yield Server(listeners, source, conn)
+    finally:
+        conn.close()
+        srv.should_exit = True
+        thread.join(10)
+        listeners.verbs.lane.close()
+
+
+def _nothing(s: Server) -> None:
+    pass
+
+
+def _gpus_taken_on_a_passed_node(s: Server) -> None:
+    """dgx-00 reports half its GPUs in use after the filter: the ledger changed."""
+    s.source.put("nodes", node_obj("dgx-00", "dgx-h100", in_use=[0, 1, 2, 3]))
+    s.sync()
+
+
+ANOTHER = gputopo_pod("q", 2)
+
+
+@pytest.mark.parametrize(
+    ("between", "asked", "ahead"),
+    [
+        (_nothing, None, 1),  # the prioritize kube-scheduler sends next: answered ahead
+        (_gpus_taken_on_a_passed_node, None, 0),  # the ledger changed since the filter: computed afresh
+        (_nothing, ANOTHER, 0),  # another pod: computed afresh
+    ],
+    ids=["next-prioritize", "ledger-changed", "another-pod"],
+)
+def test_prioritize_after_a_filter_answers_what_it_would_compute_now(
+    server: Server, between: Callable[[Server], None], asked: dict[str, Any] | None, ahead: int
+) -> None:
+    pod = gputopo_pod("p", 2)
+    status, filtered = server.post("filter", args(pod, NAMES))
+    assert status == 200 and filtered["Error"] == ""
+    passed = filtered["NodeNames"]
+    assert len(passed) >= 3
+    between(server)
+    before = server.ahead()
+    body = args(asked or pod, passed)
+    status, scores = server.post("prioritize", body)
+    assert status == 200
+    assert scores == server.afresh(body)
+    assert server.ahead() - before == ahead
+
+
+def test_a_broken_prioritize_after_a_filter_still_gets_400(server: Server) -> None:
+    pod = gputopo_pod("p", 2)
+    assert server.post("filter", args(pod, NAMES))[0] == 200
+    status, answer = server.post("prioritize", b'{"Pod": {}, "NodeNames": "not a list"}')
+    assert status == 400 and "NodeNames" in answer["Error"]
+    assert server.ahead() == 0
