@@ -70,8 +70,11 @@ def write_cluster(path: Path, n: int, seed: int = 7) -> list[str]:
     return [str(n["name"]) for n in nodes]
 
 
+POD_UID = b"0b5e4a1c-bench"
+
+
 def pod(gputopo: bool) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": "bench-0", "namespace": "default", "uid": "0b5e4a1c-bench"}
+    meta: dict[str, Any] = {"name": "bench-0", "namespace": "default", "uid": POD_UID.decode()}
     if gputopo:
         meta["annotations"] = {"gputopo.io/nvlink": "required"}
     return {
@@ -174,7 +177,8 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 def measure(
     url: str, bodies: tuple[bytes, bytes], requests: int, warmup: int, budget_s: float, pid: int
 ) -> tuple[list[float], float]:
-    """Latency of each filter+prioritize pair (the two request bodies) in ms, and the server's CPU ms per pair."""
+    """Latency of each filter+prioritize pair (the two request bodies) in ms, and the server's CPU ms per pair.
+    Each pair is for a new pod (its own UID), as kube-scheduler's cycles are: the filter decides afresh."""
     headers = {"Content-Type": "application/json"}
     out: list[float] = []
     with httpx.Client(base_url=url, headers=headers, timeout=10) as c:
@@ -183,9 +187,11 @@ def measure(
         for i in range(warmup + requests):
             if i == warmup:
                 cpu0 = cpu_seconds(pid)
+            uid = b"%s-%05d" % (POD_UID.split(b"-")[0], i % 100_000)  # the same length as POD_UID
+            filter_body, prioritize_body = (b.replace(POD_UID, uid, 1) for b in bodies)
             t0 = time.perf_counter()
-            r1 = c.post("/filter", content=bodies[0])
-            r2 = c.post("/prioritize", content=bodies[1])
+            r1 = c.post("/filter", content=filter_body)
+            r2 = c.post("/prioritize", content=prioritize_body)
             dt = time.perf_counter() - t0
             if r1.status_code != 200 or r2.status_code != 200:
                 raise RuntimeError(f"{url}: HTTP {r1.status_code}/{r2.status_code}: {r1.text[:200]}")
