@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import operator
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 
 from extender.objects import NodeEntry
 from extender.reservations import ReservationBook, SlotKey
@@ -16,6 +17,7 @@ from gputopo.tiers import TierConfig
 
 STALE_DETAIL = "agent heartbeat (Lease {lease}) is older than staleAfterSeconds"
 BUILT_PER_NODE = 4  # states kept per node by in-use set (one bind's claim, bound pod and release share one)
+MOVES_KEPT = 4096  # recent changes of a node's kind, for `unchanged_since`
 _KEY = operator.attrgetter("key")
 
 
@@ -56,6 +58,8 @@ class NodeStates:
         self._now: dict[str, NodeState] = {}
         self._now_keys: dict[str, int] = {}
         self._by_key: dict[int, set[str]] = {}  # the inverse of _now_keys: the nodes of each kind
+        # (generation, node) of each change of a node's kind (or its removal), newest last
+        self._moves: collections.deque[tuple[int, str]] = collections.deque(maxlen=MOVES_KEPT)
         self._earliest = -math.inf
         self._passed = math.inf
 
@@ -129,12 +133,28 @@ class NodeStates:
             if old is not None:
                 self._unkind(name, old)
             self._by_key.setdefault(state.key, set()).add(name)
+            self._moves.append((self.generation, name))
 
     def _forget_now(self, name: str) -> None:
         self._now.pop(name, None)
         old = self._now_keys.pop(name, None)
         if old is not None:
             self._unkind(name, old)
+            self._moves.append((self.generation, name))
+
+    def unchanged_since(self, generation: int, names: Container[str]) -> bool:
+        """Whether no node in `names` changed kind since `generation` was read (so every verdict on them
+        read then still holds; a change in the same generation counts as later). False when too many
+        changes happened since to tell."""
+        now = self.clock()
+        with self.lock:
+            self._current(now)  # a Lease deadline passed since is a change too
+            for gen, name in reversed(self._moves):
+                if gen < generation:
+                    return True
+                if name in names:
+                    return False
+            return len(self._moves) < MOVES_KEPT
 
     def _unkind(self, name: str, key: int) -> None:
         names = self._by_key[key]

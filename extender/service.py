@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, repeat
 
@@ -178,18 +178,25 @@ class Extender:
         last, self._fresh = self._fresh, None
         return (last, last.info, last.passed[0]) if last is not None and last.passed is not None else None
 
-    def answers_from(self, token: object, info: PodInfo, names: Sequence[str]) -> bool:
-        """Whether prioritize for `info` over `names` would now be answered from the evaluation `token`
-        names, with exactly the nodes it passed: the same scores, so an answer computed from it holds."""
-        if not is_gputopo_pod(info.annotations):
+    def answers_from(self, token: object, info: PodInfo, names: Sequence[str], passed: Container[str]) -> bool:
+        """Whether prioritize for `info` over `names` now gets the scores the evaluation `token` gave the
+        nodes it passed (`passed`, as a set): the same pod and request, recent, exactly those nodes, and
+        none of them changed since (so an answer computed from that evaluation holds)."""
+        if not isinstance(token, _Recent) or token.passed is None or not is_gputopo_pod(info.annotations):
             return False
         ledger = self.ledger
         try:
             req = parse_pod_request(info.annotations, info.gpus, ledger.tier_names)
         except AnnotationError:
             return False
-        last = self._recent((info.uid or info.ref, req, ledger.generation), ledger.clock())
-        return last is token and last is not None and last.passed is not None and names == last.passed[0]
+        uid, want, generation = token.key
+        return (
+            (info.uid or info.ref, req) == (uid, want)
+            and 0 <= ledger.clock() - token.at < self.REUSE_SECONDS
+            and names == token.passed[0]
+            and isinstance(generation, int)
+            and ledger.unchanged_since(generation, passed)
+        )
 
     def filter(self, info: PodInfo, names: Sequence[str]) -> FilterAnswer:
         self._fresh = None

@@ -199,9 +199,9 @@ class VerbProtocol(asyncio.Protocol):
             status, data = 500, _error(f"internal: {type(exc).__name__}: {exc}")
         else:
             status, data = future.result()
-        self._send(req, status, data)
-        if status == 200:
-            self.loop.call_soon(self.lane.after, verb)  # after the answer is written, and after a queued request
+        # `after` runs once the answer is written and before anything else is read: a later callback could
+        # run after the next request, which may be the very prioritize it prepares.
+        self._send(req, status, data, after=verb if status == 200 else "")
 
     def _direct(self, req: _Request) -> tuple[int, bytes]:
         if req.method == b"GET" and req.path == "/healthz":
@@ -210,7 +210,8 @@ class VerbProtocol(asyncio.Protocol):
             return self.lane.readiness()
         return 404, _error(f"{req.path} is not served on this listener")
 
-    def _send(self, req: _Request, status: int, data: bytes, *, close: bool = False) -> None:
+    def _send(self, req: _Request, status: int, data: bytes, *, close: bool = False, after: str = "") -> None:
+        """Write the answer; then `lane.after(after)` when `after` names a verb; then the next request."""
         transport = self.transport
         if transport is None:
             return
@@ -222,6 +223,8 @@ class VerbProtocol(asyncio.Protocol):
             b"connection: close\r\n" if close else b"",
         )
         transport.write(head + data)  # one write: one segment for a small answer
+        if after:
+            self.lane.after(after)
         if close:
             transport.close()
             self.transport = None

@@ -264,7 +264,8 @@ class VerbLane:
         self.metrics = metrics
         self.max_request_bytes = max_request_bytes
         self._pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
-        self._ahead: tuple[object, bytes] | None = None  # see `after`: (the evaluation, the answer)
+        # see `after`: the evaluation, the nodes it passed as a set, the answer
+        self._ahead: tuple[object, frozenset[str], bytes] | None = None
 
     @staticmethod
     def matches(scope: Scope) -> bool:
@@ -322,13 +323,13 @@ class VerbLane:
         token, info, passed = last
         try:
             hosts, scores, _ = self.extender.prioritize(info, passed)
-            self._ahead = (token, _priorities(hosts, scores))
+            self._ahead = (token, frozenset(passed), _priorities(hosts, scores))
         except Exception:  # prioritize itself then answers (and logs) when it is asked
             log.debug("prioritize ahead failed", exc_info=True)
 
     def ready(self, verb: str, body: bytes) -> Answer | None:
         """The answer computed ahead, when this is the prioritize it was computed for (same pod and request,
-        the nodes filter passed, nothing in the ledger changed since); None sends the call to a worker."""
+        the nodes filter passed, none of them changed since); None sends the call to a worker."""
         if verb != "prioritize":
             return None
         ahead, self._ahead = self._ahead, None
@@ -339,8 +340,8 @@ class VerbLane:
             _, names, info = _scheduling_args(body)
         except (BadRequest, WireError):
             return None  # the worker answers it, with the 400 naming the problem
-        token, data = ahead
-        if not self.extender.answers_from(token, info, names):
+        token, passed, data = ahead
+        if not self.extender.answers_from(token, info, names, passed):
             return None
         self.metrics.decision("prioritize", "scored", "ahead")
         self._count(verb, start, body, data)

@@ -81,6 +81,13 @@ def _gpus_taken_on_a_passed_node(s: Server) -> None:
     s.sync()
 
 
+def _gpus_taken_on_a_node_filter_failed(s: Server) -> None:
+    """pcie-0 (no NVLink: the filter failed it) reports a GPU in use: the ledger changed, the nodes
+    prioritize names did not."""
+    s.source.put("nodes", node_obj("pcie-0", "l40s-4", in_use=[0]))
+    s.sync()
+
+
 ANOTHER = gputopo_pod("q", 2)
 
 
@@ -88,10 +95,11 @@ ANOTHER = gputopo_pod("q", 2)
     ("between", "asked", "ahead"),
     [
         (_nothing, None, 1),  # the prioritize kube-scheduler sends next: answered ahead
-        (_gpus_taken_on_a_passed_node, None, 0),  # the ledger changed since the filter: computed afresh
+        (_gpus_taken_on_a_passed_node, None, 0),  # a node it names changed since the filter: computed afresh
+        (_gpus_taken_on_a_node_filter_failed, None, 1),  # only another node changed: still answered ahead
         (_nothing, ANOTHER, 0),  # another pod: computed afresh
     ],
-    ids=["next-prioritize", "ledger-changed", "another-pod"],
+    ids=["next-prioritize", "passed-node-changed", "other-node-changed", "another-pod"],
 )
 def test_prioritize_after_a_filter_answers_what_it_would_compute_now(
     server: Server, between: Callable[[Server], None], asked: dict[str, Any] | None, ahead: int
@@ -100,7 +108,7 @@ def test_prioritize_after_a_filter_answers_what_it_would_compute_now(
     status, filtered = server.post("filter", args(pod, NAMES))
     assert status == 200 and filtered["Error"] == ""
     passed = filtered["NodeNames"]
-    assert len(passed) >= 3
+    assert len(passed) >= 3 and "pcie-0" not in passed
     between(server)
     before = server.ahead()
     body = args(asked or pod, passed)

@@ -4,6 +4,7 @@ filter's split of outcomes and bind's runner-up."""
 
 from __future__ import annotations
 
+import collections
 import json
 import random
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from extender import nodestates
 from extender.routers.scheduler import _priorities
 from extender.wire import MAX_JSON_DEPTH, ExtenderArgs, fast_extender_args, pod_info
 from gputopo.engine.reasons import Code, Reason
@@ -194,3 +196,44 @@ def test_runner_up_is_the_best_other_node_by_score_then_name(env: Env) -> None:
             assert (got is None) == (want is None)
             if got is not None and want is not None:
                 assert (got[0].name, got[1]) == (want[1], want[2])
+
+
+def _take_gpus(env: Env, name: str) -> None:
+    env.add_nodes(node_obj(name, "dgx-h100", in_use=[0, 1]))
+
+
+def _drop(env: Env, name: str) -> None:
+    env.ledger.drop_nodes([name])
+
+
+def _pass_every_deadline(env: Env, _name: str) -> None:
+    env.clock.advance(121)  # every Lease deadline passed: every node's kind changed to stale
+
+
+def _many_changes_elsewhere(env: Env, _name: str) -> None:
+    for i in range(6):  # more than the (shrunk) log keeps
+        env.add_nodes(node_obj(f"x{i}", "dgx-h100", in_use=[i]))
+
+
+@pytest.mark.parametrize(
+    ("change", "on", "unchanged"),
+    [
+        (None, "n01", True),
+        (_take_gpus, "n01", False),
+        (_take_gpus, "n02", True),  # another node
+        (_drop, "n01", False),
+        (_pass_every_deadline, "n01", False),
+        (_many_changes_elsewhere, "n01", False),  # too many changes since to tell
+    ],
+    ids=["nothing", "gpus-taken", "other-node", "dropped", "deadline-passed", "log-overflowed"],
+)
+def test_unchanged_since_sees_every_change_of_a_named_node(
+    env: Env, monkeypatch: pytest.MonkeyPatch, change: Any, on: str, unchanged: bool
+) -> None:
+    env.add_nodes(node_obj("n01", "dgx-h100"), node_obj("n02", "dgx-h100"))
+    monkeypatch.setattr(nodestates, "MOVES_KEPT", 4)
+    env.ledger._moves = collections.deque(env.ledger._moves, maxlen=4)
+    generation = env.ledger.generation
+    if change is not None:
+        change(env, on)
+    assert env.ledger.unchanged_since(generation, {"n01"}) is unchanged
