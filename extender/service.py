@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, repeat
@@ -38,6 +39,10 @@ __all__ = ["MISMATCH_REASON", "NEUTRAL_SCORE", "Decision", "Extender", "FilterAn
 log = logging.getLogger("gputopo.extender")
 
 NEUTRAL_SCORE = 5
+# How long a preemptor's filter waits for the victims it was answered to leave the cache (see
+# `Extender._catch_up_with_preemption`); time since the preempt answer, so a pod waits once at most.
+PREEMPTION_CATCH_UP_SECONDS = 0.5
+MAX_PREEMPTORS_KEPT = 1024
 
 
 @dataclass
@@ -103,6 +108,8 @@ class Extender:
         self.metrics = metrics
         self._last_outcomes: _Recent | None = None
         self._fresh: _Recent | None = None  # the evaluation of the filter answered last, until `last_filter`
+        # preemptor -> (until, the victims answered on each candidate node): see _catch_up_with_preemption
+        self._preempted: dict[str, tuple[float, list[frozenset[str]]]] = {}
         self.events = EventPoster(lambda: self.source)
         self.groups = GroupDesk(self.ledger)
         self.binder = Binder(self.ledger, lambda: self.source, self.events)
@@ -200,6 +207,8 @@ class Extender:
 
     def filter(self, info: PodInfo, names: Sequence[str]) -> FilterAnswer:
         self._fresh = None
+        if self._preempted:
+            self._catch_up_with_preemption(info)
         d = self.decide(info, names)
         if d.kind == "pass_through":
             return FilterAnswer(list(names), {}, {}, d)
@@ -248,6 +257,34 @@ class Extender:
     def _passed(self, last: _Recent, names: list[str], outcomes: list[Outcome]) -> None:
         last.passed = (names, outcomes)
         self._fresh = last
+
+    def _catch_up_with_preemption(self, info: PodInfo) -> None:
+        """kube-scheduler evicts the victims this extender's preempt answer named and retries the preemptor
+        at once, its cache rid of them sooner than our pod watch may be. Deciding on the lagging cache would
+        fail the node on GPUs already free, and DefaultPreemption's dry run would then find the pod fits
+        there with no victim, an error before kubernetes#135486. So the preemptor's filter first waits,
+        bounded, until the victims of one candidate node are gone from the cache."""
+        entry = self._preempted.get(info.uid or info.ref)
+        if entry is None:
+            return
+        until, victim_sets = entry
+        pods = self.ledger.pods
+        while all(any(uid in pods for uid in s) for s in victim_sets):  # (reads the sets, not the live dict)
+            if time.monotonic() >= until:
+                return
+            time.sleep(0.002)
+        self._preempted.pop(info.uid or info.ref, None)
+
+    def _remember_preemption(self, info: PodInfo, answer: dict[str, MetaVictims]) -> None:
+        victims = [frozenset(p.uid for p in v.pods) for v in answer.values() if v.pods]
+        if not victims:
+            return
+        now = time.monotonic()
+        kept = self._preempted
+        for key, (until, _) in list(kept.items()):
+            if until <= now or len(kept) >= MAX_PREEMPTORS_KEPT:
+                kept.pop(key, None)
+        kept[info.uid or info.ref] = (now + PREEMPTION_CATCH_UP_SECONDS, victims)  # (read here: tests shorten it)
 
     @staticmethod
     def _split(nodes: Sequence[str], ids: list[int], wanted: set[int], messages: dict[int, str]) -> dict[str, str]:
@@ -344,6 +381,7 @@ class Extender:
                 out[node] = MetaVictims(
                     pods=[MetaPod(uid=u) for u in choice.victims], num_pdb_violations=choice.pdb_violations
                 )
+        self._remember_preemption(info, out)
         return out
 
     def _victims(self, node: str, offer: MetaVictims) -> tuple[list[Victim], dict[GroupKey, frozenset[str]]]:

@@ -5,10 +5,13 @@ filter keeps nodes preemption cannot resolve out of kube-scheduler's preemption 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Mapping
 
 import pytest
 
+from extender import service
 from gputopo.model import PLACEMENT_ANNOTATION
 from tests.extender.harness import JSON, Env, gputopo_pod, node_obj, pod_obj
 
@@ -117,3 +120,47 @@ def test_filter_keeps_a_node_with_free_gpus_but_no_clique_out_of_preemption(
     env.add_nodes(node_obj("a", "dgx-1v", in_use=in_use))
     out = env.filter(gputopo_pod("high", 4, nvlink="required"), ["a"])
     assert out[bucket] == {"a": message}
+
+
+def _delete_after(env: Env, names: list[str], seconds: float) -> threading.Thread:
+    """The pod watch delivering the victims' deletions `seconds` late (they leave the cache then)."""
+
+    def run() -> None:
+        time.sleep(seconds)
+        for name in names:
+            env.cache.upsert_pod(pod_obj(name, node="a"), deleted=True)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize(
+    ("preemptor", "deleted_after", "wait_at_most", "passes"),
+    [
+        pytest.param("high", 0.05, 30.0, True, id="the preemptor waits for its victims to leave the lagging cache"),
+        pytest.param("high", None, 0.2, False, id="victims that never leave: the wait is bounded"),
+        pytest.param("other", None, 30.0, False, id="another pod does not wait"),
+    ],
+)
+def test_a_preemptors_retry_waits_for_the_victims_its_preempt_answer_named(
+    env: Env,
+    monkeypatch: pytest.MonkeyPatch,
+    preemptor: str,
+    deleted_after: float | None,
+    wait_at_most: float,
+    passes: bool,
+) -> None:
+    monkeypatch.setattr(service, "PREEMPTION_CATCH_UP_SECONDS", wait_at_most)
+    env.add_nodes(node_obj("a", "dgx-1v"))
+    env.add_pods(*(victim(f"p{g}", "a", [g], p) for g, p in PRIORITIES.items()))
+    assert names(preempt(env, {"a": ["p0", "p1", "p2", "p3"]}), "a") == ["p0", "p1", "p2", "p3"]
+    # kube-scheduler deletes them and retries at once: the cache has not seen the deletions yet.
+    waiter = _delete_after(env, ["p0", "p1", "p2", "p3"], deleted_after) if deleted_after is not None else None
+    start = time.monotonic()
+    answer = env.filter(gputopo_pod(preemptor, 4, nvlink="required"), ["a"])
+    took = time.monotonic() - start
+    assert (answer["NodeNames"] == ["a"]) is passes
+    assert took < 25  # bounded: the wait ends with the deletions or at the limit, never later
+    if waiter is not None:
+        waiter.join(25)
