@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import chain
-from typing import TypedDict
+from typing import NamedTuple, TypedDict
 
 from extender import mismatch
 from extender.mismatch import Mismatch
@@ -27,6 +27,14 @@ from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.snapshot import NodeState
 from gputopo.model import GpusInUse, PodRequest
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
+
+
+class Kinds(NamedTuple):
+    """Each requested node's kind (parallel to the names) and the verdict of each kind for one request."""
+
+    keys: list[int]
+    verdicts: Mapping[int, Outcome]
+
 
 log = logging.getLogger("gputopo.extender.ledger")
 
@@ -94,6 +102,11 @@ class Ledger(NodeStates):
 
     def evaluate(self, names: Sequence[str], req: PodRequest) -> list[Outcome]:
         """Outcome per requested node, in request order (unknown nodes: topology not reported)."""
+        return self.evaluate_kinds(names, req)[0]
+
+    def evaluate_kinds(self, names: Sequence[str], req: PodRequest) -> tuple[list[Outcome], Kinds | None]:
+        """`evaluate`, and each node's kind with the verdict of every kind (None when nodes changed under
+        every read): a caller sorting thousands of nodes by verdict looks at each kind once."""
         return self._evaluate(list(names), req)
 
     def evaluate_states(self, names: Iterable[str], req: PodRequest) -> list[tuple[NodeState, Outcome]]:
@@ -122,7 +135,7 @@ class Ledger(NodeStates):
                 self._verdicts.move_to_end(req)
         return memo
 
-    def _evaluate(self, names: list[str], req: PodRequest) -> list[Outcome]:
+    def _evaluate(self, names: list[str], req: PodRequest) -> tuple[list[Outcome], Kinds | None]:
         """Outcomes in request order. Thousands of nodes per call and a few distinct kinds: a node costs
         two C-level dict lookups (its key, the memoised outcome of that key), and only kinds the memo
         has not seen (a node whose GPUs just changed) are evaluated."""
@@ -132,7 +145,7 @@ class Ledger(NodeStates):
         for _ in range(3):
             keys, states = self._kinds(names, now)
             try:
-                return list(map(memo.__getitem__, keys))
+                return list(map(memo.__getitem__, keys)), Kinds(keys, memo)
             except KeyError:
                 pass
             weights = self.weights
@@ -145,8 +158,8 @@ class Ledger(NodeStates):
                 # two threads may both compute one outcome: equal values, no harm
                 memo[key] = evaluate_node(state, req, weights)
             else:
-                return list(map(memo.__getitem__, keys))
-        return [o for _, o in self.evaluate_states(names, req)]  # nodes changing under every read
+                return list(map(memo.__getitem__, keys)), Kinds(keys, memo)
+        return [o for _, o in self.evaluate_states(names, req)], None  # nodes changing under every read
 
     def runner_up(self, node: str, req: PodRequest) -> tuple[NodeState, Outcome] | None:
         """The best feasible node other than `node` over every cached node: the highest score, then the

@@ -21,6 +21,7 @@ from extender.cache import ClusterCache
 from extender.events import MISMATCH_REASON, EventPoster
 from extender.groupdesk import GroupDesk
 from extender.kube import ClusterSource, Kind
+from extender.ledger import Kinds
 from extender.metrics import Metrics
 from extender.mismatch import Mismatch
 from extender.reservations import GroupKey
@@ -54,6 +55,7 @@ class Decision:
     outcomes: list[Outcome] = field(default_factory=list)  # parallel to names
     priorities: list[int] | None = None  # overrides the outcome scores (group plans)
     request: PodRequest | None = None
+    kinds: Kinds | None = None  # each node's kind, parallel to names (an evaluation over the ledger)
 
     def reason_label(self) -> str:
         """The dominant failure reason when nothing fits ('' when something does)."""
@@ -78,6 +80,7 @@ class _Recent:
     info: PodInfo
     names: list[str]
     outcomes: list[Outcome]
+    kinds: Kinds | None
     passed: tuple[list[str], list[Outcome]] | None = None  # the nodes filter passed, and their outcomes
 
 
@@ -160,7 +163,7 @@ class Extender:
             # Lists compared in C, no per-node Python work: the filter's own list, or the nodes it passed
             # (what kube-scheduler sends to prioritize).
             if names == last.names:
-                return Decision("evaluated", names, last.outcomes, request=req)
+                return Decision("evaluated", names, last.outcomes, request=req, kinds=last.kinds)
             if last.passed is not None and names == last.passed[0]:
                 return Decision("evaluated", names, last.passed[1], request=req)
             by_name = dict(zip(last.names, last.outcomes, strict=True))
@@ -168,9 +171,9 @@ class Extender:
                 return Decision("evaluated", names, [by_name[n] for n in names], request=req)
             except KeyError:
                 pass  # a node the filter did not see: evaluate afresh
-        outcomes = ledger.evaluate(names, req)
-        self._last_outcomes = _Recent(key, now, info, list(names), outcomes)
-        return Decision("evaluated", names, outcomes, request=req)
+        outcomes, kinds = ledger.evaluate_kinds(names, req)
+        self._last_outcomes = _Recent(key, now, info, list(names), outcomes, kinds)
+        return Decision("evaluated", names, outcomes, request=req, kinds=kinds)
 
     def _recent(self, key: tuple[object, ...], now: float) -> _Recent | None:
         """The last evaluation, when it is of this pod and request at this ledger generation, and recent."""
@@ -212,11 +215,17 @@ class Extender:
         d = self.decide(info, names)
         if d.kind == "pass_through":
             return FilterAnswer(list(names), {}, {}, d)
-        # Outcomes are shared between equivalent nodes: sort each distinct one into passed, failed or
-        # unresolvable once, then split the node list with C-level maps (thousands of nodes per call).
+        # Nodes of one kind share one outcome: sort each kind into passed, failed or unresolvable once,
+        # then split the node list with C-level maps (thousands of nodes per call). Kinds are the ledger's
+        # keys when the decision has them (ints: cheap to collect), else the outcomes' identities.
         outcomes = d.outcomes
-        ids = list(map(id, outcomes))
-        distinct = dict(zip(ids, outcomes, strict=True))
+        ids: list[int]
+        if d.kinds is not None:
+            ids, verdicts = d.kinds
+            distinct = {k: verdicts[k] for k in set(ids)}
+        else:
+            ids = list(map(id, outcomes))
+            distinct = dict(zip(ids, outcomes, strict=True))
         passing = {k for k, o in distinct.items() if o.code is Code.SUCCESS}
         # Enough GPUs are free but no clique: kube-scheduler's preemption counts GPUs, finds nothing to
         # evict there, and before kubernetes#135486 fails the whole attempt ("expected at least one

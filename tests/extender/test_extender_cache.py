@@ -189,13 +189,13 @@ def test_an_unbound_pods_placement_blocks_neither_itself_nor_others(env: Env) ->
 def test_prioritize_right_after_filter_reuses_the_filter_outcomes(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     env.add_nodes(node_obj("n1"), node_obj("n2"))
     calls: list[int] = []
-    real = env.ledger.evaluate
+    real = env.ledger.evaluate_kinds
 
     def counting(*a: object, **kw: object) -> object:
         calls.append(1)
         return real(*a, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(env.ledger, "evaluate", counting)
+    monkeypatch.setattr(env.ledger, "evaluate_kinds", counting)
     pod = gputopo_pod("t", 4)
     assert env.filter(pod, ["n1", "n2"])["NodeNames"] == ["n1", "n2"]
     env.cache.apply("leases", "MODIFIED", lease_obj("n1", env.clock.now))  # a fresh node's heartbeat

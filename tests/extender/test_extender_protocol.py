@@ -161,7 +161,7 @@ def test_an_unexpected_failure_is_reported_in_error_not_as_500(cluster: Env, mon
     def boom(*_: object, **__: object) -> None:
         raise RuntimeError("cache exploded")
 
-    monkeypatch.setattr(cluster.ledger, "evaluate", boom)
+    monkeypatch.setattr(cluster.ledger, "evaluate_kinds", boom)
     r = cluster.client.post("/filter", json=args(gputopo_pod("t", 4), NODES))
     assert r.status_code == 200
     assert "cache exploded" in r.json()["Error"]
