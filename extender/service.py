@@ -278,11 +278,10 @@ class Extender:
             return
         until, victim_sets = entry
         pods = self.ledger.pods
-        while all(any(uid in pods for uid in s) for s in victim_sets):  # (reads the sets, not the live dict)
-            if time.monotonic() >= until:
-                return
+        # (reads the victim sets, not the live dict)
+        while all(any(uid in pods for uid in s) for s in victim_sets) and time.monotonic() < until:
             time.sleep(0.002)
-        self._preempted.pop(info.uid or info.ref, None)
+        self._preempted.pop(info.uid or info.ref, None)  # once: a later retry decides at once
 
     def _remember_preemption(self, info: PodInfo, answer: dict[str, MetaVictims]) -> None:
         victims = [frozenset(p.uid for p in v.pods) for v in answer.values() if v.pods]
@@ -293,7 +292,7 @@ class Extender:
         for key, (until, _) in list(kept.items()):
             if until <= now or len(kept) >= MAX_PREEMPTORS_KEPT:
                 kept.pop(key, None)
-        kept[info.uid or info.ref] = (now + PREEMPTION_CATCH_UP_SECONDS, victims)  # (read here: tests shorten it)
+        kept[info.uid or info.ref] = (now + PREEMPTION_CATCH_UP_SECONDS, victims)
 
     @staticmethod
     def _split(nodes: Sequence[str], ids: list[int], wanted: set[int], messages: dict[int, str]) -> dict[str, str]:
