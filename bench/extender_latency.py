@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import signal
@@ -91,6 +92,11 @@ def pod(gputopo: bool) -> dict[str, Any]:
         },
         "status": {"phase": "Pending"},
     }
+
+
+def go_json(value: Any) -> bytes:
+    """JSON as kube-scheduler's Go encoder writes its requests: compact, fields in declaration order."""
+    return json.dumps(value, separators=(",", ":")).encode()
 
 
 def free_port() -> int:
@@ -247,7 +253,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_floor:
         serve_floor(args.serve_floor, Path(args.answers))
         return 0
-    import json
 
     sizes = [int(s) for s in args.sizes.split(",")]
     rows: list[tuple[int, str, list[float], list[float], float, float, int, int]] = []
@@ -279,11 +284,11 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 for case, gputopo in (("gputopo-8", True), ("plain", False)):
                     the_pod = pod(gputopo)
-                    body = json.dumps({"Pod": the_pod, "Nodes": None, "NodeNames": names}).encode()
+                    body = go_json({"Pod": the_pod, "Nodes": None, "NodeNames": names})
                     # kube-scheduler asks prioritize about the nodes that passed every filter, ours included.
                     answers = {"filter": httpx.post(f"{url}/filter", content=body, timeout=30).content}
                     passed = orjson.loads(answers["filter"])["NodeNames"]
-                    bodies = (body, json.dumps({"Pod": the_pod, "Nodes": None, "NodeNames": passed}).encode())
+                    bodies = (body, go_json({"Pod": the_pod, "Nodes": None, "NodeNames": passed}))
                     # The floor answers what the extender answers, so both move the same bytes.
                     answers["prioritize"] = httpx.post(f"{url}/prioritize", content=bodies[1], timeout=30).content
                     answers_file = Path(tmp) / f"answers-{n}-{case}.json"

@@ -29,11 +29,28 @@ from gputopo.model import GpusInUse, PodRequest
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 
+class Verdicts(dict[int, Outcome]):
+    """The memoised outcome of each node kind for one request, and the kinds that fit (`passing`), kept as
+    outcomes are added: a filter over thousands of nodes splits them by set operations over kinds, without
+    reading an outcome per kind on every call."""
+
+    __slots__ = ("passing",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.passing: set[int] = set()
+
+    def __setitem__(self, key: int, outcome: Outcome) -> None:
+        super().__setitem__(key, outcome)
+        if outcome.code is Code.SUCCESS:
+            self.passing.add(key)
+
+
 class Kinds(NamedTuple):
     """Each requested node's kind (parallel to the names) and the verdict of each kind for one request."""
 
     keys: list[int]
-    verdicts: Mapping[int, Outcome]
+    verdicts: Verdicts
 
 
 log = logging.getLogger("gputopo.extender.ledger")
@@ -72,7 +89,7 @@ class Ledger(NodeStates):
         self.mismatches: dict[str, Mismatch] = {}  # pod uid -> its current mismatch
         self._announced: set[str] = set()  # pod uids already handed to on_mismatch
         self.on_mismatch: Callable[[Mismatch], None] | None = None
-        self._verdicts: OrderedDict[PodRequest, dict[int, Outcome]] = OrderedDict()
+        self._verdicts: OrderedDict[PodRequest, Verdicts] = OrderedDict()
 
     @property
     def reservations(self) -> Mapping[GroupKey, Reservation]:
@@ -124,11 +141,11 @@ class Ledger(NodeStates):
             out.append((state, o))
         return out
 
-    def _memo(self, req: PodRequest) -> dict[int, Outcome]:
+    def _memo(self, req: PodRequest) -> Verdicts:
         with self.lock:
             memo = self._verdicts.get(req)
             if memo is None:
-                memo = self._verdicts[req] = {}
+                memo = self._verdicts[req] = Verdicts()
                 if len(self._verdicts) > self.MAX_REQUESTS_MEMOISED:
                     self._verdicts.popitem(last=False)
             else:

@@ -6,7 +6,7 @@ import collections
 import math
 import operator
 import threading
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Iterable
 
 from extender.objects import NodeEntry
 from extender.reservations import ReservationBook, SlotKey
@@ -142,19 +142,22 @@ class NodeStates:
             self._unkind(name, old)
             self._moves.append((self.generation, name))
 
-    def unchanged_since(self, generation: int, names: Container[str]) -> bool:
+    def unchanged_since(self, generation: int, names: Iterable[str]) -> bool:
         """Whether no node in `names` changed kind since `generation` was read (so every verdict on them
         read then still holds; a change in the same generation counts as later). False when too many
-        changes happened since to tell."""
+        changes happened since to tell. `names` is read only when some node changed since."""
         now = self.clock()
         with self.lock:
             self._current(now)  # a Lease deadline passed since is a change too
+            moved: set[str] = set()
             for gen, name in reversed(self._moves):
                 if gen < generation:
-                    return True
-                if name in names:
+                    break
+                moved.add(name)
+            else:
+                if len(self._moves) >= MOVES_KEPT:
                     return False
-            return len(self._moves) < MOVES_KEPT
+        return not moved or moved.isdisjoint(names)
 
     def _unkind(self, name: str, key: int) -> None:
         names = self._by_key[key]

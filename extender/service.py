@@ -12,9 +12,10 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Container, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, repeat
+from typing import NamedTuple
 
 from extender.binder import Binder
 from extender.cache import ClusterCache
@@ -35,7 +36,7 @@ from gputopo.engine.scoring import to_extender_priority
 from gputopo.engine.snapshot import node_state
 from gputopo.model import AnnotationError, PodRequest, is_gputopo_pod, parse_pod_request
 
-__all__ = ["MISMATCH_REASON", "NEUTRAL_SCORE", "Decision", "Extender", "FilterAnswer"]
+__all__ = ["MISMATCH_REASON", "NEUTRAL_SCORE", "Decision", "Extender", "FilterAnswer", "LastFilter"]
 
 log = logging.getLogger("gputopo.extender")
 
@@ -81,7 +82,18 @@ class _Recent:
     names: list[str]
     outcomes: list[Outcome]
     kinds: Kinds | None
-    passed: tuple[list[str], list[Outcome]] | None = None  # the nodes filter passed, and their outcomes
+    passed: tuple[list[str], list[Outcome], Kinds | None] | None = None  # the nodes filter passed: outcomes, kinds
+    raw: bytes = b""  # the body of the filter request that passed them
+
+
+class LastFilter(NamedTuple):
+    """The filter answered last, as `Extender.last_filter` hands it out once."""
+
+    token: object  # for `answers_from` and `still_holds`
+    info: PodInfo
+    names: list[str]  # the nodes it was asked about
+    passed: list[str]  # the nodes it passed: what the next prioritize names
+    raw: bytes  # its request's body (b"" when not given)
 
 
 @dataclass(frozen=True)
@@ -165,14 +177,15 @@ class Extender:
             if names == last.names:
                 return Decision("evaluated", names, last.outcomes, request=req, kinds=last.kinds)
             if last.passed is not None and names == last.passed[0]:
-                return Decision("evaluated", names, last.passed[1], request=req)
+                return Decision("evaluated", names, last.passed[1], request=req, kinds=last.passed[2])
             by_name = dict(zip(last.names, last.outcomes, strict=True))
             try:
                 return Decision("evaluated", names, [by_name[n] for n in names], request=req)
             except KeyError:
                 pass  # a node the filter did not see: evaluate afresh
         outcomes, kinds = ledger.evaluate_kinds(names, req)
-        self._last_outcomes = _Recent(key, now, info, list(names), outcomes, kinds)
+        kept = names if isinstance(names, list) else list(names)  # a request's own list: no copy of thousands
+        self._last_outcomes = _Recent(key, now, info, kept, outcomes, kinds)
         return Decision("evaluated", names, outcomes, request=req, kinds=kinds)
 
     def _recent(self, key: tuple[object, ...], now: float) -> _Recent | None:
@@ -182,89 +195,103 @@ class Extender:
             return last
         return None
 
-    def last_filter(self) -> tuple[object, PodInfo, list[str]] | None:
-        """The filter answered last, once, when it passed nodes (a token for `answers_from`, the pod, the
-        nodes it passed): what kube-scheduler's next prioritize names."""
+    def last_filter(self) -> LastFilter | None:
+        """The filter answered last, once, when it passed nodes: what kube-scheduler's next prioritize names."""
         last, self._fresh = self._fresh, None
-        return (last, last.info, last.passed[0]) if last is not None and last.passed is not None else None
+        if last is None or last.passed is None:
+            return None
+        return LastFilter(last, last.info, last.names, last.passed[0], last.raw)
 
-    def answers_from(self, token: object, info: PodInfo, names: Sequence[str], passed: Container[str]) -> bool:
+    def answers_from(self, token: object, info: PodInfo, names: Sequence[str]) -> bool:
         """Whether prioritize for `info` over `names` now gets the scores the evaluation `token` gave the
-        nodes it passed (`passed`, as a set): the same pod and request, recent, exactly those nodes, and
-        none of them changed since (so an answer computed from that evaluation holds)."""
+        nodes it passed: the same pod and request, exactly those nodes, and `still_holds`."""
         if not isinstance(token, _Recent) or token.passed is None or not is_gputopo_pod(info.annotations):
             return False
-        ledger = self.ledger
         try:
-            req = parse_pod_request(info.annotations, info.gpus, ledger.tier_names)
+            req = parse_pod_request(info.annotations, info.gpus, self.ledger.tier_names)
         except AnnotationError:
             return False
-        uid, want, generation = token.key
+        uid, want, _ = token.key
+        return (info.uid or info.ref, req) == (uid, want) and names == token.passed[0] and self.still_holds(token)
+
+    def still_holds(self, token: object) -> bool:
+        """Whether the scores the evaluation `token` gave the nodes its filter passed hold now: recent, and
+        none of those nodes changed since."""
+        if not isinstance(token, _Recent) or token.passed is None:
+            return False
+        generation = token.key[2]
         return (
-            (info.uid or info.ref, req) == (uid, want)
-            and 0 <= ledger.clock() - token.at < self.REUSE_SECONDS
-            and names == token.passed[0]
+            0 <= self.ledger.clock() - token.at < self.REUSE_SECONDS
             and isinstance(generation, int)
-            and ledger.unchanged_since(generation, passed)
+            and self.ledger.unchanged_since(generation, token.passed[0])
         )
 
-    def filter(self, info: PodInfo, names: Sequence[str]) -> FilterAnswer:
+    def filter(self, info: PodInfo, names: Sequence[str], raw: bytes = b"") -> FilterAnswer:
+        """Which nodes pass; `raw` is the request's body, kept with the evaluation (`last_filter`)."""
         self._fresh = None
         if self._preempted:
             self._catch_up_with_preemption(info)
         d = self.decide(info, names)
         if d.kind == "pass_through":
             return FilterAnswer(list(names), {}, {}, d)
-        # Nodes of one kind share one outcome: sort each kind into passed, failed or unresolvable once,
-        # then split the node list with C-level maps (thousands of nodes per call). Kinds are the ledger's
-        # keys when the decision has them (ints: cheap to collect), else the outcomes' identities.
+        # Nodes of one kind share one outcome: sort the kinds into passed or not once, then split the node
+        # list with C-level maps (thousands of nodes per call). Kinds are the ledger's keys when the decision
+        # has them (ints, and the ledger keeps which of them fit), else the outcomes' identities.
         outcomes = d.outcomes
         ids: list[int]
+        verdicts: Mapping[int, Outcome]
         if d.kinds is not None:
             ids, verdicts = d.kinds
-            distinct = {k: verdicts[k] for k in set(ids)}
+            present = set(ids)
+            passing = present & d.kinds.verdicts.passing
         else:
             ids = list(map(id, outcomes))
-            distinct = dict(zip(ids, outcomes, strict=True))
-        passing = {k for k, o in distinct.items() if o.code is Code.SUCCESS}
-        # Enough GPUs are free but no clique: kube-scheduler's preemption counts GPUs, finds nothing to
-        # evict there, and before kubernetes#135486 fails the whole attempt ("expected at least one
-        # victim"). gputopo only narrows offered victims, so no release can resolve this node by
-        # preemption: keep it out of the candidates.
-        unresolvable_ids = {
-            k for k, o in distinct.items() if o.code is Code.UNRESOLVABLE or o.reason is Reason.NO_FREE_CLIQUE
-        } - passing
-        messages = {k: o.message for k, o in distinct.items()}
+            verdicts = dict(zip(ids, outcomes, strict=True))
+            present = set(verdicts)
+            passing = {k for k, o in verdicts.items() if o.code is Code.SUCCESS}
         nodes = d.names
         last = self._last_outcomes
         if last is None or last.outcomes is not outcomes:
             last = None  # not an evaluation prioritize can reuse (a group's, an invalid request's)
-        if len(distinct) == 1:  # one kind of node (often: none fits): no per-node split at all
-            (only,) = distinct
-            if only in passing:
+        if len(present) == 1:  # one kind of node (often: none fits): no per-node split at all
+            if passing:
                 if last is not None:
-                    self._passed(last, last.names, outcomes)
+                    self._passed(last, last.names, outcomes, d.kinds, raw)
                 return FilterAnswer(list(nodes), {}, {}, d)
-            answer = dict(zip(nodes, repeat(messages[only])))
-            return FilterAnswer([], {}, answer, d) if only in unresolvable_ids else FilterAnswer([], answer, {}, d)
-        selected = list(map(passing.__contains__, ids))
-        passed = list(compress(nodes, selected))
-        if last is not None and passed:  # prioritize will name exactly these nodes
-            self._passed(last, passed, list(compress(outcomes, selected)))
-        if passed:
-            # kube-scheduler reads why nodes failed only when none passed (to explain the pod and to pick
-            # preemption candidates): thousands of reasons per call would be built, sent and decoded for nothing.
-            return FilterAnswer(passed, {}, {}, d)
-        failed_ids = set(distinct) - passing - unresolvable_ids
+        else:
+            selected = list(map(passing.__contains__, ids))
+            passed = list(compress(nodes, selected))
+            if passed:
+                if last is not None:  # prioritize will name exactly these nodes
+                    kinds = Kinds(list(compress(ids, selected)), d.kinds.verdicts) if d.kinds is not None else None
+                    self._passed(last, passed, list(compress(outcomes, selected)), kinds, raw)
+                # kube-scheduler reads why nodes failed only when none passed (to explain the pod and to pick
+                # preemption candidates): thousands of reasons per call would be built, sent and decoded for
+                # nothing.
+                return FilterAnswer(passed, {}, {}, d)
+        # Enough GPUs are free but no clique: kube-scheduler's preemption counts GPUs, finds nothing to
+        # evict there, and before kubernetes#135486 fails the whole attempt ("expected at least one
+        # victim"). gputopo only narrows offered victims, so no release can resolve this node by
+        # preemption: keep it out of the candidates.
+        distinct = {k: verdicts[k] for k in present}
+        unresolvable_ids = {
+            k for k, o in distinct.items() if o.code is Code.UNRESOLVABLE or o.reason is Reason.NO_FREE_CLIQUE
+        }
+        messages = {k: o.message for k, o in distinct.items()}
+        if len(distinct) == 1:
+            answer = dict(zip(nodes, repeat(messages[next(iter(distinct))])))
+            return FilterAnswer([], {}, answer, d) if unresolvable_ids else FilterAnswer([], answer, {}, d)
         return FilterAnswer(
-            passed,
-            self._split(nodes, ids, failed_ids, messages),
+            [],
+            self._split(nodes, ids, present - unresolvable_ids, messages),
             self._split(nodes, ids, unresolvable_ids, messages),
             d,
         )
 
-    def _passed(self, last: _Recent, names: list[str], outcomes: list[Outcome]) -> None:
-        last.passed = (names, outcomes)
+    def _passed(
+        self, last: _Recent, names: list[str], outcomes: list[Outcome], kinds: Kinds | None, raw: bytes
+    ) -> None:
+        last.passed, last.raw = (names, outcomes, kinds), raw
         self._fresh = last
 
     def _catch_up_with_preemption(self, info: PodInfo) -> None:
@@ -314,9 +341,15 @@ class Extender:
         # Outcomes are shared between equivalent nodes: quantise each distinct one once, then map
         # node by node with C-level iteration (thousands of nodes per call).
         success = Code.SUCCESS
-        ids = list(map(id, d.outcomes))
-        distinct = dict(zip(ids, d.outcomes, strict=True))
-        prio = {k: (to_extender_priority(o.score) if o.code is success else 0) for k, o in distinct.items()}
+        prio: dict[int, int]
+        if d.kinds is not None:  # the ledger's kinds: ints, and which of them fit
+            ids, verdicts = d.kinds
+            fits = verdicts.passing
+            prio = {k: (to_extender_priority(verdicts[k].score) if k in fits else 0) for k in set(ids)}
+        else:
+            ids = list(map(id, d.outcomes))
+            distinct = dict(zip(ids, d.outcomes, strict=True))
+            prio = {k: (to_extender_priority(o.score) if o.code is success else 0) for k, o in distinct.items()}
         return d.names, list(map(prio.__getitem__, ids)), d
 
     def _group_decision(self, info: PodInfo, req: PodRequest, names: Sequence[str]) -> Decision:

@@ -139,6 +139,23 @@ def _scheduling_args(body: bytes) -> tuple[ExtenderArgs, list[str], PodInfo]:
     return args, args.candidate_names(), pod_info(args.pod)
 
 
+_NODE_NAMES = b',"NodeNames":'
+
+
+def _prioritize_body(filter_body: bytes, names: list[str], passed: list[str]) -> bytes | None:
+    """The body of the prioritize request kube-scheduler sends after the filter request `filter_body` over
+    `names` passed `passed`: the same bytes with the passed nodes as the last member, as Go encodes its
+    ExtenderArgs (Pod, Nodes, then NodeNames). None when the filter body does not end with `names` exactly
+    as orjson writes them (another client's encoding): that prioritize is then decoded.
+
+    Equal bytes mean an equal request: the filter body ends with the top-level NodeNames member (what
+    follows the prefix is one array and the closing brace), so the prefix holds the same Pod and Nodes."""
+    tail = b"%s%s}" % (_NODE_NAMES, orjson.dumps(names))
+    if not filter_body.endswith(tail):
+        return None
+    return b"%s%s%s}" % (filter_body[: len(filter_body) - len(tail)], _NODE_NAMES, orjson.dumps(passed))
+
+
 def _bad(verb: str, metrics: Metrics, err: BadRequest | WireError) -> Answer:
     text = err.message if isinstance(err, BadRequest) else str(err)
     metrics.decision(verb, "bad_request")
@@ -166,7 +183,7 @@ def filter_(extender: Extender, metrics: Metrics, body: bytes) -> Answer:
         empty: dict[str, Any] = {"NodeNames": None, "FailedNodes": {}, "FailedAndUnresolvableNodes": {}}
         return _not_ready("filter", metrics, empty)
     try:
-        answer = extender.filter(info, names)
+        answer = extender.filter(info, names, body)
         d = answer.decision
         out: dict[str, Any] = {
             "NodeNames": answer.passed,
@@ -264,8 +281,8 @@ class VerbLane:
         self.metrics = metrics
         self.max_request_bytes = max_request_bytes
         self._pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
-        # see `after`: the evaluation, the nodes it passed as a set, the answer
-        self._ahead: tuple[object, frozenset[str], bytes] | None = None
+        # see `after`: the evaluation, the prioritize request's bytes (None: not known), the answer
+        self._ahead: tuple[object, bytes | None, bytes] | None = None
 
     @staticmethod
     def matches(scope: Scope) -> bool:
@@ -313,17 +330,18 @@ class VerbLane:
     # on the loop, with no worker-thread hop. Prioritize is not on that serial path any more.
 
     def after(self, verb: str) -> None:
-        """Once a filter answer is written: the prioritize answer for the nodes it passed, computed ahead."""
+        """Once a filter answer is written: the prioritize answer for the nodes it passed, computed ahead,
+        and the bytes of the prioritize request kube-scheduler sends for them."""
         if verb != "filter":
             return
         self._ahead = None
         last = self.extender.last_filter()
         if last is None:
             return
-        token, info, passed = last
         try:
-            hosts, scores, _ = self.extender.prioritize(info, passed)
-            self._ahead = (token, frozenset(passed), _priorities(hosts, scores))
+            hosts, scores, _ = self.extender.prioritize(last.info, last.passed)
+            expect = _prioritize_body(last.raw, last.names, last.passed)
+            self._ahead = (last.token, expect, _priorities(hosts, scores))
         except Exception:  # prioritize itself then answers (and logs) when it is asked
             log.debug("prioritize ahead failed", exc_info=True)
 
@@ -336,13 +354,17 @@ class VerbLane:
         if ahead is None:
             return None
         start = time.perf_counter()
-        try:
-            _, names, info = _scheduling_args(body)
-        except (BadRequest, WireError):
-            return None  # the worker answers it, with the 400 naming the problem
-        token, passed, data = ahead
-        if not self.extender.answers_from(token, info, names, passed):
-            return None
+        token, expect, data = ahead
+        if body == expect:  # byte for byte the request it was computed for: nothing to decode
+            if not self.extender.still_holds(token):
+                return None
+        else:
+            try:
+                _, names, info = _scheduling_args(body)
+            except (BadRequest, WireError):
+                return None  # the worker answers it, with the 400 naming the problem
+            if not self.extender.answers_from(token, info, names):
+                return None
         self.metrics.decision("prioritize", "scored", "ahead")
         self._count(verb, start, body, data)
         return 200, data

@@ -11,6 +11,8 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from extender.app import Listeners, create_listeners
 from extender.routers.scheduler import prioritize
@@ -124,3 +126,67 @@ def test_a_broken_prioritize_after_a_filter_still_gets_400(server: Server) -> No
     status, answer = server.post("prioritize", b'{"Pod": {}, "NodeNames": "not a list"}')
     assert status == 400 and "NodeNames" in answer["Error"]
     assert server.ahead() == 0
+
+
+def _reversed_nodes(body: dict[str, Any]) -> bytes:
+    return orjson.dumps({**body, "NodeNames": body["NodeNames"][::-1]})
+
+
+def _spaced(body: dict[str, Any]) -> bytes:
+    """The same request, encoded with whitespace: not the bytes the answer was computed for."""
+    return orjson.dumps(body, option=orjson.OPT_INDENT_2)
+
+
+def _plain(body: dict[str, Any]) -> bytes:
+    return orjson.dumps(body)
+
+
+def _nested_node_names(pod: dict[str, Any]) -> dict[str, Any]:
+    """A pod carrying a NodeNames array of its own, deep inside: the filter body has two of them."""
+    return {**pod, "spec": {**pod["spec"], "x": {"NodeNames": ["dgx-00"]}}}
+
+
+@pytest.mark.parametrize(
+    ("shape_pod", "encode", "ahead"),
+    [
+        (lambda p: p, _plain, 1),  # kube-scheduler's bytes: recognised without decoding
+        (lambda p: p, _spaced, 1),  # the same request otherwise encoded: decoded, then answered ahead
+        (lambda p: p, _reversed_nodes, 0),  # other nodes' order: not what was computed
+        (_nested_node_names, _plain, 1),  # a NodeNames array inside the pod does not confuse the bytes
+    ],
+    ids=["same-bytes", "other-encoding", "nodes-reordered", "nested-NodeNames"],
+)
+def test_prioritize_is_recognised_by_its_bytes_or_by_its_content(
+    server: Server,
+    shape_pod: Callable[[dict[str, Any]], dict[str, Any]],
+    encode: Callable[[dict[str, Any]], bytes],
+    ahead: int,
+) -> None:
+    pod = shape_pod(gputopo_pod("p", 2))
+    status, filtered = server.post("filter", args(pod, NAMES))
+    assert status == 200 and filtered["Error"] == ""
+    body = args(pod, filtered["NodeNames"])
+    before = server.ahead()
+    status, scores = server.post("prioritize", encode(body))
+    assert status == 200
+    assert scores == server.afresh(orjson.loads(encode(body)))
+    assert server.ahead() - before == ahead
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.tuples(st.integers(0, 10_000), st.integers(0, 40)), splice=st.binary(max_size=12))
+def test_a_prioritize_differing_from_the_expected_bytes_gets_what_it_would_get_afresh(
+    server: Server, cut: tuple[int, int], splice: bytes
+) -> None:
+    """Any edit of the request the answer was computed for: the answer is what prioritize gives it afresh
+    (scores, or the 400 naming the problem), never the answer computed ahead for another request."""
+    pod = gputopo_pod("p", 2)
+    _, filtered = server.post("filter", args(pod, NAMES))
+    expected = orjson.dumps(args(pod, filtered["NodeNames"]))
+    start = cut[0] % (len(expected) + 1)
+    body = expected[:start] + splice + expected[start + cut[1] :]
+    server.conn.request("POST", "/prioritize", body)
+    r = server.conn.getresponse()
+    got = (r.status, r.read())
+    lane = server.listeners.verbs.lane
+    assert got == prioritize(lane.extender, lane.metrics, body)
