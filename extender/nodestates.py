@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from extender.objects import NodeEntry
 from extender.reservations import ReservationBook, SlotKey
 from gputopo.engine.reasons import Reason
-from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.engine.snapshot import NodeState, node_state, taking
 from gputopo.model import GpusInUse, agent_lease_name
 from gputopo.tiers import TierConfig
 
@@ -86,9 +86,14 @@ class NodeStates:
         used = self._in_use(e.name, e.report) if in_use is None else in_use
         # A bind rebuilds its node three times with the same GPUs in use (claim, the bound pod, unclaim)
         # and the pod's watch event a fourth: node_state is pure in (entry, in-use set), so the entry
-        # keeps its last few states by in-use set.
+        # keeps its last few states by in-use set, and a new set is derived from one of them (`taking`).
         built = e.built.get(used)
-        if built is None:
+        if built is not None:
+            return built
+        base = next(iter(e.built.values()), None)  # the same facts with other GPUs in use
+        if base is not None:
+            built = taking(base, used)
+        else:
             built = node_state(
                 e.name,
                 e.topology,
@@ -98,9 +103,9 @@ class NodeStates:
                 problem_detail=e.detail,
                 tiers=self.tiers,
             )
-            if len(e.built) >= BUILT_PER_NODE:
-                del e.built[next(iter(e.built))]
-            e.built[used] = built
+        if len(e.built) >= BUILT_PER_NODE:
+            del e.built[next(iter(e.built))]
+        e.built[used] = built
         return built
 
     def _rebuild(self, names: Iterable[str | None]) -> None:

@@ -9,7 +9,7 @@ decision over thousands of nodes evaluates each distinct kind once.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gputopo.engine.cliques import mask_of
 from gputopo.engine.reasons import Reason
@@ -206,6 +206,22 @@ def node_state(
         gpu_rails=rails,
         key=key,
     )
+
+
+def taking(node: NodeState, in_use: frozenset[int]) -> NodeState:
+    """`node` with exactly `in_use` taken: equal to what `node_state` builds for the same node, labels and
+    tiers with that set, reusing every part that does not depend on it (a bind gives its node a new set;
+    rebuilding its location, rails and shape each time was most of a bind's own CPU). A node with a
+    problem is returned with the new set and nothing else changed, as `node_state` would build it."""
+    n = node.shape.n if node.shape is not None and node.problem is None else None
+    if n is None:
+        return replace(node, in_use=in_use)
+    taken = frozenset(i for i in in_use if 0 <= i < n)
+    mask = mask_of(taken)
+    key = _intern_key(
+        (node.shape, node.failed_mask, node.impaired_mask, mask, node.memory_mib, node.nics, node.gpu_rails)
+    )
+    return replace(node, in_use=taken, in_use_mask=mask, key=key)
 
 
 def with_in_use(node: NodeState, extra: frozenset[int], tiers: TierConfig = DEFAULT_TIERS) -> NodeState:
