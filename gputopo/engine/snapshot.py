@@ -49,6 +49,19 @@ def _intern_key(parts: tuple[object, ...]) -> int:
     return key
 
 
+def _kind_key(
+    shape: Shape,
+    failed: int,
+    impaired: int,
+    in_use_mask: int,
+    memory: tuple[int, ...],
+    nics: tuple[NicView, ...],
+    rails: tuple[int, ...],
+) -> int:
+    """A healthy node's equivalence key: everything a verdict on it depends on (not its name or location)."""
+    return _intern_key((shape, failed, impaired, in_use_mask, memory, nics, rails))
+
+
 def shape_of(topology: NodeTopology) -> Shape:
     n = len(topology.gpus)
     links = topology.nvlink.links or tuple(tuple(0 for _ in range(n)) for _ in range(n))
@@ -187,7 +200,7 @@ def node_state(
         )
         for nic in topology.nics
     )
-    key = _intern_key((shape, failed, impaired, in_use_mask, memory, nics, rails))
+    key = _kind_key(shape, failed, impaired, in_use_mask, memory, nics, rails)
     return NodeState(
         name=name,
         labels=labels,
@@ -213,14 +226,12 @@ def taking(node: NodeState, in_use: frozenset[int]) -> NodeState:
     tiers with that set, reusing every part that does not depend on it (a bind gives its node a new set;
     rebuilding its location, rails and shape each time was most of a bind's own CPU). A node with a
     problem is returned with the new set and nothing else changed, as `node_state` would build it."""
-    n = node.shape.n if node.shape is not None and node.problem is None else None
-    if n is None:
+    shape = node.shape
+    if shape is None or node.problem is not None:
         return replace(node, in_use=in_use)
-    taken = frozenset(i for i in in_use if 0 <= i < n)
+    taken = frozenset(i for i in in_use if 0 <= i < shape.n)
     mask = mask_of(taken)
-    key = _intern_key(
-        (node.shape, node.failed_mask, node.impaired_mask, mask, node.memory_mib, node.nics, node.gpu_rails)
-    )
+    key = _kind_key(shape, node.failed_mask, node.impaired_mask, mask, node.memory_mib, node.nics, node.gpu_rails)
     return replace(node, in_use=taken, in_use_mask=mask, key=key)
 
 
