@@ -123,8 +123,9 @@ class Ledger(NodeStates):
 
     def evaluate_kinds(self, names: Sequence[str], req: PodRequest) -> tuple[list[Outcome], Kinds | None]:
         """`evaluate`, and each node's kind with the verdict of every kind (None when nodes changed under
-        every read): a caller sorting thousands of nodes by verdict looks at each kind once."""
-        return self._evaluate(list(names), req)
+        every read): a caller sorting thousands of nodes by verdict looks at each kind once. A list of names
+        is read as it is, not copied."""
+        return self._evaluate(names if isinstance(names, list) else list(names), req)
 
     def evaluate_states(self, names: Iterable[str], req: PodRequest) -> list[tuple[NodeState, Outcome]]:
         """Each node's state with its outcome (read together, node by node: not for the hot path)."""

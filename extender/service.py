@@ -183,8 +183,8 @@ class Extender:
                 return Decision("evaluated", names, [by_name[n] for n in names], request=req)
             except KeyError:
                 pass  # a node the filter did not see: evaluate afresh
-        outcomes, kinds = ledger.evaluate_kinds(names, req)
         kept = names if isinstance(names, list) else list(names)  # a request's own list: no copy of thousands
+        outcomes, kinds = ledger.evaluate_kinds(kept, req)
         self._last_outcomes = _Recent(key, now, info, kept, outcomes, kinds)
         return Decision("evaluated", names, outcomes, request=req, kinds=kinds)
 
