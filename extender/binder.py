@@ -23,7 +23,7 @@ from extender.wire import PodInfo, pod_info
 from gputopo.engine.cliques import mask_of
 from gputopo.engine.explain import placement_estimate, placement_sentence, why_lost
 from gputopo.engine.placement import NodeVerdict, Outcome, evaluate_node, outcome_on
-from gputopo.engine.scoring import to_extender_priority
+from gputopo.engine.scoring import grade
 from gputopo.kube import KubeError
 from gputopo.model import (
     GPU_RESOURCE,
@@ -187,11 +187,11 @@ class Binder:
         placement = Placement(
             node=node,
             gpus=tuple(outcome.gpus),
-            score=to_extender_priority(outcome.score),
+            score=grade(outcome.score),
             reason=sentence,
             runner_up=RunnerUp(
                 node=runner.name,
-                score=to_extender_priority(runner.outcome.score),
+                score=grade(runner.outcome.score),
                 why=why_lost(outcome, runner.outcome, ledger.weights),
             )
             if runner is not None

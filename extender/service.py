@@ -32,7 +32,7 @@ from gputopo.engine.placement import Outcome, fail_invalid
 from gputopo.engine.preempt import Victim, choose_victims
 from gputopo.engine.reasons import Code, Reason, code_for, message
 from gputopo.engine.replan import GroupWaiting
-from gputopo.engine.scoring import to_extender_priority
+from gputopo.engine.scoring import MAX_EXTENDER_SCORE, wire_scores
 from gputopo.engine.snapshot import node_state
 from gputopo.model import AnnotationError, PodRequest, is_gputopo_pod, parse_pod_request
 
@@ -338,18 +338,21 @@ class Extender:
             return names, [NEUTRAL_SCORE] * len(names), d
         if d.priorities is not None:
             return names, list(d.priorities), d
-        # Outcomes are shared between equivalent nodes: quantise each distinct one once, then map
-        # node by node with C-level iteration (thousands of nodes per call).
+        # Outcomes are shared between equivalent nodes: rank each distinct one once (the ranks are over
+        # this request's fitting candidates), then map node by node with C-level iteration.
         success = Code.SUCCESS
-        prio: dict[int, int]
+        scores: dict[int, float]  # kind -> engine score, fitting kinds only
         if d.kinds is not None:  # the ledger's kinds: ints, and which of them fit
             ids, verdicts = d.kinds
             fits = verdicts.passing
-            prio = {k: (to_extender_priority(verdicts[k].score) if k in fits else 0) for k in set(ids)}
+            scores = {k: verdicts[k].score for k in set(ids) if k in fits}
         else:
             ids = list(map(id, d.outcomes))
             distinct = dict(zip(ids, d.outcomes, strict=True))
-            prio = {k: (to_extender_priority(o.score) if o.code is success else 0) for k, o in distinct.items()}
+            scores = {k: o.score for k, o in distinct.items() if o.code is success}
+        wire = wire_scores(scores.values())
+        prio = dict.fromkeys(ids, 0)
+        prio.update({k: wire.get(s, 0) for k, s in scores.items()})
         return d.names, list(map(prio.__getitem__, ids)), d
 
     def _group_decision(self, info: PodInfo, req: PodRequest, names: Sequence[str]) -> Decision:
@@ -367,7 +370,7 @@ class Extender:
         )
         elsewhere = _outcome(Reason.GROUP_PLANNED_ELSEWHERE)
         outcomes = [here if n == slot.node else elsewhere for n in names]
-        priorities = [to_extender_priority(1.0 if n == slot.node else 0.0) for n in names]
+        priorities = [MAX_EXTENDER_SCORE if n == slot.node else 0 for n in names]
         return Decision("group_planned", names, outcomes, priorities, request=req)
 
     # ------------------------------------------------------------------ bind

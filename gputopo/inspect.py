@@ -15,7 +15,6 @@ from typing import Any
 
 from gputopo.engine.explain import describe_gpus, gpu_ranges, outcome_estimate
 from gputopo.engine.reasons import Code, summarize_failures
-from gputopo.engine.scoring import to_extender_priority
 from gputopo.kube import KubeError, find_kubeconfig
 from gputopo.model import (
     DEFAULT_NAMESPACE,
@@ -169,7 +168,9 @@ def run(args: argparse.Namespace) -> int:
     mismatch = cache.ledger.mismatches.get(info.uid)
     # A placed pod would otherwise compete with itself: judge every node as if it were not there.
     cache.forget_pod(pod)
-    decision = Extender(cache, None).decide(info, names)
+    # prioritize decides as filter does, and gives the scores kube-scheduler would get (before the answer
+    # lowers them all by the lowest, which changes no choice).
+    _, wire, decision = Extender(cache, None).prioritize(info, names)
     print(f"Pod {info.ref}: {info.gpus} GPU{'s' if info.gpus != 1 else ''}")
     ours = {k: v for k, v in info.annotations.items() if k.startswith(PREFIX) and k != PLACEMENT_ANNOTATION}
     if ours:
@@ -196,23 +197,22 @@ def run(args: argparse.Namespace) -> int:
         return 0
     as_if = " as if the pod were not placed" if info.node_name or placed else ""
     print(f"Verdicts now{as_if} ({decision.kind.replace('_', ' ')}), best first:")
-    rows: list[tuple[int, int, str, str, str, str, str]] = []
-    # A group plan's priorities override the outcome scores (planned node 10, others 0).
-    planned = decision.priorities
-    for i, (name, o) in enumerate(zip(decision.names, decision.outcomes, strict=True)):
+    # SCORE is the engine's; WIRE is what prioritize gives kube-scheduler for it (docs/extender.md: the
+    # request's ranks, or a group plan's planned node 10 and others 0).
+    rows: list[tuple[int, int, float, str, str, str, str, str, str]] = []
+    for name, o, w in zip(decision.names, decision.outcomes, wire, strict=True):
         if o.code is Code.SUCCESS:
-            score = planned[i] if planned is not None else to_extender_priority(o.score)
             why = describe_gpus(name, o) + outcome_estimate(o)  # each node's own all-reduce time, to compare
-            rows.append((0, -score, name, "fits", str(score), gpu_ranges(o.gpus) or "-", why))
+            rows.append((0, -w, -o.score, name, "fits", f"{o.score:.4f}", str(w), gpu_ranges(o.gpus) or "-", why))
         else:
             verdict = "unresolvable" if o.code is Code.UNRESOLVABLE else "unschedulable"
             why = o.message if not o.detail or o.detail == o.message else f"{o.message}: {o.detail}"
-            rows.append((1, 0, name, verdict, "-", "-", why))
+            rows.append((1, 0, 0.0, name, verdict, "-", "-", "-", why))
     rows.sort()
-    width = max([len(r[2]) for r in rows] + [4])
-    print(f"  {'NODE':<{width}}  {'VERDICT':<13}  SCORE  {'GPUS':<5}  WHY")
-    for _, _, name, verdict, shown, gpus, why in rows:
-        print(f"  {name:<{width}}  {verdict:<13}  {shown:<5}  {gpus:<5}  {why}")
+    width = max([len(r[3]) for r in rows] + [4])
+    print(f"  {'NODE':<{width}}  {'VERDICT':<13}  {'SCORE':<6}  WIRE  {'GPUS':<5}  WHY")
+    for *_, name, verdict, shown, sent, gpus, why in rows:
+        print(f"  {name:<{width}}  {verdict:<13}  {shown:<6}  {sent:<4}  {gpus:<5}  {why}")
     if not any(o.code is Code.SUCCESS for o in decision.outcomes):
         print(summarize_failures([o.message for o in decision.outcomes], len(decision.outcomes)))
     return 0

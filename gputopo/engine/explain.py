@@ -10,7 +10,7 @@ from gputopo.engine.estimate import member_estimate
 from gputopo.engine.groups import Assignment, GroupPlan
 from gputopo.engine.placement import NodeVerdict, Outcome
 from gputopo.engine.rails import RailAlignment, assess, rail_ranges, rails_of
-from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights, to_extender_priority
+from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.model import CommEstimate
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
@@ -86,6 +86,18 @@ def why_lost(winner: Outcome, runner: Outcome, weights: ScoreWeights = DEFAULT_W
     return _LOSS[best_name]
 
 
+def score_pair(a: float, b: float) -> tuple[str, str]:
+    """Two engine scores as text, to as many decimals (2 to 6) as it takes to tell them apart: the
+    runner-up of a sentence lost by the engine's exact order, so "0.71 vs 0.71" would misstate it."""
+    if a == b:
+        return f"{a:.2f}", f"{b:.2f}"
+    for digits in range(2, 7):
+        x, y = f"{a:.{digits}f}", f"{b:.{digits}f}"
+        if x != y:
+            break
+    return x, y
+
+
 def runner_up(chosen: str, ranked: Sequence[NodeVerdict]) -> NodeVerdict | None:
     return next((v for v in ranked if v.name != chosen), None)
 
@@ -111,8 +123,9 @@ def placement_sentence(
                 parts.append(rails)
     if runner is not None and not staged:  # a group member's node comes from the plan, not a race
         parts.append(
-            f"runner-up {runner.name} {why_lost(outcome, runner.outcome, weights)}"
-            f" (score {to_extender_priority(runner.outcome.score)} vs {to_extender_priority(outcome.score)})"
+            f"runner-up {runner.name} {why_lost(outcome, runner.outcome, weights)} (score {{}} vs {{}})".format(
+                *score_pair(runner.outcome.score, outcome.score)
+            )
         )
     estimate = placement_estimate(outcome, runner, plan, member, tiers)
     if estimate is not None:

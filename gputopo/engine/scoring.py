@@ -1,8 +1,9 @@
-"""Score components and their weights, the link-type score table, and the one mapping to 0..10."""
+"""Score components and their weights, the link-type score table, the one mapping of a request's
+scores to the extender wire (`wire_scores`), and the 0..10 grade people read (`grade`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -49,8 +50,26 @@ class ScoreWeights(BaseModel):
 DEFAULT_WEIGHTS = ScoreWeights()
 
 
-def to_extender_priority(score: float) -> int:
-    """The one place an internal score in [0, 1] becomes kube-scheduler's extender score 0..10."""
+# kube-scheduler's MaxExtenderPriority: an extender's scores are 0..10, multiplied by 10 and its weight.
+MAX_EXTENDER_SCORE = 10
+
+
+def grade(score: float) -> int:
+    """An internal score in [0, 1] as the whole number 0..10 people read (a placement's `score`, the
+    explain table). Not what goes on the wire: adjacent grades hide the engine's order (`wire_scores`)."""
     if score != score:  # NaN
         return 0
-    return max(0, min(10, round(score * 10)))
+    return max(0, min(MAX_EXTENDER_SCORE, round(score * 10)))
+
+
+def wire_scores(scores: Iterable[float]) -> dict[float, int]:
+    """The one place internal scores become kube-scheduler's extender scores, per request: the fitting
+    candidates' distinct scores ranked, the best 10, the next 9, and so on; the eleventh best and below 0.
+
+    Rank, not magnitude: kube-scheduler adds `score x 10 x weight` to its own plugins' sums and takes the
+    highest total, so only the order can carry the engine's choice, and 11 absolute steps would put
+    scores 0.71 and 0.74 on the same 7. With ranks the engine's best node(s) always get strictly more
+    than every node it ranks below them, and equal scores only where the engine ties (among the ten
+    best levels). NaN is left out: look it up with `.get(score, 0)`."""
+    levels = sorted({s for s in scores if s == s}, reverse=True)
+    return {s: max(0, MAX_EXTENDER_SCORE - i) for i, s in enumerate(levels)}

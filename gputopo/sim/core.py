@@ -34,7 +34,7 @@ from gputopo.engine.explain import gpu_ranges, placement_sentence, runner_up
 from gputopo.engine.groups import GroupFailure, Member, group_waiting_message, plan_group
 from gputopo.engine.placement import evaluate_pod, rank
 from gputopo.engine.reasons import summarize_failures
-from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights, to_extender_priority
+from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights, grade
 from gputopo.engine.snapshot import NodeState, Shape, shape_of, with_in_use
 from gputopo.model import AnnotationError, Health, is_gputopo_pod, parse_pod_request
 from gputopo.sim.checks import broken_requests
@@ -166,7 +166,7 @@ class _Run:
         sentence = sentence.replace(ENGINE_TIE_WORDS, SIM_TIE_WORDS)
         if runner is None and len(verdicts) > 1:
             sentence += "; no other node fits"
-        score = to_extender_priority(best.outcome.score)
+        score = grade(best.outcome.score)
         self.placements.append(PodPlacement(pod.name, pod.job, best.name, best.outcome.gpus, score, sentence))
         self.take(best.name, best.outcome.gpus)
 
@@ -186,7 +186,7 @@ class _Run:
         for a in plan.assignments:
             pod = next(p for p in pods if p.name == a.member)
             sentence = placement_sentence(a.node.name, a.outcome, None, plan, a.member, self.weights, self.tiers)
-            score = to_extender_priority(a.outcome.score)
+            score = grade(a.outcome.score)
             self.placements.append(PodPlacement(pod.name, pod.job, a.node.name, a.outcome.gpus, score, sentence))
             self.take(a.node.name, a.outcome.gpus)
 

@@ -8,7 +8,7 @@ import pytest
 
 from gputopo.engine.placement import evaluate_node, evaluate_pod, fail_invalid, rank
 from gputopo.engine.reasons import Code, Reason, summarize_failures
-from gputopo.engine.scoring import to_extender_priority
+from gputopo.engine.scoring import grade
 from gputopo.engine.snapshot import NodeState, node_state
 from gputopo.model import NodeTopology, parse_pod_request, parse_topology
 from gputopo.systems import build_system
@@ -274,12 +274,12 @@ def test_failure_summary_matches_kube_scheduler_format() -> None:
     ("score", "expected"),
     [(0.0, 0), (0.04, 0), (0.05, 0), (0.51, 5), (0.96, 10), (1.0, 10), (1.7, 10), (-1.0, 0), (float("nan"), 0)],
 )
-def test_extender_priority_is_clamped_to_0_10(score: float, expected: int) -> None:
-    assert to_extender_priority(score) == expected
+def test_grade_is_clamped_to_0_10(score: float, expected: int) -> None:
+    assert grade(score) == expected
 
 
-def test_extender_priority_is_monotonic() -> None:
-    values = [to_extender_priority(i / 1000) for i in range(1001)]
+def test_grade_is_monotonic() -> None:
+    values = [grade(i / 1000) for i in range(1001)]
     assert values == sorted(values)
 
 

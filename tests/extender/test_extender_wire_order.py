@@ -1,0 +1,127 @@
+"""The engine's order of nodes reaches kube-scheduler: prioritize ranks a request's candidates, so the
+engine's best node always gets strictly the highest extender score, and equal scores only where the
+engine ties (docs/extender.md, "Scores on the wire")."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from extender.app import create_app
+from extender.settings import Settings
+from gputopo import inspect
+from gputopo.engine.placement import evaluate_pod, rank
+from gputopo.engine.scoring import MAX_EXTENDER_SCORE, wire_scores
+from gputopo.engine.snapshot import node_state
+from gputopo.model import parse_pod_request
+from gputopo.systems import SYSTEMS, build_system
+from tests.extender.fake import FakeSource
+from tests.extender.harness import NS, Env, FakeClock, gputopo_pod, node_obj, pod_obj
+
+
+@pytest.mark.parametrize(
+    ("scores", "expected"),
+    [
+        ([], {}),
+        ([0.5], {0.5: 10}),
+        ([0.71, 0.74], {0.74: 10, 0.71: 9}),  # one grade apart would both be 7
+        ([0.3, 0.9, 0.3, 0.9], {0.9: 10, 0.3: 9}),  # ties stay ties
+        ([0.0, 1.0], {1.0: 10, 0.0: 9}),
+        ([i / 100 for i in range(12)], {i / 100: max(0, i - 1) for i in range(12)}),  # 11th best and below: 0
+        ([float("nan"), 0.2], {0.2: 10}),  # NaN is no level
+    ],
+    ids=["none", "one", "close scores", "ties", "extremes", "more than eleven levels", "NaN"],
+)
+def test_wire_scores_rank_distinct_scores_best_first(scores: list[float], expected: dict[float, int]) -> None:
+    assert wire_scores(scores) == expected
+
+
+@given(st.lists(st.floats(0, 1), max_size=40))
+def test_wire_scores_keep_the_order_of_the_ten_best_levels(scores: list[float]) -> None:
+    wire = wire_scores(scores)
+    assert all(0 <= v <= MAX_EXTENDER_SCORE for v in wire.values())
+    for a in scores:
+        for b in scores:
+            if a > b and wire[a] > 0:
+                assert wire[a] > wire[b]
+            if a == b:
+                assert wire[a] == wire[b]
+    if scores:
+        assert wire[max(scores)] == MAX_EXTENDER_SCORE
+
+
+def test_tp4_prefers_the_fragmented_dgx1v_node_on_the_wire(env: Env) -> None:
+    """The case kube-scheduler decided at random: both nodes grade 7, but the engine keeps the empty one
+    whole for an 8-GPU job, so it must lose on the wire by a whole step."""
+    env.add_nodes(node_obj("v-frag", "dgx-1v", in_use=[1]), node_obj("v-empty", "dgx-1v"))
+    scores = env.prioritize(gputopo_pod("tp4", 4, nvlink="required"), ["v-frag", "v-empty"])
+    assert scores["v-frag"] > scores["v-empty"]
+
+
+@contextmanager
+def _cluster() -> Iterator[Env]:
+    source = FakeSource(NS)
+    clock = FakeClock()
+    app = create_app(Settings(namespace=NS, stale_after_seconds=120), cluster=source, clock=clock, watch=False)
+    with TestClient(app) as client:
+        e = Env(source, clock, client, Settings(namespace=NS))
+        e.resync()
+        yield e
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    system=st.sampled_from(sorted(SYSTEMS)),
+    in_use=st.lists(st.sets(st.integers(0, 7), max_size=7), min_size=2, max_size=6),
+    gpus=st.sampled_from([1, 2, 3, 4, 8]),
+    nvlink=st.sampled_from(["required", "preferred", "ignore"]),
+)
+def test_prioritize_keeps_the_engines_order_strictly(
+    system: str, in_use: list[set[int]], gpus: int, nvlink: str
+) -> None:
+    """On every named system and random in-use sets: a node the engine scores higher gets a strictly
+    higher wire score, equal engine scores get equal wire scores, and the engine's first choice the top."""
+    n = len(build_system(system, "probe").gpus)
+    names = [f"n{i}" for i in range(len(in_use))]
+    used = [sorted(g for g in s if g < n) for s in in_use]
+    ann = {"gputopo.io/nvlink": nvlink}
+    with _cluster() as env:
+        env.add_nodes(*(node_obj(name, system, in_use=u) for name, u in zip(names, used, strict=True)))
+        wire = env.prioritize(gputopo_pod("p", gpus, nvlink=nvlink), names)
+    req = parse_pod_request(ann, gpus)
+    pairs = zip(names, used, strict=True)
+    states = [node_state(name, build_system(system, name), in_use=frozenset(u)) for name, u in pairs]
+    ranked = rank(evaluate_pod(states, req))
+    engine = {v.name: v.outcome.score for v in ranked}
+    for a, sa in engine.items():
+        for b, sb in engine.items():
+            if sa > sb:
+                assert wire[a] > wire[b], (a, b, engine, wire)
+            elif sa == sb:
+                assert wire[a] == wire[b], (a, b, engine, wire)
+    if ranked:
+        assert wire[ranked[0].name] == max(wire.values())
+        assert all(wire[x] < wire[ranked[0].name] for x in names if x not in engine)
+
+
+def test_explain_prints_each_nodes_engine_score_next_to_its_wire_score(
+    env: Env, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env.add_nodes(node_obj("v-frag", "dgx-1v", in_use=[1]), node_obj("v-empty", "dgx-1v"))
+    env.source.put("pods", pod_obj("tp4", 4, {"gputopo.io/nvlink": "required"}))
+    env.resync()
+    monkeypatch.setattr(inspect, "_source", lambda _args: env.source)
+    args = argparse.Namespace(pod="tp4", namespace="default", stale_after_seconds=1e12, gputopo_namespace=NS)
+    assert inspect.run(args) == 0
+    table = capsys.readouterr().out.split("NODE", 1)[1]
+    header, first, second = table.splitlines()[:3]
+    assert header.split()[:5] == ["VERDICT", "SCORE", "WIRE", "GPUS", "WHY"]
+    # Best first: the engine's 0.7279 beats 0.7140 (both grade 7), and the wire says so by a whole step.
+    assert first.split()[:5] == ["v-frag", "fits", "0.7279", "10", "4-7"]
+    assert second.split()[:5] == ["v-empty", "fits", "0.7140", "9", "0-3"]
