@@ -208,7 +208,7 @@ def test_scheduler_config_has_exactly_the_extender_protocol_keys() -> None:
         "bindVerb": "bind",
         # Clique-aware preemption is safe on every release: no-clique nodes are unresolvable.
         "preemptVerb": "preempt",
-        "weight": 150,
+        "weight": 200,
         "nodeCacheCapable": True,
         "httpTimeout": "5s",
         "ignorable": False,
