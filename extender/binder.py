@@ -18,7 +18,7 @@ from extender.events import EventPoster
 from extender.kube import JSON, ClusterSource
 from extender.ledger import Ledger
 from extender.locks import StripedLocks
-from extender.objects import pod_record
+from extender.objects import pod_record, resolve_pod
 from extender.wire import PodInfo, pod_info
 from gputopo.engine.cliques import mask_of
 from gputopo.engine.explain import placement_estimate, placement_sentence, why_lost
@@ -28,12 +28,10 @@ from gputopo.kube import KubeError
 from gputopo.model import (
     GPU_RESOURCE,
     PLACEMENT_ANNOTATION,
-    AnnotationError,
     Placement,
     PodRequest,
     RunnerUp,
     is_gputopo_pod,
-    parse_pod_request,
 )
 
 log = logging.getLogger("gputopo.extender")
@@ -99,7 +97,7 @@ class Binder:
         source = self._source()
         ref = f"{namespace}/{name}"
         info = self.recent.recall(uid, ref)
-        if source is None and (info is None or not is_gputopo_pod(info.annotations)):
+        if source is None and (info is None or not self._ours(info)):
             return ""  # snapshot mode has no API to bind through; nothing to account for
         if source is not None and info is None:
             try:
@@ -118,7 +116,7 @@ class Binder:
         if existing is not None and existing.node_name == node:
             return ""  # bound there already (by us, moments ago): a retried bind succeeds
         # (a recalled pod that was bound meanwhile is caught by the Binding's 409 below)
-        if not is_gputopo_pod(info.annotations):
+        if not self._ours(info):
             assert source is not None
             return self._post_binding(source, info, node, None)[0]
         with self.locks(node):  # choosing and claiming is atomic per node in this process
@@ -153,12 +151,24 @@ class Binder:
         )
         return ""
 
+    def _ours(self, info: PodInfo) -> bool:
+        """A gputopo pod: annotated, or a member of a group its controller's labels give."""
+        if is_gputopo_pod(info.annotations):
+            return True
+        return resolve_pod(info, self.ledger.tier_names, scheduler=info.scheduler_name).opted_in
+
     def placement_for(self, info: PodInfo, node: str) -> tuple[Placement, PodRequest] | str:
         """The placement this pod gets on `node` now, or why it cannot have one."""
-        try:
-            req = parse_pod_request(info.annotations, info.gpus, self.ledger.tier_names)
-        except AnnotationError as e:
-            return str(e)
+        # As the filter read it: a controller's labels make a group (the cache's record has the sizes its
+        # Jobs give; without a record, what the labels alone give).
+        rec = self.ledger.pods.get(info.uid) if info.uid else None
+        if rec is not None and rec.inferred is not None and rec.request is not None:
+            req = rec.request
+        else:
+            resolved = resolve_pod(info, self.ledger.tier_names, scheduler=info.scheduler_name)
+            if resolved.request is None:
+                return resolved.problem or f"pod {info.ref} is no gputopo pod"
+            req = resolved.request
         placement, _ = self.choose(info, req, node)
         return placement if isinstance(placement, str) else (placement, req)
 
@@ -180,7 +190,12 @@ class Binder:
                 outcome = planned
         runner = self._runner_up(node, req)
         plan = res.plan if res is not None else None
-        sentence = placement_sentence(node, outcome, runner, plan, info.name, ledger.weights, ledger.tiers)
+        rec = ledger.pods.get(info.uid) if info.uid else None
+        inferred = rec.inferred if rec is not None else None
+        origin = inferred.words() if inferred is not None and inferred.group == req.group else ""
+        sentence = placement_sentence(
+            node, outcome, runner, plan, info.name, ledger.weights, ledger.tiers, origin=origin
+        )
         stage = req.stage
         if res is not None and info.name in res.slots:
             stage = res.slots[info.name].stage

@@ -10,6 +10,7 @@ calls `gc.freeze()` so the cyclic GC does not walk thousands of long-lived node 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import math
@@ -22,16 +23,19 @@ from extender.objects import (
     BadObject,
     NodeFacts,
     PodRecord,
+    job_shape,
     lease_renewal,
     node_facts,
     object_name,
     pod_key,
     pod_record,
+    record_of,
     short,
 )
+from extender.wire import PodInfo
 from gputopo.engine.reasons import Reason
 from gputopo.engine.snapshot import NodeState
-from gputopo.model import DEFAULT_NAMESPACE, GpusInUse
+from gputopo.model import DEFAULT_NAMESPACE, ControllerFacts, GpusInUse, JobShape
 
 log = logging.getLogger("gputopo.extender.cache")
 
@@ -55,6 +59,10 @@ class ClusterCache:
         self.synced: set[Kind] = set()
         self.last_heard = 0.0
         self.on_bad_object: Callable[[Kind, str], None] | None = None
+        # batch/v1 Jobs by namespace and name (with the JobSet each belongs to): the sizes that pod
+        # labels do not carry (gputopo.model.jobs). Replaced whole per namespace, never mutated.
+        self._jobs: dict[str, dict[str, tuple[JobShape, str | None]]] = {}
+        self._controller_facts: dict[str, ControllerFacts] = {}
 
     @property
     def nodes(self) -> dict[str, Any]:
@@ -79,6 +87,67 @@ class ClusterCache:
         for st in states:
             self.ledger.put_static(st)
         _freeze()
+
+    # ------------------------------------------------------------------ controller objects
+
+    def facts(self, namespace: str) -> ControllerFacts:
+        """The controller objects of `namespace` that inference reads (sizes of Jobs and JobSets)."""
+        found = self._controller_facts.get(namespace)
+        if found is None:
+            found = self._controller_facts[namespace] = _facts_of(self._jobs.get(namespace, {}))
+        return found
+
+    def _put_jobs(self, namespace: str, jobs: dict[str, tuple[JobShape, str | None]]) -> None:
+        if jobs:
+            self._jobs[namespace] = jobs
+        else:
+            self._jobs.pop(namespace, None)
+        self._controller_facts.pop(namespace, None)
+
+    def _reinfer(self, namespaces: Iterable[str]) -> None:
+        """Infer again the groups of pods whose controller's labels were read before their Job was: a
+        waiting member becomes a member with a size, a Job that changed changes its members."""
+        spaces = set(namespaces)
+        if not spaces:
+            return
+        with self.ledger.lock:
+            stale = [r for r in self.ledger.pods.values() if r.job_keys and r.namespace in spaces]
+        for rec in stale:
+            fresh = self._record_again(rec)
+            if fresh != rec:
+                self.ledger.put_pod(rec.uid, fresh)
+
+    def _record_again(self, rec: PodRecord) -> PodRecord | None:
+        keys = dict(rec.job_keys)
+        info = PodInfo(
+            name=rec.name,
+            namespace=rec.namespace,
+            uid=rec.uid,
+            annotations={**keys, **dict(rec.own)},
+            labels=keys,
+            gpus=rec.gpus,
+            scheduler_name=rec.scheduler_name,
+            node_name=rec.node_name,
+            phase=rec.phase,
+            priority=rec.priority,
+        )
+        again = record_of(info, self.ledger.tier_names, self.facts(rec.namespace))
+        return again if again is None or rec.placement is None else dataclasses.replace(again, placement=rec.placement)
+
+    def _apply_job(self, event_type: str, obj: JSON) -> None:
+        namespace, shape, jobset = job_shape(obj)
+        jobs = dict(self._jobs.get(namespace, {}))
+        if event_type == "DELETED":
+            jobs.pop(shape.name, None)
+        else:
+            jobs[shape.name] = (shape, jobset)
+        self._put_jobs(namespace, jobs)
+        if event_type == "DELETED":
+            # The controller is gone: its group's reservation holds GPUs for pods that will not come.
+            self.ledger.release((namespace, f"job/{shape.name}"))
+            if jobset is not None:
+                self.ledger.release((namespace, f"jobset/{jobset}"))
+        self._reinfer([namespace])
 
     # ------------------------------------------------------------------ informer handler
 
@@ -121,13 +190,26 @@ class ClusterCache:
             records: dict[str, PodRecord] = {}
             for obj in items:
                 try:
-                    rec = pod_record(obj, self.ledger.tier_names)
+                    rec = pod_record(obj, self.ledger.tier_names, self._facts_for(obj))
                 except Exception as e:
                     self._bad(kind, obj, e)
                     continue
                 if rec is not None:
                     records[rec.uid] = rec
             self.ledger.replace_pods(records)
+        elif kind == "jobs":
+            by_ns: dict[str, dict[str, tuple[JobShape, str | None]]] = {}
+            for obj in items:
+                try:
+                    namespace, shape, jobset = job_shape(obj)
+                except Exception as e:
+                    self._bad(kind, obj, e)
+                    continue
+                by_ns.setdefault(namespace, {})[shape.name] = (shape, jobset)
+            touched = set(self._jobs) | set(by_ns)
+            for namespace in touched:
+                self._put_jobs(namespace, by_ns.get(namespace, {}))
+            self._reinfer(touched)
         else:
             leases: dict[str, float] = {}
             for obj in items:
@@ -151,6 +233,8 @@ class ClusterCache:
                     self.ledger.put_node(self._facts(obj))
             elif kind == "pods":
                 self.upsert_pod(obj, deleted=event_type == "DELETED")
+            elif kind == "jobs":
+                self._apply_job(event_type, obj)
             else:
                 found = lease_renewal(obj, self.lease_namespace)
                 if found is not None:
@@ -162,9 +246,14 @@ class ClusterCache:
         """Apply a pod object (from a watch, or one the extender built after its own bind). A pending
         pod without a placement changes no node, so most pod events leave the generation alone."""
         uid = pod_key(obj)
-        rec = None if deleted else pod_record(obj, self.ledger.tier_names)
+        rec = None if deleted else pod_record(obj, self.ledger.tier_names, self._facts_for(obj))
         self.ledger.put_pod(uid, rec)
         return rec
+
+    def _facts_for(self, obj: JSON) -> ControllerFacts:
+        meta = obj.get("metadata") if isinstance(obj, dict) else None
+        namespace = meta.get("namespace") if isinstance(meta, dict) else None
+        return self.facts(namespace if isinstance(namespace, str) and namespace else "default")
 
     def forget_pod(self, obj: JSON) -> None:
         """Drop a pod and the GPUs its node reports for it: the cluster as if it had never run (what-if
@@ -172,3 +261,12 @@ class ClusterCache:
         reporting them)."""
         self.upsert_pod(obj, deleted=True)
         self.ledger.forget_reported(pod_key(obj))
+
+
+def _facts_of(jobs: dict[str, tuple[JobShape, str | None]]) -> ControllerFacts:
+    """One namespace's Jobs as inference reads them: by name, and each JobSet's by global index."""
+    jobsets: dict[str, dict[int, JobShape]] = {}
+    for shape, jobset in jobs.values():
+        if jobset is not None and shape.global_index is not None:
+            jobsets.setdefault(jobset, {})[shape.global_index] = shape
+    return ControllerFacts(jobs={n: sh for n, (sh, _) in jobs.items()}, jobsets=jobsets)

@@ -33,6 +33,27 @@ def member_view(rec: PodRecord) -> MemberView:
         node=node,
         gpus=frozenset(placed.gpus) if placed is not None else frozenset(),
         stage=placed.stage if placed is not None else None,
+        problem=rec.problem,
+    )
+
+
+def _rank_clash(group: str, records: Sequence[PodRecord], members: dict[str, MemberView]) -> GroupFailure | None:
+    """Two members of an inferred group with one rank: a controller's labels are never guessed at, so
+    every member is told which label repeats (plan_group would only say the stage does)."""
+    labels = sorted({r.inferred.rank_label for r in records if r.inferred is not None and r.inferred.rank_label})
+    if not labels:
+        return None
+    by_rank: dict[int, list[str]] = {}
+    for m in members.values():
+        if m.request is not None and m.request.stage is not None:
+            by_rank.setdefault(m.request.stage, []).append(m.name)
+    dup = sorted((r, sorted(names)) for r, names in by_rank.items() if len(names) > 1)
+    if not dup:
+        return None
+    rank, names = dup[0]
+    return GroupFailure(
+        group,
+        f"group {group}: rank {rank} ({' / '.join(labels)}) is claimed by more than one pod: {', '.join(names[:4])}",
     )
 
 
@@ -45,8 +66,12 @@ class GroupDesk:
         assert req.group is not None and req.group_size is not None
         ledger = self.ledger
         key = (info.namespace, req.group)
-        members = {r.name: member_view(r) for r in ledger.group_members(key)}
+        records = ledger.group_members(key)
+        members = {r.name: member_view(r) for r in records}
         members[info.name] = MemberView(info.name, req)  # the asking pod is always planned afresh
+        clash = _rank_clash(req.group, records, members)
+        if clash is not None:
+            return clash
         if len(members) != req.group_size:
             counted = replan(req.group, req.group_size, info.name, members, ())
             assert not isinstance(counted, Replan)

@@ -1,7 +1,7 @@
 """The extender's only seam to the API server: the `ClusterSource` protocol, its implementation on
 the project's Kubernetes layer (`gputopo.kube`), and the informers that keep the cache current.
 
-`KubeSource` lists and watches the three kinds the extender reads (nodes, pods, the agents' Leases)
+`KubeSource` lists and watches the kinds the extender reads (nodes, pods, the agents' Leases, Jobs)
 as raw JSON and makes its two writes (Binding, Event). `Informer` runs one list+watch loop per kind
 in a thread and hands objects to a handler (the cache, which locks): 410 Gone relists, any other
 failure reconnects with capped exponential backoff, and the cache keeps serving meanwhile.
@@ -18,10 +18,13 @@ from typing import Any, Literal, Protocol
 from gputopo.kube import JSON as JSON
 from gputopo.kube import Backoff, Gone, Kube, WatchEvent, lease_path, node_path, pod_path, pods_path, run_list_watch
 
-Kind = Literal["nodes", "pods", "leases"]
-KINDS: tuple[Kind, ...] = ("nodes", "pods", "leases")
+Kind = Literal["nodes", "pods", "leases", "jobs"]
+# Jobs (batch/v1, read-only) give the sizes an Indexed Job's or a JobSet's pod labels do not carry.
+KINDS: tuple[Kind, ...] = ("nodes", "pods", "leases", "jobs")
 
 log = logging.getLogger("gputopo.extender.kube")
+
+JOBS_PATH = "/apis/batch/v1/jobs"  # every namespace's Jobs
 
 
 class ClusterSource(Protocol):
@@ -60,6 +63,8 @@ class KubeSource:
             return node_path()
         if kind == "pods":
             return pods_path()
+        if kind == "jobs":
+            return JOBS_PATH
         return lease_path(self.namespace)
 
     def list_objects(self, kind: Kind) -> tuple[list[JSON], str]:

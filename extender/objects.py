@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from extender.wire import WireError, pod_info
+from extender.wire import PodInfo, WireError, pod_info
 from gputopo.engine.reasons import Reason
 from gputopo.engine.snapshot import NodeState, node_state
 from gputopo.model import (
@@ -22,19 +22,26 @@ from gputopo.model import (
     ANN_GROUP,
     ANN_GROUP_SIZE,
     GPUS_IN_USE_ANNOTATION,
+    NO_FACTS,
     PLACEMENT_ANNOTATION,
     PREFIX,
+    SCHEDULER_NAME,
     TOPOLOGY_ANNOTATION,
     AnnotationError,
+    ControllerFacts,
     GpusInUse,
+    InferredGroup,
+    JobShape,
     NodeTopology,
     Placement,
     PodRequest,
+    infer_group,
     parse_gpus_in_use_report,
     parse_placement,
     parse_pod_request,
     parse_topology,
 )
+from gputopo.model.jobs import JOB_KEYS, JOBSET_GLOBAL_REPLICAS, JOBSET_JOB_GLOBAL_INDEX, JOBSET_NAME, group_identity
 
 log = logging.getLogger("gputopo.extender.objects")
 
@@ -171,6 +178,11 @@ class PodRecord:
     request: PodRequest | None
     placement: Placement | None
     priority: int = 0  # spec.priority: which victims preemption prefers
+    inferred: InferredGroup | None = None  # the group its controller's labels give (gputopo.model.jobs)
+    problem: str = ""  # why `request` is None: the annotation or label at fault, or what the group waits for
+    job_keys: tuple[tuple[str, str], ...] = ()  # the labels and annotations inference reads, to infer again
+    own: tuple[tuple[str, str], ...] = ()  # its gputopo.io/ request annotations, likewise
+    scheduler_name: str = ""
 
     @property
     def active(self) -> bool:
@@ -199,27 +211,83 @@ def pod_key(obj: Any) -> str:
     return f"{namespace if isinstance(namespace, str) and namespace else 'default'}/{name}"
 
 
-def pod_record(obj: Any, tiers: tuple[str, ...]) -> PodRecord | None:
-    """None when the pod has no gputopo annotation (plain pods are not tracked); BadObject when unreadable."""
+@dataclass(frozen=True)
+class Resolved:
+    """A pod's request as gputopo reads it: from its annotations, with the group its controller's
+    labels give where they do (annotations override). `request` None: `problem` says why."""
+
+    opted_in: bool  # a gputopo pod: an annotation, or a known controller's labels under gputopo-scheduler
+    request: PodRequest | None
+    inferred: InferredGroup | None = None
+    problem: str = ""
+    waiting: bool = False  # the group's size is in a controller object not seen yet
+    group: str | None = None  # the group, even when `request` is None
+
+
+def resolve_pod(
+    info: PodInfo, tiers: tuple[str, ...], facts: ControllerFacts = NO_FACTS, *, scheduler: str = SCHEDULER_NAME
+) -> Resolved:
+    """Read a pod's request: its `gputopo.io/` annotations and, for a pod under `scheduler`, its
+    controller's labels with `facts` (the controller objects of its namespace)."""
+    ann = info.annotations
+    annotated = any(k.startswith(PREFIX) and k != PLACEMENT_ANNOTATION for k in ann)
+    inferred: InferredGroup | None = None
+    if annotated or info.scheduler_name == scheduler:
+        try:
+            inferred = infer_group(info.labels, ann, facts)
+        except AnnotationError as e:
+            group = ann.get(ANN_GROUP, "").strip() or group_identity(info.labels)
+            return Resolved(True, None, None, str(e), group=group)
+    if not annotated and inferred is None:
+        return Resolved(False, None)
+    if inferred is not None and inferred.size is None and ANN_GROUP_SIZE not in ann:
+        why = f"group {inferred.group}: waiting: {inferred.waiting}"
+        return Resolved(True, None, inferred, why, waiting=True, group=ann.get(ANN_GROUP, "").strip() or inferred.group)
+    try:
+        request = parse_pod_request(ann, info.gpus, tiers, inferred)
+    except AnnotationError as e:
+        group = ann.get(ANN_GROUP, "").strip() or (inferred.group if inferred else None)
+        return Resolved(True, None, inferred, str(e), group=group)
+    return Resolved(True, request, inferred, group=request.group)
+
+
+def pod_record(obj: Any, tiers: tuple[str, ...], facts: ControllerFacts = NO_FACTS) -> PodRecord | None:
+    """None when the pod is no gputopo pod (plain pods are not tracked); BadObject when unreadable."""
     try:
         info = pod_info(obj)
     except WireError as e:
         raise BadObject(short(str(e))) from None
+    return record_of(info, tiers, facts)
+
+
+def record_of(info: PodInfo, tiers: tuple[str, ...], facts: ControllerFacts = NO_FACTS) -> PodRecord | None:
     ann = {k: v for k, v in info.annotations.items() if k.startswith(PREFIX)}
-    if not ann:
-        return None
     if sum(len(k) + len(v) for k, v in ann.items()) > MAX_VALUE_BYTES:
         raise BadObject(f"gputopo.io/ annotations are over {MAX_VALUE_BYTES // 1024} KiB")
+    resolved = resolve_pod(info, tiers, facts)
+    if not resolved.opted_in:
+        if not ann:
+            return None
+        # Only gputopo's own placement: a pod bound by gputopo holds GPUs whatever else it says.
+        try:
+            resolved = Resolved(False, parse_pod_request(ann, info.gpus, tiers))
+        except AnnotationError as e:
+            resolved = Resolved(False, None, problem=str(e))
     placement = None
     if PLACEMENT_ANNOTATION in ann:
         try:
             placement = parse_placement(ann[PLACEMENT_ANNOTATION])
         except AnnotationError as e:
             log.warning("ignoring unreadable placement annotation", extra={"pod": info.ref, "error": short(str(e))})
-    try:
-        request: PodRequest | None = parse_pod_request(ann, info.gpus, tiers)
-    except AnnotationError:
-        request = None
+    keys = tuple(
+        sorted(
+            {(k, v) for k, v in info.labels.items() if k in JOB_KEYS}
+            | {(k, v) for k, v in info.annotations.items() if k in JOB_KEYS}
+        )
+    )
+    size = ann.get(ANN_GROUP_SIZE)
+    if size is None and resolved.request is not None and resolved.request.group_size is not None:
+        size = str(resolved.request.group_size)
     return PodRecord(
         uid=info.uid or info.ref,
         namespace=info.namespace,
@@ -227,12 +295,56 @@ def pod_record(obj: Any, tiers: tuple[str, ...]) -> PodRecord | None:
         node_name=info.node_name,
         phase=info.phase,
         gpus=info.gpus,
-        group=ann.get(ANN_GROUP, "").strip() or None,
-        group_size=ann.get(ANN_GROUP_SIZE),
-        request=request,
+        group=resolved.group,
+        group_size=size,
+        request=resolved.request,
         placement=placement,
         priority=info.priority,
+        inferred=resolved.inferred,
+        problem=short(resolved.problem),
+        job_keys=keys,
+        own=tuple(sorted((k, v) for k, v in ann.items() if k != PLACEMENT_ANNOTATION)) if keys else (),
+        scheduler_name=info.scheduler_name,
     )
+
+
+# -------------------------------------------------------------------------------------------- jobs
+
+
+def job_shape(obj: Any) -> tuple[str, JobShape, str | None]:
+    """A batch/v1 Job: its namespace, its shape, and the JobSet it belongs to (None when none);
+    BadObject naming the field that is unreadable."""
+    name = object_name(obj)
+    meta = obj["metadata"]
+    namespace = meta.get("namespace") or "default"
+    if not isinstance(namespace, str):
+        raise BadObject("metadata.namespace is not a string")
+    labels = _string_map(meta.get("labels"), "metadata.labels")
+    spec = obj.get("spec") or {}
+    if not isinstance(spec, Mapping):
+        raise BadObject("spec is not an object")
+
+    def count(key: str) -> int | None:
+        v = spec.get(key)
+        if v is None:
+            return None
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**31:
+            raise BadObject(f"spec.{key} is not a non-negative int32")
+        return v
+
+    def index(key: str) -> int | None:
+        v = labels.get(key)
+        return int(v) if v is not None and v.isdigit() and len(v) <= 9 else None
+
+    shape = JobShape(
+        name,
+        count("completions"),
+        count("parallelism"),
+        spec.get("completionMode") == "Indexed",
+        index(JOBSET_JOB_GLOBAL_INDEX),
+        index(JOBSET_GLOBAL_REPLICAS),
+    )
+    return namespace, shape, labels.get(JOBSET_NAME)
 
 
 # ------------------------------------------------------------------------------------------ leases

@@ -25,6 +25,7 @@ from extender.kube import ClusterSource, Kind
 from extender.ledger import Kinds
 from extender.metrics import Metrics
 from extender.mismatch import Mismatch
+from extender.objects import resolve_pod
 from extender.reservations import GroupKey
 from extender.wire import ExtenderPreemptionArgs, MetaPod, MetaVictims, PodInfo, pod_info
 from gputopo.engine.groups import GroupFailure
@@ -156,13 +157,18 @@ class Extender:
     # ------------------------------------------------------------------ decisions
 
     def decide(self, info: PodInfo, names: Sequence[str]) -> Decision:
-        if not is_gputopo_pod(info.annotations):
-            return Decision("pass_through")
         ledger = self.ledger
-        try:
-            req = parse_pod_request(info.annotations, info.gpus, ledger.tier_names)
-        except AnnotationError as e:
-            bad = fail_invalid([_STUB], str(e))[0].outcome
+        # kube-scheduler sends only its gputopo profile's pods: a known controller's labels make one a
+        # group member without annotations (gputopo.model.jobs; annotations override).
+        resolved = resolve_pod(info, ledger.tier_names, self.cache.facts(info.namespace), scheduler=info.scheduler_name)
+        if not resolved.opted_in:
+            return Decision("pass_through")
+        if resolved.waiting:
+            o = _outcome(Reason.GROUP_WAITING, resolved.problem)
+            return Decision("group_waiting", names, [o] * len(names))
+        req = resolved.request
+        if req is None:
+            bad = fail_invalid([_STUB], resolved.problem)[0].outcome
             return Decision("invalid", names, [bad] * len(names))
         self.binder.recent.remember(info)
         if req.is_group:

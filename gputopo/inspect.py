@@ -8,6 +8,7 @@ for the pod now, without changing anything in the cluster.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -142,6 +143,7 @@ def run_topo(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """`gputopo explain POD`."""
     from extender.cache import ClusterCache
+    from extender.objects import resolve_pod
     from extender.service import MISMATCH_REASON, Extender
     from extender.wire import WireError, pod_info
 
@@ -152,6 +154,9 @@ def run(args: argparse.Namespace) -> int:
         for kind in ("nodes", "pods", "leases"):
             items, _ = source.list_objects(kind)
             cache.replace(kind, items)
+        # Jobs give the sizes of inferred groups (gputopo.model.jobs); without them such a group waits.
+        with contextlib.suppress(KubeError):
+            cache.replace("jobs", source.list_objects("jobs")[0])
     except KubeError as e:
         print(f"gputopo explain: cannot read {args.namespace}/{args.pod}: {e}", file=sys.stderr)
         return 1
@@ -175,6 +180,11 @@ def run(args: argparse.Namespace) -> int:
     ours = {k: v for k, v in info.annotations.items() if k.startswith(PREFIX) and k != PLACEMENT_ANNOTATION}
     if ours:
         print("Requests: " + ", ".join(f"{k.removeprefix(PREFIX)}={v}" for k, v in sorted(ours.items())))
+    inferred = resolve_pod(info, cache.ledger.tier_names, cache.facts(info.namespace), scheduler=info.scheduler_name)
+    if inferred.inferred is not None:
+        print(f"Group: {inferred.inferred.words()}" + (f" ({inferred.problem})" if inferred.problem else ""))
+    elif inferred.problem and inferred.group:
+        print(f"Group: {inferred.group}: {inferred.problem}")
     placed = info.annotations.get(PLACEMENT_ANNOTATION)
     if info.node_name:
         line = f"Bound to {info.node_name}"

@@ -110,12 +110,18 @@ def placement_sentence(
     member: str | None = None,
     weights: ScoreWeights = DEFAULT_WEIGHTS,
     tiers: TierConfig = DEFAULT_TIERS,
+    *,
+    origin: str = "",
 ) -> str:
+    """`origin`: where a group inferred from a controller's labels came from, e.g. 'group
+    jobset/llama-pretrain, rank 5 of 16, from JobSet labels' (gputopo.model.InferredGroup.words)."""
     parts = [describe_gpus(node, outcome)]
     staged = False
     if plan is not None and member is not None:
         a = plan.for_member(member)
         if a is not None:
+            if origin:
+                parts.append(origin)
             parts.append(stage_clause(plan, a))
             staged = True
             rails = rail_clause(plan, a, outcome)

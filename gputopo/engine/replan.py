@@ -28,6 +28,7 @@ class MemberView:
     node: str | None = None
     gpus: frozenset[int] = frozenset()
     stage: int | None = None
+    problem: str = ""  # why `request` is None (the annotation or label at fault), when known
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,8 @@ def replan(
         if name in pinned:
             continue
         if m.request is None:
-            return GroupFailure(group, f"group {group}: member {name} has an invalid gputopo annotation")
+            why = f": {m.problem}" if m.problem else " has an invalid gputopo annotation"
+            return GroupFailure(group, f"group {group}: member {name}{why}")
         todo.append(Member(name, m.request))
     # Pinned members' GPUs, on the nodes given, so that the new members line up with their rails.
     by_name = {n.name: n for n in nodes}

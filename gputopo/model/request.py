@@ -9,7 +9,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from gputopo.model.base import AnnotationError
+from gputopo.model.base import AnnotationError, LabelError
+from gputopo.model.jobs import InferredGroup
 from gputopo.model.names import GPU_RESOURCE, PLACEMENT_ANNOTATION, PREFIX
 from gputopo.model.quantity import MAX_QUANTITY, parse_quantity_bytes
 from gputopo.model.topology import NicInfo
@@ -124,9 +125,15 @@ def _int(key: str, value: str, lo: int, hi: int | None = None) -> int:
 
 
 def parse_pod_request(
-    annotations: Mapping[str, str] | None, gpus: int, tiers: tuple[str, ...] = ("spine", "leaf", "nvlink-domain")
+    annotations: Mapping[str, str] | None,
+    gpus: int,
+    tiers: tuple[str, ...] = ("spine", "leaf", "nvlink-domain"),
+    inferred: InferredGroup | None = None,
 ) -> PodRequest:
-    """Validate a pod's `gputopo.io/*` annotations. Raises AnnotationError on the first bad one."""
+    """Validate a pod's `gputopo.io/*` annotations. Raises AnnotationError on the first bad one.
+
+    `inferred`: the group the pod's controller labels give (gputopo.model.jobs, with its size known);
+    each of `group`, `group-size` and `stage` given as an annotation overrides its inferred value."""
     ann = {k: v for k, v in (annotations or {}).items() if k.startswith(PREFIX)}
     for key, value in ann.items():
         if key not in POD_OPT_IN_ANNOTATIONS and key not in POD_OUTPUT_ANNOTATIONS:
@@ -164,17 +171,32 @@ def parse_pod_request(
         if not _NAME.match(g):
             raise AnnotationError(ANN_GROUP, ann[ANN_GROUP], "must be a DNS-1123 name (lower case, digits, - . _)")
         fields["group"] = g
-        if ANN_GROUP_SIZE not in ann:
+        if ANN_GROUP_SIZE not in ann and (inferred is None or inferred.size is None):
             raise AnnotationError(ANN_GROUP, ann[ANN_GROUP], f"needs {ANN_GROUP_SIZE} as well")
+    elif inferred is not None:
+        fields["group"] = inferred.group
     if ANN_GROUP_SIZE in ann:
-        if ANN_GROUP not in ann:
+        if "group" not in fields:
             raise AnnotationError(ANN_GROUP_SIZE, ann[ANN_GROUP_SIZE], f"needs {ANN_GROUP} as well")
         fields["group_size"] = _int(ANN_GROUP_SIZE, ann[ANN_GROUP_SIZE], 1, 4096)
+    elif inferred is not None and inferred.size is not None:
+        fields["group_size"] = inferred.size
+    group_size = fields.get("group_size")
     if ANN_STAGE in ann:
-        group_size = fields.get("group_size")
         if group_size is None:
             raise AnnotationError(ANN_STAGE, ann[ANN_STAGE], f"needs {ANN_GROUP} and {ANN_GROUP_SIZE}")
         fields["stage"] = _int(ANN_STAGE, ann[ANN_STAGE], 0, group_size - 1)
+    elif inferred is not None and inferred.rank is not None and group_size is not None:
+        if inferred.rank >= group_size:
+            raise LabelError(
+                inferred.rank_label,
+                str(inferred.rank),
+                f"rank {inferred.rank} is not below {ANN_GROUP_SIZE} {group_size}",
+            )
+        fields["stage"] = inferred.rank
+    if "group" in fields and group_size is None:  # an inferred group whose size is not known yet
+        why = inferred.waiting if inferred is not None else "needs a size"
+        raise AnnotationError(ANN_GROUP_SIZE, "", f"group {fields['group']}: size not known: {why}")
     if not 0 <= gpus <= MAX_QUANTITY:
         raise AnnotationError(GPU_RESOURCE, str(gpus), f"GPU count must be between 0 and {MAX_QUANTITY}")
     return PodRequest(**fields)

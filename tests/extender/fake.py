@@ -29,9 +29,9 @@ class FakeSource:
         self.namespace = namespace
         self._lock = threading.Condition()
         self._rv = 0
-        self._objects: dict[Kind, dict[tuple[str, str], JSON]] = {"nodes": {}, "pods": {}, "leases": {}}
-        self._log: dict[Kind, list[tuple[int, WatchEvent]]] = {"nodes": [], "pods": [], "leases": []}
-        self._compacted: dict[Kind, int] = {"nodes": 0, "pods": 0, "leases": 0}
+        self._objects: dict[Kind, dict[tuple[str, str], JSON]] = {"nodes": {}, "pods": {}, "leases": {}, "jobs": {}}
+        self._log: dict[Kind, list[tuple[int, WatchEvent]]] = {"nodes": [], "pods": [], "leases": [], "jobs": []}
+        self._compacted: dict[Kind, int] = {"nodes": 0, "pods": 0, "leases": 0, "jobs": 0}
         self.bindings: list[tuple[str, str, str, str]] = []
         self.events: list[JSON] = []
         self.binding_annotations: list[dict[str, str]] = []
