@@ -29,6 +29,7 @@ from extender.objects import (
     object_name,
     pod_key,
     pod_record,
+    podgroup_of,
     record_of,
     short,
 )
@@ -36,6 +37,7 @@ from extender.wire import PodInfo
 from gputopo.engine.reasons import Reason
 from gputopo.engine.snapshot import NodeState
 from gputopo.model import DEFAULT_NAMESPACE, ControllerFacts, GpusInUse, JobShape
+from gputopo.model.jobs import PodGroupShape
 
 log = logging.getLogger("gputopo.extender.cache")
 
@@ -62,6 +64,8 @@ class ClusterCache:
         # batch/v1 Jobs by namespace and name (with the JobSet each belongs to): the sizes that pod
         # labels do not carry (gputopo.model.jobs). Replaced whole per namespace, never mutated.
         self._jobs: dict[str, dict[str, tuple[JobShape, str | None]]] = {}
+        # scheduling.k8s.io PodGroups by namespace and name: native gangs (size, required tier).
+        self._podgroups: dict[str, dict[str, PodGroupShape]] = {}
         self._controller_facts: dict[str, ControllerFacts] = {}
 
     @property
@@ -91,10 +95,12 @@ class ClusterCache:
     # ------------------------------------------------------------------ controller objects
 
     def facts(self, namespace: str) -> ControllerFacts:
-        """The controller objects of `namespace` that inference reads (sizes of Jobs and JobSets)."""
+        """The controller objects of `namespace` that inference reads (sizes of Jobs, JobSets, PodGroups)."""
         found = self._controller_facts.get(namespace)
         if found is None:
-            found = self._controller_facts[namespace] = _facts_of(self._jobs.get(namespace, {}))
+            found = self._controller_facts[namespace] = dataclasses.replace(
+                _facts_of(self._jobs.get(namespace, {})), podgroups=self._podgroups.get(namespace, {})
+            )
         return found
 
     def _put_jobs(self, namespace: str, jobs: dict[str, tuple[JobShape, str | None]]) -> None:
@@ -111,7 +117,7 @@ class ClusterCache:
         if not spaces:
             return
         with self.ledger.lock:
-            stale = [r for r in self.ledger.pods.values() if r.job_keys and r.namespace in spaces]
+            stale = [r for r in self.ledger.pods.values() if (r.job_keys or r.pod_group) and r.namespace in spaces]
         for rec in stale:
             fresh = self._record_again(rec)
             if fresh != rec:
@@ -130,6 +136,7 @@ class ClusterCache:
             node_name=rec.node_name,
             phase=rec.phase,
             priority=rec.priority,
+            pod_group=rec.pod_group,
         )
         again = record_of(info, self.ledger.tier_names, self.facts(rec.namespace))
         return again if again is None or rec.placement is None else dataclasses.replace(again, placement=rec.placement)
@@ -147,6 +154,28 @@ class ClusterCache:
             self.ledger.release((namespace, f"job/{shape.name}"))
             if jobset is not None:
                 self.ledger.release((namespace, f"jobset/{jobset}"))
+        self._reinfer([namespace])
+
+    def _put_podgroups(self, namespace: str, groups: dict[str, PodGroupShape]) -> None:
+        if groups:
+            self._podgroups[namespace] = groups
+        else:
+            self._podgroups.pop(namespace, None)
+        self._controller_facts.pop(namespace, None)
+
+    def _apply_podgroup(self, event_type: str, obj: JSON) -> None:
+        namespace, shape = podgroup_of(obj, self.ledger.tiers)
+        groups = dict(self._podgroups.get(namespace, {}))
+        if event_type == "DELETED":
+            groups.pop(shape.name, None)
+        elif groups.get(shape.name) == shape:
+            return  # a status update (kube-scheduler's conditions): nothing inference reads changed
+        else:
+            groups[shape.name] = shape
+        self._put_podgroups(namespace, groups)
+        if event_type == "DELETED":
+            # Its pods will not be scheduled as this gang any more: free what the plan held for them.
+            self.ledger.release((namespace, f"podgroup/{shape.name}"))
         self._reinfer([namespace])
 
     # ------------------------------------------------------------------ informer handler
@@ -210,6 +239,24 @@ class ClusterCache:
             for namespace in touched:
                 self._put_jobs(namespace, by_ns.get(namespace, {}))
             self._reinfer(touched)
+        elif kind == "podgroups":
+            groups_by_ns: dict[str, dict[str, PodGroupShape]] = {}
+            for obj in items:
+                try:
+                    namespace, pg = podgroup_of(obj, self.ledger.tiers)
+                except Exception as e:
+                    self._bad(kind, obj, e)
+                    continue
+                groups_by_ns.setdefault(namespace, {})[pg.name] = pg
+            changed = {
+                ns for ns in set(self._podgroups) | set(groups_by_ns) if self._podgroups.get(ns) != groups_by_ns.get(ns)
+            }
+            for namespace in changed:
+                gone = set(self._podgroups.get(namespace, {})) - set(groups_by_ns.get(namespace, {}))
+                self._put_podgroups(namespace, groups_by_ns.get(namespace, {}))
+                for name in gone:
+                    self.ledger.release((namespace, f"podgroup/{name}"))
+            self._reinfer(changed)
         else:
             leases: dict[str, float] = {}
             for obj in items:
@@ -235,6 +282,8 @@ class ClusterCache:
                 self.upsert_pod(obj, deleted=event_type == "DELETED")
             elif kind == "jobs":
                 self._apply_job(event_type, obj)
+            elif kind == "podgroups":
+                self._apply_podgroup(event_type, obj)
             else:
                 found = lease_renewal(obj, self.lease_namespace)
                 if found is not None:

@@ -3,6 +3,10 @@
 The members come from the ledger, the plan from the engine (`gputopo.engine.replan`, pure), and the
 reservation goes back to the ledger, which refuses it if a planned GPU was taken meanwhile (planning
 runs without the ledger's lock). Planning is serialised per group by a fixed table of locks.
+
+A native PodGroup's member that no plan fits may be in kube-scheduler's gang preemption dry run
+(`_preemption_dry_run`): then it is planned, without a reservation, as if the pods of lower priority
+were gone, so that kube-scheduler finds victims (docs/extender.md, "Preemption").
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from extender.reservations import Reservation
 from extender.wire import PodInfo
 from gputopo.engine.groups import GroupFailure
 from gputopo.engine.replan import GroupWaiting, MemberView, Replan, Slot, replan
+from gputopo.engine.snapshot import NodeState, taking
 from gputopo.model import PodRequest
 
 log = logging.getLogger("gputopo.extender.groups")
@@ -67,6 +72,10 @@ class GroupDesk:
         ledger = self.ledger
         key = (info.namespace, req.group)
         records = ledger.group_members(key)
+        with self.locks(key):
+            held = self._held(key, info.name, records, req.group_size)
+        if held is not None:
+            return held
         members = {r.name: member_view(r) for r in records}
         members[info.name] = MemberView(info.name, req)  # the asking pod is always planned afresh
         clash = _rank_clash(req.group, records, members)
@@ -88,10 +97,86 @@ class GroupDesk:
                     res = None
             if res is None:
                 planned = self._plan(key, info, req, members, names)
+                if isinstance(planned, GroupFailure) and info.pod_group:
+                    return self._preemption_dry_run(key, info, req, members, names) or planned
                 if not isinstance(planned, Reservation):
                     return planned
                 res = planned
             return res.slots[info.name]
+
+    def _preemption_dry_run(
+        self,
+        key: tuple[str, str],
+        info: PodInfo,
+        req: PodRequest,
+        members: dict[str, MemberView],
+        names: Sequence[str],
+    ) -> Slot | None:
+        """The member's slot as kube-scheduler's gang preemption sees the cluster, or None.
+
+        On Kubernetes 1.37 a PodGroup that does not fit runs PodGroupPostFilter DefaultPreemption: it
+        removes every pod of lower priority from its snapshot, runs the pod group cycle again (calling
+        filter, never the preempt verb), then gives back the victims its own filters do not need and
+        evicts the rest. Filter is not told which call is that dry run. A node on which kube-scheduler's
+        own count (the node's GPUs less the GPUs of the pods bound there) cannot fit the member is sent
+        to filter only when pods were removed from it, so such a node marks the dry run. Then the group
+        is planned (not reserved) as if the lower-priority pods outside the group were gone, and the
+        member passes its planned node only: kube-scheduler's victims lie on the planned nodes."""
+        ledger = self.ledger
+        wanted = set(names)
+        with ledger.lock:
+            bound: dict[str, list[PodRecord]] = {}
+            for rec in ledger.pods.values():
+                if rec.active and rec.node_name in wanted:
+                    bound.setdefault(rec.node_name, []).append(rec)
+            freed = {
+                n: frozenset().union(
+                    *(
+                        ledger.pod_gpus(n, r.uid) or frozenset()
+                        for r in pods
+                        if r.priority < info.priority and (r.namespace, r.group) != key
+                    )
+                )
+                for n, pods in bound.items()
+            }
+        dry_run = False
+        states: list[NodeState] = []
+        for st in ledger.states(names):
+            if st.problem is None and st.shape is not None:
+                counted = sum(r.gpus for r in bound.get(st.name, ()))
+                dry_run = dry_run or st.shape.n - counted < req.gpus
+            gone = freed.get(st.name, frozenset())
+            states.append(taking(st, st.in_use - gone) if gone & st.in_use else st)
+        if not dry_run:
+            return None
+        assert req.group_size is not None
+        out = replan(key[1], req.group_size, info.name, members, states, ledger.tiers, ledger.weights)
+        if not isinstance(out, Replan):
+            return None
+        log.info(
+            "group planned for kube-scheduler's preemption dry run (not reserved)",
+            extra={"group": f"{key[0]}/{key[1]}", "plan": {s.member: s.node for s in out.slots.values()}},
+        )
+        return out.slots[info.name]
+
+    def _held(self, key: tuple[str, str], name: str, records: Sequence[PodRecord], size: int) -> Slot | None:
+        """The asking member's slot when the group's reservation stands for exactly these members and its
+        node is still good: what `slot_for` would return, without a view of every member (per filter,
+        that made a group's filters cost O(members^2)). The rank check ran when this plan was made."""
+        ledger = self.ledger
+        res = ledger.reservations.get(key)
+        if res is None or len(res.slots) != size:
+            return None
+        slot = res.slots.get(name)
+        if slot is None:
+            return None
+        names = {r.name for r in records}
+        names.add(name)
+        if names != res.slots.keys():
+            return None
+        if not slot.pinned and ledger.resolve(slot.node, ledger.clock()).problem:
+            return None
+        return slot
 
     def _plan(
         self,

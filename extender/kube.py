@@ -1,10 +1,13 @@
 """The extender's only seam to the API server: the `ClusterSource` protocol, its implementation on
 the project's Kubernetes layer (`gputopo.kube`), and the informers that keep the cache current.
 
-`KubeSource` lists and watches the kinds the extender reads (nodes, pods, the agents' Leases, Jobs)
-as raw JSON and makes its two writes (Binding, Event). `Informer` runs one list+watch loop per kind
-in a thread and hands objects to a handler (the cache, which locks): 410 Gone relists, any other
-failure reconnects with capped exponential backoff, and the cache keeps serving meanwhile.
+`KubeSource` lists and watches the kinds the extender reads (nodes, pods, the agents' Leases, Jobs,
+PodGroups) as raw JSON and makes its two writes (Binding, Event). `Informer` runs one list+watch loop
+per kind in a thread and hands objects to a handler (the cache, which locks): 410 Gone relists, any
+other failure reconnects with capped exponential backoff, and the cache keeps serving meanwhile. A
+kind the API server may not serve (`OPTIONAL_KINDS`: PodGroups before Kubernetes 1.36 or without the
+Workload API) whose list gets 404 counts as listed empty and is looked for again only every
+`not_served_recheck_seconds`.
 """
 
 from __future__ import annotations
@@ -16,15 +19,31 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from gputopo.kube import JSON as JSON
-from gputopo.kube import Backoff, Gone, Kube, WatchEvent, lease_path, node_path, pod_path, pods_path, run_list_watch
+from gputopo.kube import (
+    Backoff,
+    Gone,
+    Kube,
+    KubeError,
+    WatchEvent,
+    lease_path,
+    node_path,
+    pod_path,
+    pods_path,
+    run_list_watch,
+)
 
-Kind = Literal["nodes", "pods", "leases", "jobs"]
-# Jobs (batch/v1, read-only) give the sizes an Indexed Job's or a JobSet's pod labels do not carry.
-KINDS: tuple[Kind, ...] = ("nodes", "pods", "leases", "jobs")
+Kind = Literal["nodes", "pods", "leases", "jobs", "podgroups"]
+# Jobs (batch/v1, read-only) give the sizes an Indexed Job's or a JobSet's pod labels do not carry;
+# PodGroups (scheduling.k8s.io/v1beta1, read-only) the gangs kube-scheduler holds pods to.
+KINDS: tuple[Kind, ...] = ("nodes", "pods", "leases", "jobs", "podgroups")
+# Kinds whose API may not be served: a 404 on list means "not here", not a failure.
+OPTIONAL_KINDS: frozenset[Kind] = frozenset({"podgroups"})
+NOT_SERVED_RECHECK_SECONDS = 600.0
 
 log = logging.getLogger("gputopo.extender.kube")
 
 JOBS_PATH = "/apis/batch/v1/jobs"  # every namespace's Jobs
+PODGROUPS_PATH = "/apis/scheduling.k8s.io/v1beta1/podgroups"  # every namespace's PodGroups (Kubernetes 1.37)
 
 
 class ClusterSource(Protocol):
@@ -65,6 +84,8 @@ class KubeSource:
             return pods_path()
         if kind == "jobs":
             return JOBS_PATH
+        if kind == "podgroups":
+            return PODGROUPS_PATH
         return lease_path(self.namespace)
 
     def list_objects(self, kind: Kind) -> tuple[list[JSON], str]:
@@ -123,6 +144,7 @@ class Informer:
         watch_timeout_seconds: int = 300,
         backoff_initial: float = 0.5,
         backoff_max: float = 30.0,
+        not_served_recheck_seconds: float = NOT_SERVED_RECHECK_SECONDS,
     ) -> None:
         self.source = source
         self.kind = kind
@@ -133,17 +155,44 @@ class Informer:
         self.relists = 0
         self.synced = threading.Event()
         self.stop = threading.Event()
+        self.not_served_recheck_seconds = not_served_recheck_seconds
+        self.served = True  # False while an optional kind's list answers 404
 
     def relist(self) -> None:
-        items, rv = self.source.list_objects(self.kind)
+        try:
+            items, rv = self.source.list_objects(self.kind)
+        except KubeError as e:
+            if e.status != 404 or self.kind not in OPTIONAL_KINDS:
+                raise
+            self._not_served(e)
+            return
+        if not self.served:
+            log.info("the API now serves this kind; watching it", extra={"kind": self.kind})
+        self.served = True
         self.handler.replace(self.kind, items)
         self.handler.heard_from_api()
         self.resource_version = rv
         self.relists += 1
         self.synced.set()
 
+    def _not_served(self, error: KubeError) -> None:
+        """An optional kind the API server does not serve: none of its objects exist. Said once; the
+        next look is `not_served_recheck_seconds` away (never a hot retry), and nothing waits for it."""
+        if self.served:
+            log.info(
+                "the API server does not serve this kind; looking again later",
+                extra={"kind": self.kind, "error": str(error), "retry_in_s": self.not_served_recheck_seconds},
+            )
+        self.served = False
+        self.handler.replace(self.kind, [])
+        self.resource_version = ""
+        self.synced.set()
+        self.stop.wait(self.not_served_recheck_seconds)
+
     def watch_once(self, timeout_seconds: int | None = None) -> None:
         """Consume one watch until it ends; a 410 Gone relists (the next watch starts from there)."""
+        if not self.served:
+            return  # relist waited and will look again
         try:
             timeout = self.watch_timeout_seconds if timeout_seconds is None else timeout_seconds
             for ev in self.source.watch(self.kind, self.resource_version, timeout_seconds=timeout):

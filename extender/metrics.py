@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from gputopo.engine.fragmentation import DEFAULT_SIZES, Figures, cluster_figures
 from gputopo.engine.snapshot import NodeState
 
-KINDS = ("nodes", "pods", "leases", "jobs")  # extender.kube.KINDS, without importing the API client here
+KINDS = ("nodes", "pods", "leases", "jobs", "podgroups")  # extender.kube.KINDS, without importing the API client here
 VERBS = ("filter", "prioritize", "bind", "preempt", "mutate")
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 

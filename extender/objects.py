@@ -41,7 +41,16 @@ from gputopo.model import (
     parse_pod_request,
     parse_topology,
 )
-from gputopo.model.jobs import JOB_KEYS, JOBSET_GLOBAL_REPLICAS, JOBSET_JOB_GLOBAL_INDEX, JOBSET_NAME, group_identity
+from gputopo.model.jobs import (
+    JOB_KEYS,
+    JOBSET_GLOBAL_REPLICAS,
+    JOBSET_JOB_GLOBAL_INDEX,
+    JOBSET_NAME,
+    PodGroupShape,
+    group_identity,
+    podgroup_shape,
+)
+from gputopo.tiers import TierConfig
 
 log = logging.getLogger("gputopo.extender.objects")
 
@@ -183,6 +192,7 @@ class PodRecord:
     job_keys: tuple[tuple[str, str], ...] = ()  # the labels and annotations inference reads, to infer again
     own: tuple[tuple[str, str], ...] = ()  # its gputopo.io/ request annotations, likewise
     scheduler_name: str = ""
+    pod_group: str = ""  # spec.schedulingGroup.podGroupName, to infer again when the PodGroup arrives
 
     @property
     def active(self) -> bool:
@@ -234,9 +244,9 @@ def resolve_pod(
     inferred: InferredGroup | None = None
     if annotated or info.scheduler_name == scheduler:
         try:
-            inferred = infer_group(info.labels, ann, facts)
+            inferred = infer_group(info.labels, ann, facts, pod_group=info.pod_group)
         except AnnotationError as e:
-            group = ann.get(ANN_GROUP, "").strip() or group_identity(info.labels)
+            group = ann.get(ANN_GROUP, "").strip() or group_identity(info.labels, info.pod_group)
             return Resolved(True, None, None, str(e), group=group)
     if not annotated and inferred is None:
         return Resolved(False, None)
@@ -303,8 +313,11 @@ def record_of(info: PodInfo, tiers: tuple[str, ...], facts: ControllerFacts = NO
         inferred=resolved.inferred,
         problem=short(resolved.problem),
         job_keys=keys,
-        own=tuple(sorted((k, v) for k, v in ann.items() if k != PLACEMENT_ANNOTATION)) if keys else (),
+        own=tuple(sorted((k, v) for k, v in ann.items() if k != PLACEMENT_ANNOTATION))
+        if keys or info.pod_group
+        else (),
         scheduler_name=info.scheduler_name,
+        pod_group=info.pod_group,
     )
 
 
@@ -345,6 +358,52 @@ def job_shape(obj: Any) -> tuple[str, JobShape, str | None]:
         index(JOBSET_GLOBAL_REPLICAS),
     )
     return namespace, shape, labels.get(JOBSET_NAME)
+
+
+# --------------------------------------------------------------------------------------- podgroups
+
+
+def podgroup_of(obj: Any, tiers: TierConfig) -> tuple[str, PodGroupShape]:
+    """A scheduling.k8s.io/v1beta1 PodGroup: its namespace and shape (gang size, required tier);
+    BadObject naming the field that is unreadable. A topology key no tier reads is the shape's
+    problem, told to every member, not a reason to skip the object."""
+    name = object_name(obj)
+    meta = obj["metadata"]
+    namespace = meta.get("namespace") or "default"
+    if not isinstance(namespace, str):
+        raise BadObject("metadata.namespace is not a string")
+    spec = obj.get("spec") or {}
+    if not isinstance(spec, Mapping):
+        raise BadObject("spec is not an object")
+    policy = spec.get("schedulingPolicy")
+    policy = {} if policy is None else policy
+    if not isinstance(policy, Mapping):
+        raise BadObject("spec.schedulingPolicy is not an object")
+    gang = policy.get("gang")
+    min_count: int | None = None
+    if gang is not None:
+        if not isinstance(gang, Mapping):
+            raise BadObject("spec.schedulingPolicy.gang is not an object")
+        v = gang.get("minCount")
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**31:
+            raise BadObject("spec.schedulingPolicy.gang.minCount is not a non-negative int32")
+        min_count = v
+    constraints = spec.get("schedulingConstraints")
+    constraints = {} if constraints is None else constraints
+    if not isinstance(constraints, Mapping):
+        raise BadObject("spec.schedulingConstraints is not an object")
+    topology = constraints.get("topology")
+    topology = [] if topology is None else topology
+    if not isinstance(topology, list) or len(topology) > 16:
+        raise BadObject("spec.schedulingConstraints.topology is not a list of at most 16 entries")
+    keys: list[str] = []
+    for i, entry in enumerate(topology):
+        key = entry.get("key") if isinstance(entry, Mapping) else None
+        if not isinstance(key, str) or not 0 < len(key) <= 317:  # a label key: prefix 253 + "/" + name 63
+            raise BadObject(f"spec.schedulingConstraints.topology[{i}].key is not a label key")
+        keys.append(key)
+    by_tier = [(t.name, t.labels) for t in tiers.tiers]
+    return namespace, podgroup_shape(name, min_count, keys, by_tier)
 
 
 # ------------------------------------------------------------------------------------------ leases

@@ -223,6 +223,7 @@ class PodInfo:
     node_name: str = ""
     phase: str = ""
     priority: int = 0  # spec.priority (admission resolves priorityClassName into it); preemption ranks by it
+    pod_group: str = ""  # spec.schedulingGroup.podGroupName: a native PodGroup's member (Kubernetes >= 1.36)
 
     @property
     def terminated(self) -> bool:
@@ -353,7 +354,17 @@ def pod_info(pod: Mapping[str, Any], where: str = "Pod") -> PodInfo:
         node_name=_opt_str(spec.get("nodeName"), f"{where}.spec.nodeName"),
         phase=_opt_str(status.get("phase"), f"{where}.status.phase"),
         priority=_priority(spec.get("priority")),
+        pod_group=_pod_group(spec.get("schedulingGroup"), f"{where}.spec.schedulingGroup"),
     )
+
+
+def _pod_group(value: Any, where: str) -> str:
+    """spec.schedulingGroup.podGroupName ("" when absent); the name is checked where it is used."""
+    if value is None:
+        return ""
+    if not isinstance(value, Mapping):
+        raise WireError(f"{where} must be an object")
+    return _opt_str(value.get("podGroupName"), f"{where}.podGroupName")
 
 
 def _priority(value: Any) -> int:

@@ -126,18 +126,20 @@ class GroupEstimate:
 
 
 def member_estimate(
-    stages: Sequence[tuple[str, NodeState, Sequence[int]]],
-    member: str,
+    stages: Sequence[tuple[NodeState, Sequence[int]]],
+    i: int,
     message_bytes: float,
     tiers: TierConfig = DEFAULT_TIERS,
+    ring: float | None = None,
 ) -> GroupEstimate:
-    """Estimates for `member` of a group whose members, in stage order, are (name, node, GPUs)."""
-    i = next((j for j, (name, _, _) in enumerate(stages) if name == member), None)
-    if i is None or len(stages) < 2:
+    """Estimates for member `i` of a group whose members, in stage order, are (node, GPUs); `ring`, the
+    group's all-reduce when already known (it is the same for every member)."""
+    if not 0 <= i < len(stages) or len(stages) < 2:
         return GroupEstimate(None, None)
     a, b = (i, i + 1) if i + 1 < len(stages) else (i - 1, i)
-    _, na, ga = stages[a]
-    _, nb, gb = stages[b]
+    na, ga = stages[a]
+    nb, gb = stages[b]
     transfer = stage_transfer_seconds(na, ga, nb, gb, message_bytes, tiers)
-    ring = group_allreduce_seconds([(node, gpus) for _, node, gpus in stages], message_bytes, tiers)
+    if ring is None:
+        ring = group_allreduce_seconds(stages, message_bytes, tiers)
     return GroupEstimate(transfer, ring)

@@ -4,9 +4,10 @@ runner-up. Built from the engine's values (outcomes and score components), never
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 from gputopo.engine.cost import format_bytes, format_ms
-from gputopo.engine.estimate import member_estimate
+from gputopo.engine.estimate import group_allreduce_seconds, member_estimate
 from gputopo.engine.groups import Assignment, GroupPlan
 from gputopo.engine.placement import NodeVerdict, Outcome
 from gputopo.engine.rails import RailAlignment, assess, rail_ranges, rails_of
@@ -157,13 +158,17 @@ def placement_estimate(
     if est is None:
         return None
     tp = est.seconds if est.ranks >= 2 else None
-    staged = plan is not None and member is not None and plan.for_member(member) is not None
+    i = plan.position(member) if plan is not None and member is not None else None
+    staged = i is not None
     other = runner.outcome.estimate if runner is not None and not staged else None
     runner_tp = other.seconds if tp is not None and other is not None and other.ranks >= 2 else None
     transfer = ring = None
-    if staged and plan is not None and member is not None:
-        stages = [(a.member, a.node, a.outcome.gpus) for a in plan.assignments]
-        g = member_estimate(stages, member, est.message_bytes, tiers)
+    if plan is not None and i is not None:
+        stages = plan.derived("nodes and GPUs", lambda: [(a.node, a.outcome.gpus) for a in plan.assignments])
+        whole = plan.derived(
+            ("all-reduce", est.message_bytes, tiers), lambda: group_allreduce_seconds(stages, est.message_bytes, tiers)
+        )
+        g = member_estimate(stages, i, est.message_bytes, tiers, ring=whole)
         transfer, ring = g.stage_transfer_seconds, g.group_allreduce_seconds
     if tp is None and transfer is None and ring is None:
         return None
@@ -203,7 +208,8 @@ def stage_clause(plan: GroupPlan, a: Assignment) -> str:
     """'stage 2/4 shares leaf ib-leaf-3 with stages 0-1' (or the widest tier they share)."""
     size = len(plan.assignments)
     for tier, sw in _narrowest_first(a):
-        mates = [b.stage for b in plan.assignments if b is not a and b.node.location.get(tier) == sw]
+        under = plan.derived(("stages under", tier), partial(_stages_under, plan, tier))
+        mates = [st for st in under.get(sw, ()) if st != a.stage]
         if mates:
             switch = sw.rsplit("/", 1)[-1]
             return (
@@ -213,6 +219,16 @@ def stage_clause(plan: GroupPlan, a: Assignment) -> str:
     if size == 1:
         return f"stage {a.stage}/{size}"
     return f"stage {a.stage}/{size} shares no switch with the other stages"
+
+
+def _stages_under(plan: GroupPlan, tier: str) -> dict[str, list[int]]:
+    """Each switch of `tier` and the stages of the plan under it, in plan order."""
+    out: dict[str, list[int]] = {}
+    for b in plan.assignments:
+        sw = b.node.location.get(tier)
+        if sw is not None:
+            out.setdefault(sw, []).append(b.stage)
+    return out
 
 
 def rail_clause(plan: GroupPlan, a: Assignment, outcome: Outcome) -> str:

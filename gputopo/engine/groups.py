@@ -16,8 +16,9 @@ rail-aligned.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from gputopo.engine.cliques import bits, mask_of
 from gputopo.engine.gpusets import RailOption, rail_options
@@ -27,6 +28,8 @@ from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.snapshot import NodeState, with_in_use
 from gputopo.model import NetworkKind, NvlinkPolicy, PodRequest, Spread
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -51,9 +54,30 @@ class GroupPlan:
     rails: RailAlignment = NOT_APPLICABLE  # over the planned members and `alongside`
     # Members placed before this plan (a re-plan's pinned members): node and GPUs, for rail alignment.
     alongside: tuple[tuple[NodeState, tuple[int, ...]], ...] = ()
+    # What every member's bind reads of the whole plan (its position, the group's all-reduce), derived
+    # once: computed per bind, a 1,024-member group cost each bind O(members), the group O(members^2).
+    _positions: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _derived: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def position(self, name: str) -> int | None:
+        """The member's index in `assignments` (stage order)."""
+        positions = self._positions
+        if not positions:
+            positions.update((a.member, i) for i, a in enumerate(self.assignments))
+        return positions.get(name)
 
     def for_member(self, name: str) -> Assignment | None:
-        return next((a for a in self.assignments if a.member == name), None)
+        i = self.position(name)
+        return None if i is None else self.assignments[i]
+
+    def derived(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """`compute()` once per plan and key: what every member reads of the whole plan (its all-reduce,
+        who shares which switch). The key names the computation and its inputs."""
+        memo = self._derived
+        if key not in memo:
+            memo[key] = compute()
+        value: T = memo[key]
+        return value
 
 
 @dataclass(frozen=True)

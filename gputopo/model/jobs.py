@@ -8,6 +8,12 @@ annotations, and, where the labels do not carry the size, from what the controll
 (`ControllerFacts`, read by the caller). The annotations `gputopo.io/group`, `group-size` and `stage`,
 where present, override what is inferred (`gputopo.model.request.parse_pod_request`).
 
+A native PodGroup (Kubernetes Workload API, `scheduling.k8s.io/v1beta1`) is one more source: a pod
+whose `spec.schedulingGroup.podGroupName` names one is a member of the group `podgroup/<name>`, of the
+PodGroup's `spec.schedulingPolicy.gang.minCount` members, all under one switch of the tier whose
+labels hold its `spec.schedulingConstraints.topology[].key` (`PodGroupShape`, `podgroup_shape`). It
+comes first: it is the gang kube-scheduler itself holds the pods to.
+
 Bad labels are never guessed at: a label that is missing, malformed or disagrees with the controller
 raises `LabelError` (or `AnnotationError` for an annotation) naming it. Pure: no I/O.
 """
@@ -15,10 +21,10 @@ raises `LabelError` (or `AnnotationError` for an annotation) naming it. Pure: no
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gputopo.model.base import AnnotationError, LabelError
+from gputopo.model.base import AnnotationError, LabelError, short_value
 
 # Label and annotation names, each from its controller's API types:
 # Job: k8s.io/api batch/v1 types.go (kubernetes v1.34): JobNameLabel, ControllerUidLabel,
@@ -58,6 +64,7 @@ KUBEFLOW_TYPE_ORDER = ("master", "launcher", "worker")
 MAX_GROUP_SIZE = 4096  # as gputopo.io/group-size
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _INDEX = re.compile(r"^[0-9]{1,9}$")
+_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 @dataclass(frozen=True)
@@ -86,14 +93,85 @@ class JobShape:
         return self.completions
 
 
+class PodGroupError(AnnotationError):
+    """A PodGroup field that gputopo cannot use; the message names the PodGroup, the field and the value."""
+
+    def __init__(self, podgroup: str, fld: str, value: str, why: str) -> None:
+        super().__init__(fld, value, why)
+        self.args = (f"invalid PodGroup {podgroup}: {fld}={short_value(value)}: {why}",)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    @classmethod
+    def said(cls, message: str) -> PodGroupError:
+        """The error again from its message (a PodGroupShape keeps only the text)."""
+        err = cls("", "", "", "")
+        err.args = (message,)
+        return err
+
+
+@dataclass(frozen=True)
+class PodGroupShape:
+    """What a scheduling.k8s.io PodGroup says: its gang size (`spec.schedulingPolicy.gang.minCount`;
+    None for a `basic` policy, which is no gang), and the tier its topology constraint requires
+    (None when it has none), or why that constraint cannot be used (`problem`)."""
+
+    name: str
+    min_count: int | None
+    required_tier: str | None = None
+    problem: str = ""
+
+
+def tier_of_label(tiers: Sequence[tuple[str, Sequence[str]]], key: str) -> str | None:
+    """The tier (name, labels; widest first) whose labels contain the node label `key`, or None."""
+    for name, labels in tiers:
+        if key in labels:
+            return name
+    return None
+
+
+def podgroup_shape(
+    name: str, min_count: int | None, topology_keys: Sequence[str], tiers: Sequence[tuple[str, Sequence[str]]]
+) -> PodGroupShape:
+    """A PodGroup's shape, its topology keys mapped to gputopo's tiers. One key is all kube-scheduler
+    1.37 honours ("all pods in one domain of that label"); several must map to one tier."""
+    found: list[str] = []
+    for i, key in enumerate(topology_keys):
+        tier = tier_of_label(tiers, key)
+        where = f"spec.schedulingConstraints.topology[{i}].key"
+        if tier is None:
+            known = "; ".join(f"{t}: {', '.join(labels)}" for t, labels in tiers)
+            return PodGroupShape(
+                name,
+                min_count,
+                None,
+                str(PodGroupError(name, where, key, f"no gputopo tier reads this label ({known})")),
+            )
+        found.append(tier)
+    if len(set(found)) > 1:
+        return PodGroupShape(
+            name,
+            min_count,
+            None,
+            str(
+                PodGroupError(
+                    name, "spec.schedulingConstraints.topology", ",".join(topology_keys), "keys of more than one tier"
+                )
+            ),
+        )
+    return PodGroupShape(name, min_count, found[0] if found else None)
+
+
 @dataclass(frozen=True)
 class ControllerFacts:
     """Controller objects of one namespace, as the caller read them: Jobs by name, a JobSet's Jobs by
-    their global index, a Kubeflow v1 job's replicas by replica type (lower case)."""
+    their global index, a Kubeflow v1 job's replicas by replica type (lower case), PodGroups by name."""
 
     jobs: Mapping[str, JobShape] = field(default_factory=dict)
     jobsets: Mapping[str, Mapping[int, JobShape]] = field(default_factory=dict)
     kubeflow: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    podgroups: Mapping[str, PodGroupShape] = field(default_factory=dict)
 
 
 NO_FACTS = ControllerFacts()
@@ -110,6 +188,7 @@ class InferredGroup:
     rank: int | None  # None: the member takes a free rank in name order (Kueue without a pod index)
     rank_label: str = ""  # the label(s) the rank comes from, for messages
     waiting: str = ""
+    required_tier: str | None = None  # a PodGroup's topology constraint, as a gputopo tier
 
     def words(self) -> str:
         """'group jobset/llama-pretrain, rank 5 of 16, from JobSet labels'."""
@@ -150,13 +229,22 @@ def _below(key: str, value: str, rank: int, size: int | None, what: str) -> None
 
 
 def infer_group(
-    labels: Mapping[str, str] | None, annotations: Mapping[str, str] | None, facts: ControllerFacts = NO_FACTS
+    labels: Mapping[str, str] | None,
+    annotations: Mapping[str, str] | None,
+    facts: ControllerFacts = NO_FACTS,
+    *,
+    pod_group: str = "",
 ) -> InferredGroup | None:
     """The group a controller made this pod a member of, or None when no known controller's labels are
-    there. Raises LabelError/AnnotationError naming the label that is missing, malformed or disagrees
-    with the controller's object; never guesses."""
+    there. `pod_group`: the pod's `spec.schedulingGroup.podGroupName` ("" when none); a PodGroup with
+    a gang policy comes before any label. Raises LabelError/AnnotationError naming the label (or the
+    PodGroup field) that is missing, malformed or disagrees with the controller's object; never guesses."""
     lab = labels or {}
     ann = annotations or {}
+    if pod_group:
+        found = _podgroup(pod_group, facts)
+        if found is not None:
+            return found
     if KUEUE_POD_GROUP in lab:
         return _kueue(lab, ann)
     if LWS_NAME in lab:
@@ -168,6 +256,30 @@ def infer_group(
     if JOB_NAME in lab and (JOB_COMPLETION_INDEX in lab or JOB_COMPLETION_INDEX in ann):
         return _job(lab, ann, facts)
     return None  # a non-Indexed Job's pods are interchangeable: no ranks, no gang
+
+
+def _podgroup(name: str, facts: ControllerFacts) -> InferredGroup | None:
+    """A native PodGroup member: size minCount, a free rank in name order (a PodGroup orders no pods),
+    the tier of its topology key required. None for a `basic` PodGroup (no gang: the pods are placed
+    one by one, as kube-scheduler does)."""
+    if len(name) > 253 or not _SUBDOMAIN.match(name):
+        raise PodGroupError(name, "spec.schedulingGroup.podGroupName", name, "must be a DNS-1123 subdomain")
+    group = f"podgroup/{name}"
+    shape = facts.podgroups.get(name)
+    if shape is None:
+        return InferredGroup(group, "PodGroup", "PodGroup", None, None, waiting=f"the PodGroup {name} is not known yet")
+    if shape.problem:
+        raise PodGroupError.said(shape.problem)
+    if shape.min_count is None:
+        return None
+    if not 1 <= shape.min_count <= MAX_GROUP_SIZE:
+        raise PodGroupError(
+            name,
+            "spec.schedulingPolicy.gang.minCount",
+            str(shape.min_count),
+            f"must be between 1 and {MAX_GROUP_SIZE} for gputopo",
+        )
+    return InferredGroup(group, "PodGroup", "its PodGroup", shape.min_count, None, required_tier=shape.required_tier)
 
 
 def _completion_index(lab: Mapping[str, str], ann: Mapping[str, str]) -> int:
@@ -321,11 +433,13 @@ JOB_KEYS = frozenset(
 )
 
 
-def group_identity(labels: Mapping[str, str] | None) -> str | None:
-    """The inferred group's name from the identity labels alone (None when they are absent or
-    malformed): a member whose rank or size labels are bad still belongs to its group, so that every
-    member learns why the group cannot be placed."""
+def group_identity(labels: Mapping[str, str] | None, pod_group: str = "") -> str | None:
+    """The inferred group's name from the identity labels (or the PodGroup's name) alone (None when
+    they are absent or malformed): a member whose rank or size labels are bad still belongs to its
+    group, so that every member learns why the group cannot be placed."""
     lab = labels or {}
+    if pod_group:
+        return f"podgroup/{pod_group}" if len(pod_group) <= 253 and _SUBDOMAIN.match(pod_group) else None
 
     def ok(key: str) -> str | None:
         v = lab.get(key)

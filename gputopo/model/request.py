@@ -166,6 +166,8 @@ def parse_pod_request(
             if t not in tiers:
                 raise AnnotationError(key, ann[key], "unknown tier; configured tiers: " + ", ".join(tiers))
             fields[name] = t
+    if ANN_REQUIRED_TIER not in ann and inferred is not None and inferred.required_tier is not None:
+        fields["required_tier"] = inferred.required_tier  # a PodGroup's topology constraint
     if ANN_GROUP in ann:
         g = ann[ANN_GROUP].strip()
         if not _NAME.match(g):

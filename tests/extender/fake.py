@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from extender.kube import JSON, Kind
+from extender.kube import JSON, KINDS, Kind
 from gputopo.kube import Gone, KubeError, WatchEvent
 from gputopo.model import DEFAULT_NAMESPACE
 
@@ -29,9 +29,10 @@ class FakeSource:
         self.namespace = namespace
         self._lock = threading.Condition()
         self._rv = 0
-        self._objects: dict[Kind, dict[tuple[str, str], JSON]] = {"nodes": {}, "pods": {}, "leases": {}, "jobs": {}}
-        self._log: dict[Kind, list[tuple[int, WatchEvent]]] = {"nodes": [], "pods": [], "leases": [], "jobs": []}
-        self._compacted: dict[Kind, int] = {"nodes": 0, "pods": 0, "leases": 0, "jobs": 0}
+        self._objects: dict[Kind, dict[tuple[str, str], JSON]] = {k: {} for k in KINDS}
+        self._log: dict[Kind, list[tuple[int, WatchEvent]]] = {k: [] for k in KINDS}
+        self._compacted: dict[Kind, int] = dict.fromkeys(KINDS, 0)
+        self.not_served: set[Kind] = set()  # kinds whose list and watch answer 404 (an API not served)
         self.bindings: list[tuple[str, str, str, str]] = []
         self.events: list[JSON] = []
         self.binding_annotations: list[dict[str, str]] = []
@@ -85,6 +86,8 @@ class FakeSource:
 
     def list_objects(self, kind: Kind) -> tuple[list[JSON], str]:
         self._check(f"list {kind}")
+        if kind in self.not_served:
+            raise KubeError(404, "the server could not find the requested resource", "NotFound")
         with self._lock:
             items = [copy.deepcopy(o) for o in self._objects[kind].values()]
             if kind == "leases":
