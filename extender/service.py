@@ -344,8 +344,8 @@ class Extender:
             return names, [NEUTRAL_SCORE] * len(names), d
         if d.priorities is not None:
             return names, list(d.priorities), d
-        # Outcomes are shared between equivalent nodes: rank each distinct one once (the ranks are over
-        # this request's fitting candidates), then map node by node with C-level iteration.
+        # Outcomes are shared between equivalent nodes: one engine score per kind, ranked over this
+        # request's fitting nodes (wire_scores reads names only at the best levels).
         success = Code.SUCCESS
         scores: dict[int, float]  # kind -> engine score, fitting kinds only
         if d.kinds is not None:  # the ledger's kinds: ints, and which of them fit
@@ -356,10 +356,7 @@ class Extender:
             ids = list(map(id, d.outcomes))
             distinct = dict(zip(ids, d.outcomes, strict=True))
             scores = {k: o.score for k, o in distinct.items() if o.code is success}
-        wire = wire_scores(scores.values())
-        prio = dict.fromkeys(ids, 0)
-        prio.update({k: wire.get(s, 0) for k, s in scores.items()})
-        return d.names, list(map(prio.__getitem__, ids)), d
+        return d.names, wire_scores(d.names, ids, scores), d
 
     def _group_decision(self, info: PodInfo, req: PodRequest, names: Sequence[str]) -> Decision:
         slot = self.groups.slot_for(info, req, names)

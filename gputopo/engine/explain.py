@@ -79,7 +79,7 @@ def why_lost(winner: Outcome, runner: Outcome, weights: ScoreWeights = DEFAULT_W
         if gap > best_gap + 1e-9:
             best_name, best_gap = name, gap
     if not best_name:
-        return "scored the same; the scheduler's other scores decided"
+        return "scored the same; the first name wins"
     if best_name == "pack" and runner.choice is not None and runner.choice.remaining_clique < runner.free_clique:
         return f"would split its free {runner.free_clique}-GPU clique"
     if best_name == "bandwidth" and winner.bandwidth and runner.bandwidth:

@@ -3,7 +3,10 @@ scores to the extender wire (`wire_scores`), and the 0..10 grade people read (`g
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import heapq
+from collections.abc import Hashable, Mapping, Sequence
+from itertools import compress, repeat
+from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -50,6 +53,8 @@ class ScoreWeights(BaseModel):
 DEFAULT_WEIGHTS = ScoreWeights()
 
 
+K = TypeVar("K", bound=Hashable)
+
 # kube-scheduler's MaxExtenderPriority: an extender's scores are 0..10, multiplied by 10 and its weight.
 MAX_EXTENDER_SCORE = 10
 
@@ -62,14 +67,22 @@ def grade(score: float) -> int:
     return max(0, min(MAX_EXTENDER_SCORE, round(score * 10)))
 
 
-def wire_scores(scores: Iterable[float]) -> dict[float, int]:
-    """The one place internal scores become kube-scheduler's extender scores, per request: the fitting
-    candidates' distinct scores ranked, the best 10, the next 9, and so on; the eleventh best and below 0.
+def wire_scores(names: Sequence[str], kinds: Sequence[K], scores: Mapping[K, float]) -> list[int]:
+    """The one place internal scores become kube-scheduler's extender scores, per request: the engine's
+    order of the request's fitting nodes (`placement.rank`: score, then name) as ranks, the first node
+    10, the second 9, down to the tenth 1; every other node 0.
 
-    Rank, not magnitude: kube-scheduler adds `score x 10 x weight` to its own plugins' sums and takes the
-    highest total, so only the order can carry the engine's choice, and 11 absolute steps would put
-    scores 0.71 and 0.74 on the same 7. With ranks the engine's best node(s) always get strictly more
-    than every node it ranks below them, and equal scores only where the engine ties (among the ten
-    best levels). NaN is left out: look it up with `.get(score, 0)`."""
-    levels = sorted({s for s in scores if s == s}, reverse=True)
-    return {s: max(0, MAX_EXTENDER_SCORE - i) for i, s in enumerate(levels)}
+    `names[i]` is of kind `kinds[i]`; `scores` holds each fitting kind's engine score (equivalent nodes
+    share one), so a request over thousands of nodes reads one score per kind and only the names of the
+    best levels. Rank, not magnitude: kube-scheduler adds `score x 10 x weight` to its plugins' sum and
+    binds to the highest total, so only the order can carry the engine's choice, and 11 absolute steps
+    put 0.71 and 0.74 on the same 7. Ties go by name, as the simulator breaks them: what `gputopo
+    simulate` decides is what kube-scheduler does, not its random pick among equals."""
+    top: dict[str, int] = {}
+    for level in sorted({s for s in scores.values() if s == s}, reverse=True):
+        at = {k for k, s in scores.items() if s == level}
+        for name in heapq.nsmallest(MAX_EXTENDER_SCORE - len(top), compress(names, map(at.__contains__, kinds))):
+            top[name] = MAX_EXTENDER_SCORE - len(top)
+        if len(top) >= MAX_EXTENDER_SCORE:
+            break
+    return list(map(top.get, names, repeat(0)))

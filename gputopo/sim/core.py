@@ -44,8 +44,6 @@ from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 POLICIES = ("gputopo", "default", "random")
 
-ENGINE_TIE_WORDS = "scored the same; the scheduler's other scores decided"
-SIM_TIE_WORDS = "scored the same; the simulator takes the first name"
 
 # kube-scheduler's own FailedScheduling entry when a node lacks the extended resource.
 INSUFFICIENT_GPU = "Insufficient nvidia.com/gpu"
@@ -162,8 +160,6 @@ class _Run:
         best = ranked[0]
         runner = runner_up(best.name, ranked)
         sentence = placement_sentence(best.name, best.outcome, runner, weights=self.weights, tiers=self.tiers)
-        # The engine's words for a tie assume kube-scheduler's other plugins; here the node name decides.
-        sentence = sentence.replace(ENGINE_TIE_WORDS, SIM_TIE_WORDS)
         if runner is None and len(verdicts) > 1:
             sentence += "; no other node fits"
         score = grade(best.outcome.score)

@@ -1,6 +1,6 @@
-"""The engine's order of nodes reaches kube-scheduler: prioritize ranks a request's candidates, so the
-engine's best node always gets strictly the highest extender score, and equal scores only where the
-engine ties (docs/extender.md, "Scores on the wire")."""
+"""The engine's order of nodes reaches kube-scheduler: prioritize ranks a request's fitting nodes as the
+engine ranks them (score, then name), so the engine's choice always gets strictly the highest extender
+score (docs/extender.md, "Scores on the wire")."""
 
 from __future__ import annotations
 
@@ -25,35 +25,41 @@ from tests.extender.fake import FakeSource
 from tests.extender.harness import NS, Env, FakeClock, gputopo_pod, node_obj, pod_obj
 
 
+def _engine_order(names: list[str], kinds: list[int], scores: dict[int, float]) -> list[int]:
+    """The reference: fitting nodes sorted as placement.rank sorts them, the i-th getting 10 - i."""
+    fitting = sorted((-scores[k], n) for n, k in zip(names, kinds, strict=True) if k in scores)
+    top = {n: max(0, MAX_EXTENDER_SCORE - i) for i, (_, n) in enumerate(fitting)}
+    return [top.get(n, 0) for n in names]
+
+
 @pytest.mark.parametrize(
-    ("scores", "expected"),
+    ("names", "kinds", "scores", "expected"),
     [
-        ([], {}),
-        ([0.5], {0.5: 10}),
-        ([0.71, 0.74], {0.74: 10, 0.71: 9}),  # one grade apart would both be 7
-        ([0.3, 0.9, 0.3, 0.9], {0.9: 10, 0.3: 9}),  # ties stay ties
-        ([0.0, 1.0], {1.0: 10, 0.0: 9}),
-        ([i / 100 for i in range(12)], {i / 100: max(0, i - 1) for i in range(12)}),  # 11th best and below: 0
-        ([float("nan"), 0.2], {0.2: 10}),  # NaN is no level
+        ([], [], {}, []),
+        (["a"], [0], {0: 0.5}, [10]),
+        (["a", "b"], [0, 1], {0: 0.71, 1: 0.74}, [9, 10]),  # one grade apart would both be 7
+        (["b", "a", "c"], [0, 0, 1], {0: 0.9, 1: 0.3}, [9, 10, 8]),  # equal scores: the first name first
+        (["a", "b"], [0, 1], {1: 0.1}, [0, 10]),  # a node that does not fit gets 0, below any that fits
+        ([f"n{i:02d}" for i in range(12)], [0] * 12, {0: 1.0}, [10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 0]),
+        (["a", "b"], [0, 1], {0: float("nan"), 1: 0.2}, [0, 10]),  # NaN is no level
     ],
-    ids=["none", "one", "close scores", "ties", "extremes", "more than eleven levels", "NaN"],
+    ids=["none", "one", "close scores", "ties by name", "not fitting", "past the tenth", "NaN"],
 )
-def test_wire_scores_rank_distinct_scores_best_first(scores: list[float], expected: dict[float, int]) -> None:
-    assert wire_scores(scores) == expected
+def test_wire_scores_rank_nodes_in_the_engines_order(
+    names: list[str], kinds: list[int], scores: dict[int, float], expected: list[int]
+) -> None:
+    assert wire_scores(names, kinds, scores) == expected
 
 
-@given(st.lists(st.floats(0, 1), max_size=40))
-def test_wire_scores_keep_the_order_of_the_ten_best_levels(scores: list[float]) -> None:
-    wire = wire_scores(scores)
-    assert all(0 <= v <= MAX_EXTENDER_SCORE for v in wire.values())
-    for a in scores:
-        for b in scores:
-            if a > b and wire[a] > 0:
-                assert wire[a] > wire[b]
-            if a == b:
-                assert wire[a] == wire[b]
-    if scores:
-        assert wire[max(scores)] == MAX_EXTENDER_SCORE
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.booleans()), max_size=40),
+    st.lists(st.floats(0, 1), min_size=6, max_size=6),
+)
+def test_wire_scores_equal_the_engines_rank_order(nodes: list[tuple[int, bool]], levels: list[float]) -> None:
+    names = [f"node-{i}" for i in range(len(nodes))]
+    kinds = [k for k, _ in nodes]
+    scores = {k: levels[k] for k, fits in nodes if fits}
+    assert wire_scores(names, kinds, scores) == _engine_order(names, kinds, scores)
 
 
 def test_tp4_prefers_the_fragmented_dgx1v_node_on_the_wire(env: Env) -> None:
@@ -85,8 +91,8 @@ def _cluster() -> Iterator[Env]:
 def test_prioritize_keeps_the_engines_order_strictly(
     system: str, in_use: list[set[int]], gpus: int, nvlink: str
 ) -> None:
-    """On every named system and random in-use sets: a node the engine scores higher gets a strictly
-    higher wire score, equal engine scores get equal wire scores, and the engine's first choice the top."""
+    """On every named system and random in-use sets, the wire carries the engine's own order (score,
+    then name): its first choice gets strictly the top score, whatever kube-scheduler adds."""
     n = len(build_system(system, "probe").gpus)
     names = [f"n{i}" for i in range(len(in_use))]
     used = [sorted(g for g in s if g < n) for s in in_use]
@@ -98,16 +104,11 @@ def test_prioritize_keeps_the_engines_order_strictly(
     pairs = zip(names, used, strict=True)
     states = [node_state(name, build_system(system, name), in_use=frozenset(u)) for name, u in pairs]
     ranked = rank(evaluate_pod(states, req))
-    engine = {v.name: v.outcome.score for v in ranked}
-    for a, sa in engine.items():
-        for b, sb in engine.items():
-            if sa > sb:
-                assert wire[a] > wire[b], (a, b, engine, wire)
-            elif sa == sb:
-                assert wire[a] == wire[b], (a, b, engine, wire)
-    if ranked:
-        assert wire[ranked[0].name] == max(wire.values())
-        assert all(wire[x] < wire[ranked[0].name] for x in names if x not in engine)
+    # Exactly the engine's order: its i-th node gets 10 - i (the tenth 1), every other node 0; the answer
+    # then lowers all by the lowest (which changes no difference between nodes).
+    expected = {v.name: max(0, MAX_EXTENDER_SCORE - i) for i, v in enumerate(ranked)}
+    lowest = min(expected.get(n, 0) for n in names)
+    assert wire == {n: expected.get(n, 0) - lowest for n in names}
 
 
 def test_explain_prints_each_nodes_engine_score_next_to_its_wire_score(
