@@ -92,6 +92,11 @@ class AgentSettings(BaseSettings):
         DeviceListStrategy.ENVVAR,
         description="how Allocate names the GPUs to the NVIDIA Container Toolkit: envvar, cdi-annotations or cdi-cri",
     )
+    unhealthy_after_seconds: float = Field(
+        120.0,
+        gt=0,
+        description="device plugin: with no successful discovery for this long, every GPU is reported Unhealthy",
+    )
     preferred_allocation: PreferredAllocation = Field(
         PreferredAllocation.PLACEMENT,
         description="placement (the pod's gputopo placement, else best effort) or besteffort (ignore placements)",
@@ -222,6 +227,7 @@ def start_device_plugin(
         device_list_strategy=settings.device_list_strategy,
         preferred_allocation=settings.preferred_allocation,
         podresources_socket=settings.podresources_socket,
+        unhealthy_after_s=settings.unhealthy_after_seconds,
     )
     plugin = DevicePlugin(config, pods if pods is not None else StaticLocalPods(node))
     plugin.start(backend.discover())

@@ -10,7 +10,10 @@ the `NvmlLib` protocol so tests pass a fake module.
   never by capability (TRUE for every index on B200), never up to the binding's NVML_NVLINK_MAX_LINKS;
 - each NVLink error counter is read on its own: one the GPU does not support is absent, one whose
   read fails is marked failed (its link's health is then unknown, never healthy);
-- NotSupported / FunctionNotFound / InvalidArgument mean "absent".
+- NotSupported / FunctionNotFound / InvalidArgument mean "absent";
+- one GPU's failure is that GPU's only: an NVML error fails it with the error; any other exception while
+  reading it (OSError, a decode or type error) or a value out of the model's range makes it `failed`
+  with the reason `health unknown: ...` and nothing else of its reading; the other GPUs are published.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
+
+from pydantic import ValidationError
 
 from agent.nvml_health import COUNTERS, HealthTracker, LinkCounters
 from agent.nvml_topology import (
@@ -36,7 +41,7 @@ from agent.nvml_topology import (
     worst_health,
 )
 from agent.sysfs import pci_numa_node
-from gputopo.model import Health, NodeTopology
+from gputopo.model import MAX_NAME_LENGTH, MAX_TEXT_LENGTH, GpuInfo, Health, NodeTopology
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +119,29 @@ class NvmlDiscovery:
     notes: tuple[str, ...] = ()
 
 
+def _as_wire(gpu: GpuReading) -> GpuInfo:
+    """The GPU as it will be published; raises ValidationError for a value the model refuses."""
+    return GpuInfo(
+        index=gpu.index,
+        uuid=gpu.uuid,
+        model=gpu.model,
+        memory_mib=gpu.memory_mib,
+        pci_bus_id=gpu.bus_id,
+        numa_node=gpu.numa,
+        health=gpu.health,
+    )
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(p) for p in err["loc"])
+    return f"{where}: {err['msg']}" if where else str(err["msg"])
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_TEXT_LENGTH else text[: MAX_TEXT_LENGTH - 1] + "…"
+
+
 class NvmlAdapter:
     """Reads GPUs, NVLink, fabric and health through NVML. Keep one instance for the agent's life:
     error counters and link history are compared across calls of `discover`."""
@@ -132,6 +160,7 @@ class NvmlAdapter:
         self._absent = (lib.NVMLError_NotSupported, lib.NVMLError_InvalidArgument, lib.NVMLError_FunctionNotFound)
         self._open = False
         self._notes: list[str] = []
+        self._uuids: dict[int, str] = {}  # the last UUID read per index
 
     def open(self) -> None:
         """nvmlInit; a missing driver becomes one NvmlUnavailableError with a clear message."""
@@ -190,8 +219,28 @@ class NvmlAdapter:
             # GpuIsLost, Unknown and the like: the GPU must not get work; say why.
             gpu.health = Health.FAILED
             gpu.reasons.append(f"NVML error: {e} ({type(e).__name__})")
+            gpu.uuid = gpu.uuid or self._uuids.get(index, "")
             log.error("GPU discovery failed", extra={"gpu": index, "error": str(e)})
+            return gpu
+        except Exception as e:
+            # Anything else (OSError from sysfs, a binding's decode or type error): this GPU only.
+            return self._unreadable(gpu, f"reading it failed: {type(e).__name__}: {e}")
+        try:
+            _as_wire(gpu)
+        except ValidationError as e:  # a value out of the model's range (memory, NUMA node, a name's length)
+            return self._unreadable(gpu, f"a reading is out of range: {_first_error(e)}")
+        self._uuids[index] = gpu.uuid
         return gpu
+
+    def _unreadable(self, gpu: GpuReading, why: str) -> GpuReading:
+        """What is published for a GPU whose reading failed: its index and UUID (this cycle's, else the last
+        one read, so the device plugin's device keeps its ID), failed so it gets no work, health unknown
+        with the reason; nothing else of the reading is trusted."""
+        uuid = gpu.uuid if isinstance(gpu.uuid, str) and 0 < len(gpu.uuid) <= MAX_NAME_LENGTH else ""
+        out = GpuReading(index=gpu.index, uuid=uuid or self._uuids.get(gpu.index, ""), health=Health.FAILED)
+        out.reasons.append(_clip(f"health unknown: {why}"))
+        log.error("GPU discovery failed", extra={"gpu": gpu.index, "error": why})
+        return out
 
     def _numa(self, h: Any, bus_id: str) -> int | None:
         # nvmlDeviceGetNumaNodeId is the GPU-memory node on Grace only; the CPU side comes from sysfs

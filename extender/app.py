@@ -26,6 +26,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import APIRouter, FastAPI
+from fastapi.routing import APIRoute
 from starlette.types import Receive, Scope, Send
 
 from extender.cache import ClusterCache
@@ -140,6 +141,13 @@ def create_listeners(
         app.state.informers = []
         for router in routers:
             app.include_router(router)
+        # The POST paths whose body the listener reads: its server sends 100 Continue only for those.
+        app.state.post_paths = frozenset(
+            r.path
+            for router in routers
+            for r in router.routes
+            if isinstance(r, APIRoute) and "POST" in (r.methods or ())
+        )
         # Every listener reads request bodies (the webhook's AdmissionReviews too): the same limit for all.
         app.add_middleware(RequestGuard, max_request_bytes=settings.max_request_bytes)
         return app

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import resource
 import signal
 import socket
 import ssl
@@ -26,14 +28,27 @@ import uvicorn
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
+from extender.bounded import ListenerLimits, bounded_protocol
 from extender.settings import PROG, Settings, describe_error, load_settings
 from gputopo.clusterfile import ClusterFileError
 from gputopo.jsonlog import configure_logging
 
 if TYPE_CHECKING:  # the app (cache, engine) is imported only once the settings are valid
     from extender.app import Listeners
+    from extender.limits import ASGIApp
 
-__all__ = ["Endpoint", "ListenError", "endpoints", "load_settings", "main", "serve"]
+__all__ = [
+    "Endpoint",
+    "ListenError",
+    "endpoints",
+    "listener_config",
+    "load_settings",
+    "main",
+    "raise_nofile_limit",
+    "serve",
+]
+
+log = logging.getLogger("gputopo.extender")
 
 
 class ListenError(Exception):
@@ -86,6 +101,23 @@ class _Serving(Protocol):
     async def serve(self, sockets: list[socket.socket]) -> None: ...
 
 
+def listener_config(app: ASGIApp, limits: ListenerLimits, tls: tuple[Path, Path] | None = None) -> uvicorn.Config:
+    """uvicorn's configuration for the webhook or metrics listener: its protocol holds `limits`, and sends
+    100 Continue only for the POST paths the app serves."""
+    state = getattr(app, "state", None)
+    posts: frozenset[str] = getattr(state, "post_paths", frozenset())  # set by extender.app
+    return uvicorn.Config(
+        app,
+        lifespan="off",  # entered once in `serve`, for all listeners
+        log_config=None,
+        access_log=False,
+        ssl_certfile=tls[0] if tls else None,
+        ssl_keyfile=tls[1] if tls else None,
+        http=bounded_protocol(limits, posts),  # head cap, read deadline, idle timeout, connection cap
+        ws="none",
+    )
+
+
 class _Server(uvicorn.Server):
     """A uvicorn server whose signals `serve` handles once for all listeners (uvicorn's own handler would
     stop only the server that installed it last)."""
@@ -104,21 +136,15 @@ async def serve(listeners: Listeners, settings: Settings, stop: asyncio.Event | 
     eps = endpoints(settings)
     from extender.verbserver import VerbServer  # with the app: only once the settings are valid
 
+    limits = ListenerLimits.of(settings)
     servers: list[tuple[_Serving, socket.socket]] = []
     try:
         for ep in eps:
             sock = _bind(ep)
             if ep.name == "verbs":  # kube-scheduler's calls: the lean server (extender/verbserver.py)
-                servers.append((VerbServer(listeners.verbs.lane), sock))
+                servers.append((VerbServer(listeners.verbs.lane, limits), sock))
                 continue
-            config = uvicorn.Config(
-                apps[ep.name],
-                lifespan="off",  # entered once below, for all listeners
-                log_config=None,
-                access_log=False,
-                ssl_certfile=ep.tls[0] if ep.tls else None,
-                ssl_keyfile=ep.tls[1] if ep.tls else None,
-            )
+            config = listener_config(apps[ep.name], limits, ep.tls)
             servers.append((_Server(config), sock))
             try:
                 config.load()  # loads the certificate now, so a bad one is an error before serving starts
@@ -154,6 +180,21 @@ async def serve(listeners: Listeners, settings: Settings, stop: asyncio.Event | 
             sock.close()
 
 
+def raise_nofile_limit() -> tuple[int, int]:
+    """Raise the soft open-files limit to the hard one; returns (before, after). Each listener holds at
+    most `--max-connections`, and a soft limit of 256 or 1024 with three listeners would otherwise let
+    silent connections starve kube-scheduler's and the informers'."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        return soft, soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as e:  # a hard limit of infinity past the kernel's nr_open
+        log.warning("cannot raise the open-files limit", extra={"soft": soft, "hard": hard, "error": str(e)})
+        return soft, soft
+    return soft, hard
+
+
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop where it is installed (a dependency on Linux): the verbs listener handles three requests per
     scheduled pod, and uvloop's transport and loop cost a fraction of asyncio's per request."""
@@ -174,6 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    raise_nofile_limit()
 
     from extender.app import create_listeners
 

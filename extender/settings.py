@@ -11,6 +11,12 @@ from typing import Literal
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, CliSuppress
 
+from extender.bounded import (
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_READ_TIMEOUT_S,
+)
 from extender.limits import DEFAULT_MAX_REQUEST_BYTES
 from gputopo.engine.scoring import ScoreWeights
 from gputopo.model import DEFAULT_NAMESPACE, EXTENDER_COMPONENT
@@ -58,6 +64,19 @@ class Settings(BaseSettings):
     # Larger request bodies get 413 before they are parsed (extender/limits.py sizes the default).
     max_request_bytes: int = Field(
         DEFAULT_MAX_REQUEST_BYTES, ge=64 * 1024, le=1024**3, description="larger bodies get HTTP 413 unparsed"
+    )
+    # Every listener (extender/bounded.py): what a client on the pod network may hold of the process.
+    max_header_bytes: int = Field(
+        DEFAULT_MAX_HEADER_BYTES, ge=4096, le=16 * 1024**2, description="larger request heads get HTTP 431"
+    )
+    read_timeout_seconds: float = Field(
+        DEFAULT_READ_TIMEOUT_S, gt=0, le=3600, description="a request's head and body must arrive within this"
+    )
+    idle_timeout_seconds: float = Field(
+        DEFAULT_IDLE_TIMEOUT_S, gt=0, le=86400, description="kept-alive connections idle this long are closed"
+    )
+    max_connections: int = Field(
+        DEFAULT_MAX_CONNECTIONS, ge=1, le=65536, description="open connections per listener; more get HTTP 503"
     )
     # Environment only (JSON): GPUTOPO_SCORE_WEIGHTS, and GPUTOPO_TIERS as the chart passes it. Hidden from
     # --help because a JSON object per flag invites quoting mistakes; the environment is the documented way.

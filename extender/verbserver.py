@@ -13,8 +13,12 @@ other address):
 
 Bodies over `--max-request-bytes` get 413 and the connection is closed, by declared length before any of it
 is read, and by counting chunked bodies as they arrive. A request that is not HTTP/1.x gets 400 and the
-connection is closed. Requests on one connection are answered in order (pipelined requests wait their
-turn; reading pauses while a few are queued).
+connection is closed. The limits of `extender.bounded` hold: a head over `--max-header-bytes` gets 431, a
+request not read within `--read-timeout-seconds` 408 (a connection that sent nothing is just closed), an
+idle connection is closed after `--idle-timeout-seconds`, connections past `--max-connections` get 503.
+Requests on one connection are answered in order, refusals included (pipelined requests wait their turn;
+reading pauses while a few are queued or while the client does not read its answers). HEAD gets no body;
+`100 Continue` goes out only for a verb's body, once every earlier answer is written.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import httptools
 import orjson
 
+from extender.bounded import TOO_MANY, HeadMeter, ListenerLimits, head_too_large, read_too_slow, refusal
 from extender.limits import too_large_body
 from extender.routers.health import HEALTHY
 from extender.routers.scheduler import VERBS, Answer, Verb
@@ -50,6 +55,7 @@ class _Request:
     path: str
     body: bytes
     keep_alive: bool
+    refusal: bytes | None = None  # a whole answer that closes the connection, sent in this request's turn
 
 
 class Lane(Protocol):
@@ -79,48 +85,87 @@ def _error(text: str) -> bytes:
 
 
 class VerbProtocol(asyncio.Protocol):
-    """One connection. httptools calls the `on_*` methods while `data_received` feeds it."""
+    """One connection. httptools calls the `on_*` methods while `data_received` feeds it (through the
+    `HeadMeter`, which caps the head before httptools copies it)."""
 
-    def __init__(self, lane: Lane) -> None:
+    def __init__(self, lane: Lane, limits: ListenerLimits, connections: set[VerbProtocol]) -> None:
         self.lane = lane
         self.limit = lane.max_request_bytes
+        self.limits = limits
+        self.connections = connections
         self.transport: asyncio.Transport | None = None
         self.loop = asyncio.get_running_loop()  # made by the server's loop, for the connection it accepted
         self.parser = httptools.HttpRequestParser(self)
+        self.meter = HeadMeter(limits.max_header_bytes)
         self.queue: collections.deque[_Request] = collections.deque()
         self.busy = False
-        self.paused = False
-        self._url = b""
+        self.reading = True
+        self.writing = True  # False while the transport's write buffer is over its high-water mark
+        self._url: list[bytes] = []
         self._chunks: list[bytes] = []
         self._size = 0
-        self._refused = False  # a 413 or 400 is on its way: read nothing more
+        self._continue = False  # a 100 Continue is owed once every earlier answer is written
+        self._refused = False  # a 431, 413, 408 or 400 is queued: read nothing more
+        self._in_request = False  # between a request's first byte and its end
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_kind = ""  # read | idle | stall
+        self._closing: asyncio.Transport | None = None  # closed by us, its answers still flushing
 
     # ------------------------------------------------------------------ asyncio
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+        self.connections.add(self)
+        if len(self.connections) > self.limits.max_connections:
+            self._refuse(503, TOO_MANY)
+            return
+        # The first request's head and body from the moment the connection is accepted: a connection that
+        # sends nothing is closed then.
+        self._arm("read")
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
+        self.connections.discard(self)
+        self._disarm()
+        self.transport = self._closing = None
         self.queue.clear()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
         try:
-            self.parser.feed_data(data)
+            fits = self.meter.feed(self.parser, data)
         except httptools.HttpParserUpgrade:
             self._refuse(400, "protocol upgrades are not served here")
+            return
         except httptools.HttpParserError as e:
             self._refuse(400, f"not an HTTP/1.1 request: {e}")
+            return
+        if not fits:
+            self._refuse(431, head_too_large(self.limits.max_header_bytes))
+
+    def pause_writing(self) -> None:
+        # Answers wait (and reading stops) until the client reads what is written; one that never does is
+        # cut off after the read timeout.
+        self.writing = False
+        self._update_reading()
+        self._arm("stall")
+
+    def resume_writing(self) -> None:
+        self.writing = True
+        self._disarm()
+        self._update_reading()
+        self._next()
+        self._rearm()
 
     # ------------------------------------------------------------------ httptools callbacks
 
     def on_message_begin(self) -> None:
-        self._url, self._chunks, self._size = b"", [], 0
+        self._url, self._chunks, self._size, self._continue = [], [], 0, False
+        self._in_request = True
+        self._rearm()
 
     def on_url(self, url: bytes) -> None:
-        self._url += url
+        self._url.append(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if name.lower() == b"content-length":
@@ -132,8 +177,18 @@ class VerbProtocol(asyncio.Protocol):
             if declared < 0 or declared > self.limit:
                 self._refuse(413, too_large_body(self.limit))
                 raise httptools.HttpParserError("body too large")  # stops this feed; nothing more is read
-        elif name.lower() == b"expect" and value.lower() == b"100-continue" and self.transport is not None:
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        elif name.lower() == b"expect" and value.lower() == b"100-continue":
+            self._continue = True
+
+    def on_headers_complete(self) -> None:
+        self.meter.head_done()
+        if self._continue:
+            # Only a verb's body is wanted, and only from an HTTP/1.1 client; any other request is
+            # answered once its body has come anyway (the client sends it after its own wait).
+            path = httptools.parse_url(b"".join(self._url)).path.decode("latin-1")
+            wanted = self.parser.get_method() == b"POST" and path in VERBS
+            self._continue = wanted and self.parser.get_http_version() == "1.1"
+            self._owe_continue()
 
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
@@ -143,23 +198,39 @@ class VerbProtocol(asyncio.Protocol):
         self._chunks.append(body)
 
     def on_message_complete(self) -> None:
+        self.meter.message_done()
+        self._continue = False
+        self._in_request = False
         body = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
-        path = httptools.parse_url(self._url).path.decode("latin-1")
+        url = self._url[0] if len(self._url) == 1 else b"".join(self._url)
+        path = httptools.parse_url(url).path.decode("latin-1")
         self.queue.append(_Request(self.parser.get_method(), path, body, self.parser.should_keep_alive()))
-        if len(self.queue) >= MAX_QUEUED and self.transport is not None and not self.paused:
-            self.paused = True
-            self.transport.pause_reading()
+        self._update_reading()
         self._next()
+        self._rearm()
 
     # ------------------------------------------------------------------ answering
 
+    def _update_reading(self) -> None:
+        """Read while fewer than MAX_QUEUED requests wait (resuming below half of it) and answers can be
+        written; never after a refusal."""
+        if self.transport is None:
+            return
+        if self.reading and (self._refused or not self.writing or len(self.queue) >= MAX_QUEUED):
+            self.reading = False
+            self.transport.pause_reading()
+        elif not self.reading and not self._refused and self.writing and len(self.queue) < MAX_QUEUED // 2:
+            self.reading = True
+            self.transport.resume_reading()
+
     def _next(self) -> None:
-        if self.busy or not self.queue or self.transport is None:
+        if self.busy or not self.queue or self.transport is None or not self.writing:
             return
         req = self.queue.popleft()
-        if self.paused and len(self.queue) < MAX_QUEUED // 2:
-            self.paused = False
-            self.transport.resume_reading()
+        self._update_reading()
+        if req.refusal is not None:
+            self._write(req.refusal, close=True)
+            return
         verb = VERBS.get(req.path)
         if verb is None:
             status, data = self._direct(req)
@@ -204,53 +275,140 @@ class VerbProtocol(asyncio.Protocol):
         self._send(req, status, data, after=verb if status == 200 else "")
 
     def _direct(self, req: _Request) -> tuple[int, bytes]:
-        if req.method == b"GET" and req.path == "/healthz":
+        if req.method in (b"GET", b"HEAD") and req.path == "/healthz":
             return 200, HEALTHY
-        if req.method == b"GET" and req.path == "/readyz":
+        if req.method in (b"GET", b"HEAD") and req.path == "/readyz":
             return self.lane.readiness()
         return 404, _error(f"{req.path} is not served on this listener")
 
-    def _send(self, req: _Request, status: int, data: bytes, *, close: bool = False, after: str = "") -> None:
-        """Write the answer; then `lane.after(after)` when `after` names a verb; then the next request."""
-        transport = self.transport
-        if transport is None:
+    def _send(self, req: _Request, status: int, data: bytes, *, after: str = "") -> None:
+        """Write the answer (no body to a HEAD); then `lane.after(after)` when `after` names a verb; then
+        the next request."""
+        if self.transport is None:  # the client left: nobody to answer, nothing to prepare
             return
-        close = close or not req.keep_alive
+        close = not req.keep_alive
         head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n" % (
             status,
             _REASONS.get(status, b"Unknown"),
             len(data),
             b"connection: close\r\n" if close else b"",
         )
-        transport.write(head + data)  # one write: one segment for a small answer
+        self._write(head if req.method == b"HEAD" else head + data, close=close)  # one write: one segment
         if after:
             self.lane.after(after)
-        if close:
-            transport.close()
-            self.transport = None
+        if not close:
+            self._next()
+
+    def _write(self, answer: bytes, *, close: bool) -> None:
+        transport = self.transport
+        if transport is None:
             return
-        self._next()
+        transport.write(answer)
+        if close:
+            self._close()
+        elif not self.queue and not self.busy:
+            self._owe_continue()
+            self._rearm()
+
+    def _owe_continue(self) -> None:
+        """The 100 Continue a request asked for, once every answer before it is written."""
+        if self._continue and not self.busy and not self.queue and self.transport is not None:
+            self._continue = False
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._arm("read")  # the body's read deadline starts now
 
     def _refuse(self, status: int, text: str) -> None:
-        """Answer now and close: the rest of what the client sends is never read."""
+        """Stop reading; answer `status` in this request's turn, after the answers before it, and close."""
         if self._refused:
             return
         self._refused = True
-        self.queue.clear()
-        self._send(_Request(b"", "", b"", False), status, _error(text), close=True)
+        self._continue = False
+        if self._timer_kind != "stall":
+            self._disarm()
+        self.queue.append(_Request(b"", "", b"", False, refusal=refusal(status, text)))
+        self._update_reading()
+        self._next()
+
+    # ------------------------------------------------------------------ timers
+
+    def _rearm(self) -> None:
+        """The timer for what the connection does now: a request being read has until its read deadline
+        (never restarted by its own bytes), an idle connection until the idle timeout, one that is being
+        answered none; a stalled write's timer stays."""
+        if self.transport is None or self._refused or self._timer_kind == "stall":
+            return
+        want = "read" if self._in_request else "" if self.busy or self.queue else "idle"
+        if want != self._timer_kind:
+            if want:
+                self._arm(want)
+            else:
+                self._disarm()
+
+    def _arm(self, kind: str) -> None:
+        self._disarm()
+        seconds, fn = {
+            "read": (self.limits.read_timeout_s, self._read_timed_out),
+            "idle": (self.limits.idle_timeout_s, self._close),
+            "stall": (self.limits.read_timeout_s, self._stalled),
+        }[kind]
+        self._timer, self._timer_kind = self.loop.call_later(seconds, fn), kind
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_kind = None, ""
+
+    def _read_timed_out(self) -> None:
+        self._timer, self._timer_kind = None, ""
+        if self._continue:  # the body waits for our 100 Continue (after earlier answers): the client is not late
+            self._arm("read")
+            return
+        if not self._in_request and not self.queue and not self.busy:
+            self._close()  # nothing of a request arrived: nobody to answer
+        else:
+            self._refuse(408, read_too_slow(self.limits.read_timeout_s))
+
+    def _stalled(self) -> None:
+        self._timer, self._timer_kind = None, ""
+        if self.transport is not None:
+            self.transport.abort()
+            self.transport = None
+
+    def _close(self) -> None:
+        """Close once what is written is flushed; a client that does not read it is cut off after the read
+        timeout (a closed transport otherwise waits for the flush forever)."""
+        self._disarm()
+        transport, self.transport = self.transport, None
+        if transport is None:
+            return
+        transport.close()
+        if transport.get_write_buffer_size():  # plain TCP: nothing to wait for once the buffer is empty
+            self._closing = transport
+            self.loop.call_later(self.limits.read_timeout_s, self._cut)
+
+    def _cut(self) -> None:
+        if self._closing is not None:
+            self._closing.abort()
 
 
 class VerbServer:
     """The verbs listener on an already bound socket, with uvicorn.Server's surface that `serve` uses."""
 
-    def __init__(self, lane: Lane) -> None:
+    def __init__(self, lane: Lane, limits: ListenerLimits | None = None) -> None:
         self.lane = lane
+        self.limits = limits or ListenerLimits()
+        self.connections: set[VerbProtocol] = set()
         self.should_exit = False
         self.started = False
 
     async def serve(self, sockets: list[socket.socket]) -> None:
         loop = asyncio.get_running_loop()
-        servers = [await loop.create_server(lambda: VerbProtocol(self.lane), sock=s, backlog=2048) for s in sockets]
+        servers = [
+            await loop.create_server(
+                lambda: VerbProtocol(self.lane, self.limits, self.connections), sock=s, backlog=2048
+            )
+            for s in sockets
+        ]
         self.started = True
         try:
             while not self.should_exit:

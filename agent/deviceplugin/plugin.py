@@ -2,7 +2,8 @@
 
 `DevicePlugin.start(topology)` refuses a node with a MIG-mode GPU, serves the DevicePlugin service on
 `<dir>/gputopo-<suffix>.sock` and registers with the kubelet; `update(topology)` is called by every
-discovery cycle; `stop()` ends the streams and removes the socket. With `podresources_socket` set, the
+successful discovery cycle (with none for `unhealthy_after_s`, every device is reported Unhealthy until
+the next); `stop()` ends the streams and removes the socket. With `podresources_socket` set, the
 kubelet's PodResources `List` tells which pod it is admitting (see `preferred`).
 """
 
@@ -37,6 +38,8 @@ class PluginConfig:
     podresources_socket: Path | None = None
     # The kubelet waits on GetPreferredAllocation while we ask it; a short bound, then the guess.
     podresources_timeout_s: float = 2.0
+    # No discovery succeeded for this long: every device is reported Unhealthy until one does (None: never).
+    unhealthy_after_s: float | None = 120.0
 
 
 class DevicePlugin:
@@ -55,7 +58,11 @@ class DevicePlugin:
         """Raises MigModeError (naming the GPU) before anything is served on a MIG node."""
         check_no_mig(topology)
         self.servicer = DevicePluginServicer(
-            topology, self.preferrer, self.config.device_list_strategy, self.config.cdi_kind
+            topology,
+            self.preferrer,
+            self.config.device_list_strategy,
+            self.config.cdi_kind,
+            unhealthy_after_s=self.config.unhealthy_after_s,
         )
         self.server = PluginServer(
             self.servicer, self.config.resource_name, self.config.plugin_dir, poll_s=self.config.poll_s

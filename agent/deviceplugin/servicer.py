@@ -1,10 +1,17 @@
-"""The DevicePlugin gRPC service: devices from the agent's topology, placements as preferred allocations."""
+"""The DevicePlugin gRPC service: devices from the agent's topology, placements as preferred allocations.
+
+The devices' health is the last discovered topology's while discovery works. When no discovery has
+succeeded for `unhealthy_after_s` (discovery failing as a whole, or hung), every device is reported
+Unhealthy: the kubelet must not keep admitting pods to GPUs nobody has looked at; the next discovered
+topology brings them back."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -38,6 +45,8 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
         preferrer: Preferrer,
         strategy: DeviceListStrategy = DeviceListStrategy.ENVVAR,
         cdi_kind: str = CDI_KIND,
+        unhealthy_after_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         check_no_mig(topology)
         self._preferrer = preferrer
@@ -49,6 +58,10 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
         self._generation = 0
         self._stopped = False
         self._mig_logged: tuple[str, ...] = ()
+        self._unhealthy_after = unhealthy_after_s
+        self._clock = clock
+        self._last_ok = clock()
+        self._stale = False
 
     @property
     def topology(self) -> NodeTopology:
@@ -56,8 +69,34 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
             return self._topology
 
     def devices(self) -> tuple[DeviceState, ...]:
+        """What ListAndWatch reports now (every device Unhealthy while discovery is stale)."""
         with self._cond:
+            self._check_stale()
+            return self._reported()
+
+    def _reported(self) -> tuple[DeviceState, ...]:
+        if not self._stale:
             return self._states
+        return tuple(dataclasses.replace(s, healthy=False) for s in self._states)
+
+    def _check_stale(self) -> None:
+        """Under the lock: mark the devices stale once no discovery has succeeded for unhealthy_after_s."""
+        if self._unhealthy_after is None or self._stale:
+            return
+        quiet = self._clock() - self._last_ok
+        if quiet >= self._unhealthy_after:
+            self._stale = True
+            self._generation += 1
+            self._cond.notify_all()
+            log.error(
+                "no GPU discovery succeeded; every device is reported Unhealthy until one does",
+                extra={"seconds": round(quiet, 1), "unhealthy_after_s": self._unhealthy_after},
+            )
+
+    def _until_stale(self) -> float:
+        if self._unhealthy_after is None or self._stale:
+            return _STREAM_RECHECK_S
+        return max(0.0, min(_STREAM_RECHECK_S, self._last_ok + self._unhealthy_after - self._clock()))
 
     def update(self, topology: NodeTopology) -> None:
         """A discovery cycle's topology; ListAndWatch streams an update when a device's state changed."""
@@ -65,9 +104,15 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
         states = device_states(topology)
         with self._cond:
             self._topology = topology
+            self._last_ok = self._clock()
             if mig and mig != self._mig_logged:
                 log.error("GPUs switched to MIG mode are reported Unhealthy", extra={"gpus": list(mig)})
             self._mig_logged = mig
+            if self._stale:
+                self._stale = False
+                self._generation += 1
+                self._cond.notify_all()
+                log.info("GPU discovery works again; devices report their discovered health")
             if states == self._states:
                 return
             changed = sorted(set(states) ^ set(self._states), key=lambda s: s.index)
@@ -99,11 +144,13 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
         seen = -1
         while True:
             with self._cond:
+                self._check_stale()
                 while seen == self._generation and not self._stopped and context.is_active():
-                    self._cond.wait(_STREAM_RECHECK_S)
+                    self._cond.wait(self._until_stale())
+                    self._check_stale()
                 if self._stopped or not context.is_active():
                     return
-                seen, states = self._generation, self._states
+                seen, states = self._generation, self._reported()
             yield api_pb2.ListAndWatchResponse(devices=[s.to_proto() for s in states])
 
     def GetPreferredAllocation(

@@ -22,12 +22,12 @@ def readiness(extender: Extender) -> tuple[int, bytes]:
     return 503, to_json({"status": "syncing", "synced": sorted(cache.synced)})
 
 
-@router.get("/healthz")
+@router.api_route("/healthz", methods=["GET", "HEAD"])  # HEAD: the same answer, no body
 async def healthz() -> Response:
     return Response(HEALTHY, media_type="application/json")
 
 
-@router.get("/readyz")
+@router.api_route("/readyz", methods=["GET", "HEAD"])
 async def readyz(extender: ExtenderDep) -> Response:
     status, body = readiness(extender)
     return Response(body, status_code=status, media_type="application/json")

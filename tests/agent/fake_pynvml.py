@@ -219,6 +219,7 @@ class FakeGpu:
     remapped: tuple[int, int, int, int] | None = None  # None: NotSupported (pre-Ampere)
     fabric: FakeFabric | None = None  # None: NotSupported
     lost: bool = False  # every call raises GpuIsLost
+    raises: dict[str, Exception] = field(default_factory=dict)  # call name -> what that call raises
 
 
 @dataclass(frozen=True)
@@ -255,6 +256,8 @@ class FakeNvml:
         gpu = self.gpus[h.index]
         if gpu.lost:
             raise NVMLError_GpuIsLost()
+        if call in gpu.raises:
+            raise gpu.raises[call]
         return gpu
 
     def _link(self, h: Handle, link: int, call: str) -> FakeLink:

@@ -623,6 +623,65 @@ def test_lost_gpu_is_failed_with_a_reason_and_others_still_discovered(tmp_path: 
     assert got.link_count(0, 1) == 18
 
 
+MIB_BYTES = 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        pytest.param(
+            {"raises": {"nvmlDeviceGetPciInfo": OSError(5, "Input/output error")}},
+            "reading it failed: OSError: [Errno 5] Input/output error",
+            id="an OSError",
+        ),
+        pytest.param(
+            {"raises": {"nvmlDeviceGetName": UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")}},
+            "reading it failed: UnicodeDecodeError",
+            id="a decode error",
+        ),
+        pytest.param(
+            {"raises": {"nvmlDeviceGetNvLinkVersion": ValueError("bad version")}},
+            "reading it failed: ValueError: bad version",
+            id="a ValueError while reading links",
+        ),
+        pytest.param(
+            {"memory_bytes": (1024**3 + 1) * MIB_BYTES},
+            "a reading is out of range: memory_mib: Input should be less than or equal to",
+            id="memory past the bound",
+        ),
+        pytest.param({"name": "x" * 300}, "a reading is out of range: model", id="a model name past the bound"),
+        pytest.param({"numa_mask": 0}, None, id="no change: the control"),
+    ],
+)
+def test_one_unreadable_gpu_is_failed_with_the_reason_and_the_rest_published(
+    change: dict[str, Any], reason: str | None, tmp_path: Path
+) -> None:
+    fake = fake_system("dgx-h100")
+    for key, value in change.items():
+        setattr(fake.gpus[6], key, value)
+    got = discover(fake, tmp_path)  # a valid topology: discovery as a whole did not fail
+    assert [g.index for g in got.gpus] == list(range(8))
+    assert all(g.health is Health.OK for g in got.gpus if g.index != 6)
+    assert got.link_count(0, 1) == 18
+    if reason is None:
+        assert got.gpus[6].health is Health.OK and got.link_count(6, 0) == 18
+        return
+    bad = got.gpus[6]
+    assert bad.health is Health.FAILED and bad.memory_mib == 0 and got.link_count(6, 0) == 0
+    assert bad.reasons[0].startswith(f"health unknown: {reason}")
+    assert bad.uuid == fake.gpus[6].uuid or len(fake.gpus[6].uuid) > 256
+
+
+def test_an_unreadable_gpu_keeps_the_uuid_last_read_for_it(tmp_path: Path) -> None:
+    fake = fake_system("dgx-h100")
+    ad = adapter(fake, tmp_path)
+    uuid = ad.discover().topology.gpus[3].uuid
+    fake.gpus[3].raises = {"nvmlDeviceGetUUID": OSError("gone")}
+    again = ad.discover().topology.gpus[3]
+    assert (again.uuid, again.health) == (uuid, Health.FAILED)
+    assert again.reasons == ("health unknown: reading it failed: OSError: gone",)
+
+
 def test_not_supported_calls_are_recorded_as_notes(tmp_path: Path) -> None:
     result = adapter(fake_system("l40s-4"), tmp_path).discover()
     assert "NVLink: NotSupported" in result.notes

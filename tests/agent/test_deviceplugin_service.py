@@ -13,8 +13,11 @@ import pytest
 from agent.deviceplugin import api_pb2
 from agent.deviceplugin.devices import DeviceListStrategy, MigModeError
 from agent.deviceplugin.plugin import DevicePlugin, PluginConfig
+from agent.deviceplugin.preferred import PreferredAllocation, Preferrer
+from agent.deviceplugin.servicer import DevicePluginServicer
 from agent.nvml_backend import MIG_REASON, NvmlAdapter
 from agent.pods import StaticLocalPods
+from gputopo.engine.besteffort import best_effort
 from gputopo.model import Health
 from tests.agent.dp_harness import NODE, running_plugin, topology, wait_for, with_gpu
 from tests.agent.fake_pynvml import fake_system
@@ -248,3 +251,57 @@ def test_mig_gpu_discovered_through_nvml_refuses_to_start(tmp_path: Path) -> Non
     plugin = DevicePlugin(PluginConfig(plugin_dir=tmp_path / "dp"), StaticLocalPods(NODE))
     with pytest.raises(MigModeError, match=re.escape(f"GPU 4 ({topo.gpus[4].uuid}) is in MIG mode")):
         plugin.start(topo)
+
+
+class _Stream:
+    """The gRPC context ListAndWatch needs, for calling the servicer directly."""
+
+    def add_callback(self, fn: Callable[[], None]) -> bool:
+        return True
+
+    def is_active(self) -> bool:
+        return True
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(
+    ("quiet_s", "health"),
+    [
+        pytest.param(29.0, {"Healthy"}, id="discovery quiet for less than unhealthy-after: unchanged"),
+        pytest.param(30.0, {"Unhealthy"}, id="quiet for unhealthy-after: every device unhealthy"),
+    ],
+)
+def test_devices_go_unhealthy_when_no_discovery_succeeds_and_come_back_with_the_next(
+    quiet_s: float, health: set[str]
+) -> None:
+    clock, topo = _Clock(), topology()
+    preferrer = Preferrer(StaticLocalPods(NODE), PreferredAllocation.PLACEMENT, best_effort, None)
+    servicer = DevicePluginServicer(topo, preferrer, unhealthy_after_s=30.0, clock=clock)
+    stream = servicer.ListAndWatch(api_pb2.Empty(), _Stream())
+    assert {d.health for d in next(stream).devices} == {"Healthy"}
+    clock.now += quiet_s
+    assert {"Healthy" if d.healthy else "Unhealthy" for d in servicer.devices()} == health
+    if health == {"Unhealthy"}:
+        assert {d.health for d in next(stream).devices} == {"Unhealthy"}  # streamed to the kubelet
+        servicer.update(topo)  # discovery works again
+        assert {d.health for d in next(stream).devices} == {"Healthy"}
+    servicer.stop()
+    assert list(stream) == []
+
+
+def test_an_unreadable_gpu_is_the_only_unhealthy_device(tmp_path: Path) -> None:
+    fake = fake_system("dgx-h100")
+    fake.gpus[2].raises = {"nvmlDeviceGetPciInfo": OSError("sysfs read failed")}
+    topo = NvmlAdapter(fake, sysfs_root=tmp_path / "sys").discover().topology
+    with running_plugin(tmp_path, topo) as h:
+        first = next(h.stub.ListAndWatch(api_pb2.Empty(), timeout=10))
+    devices = _devices(first)
+    assert devices.pop(topo.gpus[2].uuid)[0] == "Unhealthy"
+    assert {health for health, _ in devices.values()} == {"Healthy"} and len(devices) == 7

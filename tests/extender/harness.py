@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,10 +22,11 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from extender.app import VerbsApp, create_app
+from extender.bounded import ListenerLimits
 from extender.cache import ClusterCache
 from extender.kube import KINDS, Informer
 from extender.ledger import Ledger
-from extender.main import _loop_factory
+from extender.main import _loop_factory, listener_config
 from extender.settings import Settings
 from extender.verbserver import VerbServer
 from gputopo.model import (
@@ -219,21 +223,25 @@ def env() -> Iterator[Env]:
         yield e
 
 
-def start_server(app: Any) -> tuple[uvicorn.Server | VerbServer, threading.Thread, str]:
+def start_server(
+    app: Any, limits: ListenerLimits | None = None, tls: tuple[Path, Path] | None = None
+) -> tuple[uvicorn.Server | VerbServer, threading.Thread, str]:
     """`app` served in a thread on the server production gives it (the verbs listener's own, uvicorn for the
-    others), on a free loopback port: (server, thread, base URL). Stop it with `server.should_exit = True`."""
+    others, under `limits`, over TLS with `tls` = (certificate, key)), on a free loopback port: (server,
+    thread, base URL). Stop it with `server.should_exit = True`."""
+    limits = limits or ListenerLimits()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     server: uvicorn.Server | VerbServer
     if isinstance(app, VerbsApp):
-        verbs = server = VerbServer(app.lane)
+        verbs = server = VerbServer(app.lane, limits)
 
         def target() -> None:  # on uvloop where installed, as `gputopo-extender` runs it
             with asyncio.Runner(loop_factory=_loop_factory()) as runner:
                 runner.run(verbs.serve([sock]))
 
     else:
-        uv = server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False))
+        uv = server = uvicorn.Server(listener_config(app, limits, tls))
 
         def target() -> None:
             uv.run(sockets=[sock])
@@ -244,4 +252,22 @@ def start_server(app: Any) -> tuple[uvicorn.Server | VerbServer, threading.Threa
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.01)
-    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+    scheme = "https" if tls else "http"
+    return server, thread, f"{scheme}://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def certificate(tmp: Path) -> tuple[Path, Path, Path]:
+    """A CA and a serving certificate for 127.0.0.1 (what the API server would verify against caBundle)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl not found: the webhook listener needs a certificate")
+    ca_key, ca, key, csr, crt, ext = (tmp / n for n in ("ca.key", "ca.crt", "tls.key", "tls.csr", "tls.crt", "ext"))
+    ext.write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+    steps = [
+        f"req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=test-ca -keyout {ca_key} -out {ca}",
+        f"req -newkey rsa:2048 -nodes -subj /CN=127.0.0.1 -keyout {key} -out {csr}",
+        f"x509 -req -in {csr} -CA {ca} -CAkey {ca_key} -CAcreateserial -days 1 -out {crt} -extfile {ext}",
+    ]
+    for step in steps:
+        subprocess.run([openssl, *step.split()], check=True, capture_output=True)
+    return ca, crt, key

@@ -4,10 +4,8 @@ webhook over TLS, the metrics; each refuses the others' paths, and /healthz answ
 from __future__ import annotations
 
 import asyncio
-import shutil
 import socket
 import ssl
-import subprocess
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +20,7 @@ from extender.app import create_listeners
 from extender.main import ListenError, serve
 from extender.settings import Settings
 from gputopo.engine.placement import evaluate_node
-from tests.extender.harness import args, gputopo_pod
+from tests.extender.harness import args, certificate, gputopo_pod
 
 CLUSTER = "nodes:\n  - {name: h1, fixture: dgx-h100}\n  - {name: h2, fixture: hgx-h200}\n"
 REVIEW = {
@@ -39,23 +37,6 @@ def _free_port() -> int:
         return port
 
 
-def _certificate(tmp: Path) -> tuple[Path, Path, Path]:
-    """A CA and a serving certificate for 127.0.0.1 (what the API server would verify against caBundle)."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("openssl not found: the webhook listener needs a certificate")
-    ca_key, ca, key, csr, crt, ext = (tmp / n for n in ("ca.key", "ca.crt", "tls.key", "tls.csr", "tls.crt", "ext"))
-    ext.write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
-    steps = [
-        f"req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=test-ca -keyout {ca_key} -out {ca}",
-        f"req -newkey rsa:2048 -nodes -subj /CN=127.0.0.1 -keyout {key} -out {csr}",
-        f"x509 -req -in {csr} -CA {ca} -CAkey {ca_key} -CAcreateserial -days 1 -out {crt} -extfile {ext}",
-    ]
-    for step in steps:
-        subprocess.run([openssl, *step.split()], check=True, capture_output=True)
-    return ca, crt, key
-
-
 @dataclass
 class Running:
     urls: dict[str, str]
@@ -69,7 +50,7 @@ class Running:
 @pytest.fixture(scope="module")
 def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     tmp = tmp_path_factory.mktemp("listeners")
-    ca, crt, key = _certificate(tmp)
+    ca, crt, key = certificate(tmp)
     (tmp / "cluster.yaml").write_text(CLUSTER)
     ports = {name: _free_port() for name in ("verbs", "webhook", "metrics")}
     settings = Settings(
