@@ -3,8 +3,10 @@
 The upstream binaries must already be built (``gputopo/localcluster/build_binaries.sh``, once per
 machine); without them every e2e test fails with instructions. ``GPUTOPO_E2E_BUILD=1`` builds them
 here instead (tens of minutes the first time). ``GPUTOPO_E2E_KEEP=1`` keeps the control plane's
-directory (logs, kubeconfig) after the session. Failed e2e tests get the tail of every component's
-log attached to their report.
+directory (logs, kubeconfig) after the session. ``GPUTOPO_E2E_FEATURE_GATES=Name=true,Other=false``
+goes to kube-apiserver, the kube-schedulers and kube-controller-manager, and
+``GPUTOPO_E2E_RUNTIME_CONFIG=api/beta=true`` to kube-apiserver. Failed e2e tests get the tail of
+every component's log attached to their report.
 
 Tests share the session's cluster, so nodes from one test are visible to the others: create nodes
 through ``make_nodes`` (unique names, a per-test label, deleted afterwards) and select them with
@@ -26,12 +28,14 @@ import pytest
 from gputopo.localcluster import (
     TEST_LABEL,
     ControlPlane,
+    FlagError,
     KubeApiError,
     KubeClient,
     SimNode,
     ensure_binaries,
     expected_bin_dir,
     find_binaries,
+    parse_flag_map,
 )
 from gputopo.localcluster.stack import GpuNode, Stack
 
@@ -53,14 +57,39 @@ def _bin_dir() -> Path:
     )
 
 
+FEATURE_GATES_ENV = "GPUTOPO_E2E_FEATURE_GATES"
+RUNTIME_CONFIG_ENV = "GPUTOPO_E2E_RUNTIME_CONFIG"
+
+
+def _flag_env(name: str) -> dict[str, bool]:
+    try:
+        return parse_flag_map(os.environ.get(name, ""), source=name)
+    except FlagError as e:
+        pytest.fail(f"e2e: {e}", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def control_plane() -> Iterator[ControlPlane]:
-    """etcd + kube-apiserver, started once per session; schedulers are added by tests."""
+    """etcd, kube-apiserver and kube-controller-manager, started once per session; schedulers are
+    added by tests."""
     bin_dir = _bin_dir()
     keep = os.environ.get("GPUTOPO_E2E_KEEP") == "1"
     t0 = time.monotonic()
-    cp = ControlPlane(bin_dir, keep=keep)
+    try:
+        cp = ControlPlane(
+            bin_dir,
+            keep=keep,
+            feature_gates=_flag_env(FEATURE_GATES_ENV),
+            runtime_config=_flag_env(RUNTIME_CONFIG_ENV),
+        )
+    except FlagError as e:
+        pytest.fail(f"e2e: {FEATURE_GATES_ENV} or {RUNTIME_CONFIG_ENV}: {e}", pytrace=False)
     cp.start()
+    try:
+        cp.start_controller_manager()
+    except BaseException:
+        cp.teardown()
+        raise
     print(f"\ne2e control plane up in {time.monotonic() - t0:.1f}s: {cp.dir}", file=sys.stderr)
     try:
         yield cp
@@ -103,7 +132,7 @@ def test_id(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def namespace(kube: KubeClient, test_id: str) -> str:
-    """A fresh namespace for this test (never deleted: there is no namespace controller)."""
+    """A fresh namespace for this test (never deleted: no namespace controller runs)."""
     kube.create_namespace(test_id)
     return test_id
 

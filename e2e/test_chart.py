@@ -1,7 +1,7 @@
 """The Helm chart against a real kube-apiserver: dry runs, install, upgrade and RBAC with real tokens.
 
-No kubelet and no controller manager run, so the chart's Pods never start; these tests check what
-the API server accepts and what each component's identity may do:
+No kubelet and no default scheduler run, so the chart's Pods (kube-controller-manager makes them)
+never start; these tests check what the API server accepts and what each component's identity may do:
 
 - every object the chart renders (each ``ci/*-values.yaml`` scenario) passes a server-side dry
   run (cert-manager's kinds excepted: no cert-manager CRDs here);

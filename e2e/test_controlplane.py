@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -13,6 +15,7 @@ from typing import Any
 import pytest
 
 from gputopo.localcluster import (
+    CONTROLLER_MANAGER,
     GPU_RESOURCE,
     NODE_NAME_EXTRA,
     TEST_LABEL,
@@ -25,6 +28,7 @@ from gputopo.localcluster import (
 )
 from gputopo.localcluster.binaries import kubernetes_version
 from gputopo.localcluster.chart import helm_binary, local_scheduler_config, local_values, render
+from gputopo.localcluster.procs import insecure_ctx
 
 MakeNodes = Callable[[Sequence[SimNode]], list[str]]
 
@@ -322,3 +326,50 @@ def test_validating_admission_policy_limits_agent_to_its_own_node(
             f"clusterrolebinding/{test_id}",
             f"clusterrole/{test_id}",
         )
+
+
+def _status(url: str, token: str) -> int:
+    """The HTTP status of a GET with the admin token (any TLS certificate accepted), asking for
+    text (the only type /flagz serves)."""
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}", "Accept": "text/plain"})
+    try:
+        with urllib.request.urlopen(req, timeout=5, context=insecure_ctx()) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+def _flagz_served(cp: ControlPlane) -> dict[str, bool]:
+    """Whether kube-apiserver, the plain scheduler and kube-controller-manager serve /flagz
+    (feature gate ComponentFlagz)."""
+    ports = {
+        "kube-apiserver": cp.apiserver_port,
+        "plain-scheduler": cp.scheduler_port("plain-scheduler"),
+        CONTROLLER_MANAGER: cp.controller_manager_port,
+    }
+    return {name: _status(f"https://127.0.0.1:{port}/flagz", cp.admin_token) == 200 for name, port in ports.items()}
+
+
+def test_feature_gates_reach_every_component_and_runtime_config_the_apiserver(
+    control_plane: ControlPlane, kube: KubeClient, tmp_path: Path
+) -> None:
+    """ComponentFlagz (alpha and off in 1.34, beta and on from 1.36) toggled against its default
+    turns /flagz on or off in all three components; resource.k8s.io/v1beta2, off by default in
+    both releases, is served once runtime-config asks for it."""
+    if "plain-scheduler" not in control_plane.components():
+        control_plane.start_plain_scheduler()
+    default = _flagz_served(control_plane)
+    assert len(set(default.values())) == 1, default
+    flip = not default["kube-apiserver"]
+    beta = "resource.k8s.io/v1beta2"
+    versions = {v["groupVersion"] for v in kube.request("GET", "/apis/resource.k8s.io")["versions"]}
+    assert beta not in versions
+    cp = ControlPlane(
+        control_plane.bin_dir, base_dir=tmp_path, feature_gates={"ComponentFlagz": flip}, runtime_config={beta: True}
+    )
+    with cp:
+        cp.start_controller_manager()
+        cp.start_plain_scheduler()
+        assert _flagz_served(cp) == dict.fromkeys(default, flip)
+        with cp.client() as k:
+            assert beta in {v["groupVersion"] for v in k.request("GET", "/apis/resource.k8s.io")["versions"]}

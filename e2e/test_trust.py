@@ -1,7 +1,8 @@
 """Who may place a pod: the chart's ValidatingAdmissionPolicy on the real kube-apiserver lets only the
 scheduler's service account (the scheduler pod, whose extender sidecar binds) set or change
 ``gputopo.io/placement``, on pod create and update and on ``pods/binding``. Everyone else, whatever
-RBAC lets them do to pods, is refused with a message naming the annotation.
+RBAC lets them do to pods, is refused with a message naming the annotation; so are the pods a
+controller (kube-controller-manager's Job controller) makes from a template that carries one.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from workloads import create, events_about, indexed_job, live_pods, pod_template
 
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from gputopo.localcluster.kube import KubeApiError
@@ -180,3 +182,22 @@ def test_the_schedulers_own_bind_succeeds_and_the_pod_carries_the_placement(
     finally:
         stack.cp.remove(stack.agent_component(node), grace=2)
         kube.delete_node(node)
+
+
+@pytest.mark.usefixtures("policy_active")
+def test_jobs_template_with_placement_is_refused(kube: KubeClient, namespace: str) -> None:
+    """The Job controller creates pods with its own service account; the policy refuses a placement
+    in the template as it refuses any other identity's, and the Job says so in a FailedCreate event."""
+    template = pod_template(_pending_pod(namespace, "t", {PLACEMENT_ANNOTATION: FORGED}))
+    create(kube, indexed_job("forged-job", namespace, template, completions=1))
+    deadline = time.monotonic() + 60
+    while True:
+        failed = [e for e in events_about(kube, namespace, "Job", "forged-job") if e.get("reason") == "FailedCreate"]
+        if failed:
+            break
+        assert time.monotonic() < deadline, "the Job controller reported no FailedCreate"
+        time.sleep(0.3)
+    message = failed[0].get("message", "")
+    assert "ValidatingAdmissionPolicy" in message and PLACEMENT_ANNOTATION in message, message
+    assert (failed[0].get("source") or {}).get("component") == "job-controller", failed[0]
+    assert not live_pods(kube, namespace, "batch.kubernetes.io/job-name=forged-job")

@@ -1,9 +1,10 @@
 """`gputopo demo`: the whole system on this machine. Builds (or reuses) the pinned upstream binaries,
-starts etcd, kube-apiserver and kube-scheduler, runs the real extender and one real agent per
-simulated GPU node from `examples/cluster.yaml`, submits `examples/jobs.yaml` as pods, and prints
-where each pod went and what `kubectl describe pod` says about it. As root, with the kubelet built,
-it adds one node run by a real kubelet, so the whole path shows: placement, the kubelet's device
-manager asking the agent's device plugin, PodResources, and the agent's per-pod report."""
+starts etcd, kube-apiserver, kube-controller-manager and kube-scheduler, runs the real extender and
+one real agent per simulated GPU node from `examples/cluster.yaml`, submits `examples/jobs.yaml` as
+pods, and prints where each pod went and what `kubectl describe pod` says about it. As root, with
+the kubelet built, it adds one node run by a real kubelet, so the whole path shows: placement, the
+kubelet's device manager asking the agent's device plugin, PodResources, and the agent's per-pod
+report."""
 
 from __future__ import annotations
 
@@ -62,9 +63,10 @@ def run(args: argparse.Namespace) -> int:
     _say(f"   {bin_dir}")
 
     cp = ControlPlane(bin_dir, keep=args.keep, die_with_parent=not args.keep, progress=lambda m: _say(f"   {m}"))
-    _say("== control plane: etcd, kube-apiserver (RBAC, TLS, service-account keys)")
+    _say("== control plane: etcd, kube-apiserver (RBAC, TLS, service-account keys), kube-controller-manager")
     cp.start()
     try:
+        cp.start_controller_manager()
         kube = cp.client()
         stack = Stack(cp, kube, stale_after_seconds=STALE_AFTER, progress=lambda m: _say(f"   {m}"))
         stack.install()

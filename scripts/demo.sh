@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The main job on a fresh machine: set up, then run the local demo (a real etcd, kube-apiserver and
-# kube-scheduler with simulated GPU nodes, the real extender and agents) on the files in examples/.
+# The main job on a fresh machine: set up, then run the local demo (a real etcd, kube-apiserver,
+# kube-controller-manager and kube-scheduler with simulated GPU nodes, the real extender and agents)
+# on the files in examples/.
 # Extra arguments go to `gputopo demo` (for example --keep).
 set -euo pipefail
 cd "$(dirname "$0")/.."

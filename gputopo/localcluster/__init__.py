@@ -1,7 +1,7 @@
 """A local, real Kubernetes control plane for end-to-end tests, the demo and benchmarks.
 
-Upstream etcd, kube-apiserver and kube-scheduler run as child processes on loopback
-(``ControlPlane``); GPU nodes are simulated as Node objects without kubelets (``SimNode``), or run
+Upstream etcd, kube-apiserver, kube-scheduler and kube-controller-manager run as child processes
+on loopback (``ControlPlane``); GPU nodes are simulated as Node objects without kubelets (``SimNode``), or run
 by a real kubelet with a fake container runtime (``RealKubelet``, root only);
 ``KubeClient`` is a small typed wrapper over ``gputopo.kube`` plus the real kubectl.
 The binaries are built once per machine by ``build_binaries.sh`` (``ensure_binaries``).
@@ -12,6 +12,8 @@ from gputopo.model import GPU_RESOURCE
 from .binaries import BUILD_SCRIPT, BinariesError, ensure_binaries, expected_bin_dir, find_binaries
 from .controlplane import (
     APISERVER,
+    CONTROLLER_MANAGER,
+    CONTROLLERS,
     ETCD,
     GPUTOPO_PROFILE,
     PLAIN_PROFILE,
@@ -22,6 +24,7 @@ from .controlplane import (
     kubeconfig_text,
     scheduler_configuration,
 )
+from .featureflags import FlagError, parse_flag_map
 from .kube import (
     NODE_NAME_EXTRA,
     TEST_LABEL,
@@ -39,6 +42,8 @@ from .kubelet import RealKubelet, kubelet_unavailable
 __all__ = [
     "APISERVER",
     "BUILD_SCRIPT",
+    "CONTROLLERS",
+    "CONTROLLER_MANAGER",
     "ETCD",
     "GPUTOPO_PROFILE",
     "GPU_RESOURCE",
@@ -49,6 +54,7 @@ __all__ = [
     "ControlPlane",
     "ControlPlaneError",
     "ExtenderConfig",
+    "FlagError",
     "KubeApiError",
     "KubeClient",
     "PodCondition",
@@ -63,6 +69,7 @@ __all__ = [
     "kubeconfig_text",
     "kubelet_unavailable",
     "network_labels",
+    "parse_flag_map",
     "pod_manifest",
     "scheduler_configuration",
 ]

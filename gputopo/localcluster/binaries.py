@@ -1,5 +1,6 @@
-"""Locate or build the pinned upstream binaries (kube-apiserver, kube-scheduler, kubectl, etcd, helm;
-also kubelet and fakecri, which only ``kubelet.RealKubelet`` needs and checks for itself).
+"""Locate or build the pinned upstream binaries (kube-apiserver, kube-scheduler, kube-controller-manager,
+kubectl, etcd, helm; also kubelet and fakecri, which only ``kubelet.RealKubelet`` needs and checks for
+itself).
 
 The build itself is ``build_binaries.sh`` next to this module (shipped as package data): it builds
 from the Go module proxy once per machine into ``$GPUTOPO_CACHE/<version key>/bin`` and reuses that
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 BUILD_SCRIPT = Path(__file__).with_name("build_binaries.sh")
-REQUIRED_BINARIES = ("etcd", "kube-apiserver", "kube-scheduler", "kubectl", "helm")
+REQUIRED_BINARIES = ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "kubectl", "helm")
 
 
 class BinariesError(RuntimeError):

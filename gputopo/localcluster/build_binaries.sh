@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Builds the pinned upstream control-plane binaries (kube-apiserver, kube-scheduler, kubectl,
-# etcd, helm), the kubelet and `fakecri` (Kubernetes' own fake CRI runtime, k8s.io/cri-client/pkg/fake,
-# served on a unix socket so that the kubelet runs without a container engine) from the Go module
-# proxy into a cache outside the repository, keyed by version.
+# Builds the pinned upstream control-plane binaries (kube-apiserver, kube-scheduler,
+# kube-controller-manager, kubectl, etcd, helm), the kubelet and `fakecri` (Kubernetes' own fake
+# CRI runtime, k8s.io/cri-client/pkg/fake, served on a unix socket so that the kubelet runs without
+# a container engine) from the Go module proxy into a cache outside the repository, keyed by version.
 # A second run with the binaries present does nothing. Prints the bin directory on stdout;
 # progress goes to stderr.
 #
@@ -24,7 +24,7 @@ CACHE_ROOT="${GPUTOPO_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gputopo}"
 KEY="k8s-v${K8S_VERSION}_etcd-v${ETCD_VERSION}_helm-v${HELM_VERSION}"
 BIN="$CACHE_ROOT/$KEY/bin"
 WORK="$CACHE_ROOT/$KEY/src"
-K8S_CMDS=(kube-apiserver kube-scheduler kubectl kubelet)
+K8S_CMDS=(kube-apiserver kube-scheduler kube-controller-manager kubectl kubelet)
 NEEDED=("${K8S_CMDS[@]}" fakecri etcd helm)
 
 log() { echo "[build-binaries] $*" >&2; }
@@ -81,6 +81,7 @@ package tools
 
 import (
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kube-scheduler"
 	_ "k8s.io/kubernetes/cmd/kubectl"
 	_ "k8s.io/kubernetes/cmd/kubelet"

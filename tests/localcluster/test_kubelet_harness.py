@@ -12,7 +12,16 @@ import pytest
 from gputopo.localcluster.binaries import BUILD_SCRIPT
 from gputopo.localcluster.kubelet import kubelet_configuration, kubelet_unavailable
 
-ALL_BINARIES = ("kube-apiserver", "kube-scheduler", "kubectl", "kubelet", "fakecri", "etcd", "helm")
+ALL_BINARIES = (
+    "kube-apiserver",
+    "kube-scheduler",
+    "kube-controller-manager",
+    "kubectl",
+    "kubelet",
+    "fakecri",
+    "etcd",
+    "helm",
+)
 
 
 def _bin_dir(tmp_path: Path, names: tuple[str, ...]) -> Path:
