@@ -17,6 +17,10 @@ for v in "${K8S_VERSIONS[@]}"; do
   echo "   $v: ${BINS[$v]}"
 done
 
+# As root, the images e2e/test_installed.py runs on a containerd node (cached like the binaries; the
+# script also installs the Debian packages it and that node need). Without root those tests skip.
+if [[ $(id -u) -eq 0 ]]; then echo "== images"; bash gputopo/localcluster/build_images.sh "${BINS[@]}" >/dev/null; fi
+
 echo "== ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

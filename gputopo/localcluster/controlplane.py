@@ -1,13 +1,16 @@
-"""A real, local Kubernetes control plane: etcd, kube-apiserver and kube-scheduler processes.
+"""A real, local Kubernetes control plane: etcd, kube-apiserver, kube-scheduler and
+kube-controller-manager processes.
 
 Everything runs as child processes of this Python process, binds 127.0.0.1 only, on free ports,
 and lives in one private directory (data, certificates, keys, configs and one log file per
 component). Nodes have no kubelet: they are Node objects created through the API (see
-``kube.KubeClient.create_nodes``). No kube-controller-manager runs.
+``kube.KubeClient.create_nodes``). kube-controller-manager runs when asked
+(``start_controller_manager``), with the workload controllers and the garbage collector only.
 
 Typical use::
 
-    with ControlPlane() as cp:
+    with ControlPlane(feature_gates={"SomeGate": True}) as cp:
+        cp.start_controller_manager()
         cp.start_plain_scheduler()
         kube = cp.client()
         ...
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from gputopo.model import SCHEDULER_NAME
 
 from .binaries import find_binaries
+from .featureflags import feature_gates_arg, runtime_config_arg
 from .pki import generate_sa_keys, kubeconfig_text, write_private
 
 # The process supervision, the credential files and the scheduler configuration live in their own
@@ -46,6 +50,9 @@ if TYPE_CHECKING:
 __all__ = [
     "ADMIN_USER",
     "APISERVER",
+    "CONTROLLERS",
+    "CONTROLLER_MANAGER",
+    "CONTROLLER_MANAGER_USER",
     "ETCD",
     "GPUTOPO_PROFILE",
     "HOST",
@@ -67,10 +74,27 @@ PLAIN_PROFILE = "plain-scheduler"
 ADMIN_USER = "gputopo-admin"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 SERVICE_CIDR = "10.0.0.0/24"
+CONTROLLER_MANAGER = "kube-controller-manager"
+# The identity the bootstrap RBAC binds to the system:kube-controller-manager ClusterRole.
+CONTROLLER_MANAGER_USER = "system:kube-controller-manager"
+# What kube-controller-manager runs, and nothing else. Left out on purpose: the node-lifecycle
+# controller (it would mark every simulated, kubelet-less Node NotReady and taint it), the pod GC
+# (it would delete pods bound to Nodes a test deleted) and the namespace controller.
+CONTROLLERS = (
+    "serviceaccount-token-controller",
+    "serviceaccount-controller",
+    "root-ca-certificate-publisher-controller",
+    "garbage-collector-controller",
+    "daemonset-controller",
+    "deployment-controller",
+    "replicaset-controller",
+    "job-controller",
+    "statefulset-controller",
+)
 
 
 class ControlPlane(Supervisor):
-    """etcd + kube-apiserver (+ kube-schedulers) on loopback, in a private directory.
+    """etcd + kube-apiserver (+ kube-schedulers, kube-controller-manager) on loopback, in a private directory.
 
     ``bin_dir``: the directory with the binaries (default: the built cache, see
     ``binaries.find_binaries``; raises if they are missing). ``base_dir``: parent for the private
@@ -78,6 +102,12 @@ class ControlPlane(Supervisor):
     ``die_with_parent``: the kernel stops the children when the thread that started them exits
     (Linux ``PR_SET_PDEATHSIG``); set False (e.g. ``gputopo demo --keep``) for a control plane
     that outlives this process, and start it from a thread that lives as long as it should.
+    ``feature_gates`` go to kube-apiserver, every kube-scheduler and kube-controller-manager as
+    ``--feature-gates``; ``runtime_config`` to kube-apiserver as ``--runtime-config`` (the only one
+    of them with that flag). Both are checked here (``featureflags.FlagError``).
+    ``service_account_admission``: run the ServiceAccount admission plugin, as every real cluster
+    does, so that pods get their account's token volume (pods that containers run in need it; a
+    pod's ServiceAccount must then exist before the pod).
     """
 
     def __init__(
@@ -90,7 +120,18 @@ class ControlPlane(Supervisor):
         startup_timeout: float = 90.0,
         verbosity: int = 2,
         progress: Callable[[str], None] | None = None,
+        feature_gates: Mapping[str, bool] | None = None,
+        runtime_config: Mapping[str, bool] | None = None,
+        service_account_admission: bool = False,
     ) -> None:
+        # Checked before anything is created: a bad name fails here, not in a component's log.
+        self.feature_gates = dict(feature_gates or {})
+        self.runtime_config = dict(runtime_config or {})
+        self.service_account_admission = service_account_admission
+        self._gate_args = [f"--feature-gates={feature_gates_arg(self.feature_gates)}"] if self.feature_gates else []
+        self._runtime_args = (
+            [f"--runtime-config={runtime_config_arg(self.runtime_config)}"] if self.runtime_config else []
+        )
         if bin_dir is None:
             bin_dir = find_binaries()
             if bin_dir is None:
@@ -110,6 +151,8 @@ class ControlPlane(Supervisor):
         self.dir = Path(tempfile.mkdtemp(prefix="gputopo-cp-", dir=base_dir))
         self.dir.chmod(0o700)
         self.admin_token = secrets.token_hex(24)
+        self.controller_manager_token = secrets.token_hex(24)
+        self.controller_manager_port: int | None = None
         self.etcd_port = free_port()
         self.etcd_peer_port = free_port()
         self.apiserver_port = free_port()
@@ -154,8 +197,8 @@ class ControlPlane(Supervisor):
         return self
 
     def teardown(self) -> None:
-        """Stop every process this object started (schedulers, apiserver, etcd), by PID, and
-        remove the directory unless ``keep``."""
+        """Stop every process this object started (schedulers, controller manager, agents, then
+        apiserver and etcd), by PID, and remove the directory unless ``keep``."""
         if self._torn_down:
             return
         self._torn_down = True
@@ -217,7 +260,8 @@ class ControlPlane(Supervisor):
     # ----------------------------------------------------------------- component control
 
     def remove(self, name: str, *, grace: float = 5.0) -> None:
-        """Stop a scheduler and forget it, so that its name (and profile) can be used again.
+        """Stop a scheduler (or any component but etcd and kube-apiserver) and forget it, so that
+        its name (and profile) can be used again.
         Its log file stays. etcd and kube-apiserver cannot be removed (use ``stop``)."""
         if name in (ETCD, APISERVER):
             raise ControlPlaneError(f"{name} cannot be removed; use stop() or teardown()")
@@ -226,6 +270,8 @@ class ControlPlane(Supervisor):
         self._removed_pids.extend(c.started_pids)
         del self._components[name]
         self._scheduler_ports.pop(name, None)
+        if name == CONTROLLER_MANAGER:
+            self.controller_manager_port = None
 
     def start_scheduler(
         self,
@@ -290,6 +336,7 @@ class ControlPlane(Supervisor):
             f"--authorization-kubeconfig={auth}",
             "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics",
             f"--v={self.verbosity if verbosity is None else verbosity}",
+            *self._gate_args,
             *extra_args,
         ]
         url = f"https://{HOST}:{port}/healthz"
@@ -305,12 +352,64 @@ class ControlPlane(Supervisor):
         """A scheduler with the single profile ``plain-scheduler`` and no extender."""
         return self.start_scheduler(name, profile=PLAIN_PROFILE, **kwargs)
 
+    def start_controller_manager(self, *, verbosity: int | None = None, extra_args: Sequence[str] = ()) -> str:
+        """Start kube-controller-manager with ``CONTROLLERS``, as its own user
+        (``CONTROLLER_MANAGER_USER``, a token of its own) and each controller with its own
+        service account (``--use-service-account-credentials``), as in a kubeadm cluster. No leader
+        election: there is one. Returns the component name; waits for /healthz."""
+        self._require_started()
+        if CONTROLLER_MANAGER in self._components:
+            raise ControlPlaneError(f"component {CONTROLLER_MANAGER!r} exists; use restart()")
+        exe = self.bin_dir / CONTROLLER_MANAGER
+        if not exe.is_file():
+            raise ControlPlaneError(f"{exe} is missing; run gputopo/localcluster/build_binaries.sh")
+        kubeconfig = self.write_kubeconfig(
+            self.dir / "kubeconfigs" / "kube-controller-manager.kubeconfig",
+            token=self.controller_manager_token,
+            user=CONTROLLER_MANAGER_USER,
+        )
+        port = free_port()
+        cert_dir = self.dir / "kube-controller-manager-certs"
+        cert_dir.mkdir(exist_ok=True)
+        argv = [
+            str(exe),
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            f"--bind-address={HOST}",
+            f"--secure-port={port}",
+            f"--cert-dir={cert_dir}",
+            "--leader-elect=false",
+            f"--controllers={','.join(CONTROLLERS)}",
+            "--use-service-account-credentials=true",
+            # The service-account token controller signs legacy token Secrets with the apiserver's key.
+            f"--service-account-private-key-file={self.dir / 'sa.key'}",
+            "--profiling=false",
+            f"--v={min(self.verbosity, 2) if verbosity is None else verbosity}",
+            *self._gate_args,
+            *extra_args,
+        ]
+        if self.ca_file is not None:
+            # What the root-CA publisher puts in every namespace's kube-root-ca.crt ConfigMap.
+            argv.append(f"--root-ca-file={self.ca_file}")
+        url = f"https://{HOST}:{port}/healthz"
+        self.controller_manager_port = port
+        try:
+            return self.start_process(CONTROLLER_MANAGER, argv, ready=lambda: http_ok(url, ctx=insecure_ctx()))
+        except BaseException:
+            self.controller_manager_port = None
+            raise
+
     # ----------------------------------------------------------------- internals
 
     def _prepare_files(self) -> None:
         (self.dir / "pki").mkdir(mode=0o700)
         generate_sa_keys(self.dir / "sa.key", self.dir / "sa.pub")
-        write_private(self.dir / "tokens.csv", f'{self.admin_token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n')
+        write_private(
+            self.dir / "tokens.csv",
+            f'{self.admin_token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n'
+            f"{self.controller_manager_token},{CONTROLLER_MANAGER_USER},{CONTROLLER_MANAGER_USER}\n",
+        )
 
     def _add_etcd(self) -> None:
         client = f"http://{HOST}:{self.etcd_port}"
@@ -347,15 +446,21 @@ class ControlPlane(Supervisor):
             f"--service-account-key-file={self.dir / 'sa.pub'}",
             f"--service-account-signing-key-file={self.dir / 'sa.key'}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
-            # No kube-controller-manager: no default ServiceAccount, and nobody would remove the
-            # not-ready taint that TaintNodesByCondition puts on every new Node.
-            "--disable-admission-plugins=ServiceAccount,TaintNodesByCondition",
+            # ServiceAccount: tests create pods in a namespace the moment they create it, before the
+            # serviceaccount controller (when kube-controller-manager runs at all) has made its
+            # `default` account, which the plugin would require. TaintNodesByCondition: no
+            # node-lifecycle controller runs to remove the not-ready taint it puts on new Nodes.
+            "--disable-admission-plugins="
+            + ("" if self.service_account_admission else "ServiceAccount,")
+            + "TaintNodesByCondition",
             "--enable-admission-plugins=NodeRestriction,ValidatingAdmissionPolicy",
             "--allow-privileged=true",
             # The `kubernetes` Service cannot point at a loopback address; skip it.
             "--endpoint-reconciler-type=none",
             "--profiling=false",
             f"--v={min(self.verbosity, 2)}",
+            *self._gate_args,
+            *self._runtime_args,
         ]
         readyz = f"{self.server}/readyz"
         self._components[APISERVER] = Component(

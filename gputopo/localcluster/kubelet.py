@@ -159,7 +159,7 @@ class RealKubelet:
         taints: Sequence[str] = (),
         progress: Callable[[str], None] | None = None,
     ) -> None:
-        reason = kubelet_unavailable(cp.bin_dir)
+        reason = self.unavailable(cp.bin_dir)
         if reason is not None:
             raise ControlPlaneError(reason)
         self.cp = cp
@@ -177,6 +177,11 @@ class RealKubelet:
         self.cri_component = f"fakecri-{node}"
         self.port = free_port()
         self.healthz_port = free_port()
+
+    @staticmethod
+    def unavailable(bin_dir: Path) -> str | None:
+        """Why this kind of node cannot run here, or None (``kubelet_unavailable``)."""
+        return kubelet_unavailable(bin_dir)
 
     @property
     def registration_socket(self) -> Path:
@@ -210,32 +215,7 @@ class RealKubelet:
             ],
             ready=self.cri_socket.exists,
         )
-        cfg = kubelet_configuration(
-            port=self.port,
-            healthz_port=self.healthz_port,
-            cri_endpoint=endpoint,
-            pod_logs_dir=self.dir / "pod-logs",
-            volume_plugin_dir=self.dir / "volume-plugins",
-        )
-        cfg_path = self.dir / "kubelet-config.json"
-        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
-        kubeconfig = self.cp.write_kubeconfig(
-            self.dir / "kubelet.kubeconfig", token=self.cp.admin_token, user="kubelet"
-        )
-        kubelet = [
-            str(self.cp.bin_dir / "kubelet"),
-            f"--config={cfg_path}",
-            f"--kubeconfig={kubeconfig}",
-            f"--root-dir={self.root_dir}",
-            f"--cert-dir={self.dir / 'pki'}",
-            f"--hostname-override={self.node}",
-            # --node-ip=127.0.0.1 is refused (loopback); the kubelet picks the host's address.
-            "--v=2",
-        ]
-        if self.labels:
-            kubelet.append("--node-labels=" + ",".join(f"{k}={v}" for k, v in sorted(self.labels.items())))
-        if self.taints:
-            kubelet.append("--register-with-taints=" + ",".join(self.taints))
+        kubelet = self._kubelet_argv(endpoint, root_dir=self.root_dir)
         argv = [
             "unshare",
             "--mount",
@@ -253,6 +233,37 @@ class RealKubelet:
         self.cp.start_process(self.kubelet_component, argv, ready=lambda: _http_ok(healthz))
         self.wait_ready(after=0.0, timeout=timeout)
         self._say(f"kubelet node {self.node} Ready")
+
+    def _kubelet_argv(self, cri_endpoint: str, *, root_dir: Path) -> list[str]:
+        """Write this kubelet's configuration and kubeconfig; return its command line, whose
+        ``--root-dir`` is ``root_dir`` as the kubelet's mount namespace sees it."""
+        cfg = kubelet_configuration(
+            port=self.port,
+            healthz_port=self.healthz_port,
+            cri_endpoint=cri_endpoint,
+            pod_logs_dir=self.dir / "pod-logs",
+            volume_plugin_dir=self.dir / "volume-plugins",
+        )
+        cfg_path = self.dir / "kubelet-config.json"
+        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+        kubeconfig = self.cp.write_kubeconfig(
+            self.dir / "kubelet.kubeconfig", token=self.cp.admin_token, user="kubelet"
+        )
+        kubelet = [
+            str(self.cp.bin_dir / "kubelet"),
+            f"--config={cfg_path}",
+            f"--kubeconfig={kubeconfig}",
+            f"--root-dir={root_dir}",
+            f"--cert-dir={self.dir / 'pki'}",
+            f"--hostname-override={self.node}",
+            # --node-ip=127.0.0.1 is refused (loopback); the kubelet picks the host's address.
+            "--v=2",
+        ]
+        if self.labels:
+            kubelet.append("--node-labels=" + ",".join(f"{k}={v}" for k, v in sorted(self.labels.items())))
+        if self.taints:
+            kubelet.append("--register-with-taints=" + ",".join(self.taints))
+        return kubelet
 
     def wait_ready(self, *, after: float, timeout: float = 60.0) -> None:
         """Until the Node is Ready with a heartbeat later than ``after`` (epoch seconds)."""
