@@ -155,14 +155,15 @@ def run(args: argparse.Namespace) -> int:
         say(f"control plane up in {cp.dir}")
         kube = KubeClient(cp.kubeconfig, kubectl=cp.kubectl, pool_size=max(32, args.workers))
         stack = Stack(cp, kube, stale_after_seconds=3600.0)
+        stack.install()  # the chart's namespace, RBAC and policies
         t = time.monotonic()
         nodes = sim_nodes(args.nodes, args.leaves, args.leaves_per_spine)
         leaf_of = {n.name: n.labels["gputopo.io/network-leaf"] for n in nodes}
         kube.create_nodes(nodes, workers=args.workers)
         create_leases(kube, stack.namespace, [n.name for n in nodes], args.workers)
         say(f"{args.nodes} nodes and Leases in {time.monotonic() - t:.1f}s")
-        stack.start(client_qps=args.qps, client_burst=args.burst)  # the chart's objects, extender, kube-scheduler
-        wait_scheduler_ready(cp, stack.pods[0].scheduler, deadline)
+        stack.start_extender()
+        wait_scheduler_ready(cp, stack.start_scheduler(client_qps=args.qps, client_burst=args.burst), deadline)
         if via == "controller":
             cp.start_controller_manager()
         kube.create_namespace(NAMESPACE)

@@ -10,6 +10,7 @@ the ledger holds them as an in-flight claim, so concurrent filters and binds alr
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from extender.events import EventPoster
 from extender.kube import JSON, ClusterSource
 from extender.ledger import Ledger
 from extender.locks import StripedLocks
-from extender.objects import pod_record, resolve_pod
+from extender.objects import record_of, resolve_pod
 from extender.wire import PodInfo, pod_info
 from gputopo.engine.cliques import mask_of
 from gputopo.engine.explain import placement_estimate, placement_sentence, why_lost
@@ -26,8 +27,9 @@ from gputopo.engine.placement import NodeVerdict, Outcome, evaluate_node, outcom
 from gputopo.engine.scoring import grade
 from gputopo.kube import KubeError
 from gputopo.model import (
-    GPU_RESOURCE,
+    NO_FACTS,
     PLACEMENT_ANNOTATION,
+    ControllerFacts,
     Placement,
     PodRequest,
     RunnerUp,
@@ -70,23 +72,25 @@ class RecentPods:
         return info if info is not None and (not uid or info.uid == uid) else None
 
 
-def bound_object(info: PodInfo, node: str, placement: Placement) -> JSON:
-    """The pod as the API server holds it after our Binding: bound, with the placement annotation."""
-    return {
-        "metadata": {
-            "name": info.name,
-            "namespace": info.namespace,
-            "uid": info.uid or info.ref,
-            "annotations": {**info.annotations, PLACEMENT_ANNOTATION: placement.to_annotation()},
-        },
-        "spec": {"nodeName": node, "containers": [{"resources": {"limits": {GPU_RESOURCE: str(info.gpus)}}}]},
-        "status": {"phase": info.phase or "Pending"},
-    }
+def bound_info(info: PodInfo, node: str, placement: Placement) -> PodInfo:
+    """The pod as the API server holds it after our Binding: bound, with the placement annotation, and
+    everything else it had (its labels, scheduler and PodGroup: a member whose group its controller's
+    labels give stays a member once bound)."""
+    return dataclasses.replace(
+        info, node_name=node, annotations={**info.annotations, PLACEMENT_ANNOTATION: placement.to_annotation()}
+    )
 
 
 class Binder:
-    def __init__(self, ledger: Ledger, source: Callable[[], ClusterSource | None], events: EventPoster) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        source: Callable[[], ClusterSource | None],
+        events: EventPoster,
+        facts: Callable[[str], ControllerFacts] = lambda _namespace: NO_FACTS,
+    ) -> None:
         self.ledger = ledger
+        self.facts = facts  # a namespace's controller objects, as the cache reads pods with them
         self._source = source
         self.events = events
         self.recent = RecentPods()
@@ -126,13 +130,14 @@ class Binder:
             placement, req = chosen
             self.ledger.claim(pid, node, frozenset(placement.gpus))
         try:
-            bound: JSON = bound_object(info, node, placement)
+            bound = bound_info(info, node, placement)
             if source is not None:
                 err, already = self._post_binding(source, info, node, placement)
                 if err:
                     return err
-                bound = already or bound  # bound by an earlier try of ours: its placement holds
-            self.ledger.put_pod(pid, pod_record(bound, self.ledger.tier_names))
+                if already is not None:
+                    bound = pod_info(already)  # bound by an earlier try of ours: its placement holds
+            self.ledger.put_pod(pid, record_of(bound, self.ledger.tier_names, self.facts(info.namespace)))
         finally:
             self.ledger.unclaim(pid, node)
         if req.group:

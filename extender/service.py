@@ -128,7 +128,7 @@ class Extender:
         self._preempted: dict[str, tuple[float, list[frozenset[str]]]] = {}
         self.events = EventPoster(lambda: self.source)
         self.groups = GroupDesk(self.ledger)
-        self.binder = Binder(self.ledger, lambda: self.source, self.events)
+        self.binder = Binder(self.ledger, lambda: self.source, self.events, cache.facts)
         self.ledger.on_mismatch = self._on_mismatch
         cache.on_bad_object = self._on_bad_object
         if metrics is not None:

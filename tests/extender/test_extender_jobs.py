@@ -81,6 +81,28 @@ def test_an_indexed_jobs_members_wait_for_the_job_then_are_planned(cluster: Env)
     assert planned(cluster, pods[0]) != planned(cluster, pods[1])
 
 
+def test_a_bound_member_stays_in_its_inferred_group_before_the_watch_sees_the_bind(cluster: Env) -> None:
+    """The binder records the pod it bound at once, before the pod watch's event: that record must keep the
+    labels that make it a member, or the group counts one member fewer and the rest wait for ever."""
+    pods = [indexed(i) for i in range(3)]
+    cluster.add_pods(*pods)
+    cluster.source.put("jobs", job_obj("train", 3))
+    cluster.resync()
+    key = ("default", "job/train")
+    for pod in pods:
+        node = planned(cluster, pod)
+        assert cluster.client.post(
+            "/bind",
+            json={
+                "PodName": pod["metadata"]["name"],
+                "PodNamespace": "default",
+                "PodUID": pod["metadata"]["uid"],
+                "Node": node,
+            },
+        ).json() == {"Error": ""}
+        assert {r.name for r in cluster.ledger.group_members(key)} == {p["metadata"]["name"] for p in pods}
+
+
 def test_a_member_with_a_bad_label_gives_every_member_a_reason_naming_it(cluster: Env) -> None:
     good = lws(0)
     bad = labelled(
