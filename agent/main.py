@@ -357,6 +357,8 @@ def _run(
     try:
         agent.run()
     finally:
+        # The Lease first: the node is stale for the extender before its device plugin goes.
+        publisher.release_lease()
         if plugin is not None:
             plugin.stop()
     log.info("agent stopped", extra={"node": node})

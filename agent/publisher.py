@@ -3,7 +3,9 @@
 The Node is written only when the content of `gputopo.io/topology`, `gputopo.io/gpus-in-use` or a
 `gputopo.io/*` label differs from what the Node carries (nothing time-varying is published), so a
 steady node causes no Node writes at all. Liveness is the Lease `gputopo-agent-<node>`, renewed
-every heartbeatSeconds; heartbeats never touch the Node.
+every heartbeatSeconds; heartbeats never touch the Node. A stopping agent deletes its Lease
+(`release_lease`) unless another agent of the node renewed it since: a node whose agent is gone is
+stale at once (its device plugin is gone too), and `helm uninstall` leaves no Lease behind.
 
 The Kubernetes client sits behind the small `NodeApi` protocol so unit tests use a fake. API errors
 are retried with `gputopo.kube`'s capped exponential backoff and then reported as a result: nothing
@@ -22,7 +24,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from agent.labels import node_labels
-from gputopo.kube import Backoff, Kube, node_path, retry, short_error
+from gputopo.kube import Backoff, Kube, KubeError, lease_path, micro_time, node_path, retry, short_error
 from gputopo.model import (
     AGENT_COMPONENT,
     GPUS_IN_USE_ANNOTATION,
@@ -65,6 +67,11 @@ class NodeApi(Protocol):
         ...
 
     def create_lease(self, namespace: str, name: str, spec: LeaseSpec) -> None: ...
+
+    def delete_lease(self, namespace: str, name: str, renewed_at: datetime) -> None:
+        """Delete the Lease if its renewTime is still ``renewed_at`` (nobody renewed it since);
+        KubeError(status=404) when it is gone, KubeError(status=409) when someone renewed it."""
+        ...
 
 
 class PublishResult(StrEnum):
@@ -140,6 +147,7 @@ class Publisher:
         self._sleep = sleep
         self._backoff = backoff
         self._now = now
+        self._renewed_at: datetime | None = None  # the renewTime this agent last wrote
 
     def publish(self, topology: NodeTopology, gpus_in_use: GpusInUse | None) -> PublishResult:
         annotations, labels = desired_metadata(topology, gpus_in_use)
@@ -178,6 +186,34 @@ class Publisher:
         except Exception as e:
             log.error("renewing the Lease failed", extra={"lease": self._lease, "error": short_error(e)})
             return False
+        self._renewed_at = spec.renew_time
+        return True
+
+    def release_lease(self) -> bool:
+        """Delete the Lease on the way out, unless another agent renewed it since this one last did
+        (a successor started first). One try when the stop signal is already set (``sleep``
+        returns at once); a Lease left by a failure expires as usual. False when the delete failed."""
+        if self._renewed_at is None:
+            return True
+        renewed_at = self._renewed_at
+
+        def delete() -> bool:
+            try:
+                self._api.delete_lease(self._namespace, self._lease, renewed_at)
+            except Exception as e:
+                if getattr(e, "status", None) in (404, 409):
+                    return False  # gone already, or another agent's now: not retried
+                raise
+            return True
+
+        try:
+            deleted = retry(delete, self._backoff, self._sleep, "delete lease")
+        except Exception as e:
+            log.error("deleting the Lease failed", extra={"lease": self._lease, "error": short_error(e)})
+            return False
+        self._renewed_at = None
+        if deleted:
+            log.info("deleted the Lease", extra={"lease": self._lease})
         return True
 
 
@@ -212,3 +248,11 @@ class KubeNodeApi:
             duration_s=spec.duration_s,
             labels={"app.kubernetes.io/name": AGENT_COMPONENT},
         )
+
+    def delete_lease(self, namespace: str, name: str, renewed_at: datetime) -> None:
+        lease = self._api.get(lease_path(namespace, name))
+        if (lease.get("spec") or {}).get("renewTime") != micro_time(renewed_at):
+            raise KubeError(409, f"Lease {namespace}/{name} was renewed by another agent", "Conflict")
+        # The precondition makes a renewal between the read and the delete a 409 as well.
+        rv = (lease.get("metadata") or {}).get("resourceVersion")
+        self._api.delete(lease_path(namespace, name), {"preconditions": {"resourceVersion": rv}})

@@ -112,7 +112,9 @@ def release(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Release]:
     kube.create_namespace(rel.namespace)
     _helm(control_plane, "install", rel.name, str(CHART), "--namespace", rel.namespace)
     yield rel
-    _helm(control_plane, "uninstall", rel.name, "--namespace", rel.namespace, "--wait")
+    # --no-hooks: the post-delete cleanup Job needs a node that runs containers, which this
+    # module's nodes are not (e2e/test_installed.py runs it).
+    _helm(control_plane, "uninstall", rel.name, "--namespace", rel.namespace, "--wait", "--no-hooks")
 
 
 @contextmanager
@@ -357,6 +359,14 @@ def test_agent_writes_only_its_own_lease(
             agent.request("POST", leases, _lease(agent_lease_name(node_b), node_a))
         assert err.value.status in DENIED
         assert "may write only its own Lease" in err.value.message
+        # A stopping agent deletes its own Lease, and only that one.
+        kube.request("POST", leases, _lease(agent_lease_name(node_b), node_b))
+        with pytest.raises(KubeApiError) as err:
+            agent.request("DELETE", f"{leases}/{agent_lease_name(node_b)}")
+        assert err.value.status in DENIED
+        assert "may write only its own Lease" in err.value.message
+        agent.request("DELETE", f"{leases}/{agent_lease_name(node_a)}")
+        agent.request("POST", leases, _lease(agent_lease_name(node_a), node_a))
         kube.request("POST", leases, _lease("gputopo-scheduler", "someone"))
         scheduler_lease = agent.request("GET", f"{leases}/gputopo-scheduler")
         scheduler_lease["spec"]["holderIdentity"] = node_a

@@ -19,6 +19,7 @@ COMMANDS: tuple[str, ...] = (
     "gputopo.inspect",
     "gputopo.calibrate",
     "gputopo.defrag",
+    "gputopo.uninstall",
 )
 
 

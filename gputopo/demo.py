@@ -4,7 +4,9 @@ one real agent per simulated GPU node from `examples/cluster.yaml`, submits `exa
 pods, and prints where each pod went and what `kubectl describe pod` says about it. As root, with
 the kubelet built, it adds one node run by a real kubelet, so the whole path shows: placement, the
 kubelet's device manager asking the agent's device plugin, PodResources, and the agent's per-pod
-report."""
+report. With --installed (root, with containerd and runc) it then installs the packaged chart with
+helm onto a node that runs containers, from images built here, runs a TP-4 pod there, and
+uninstalls it."""
 
 from __future__ import annotations
 
@@ -31,6 +33,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=Path, default=Path("examples/jobs.yaml"), help="jobs file (pods to submit)")
     p.add_argument("--keep", action="store_true", help="leave the cluster running and print its KUBECONFIG")
     p.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for the scheduler to decide")
+    p.add_argument(
+        "--installed",
+        action="store_true",
+        help="then helm install the chart onto a containerd node from images built here (root; the first "
+        "image build takes minutes)",
+    )
     return p
 
 
@@ -139,11 +147,15 @@ def run(args: argparse.Namespace) -> int:
             _say(f"  .venv/bin/gputopo topo {cluster.nodes[0].name}")
             _say(f"  .venv/bin/gputopo explain -n {ns} {pods[-1]}")
             _say(f"Stop it with: kill {' '.join(str(p) for p in cp.owned_pids())}")
-        return 0
     finally:
         if not args.keep:
             _say("== tearing down (only the processes this demo started)")
             cp.teardown()
+    if args.installed:
+        # After the teardown: the installed part needs a control plane with ServiceAccount
+        # admission and its own gputopo-scheduler (the chart's), and the one containerd node.
+        _installed_part(bin_dir, args.timeout)
+    return 0
 
 
 KUBELET_NODE = "kubelet-dgx1v"
@@ -230,3 +242,46 @@ def _wait_decided(kube: Any, ns: str, names: list[str], timeout: float) -> None:
                 pending.discard(name)
         if pending:
             time.sleep(0.3)
+
+
+def _installed_part(bin_dir: Path, timeout: float) -> None:
+    """The chart as users install it: helm install onto a containerd node, a TP-4 pod, helm uninstall."""
+    from gputopo.localcluster.containerd import containerd_unavailable
+    from gputopo.localcluster.installed import InstalledError, eventually, install, start_control_plane
+
+    reason = containerd_unavailable(bin_dir)
+    if reason is not None:
+        _say(f"\n(no installed part: {reason})")
+        return
+    t0 = time.monotonic()
+    _say("\n== installed as users install it: images built here, a containerd node, helm install of the chart")
+    cp = start_control_plane(bin_dir, die_with_parent=True, progress=lambda m: _say(f"   {m}"))
+    try:
+        with install(cp, lambda m: _say(f"   {m}")) as inst:
+            tp4 = inst.run_tp4(inst.workload_namespace())
+            uuid = inst.uuid_of()
+            index = {u: i for i, u in uuid.items()}
+            seen = gpu_ranges(sorted(index.get(u, -1) for u in tp4.visible))
+            _say(f"+ {tp4.name} -> {tp4.node} GPUs {gpu_ranges(tp4.placement)}")
+            _say(f"    its container printed NVIDIA_VISIBLE_DEVICES={','.join(tp4.visible)} (GPUs {seen})")
+            for line in _events_section(inst.kube.describe_pod(tp4.namespace, tp4.name)):
+                if "TopologyPlacement" in line:
+                    _say("    " + " ".join(line.split()))
+            inst.kube.delete_pod(tp4.namespace, tp4.name)
+            _say(f"== helm uninstall {inst.release}")
+            inst.uninstall()
+            left: set[str] = set()
+
+            def gone() -> bool:
+                nonlocal left
+                left = inst.leftovers()
+                return not left
+
+            try:
+                eventually(gone, "the release's objects to go", timeout=timeout)
+                _say("   nothing of the release is left (pods, RBAC, admission policies, webhooks, Leases, Secrets)")
+            except InstalledError:
+                _say(f"   left after uninstall: {', '.join(sorted(left))}")
+    finally:
+        cp.teardown()
+    _say(f"   the installed part took {time.monotonic() - t0:.0f}s")

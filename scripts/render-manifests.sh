@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Renders manifests/gputopo.yaml from charts/gputopo with the default values, for users who do
 # not use Helm. The output is deterministic: the defaults leave the webhook off, so the chart
-# generates no TLS material (a new CA per render); the "helm test" hooks are left out.
+# generates no TLS material (a new CA per render); the "helm test" hooks are left out, and so is the
+# post-delete cleanup Job (kubectl would run it at once; docs/install.md, "Uninstall").
 # tests/chart/test_manifests_in_sync.py fails when manifests/ is out of date.
 #
 #   scripts/render-manifests.sh           rewrite manifests/gputopo.yaml
@@ -43,6 +44,7 @@ HEADER
   "$helm" template "$RELEASE" "$ROOT/charts/gputopo" \
     --namespace "$NAMESPACE" \
     --kube-version "$KUBE_VERSION" \
+    --set cleanup.enabled=false \
     --skip-tests
 }
 

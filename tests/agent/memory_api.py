@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from agent.publisher import LeaseSpec, NodeMeta
 from gputopo.kube import KubeError
@@ -54,3 +55,12 @@ class InMemoryNodeApi:
     def create_lease(self, namespace: str, name: str, spec: LeaseSpec) -> None:
         self._enter("create_lease")
         self.leases[(namespace, name)] = spec
+
+    def delete_lease(self, namespace: str, name: str, renewed_at: datetime) -> None:
+        self._enter("delete_lease")
+        lease = self.leases.get((namespace, name))
+        if lease is None:
+            raise KubeError(404, f"lease {namespace}/{name} not found", "NotFound")
+        if lease.renew_time != renewed_at:
+            raise KubeError(409, f"lease {namespace}/{name} was renewed since", "Conflict")
+        del self.leases[(namespace, name)]

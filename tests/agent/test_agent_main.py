@@ -149,7 +149,7 @@ class SigtermOnPatch(InMemoryNodeApi):
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def test_sigterm_stops_the_loop_cleanly() -> None:
+def test_sigterm_stops_the_loop_cleanly_and_deletes_its_lease() -> None:
     api = SigtermOnPatch("gpu-09")
 
     def factory(_s: AgentSettings) -> NodeApi:
@@ -159,6 +159,17 @@ def test_sigterm_stops_the_loop_cleanly() -> None:
     assert main(argv, node_api_factory=factory) == 0
     assert api.calls["patch_node"] == 1
     assert TOPOLOGY_ANNOTATION in api.annotations
+    # It heartbeat once before stopping, and deleted that Lease on the way out.
+    assert (api.calls["create_lease"], api.calls["delete_lease"]) == (1, 1)
+    assert api.leases == {}
+
+
+def test_once_keeps_its_lease() -> None:
+    api = InMemoryNodeApi("gpu-10")
+    argv = ["--once", "--backend", "fixture:dgx-a100", "--node-name", "gpu-10"]
+    assert main(argv, node_api_factory=lambda _s: api) == 0
+    assert ("gputopo-system", "gputopo-agent-gpu-10") in api.leases
+    assert api.calls["delete_lease"] == 0
 
 
 def test_every_setting_is_in_the_configuration_reference() -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
@@ -244,3 +246,97 @@ def test_is_retryable(error: BaseException, retry: bool) -> None:
 
 def test_backoff_is_capped() -> None:
     assert Backoff(base_s=1, factor=3, cap_s=5, attempts=5).delays() == [1, 3, 5, 5]
+
+
+def _renewed_by_another(api: InMemoryNodeApi) -> None:
+    key = (NS, agent_lease_name(NODE))
+    api.leases[key] = LeaseSpec(NODE, api.leases[key].renew_time + timedelta(seconds=1), 120)
+
+
+def _gone(api: InMemoryNodeApi) -> None:
+    del api.leases[(NS, agent_lease_name(NODE))]
+
+
+@pytest.mark.parametrize(
+    ("meanwhile", "lease_left"),
+    [
+        pytest.param(lambda _api: None, False, id="its own last renewal: deleted"),
+        pytest.param(_renewed_by_another, True, id="renewed by a successor since: kept"),
+        pytest.param(_gone, False, id="already gone: nothing to do"),
+    ],
+)
+def test_release_lease_deletes_only_the_lease_this_agent_last_renewed(
+    meanwhile: Callable[[InMemoryNodeApi], None], lease_left: bool
+) -> None:
+    pub, api, slept = make()
+    assert pub.heartbeat()
+    meanwhile(api)
+    assert pub.release_lease() is True
+    assert ((NS, agent_lease_name(NODE)) in api.leases) is lease_left
+    assert api.calls["delete_lease"] == 1 and slept.delays == []  # 404 and 409 are not retried
+    assert api.calls["read_node"] == api.calls["patch_node"] == 0
+
+
+def test_release_lease_without_a_heartbeat_calls_nothing() -> None:
+    pub, api, _ = make()
+    assert pub.release_lease() is True
+    assert sum(api.calls.values()) == 0
+
+
+@pytest.mark.parametrize(
+    ("stopping", "calls", "sleeps"),
+    [
+        pytest.param(False, 4, [0.5, 1.0, 2.0], id="running: retried with backoff"),
+        pytest.param(True, 1, [0.5], id="stop signal set: one try"),
+    ],
+)
+def test_release_lease_failure_is_reported_not_raised(stopping: bool, calls: int, sleeps: list[float]) -> None:
+    delays: list[float] = []
+
+    def sleep(seconds: float) -> bool:
+        delays.append(seconds)
+        return stopping
+
+    api = InMemoryNodeApi(NODE)
+    pub = Publisher(api, NODE, NS, lease_duration_s=120, sleep=sleep, now=WallClock())
+    assert pub.heartbeat()
+    api.fail_next = [KubeError(503, "")] * 4
+    assert pub.release_lease() is False
+    assert (api.calls["delete_lease"], delays) == (calls, sleeps)
+    assert (NS, agent_lease_name(NODE)) in api.leases
+
+
+@pytest.mark.parametrize(
+    ("stored_renew", "expected"),
+    [
+        pytest.param("2026-01-02T03:04:05.678900Z", ["GET", "DELETE"], id="unchanged: deleted on its version"),
+        pytest.param("2026-01-02T03:04:35.000000Z", ["GET"], id="renewed since: 409, not deleted"),
+    ],
+)
+def test_kube_node_api_deletes_the_lease_only_at_the_version_it_read(
+    tmp_path: Path, stored_renew: str, expected: list[str]
+) -> None:
+    from agent.publisher import KubeNodeApi
+    from tests.kube.test_kube_layer import FakeApiServer, Reply, write_kubeconfig
+
+    server = FakeApiServer()
+    try:
+        path = f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases/{agent_lease_name(NODE)}"
+        lease = {
+            "metadata": {"name": agent_lease_name(NODE), "resourceVersion": "41"},
+            "spec": {"renewTime": stored_renew},
+        }
+        server.replies = [Reply(200, lease), Reply(200, {"kind": "Status", "status": "Success"})]
+        api = KubeNodeApi(str(write_kubeconfig(tmp_path / "kubeconfig", server.url)))
+        when = datetime(2026, 1, 2, 3, 4, 5, 678900, tzinfo=UTC)
+        if expected == ["GET"]:
+            with pytest.raises(KubeError) as err:
+                api.delete_lease(NS, agent_lease_name(NODE), when)
+            assert err.value.status == 409
+        else:
+            api.delete_lease(NS, agent_lease_name(NODE), when)
+        assert [(s.method, s.path) for s in server.seen] == [(m, path) for m in expected]
+        if "DELETE" in expected:
+            assert server.seen[1].body == {"preconditions": {"resourceVersion": "41"}}
+    finally:
+        server.close()

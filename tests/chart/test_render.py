@@ -93,6 +93,8 @@ BASE_OBJECTS = {
     ("ValidatingAdmissionPolicyBinding", "gputopo-agent"),
     ("ValidatingAdmissionPolicy", "gputopo-placement"),
     ("ValidatingAdmissionPolicyBinding", "gputopo-placement"),
+    ("NetworkPolicy", "gputopo-scheduler"),
+    ("NetworkPolicy", "gputopo-agent"),
 }
 # The helm test hook: without the webhook it lists the scheduler pods, with its own account.
 TEST_HOOK = {
@@ -108,6 +110,10 @@ WEBHOOK = {
 }
 AGENT = {(k, "gputopo-agent") for k in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")}
 AGENT |= {(k, "gputopo-agent") for k in ("DaemonSet", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")}
+AGENT |= {("NetworkPolicy", "gputopo-agent")}
+# The post-delete hook that deletes the Leases written at run time, with its own account (on by default).
+CLEANUP_HOOK = {(k, "gputopo-cleanup") for k in ("Job", "ServiceAccount", "Role", "RoleBinding")}
+BASE_OBJECTS |= CLEANUP_HOOK
 
 
 @pytest.mark.parametrize(
@@ -151,6 +157,7 @@ AGENT |= {(k, "gputopo-agent") for k in ("DaemonSet", "ValidatingAdmissionPolicy
             },
             id="placement policy and PDB off",
         ),
+        pytest.param([], {"cleanup__enabled": "false"}, (BASE_OBJECTS | TEST_HOOK) - CLEANUP_HOOK, id="cleanup off"),
     ],
 )
 def test_rendered_objects(values_files: list[str], sets: dict[str, str], expected: set[tuple[str, str]]) -> None:
@@ -519,7 +526,11 @@ def test_agent_rbac_patches_nodes_reads_pods_and_writes_leases_only() -> None:
     role = one(docs, "Role", component="agent")
     assert role["metadata"]["namespace"] == NAMESPACE
     assert _rules(role) == [
-        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update", "patch"]}
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "verbs": ["get", "create", "update", "patch", "delete"],
+        }
     ]
 
 
@@ -533,13 +544,15 @@ def test_agent_admission_policy_binds_node_changes_to_the_token_node() -> None:
     assert f"'system:serviceaccount:{NAMESPACE}:gputopo-agent'" in cond["expression"]
     rules = {r["resources"][0]: r for r in spec["matchConstraints"]["resourceRules"]}
     assert rules["nodes"]["operations"] == ["UPDATE"]
-    assert set(rules["leases"]["operations"]) == {"CREATE", "UPDATE"}
+    assert set(rules["leases"]["operations"]) == {"CREATE", "UPDATE", "DELETE"}  # DELETE: when it stops
     text = json.dumps(spec)
     assert "request.userInfo.extra['authentication.kubernetes.io/node-name']" in text
     assert "oldObject.metadata.annotations" in text
     assert "oldObject.metadata.labels" in text
     assert "object.spec == oldObject.spec" in text
-    assert f"'{AGENT_LEASE_PREFIX}' + variables.nodeNames[0]" in text
+    assert f"variables.leaseName == '{AGENT_LEASE_PREFIX}' + variables.nodeNames[0]" in text
+    # A DELETE carries no object: the Lease's name comes from the one it removes.
+    assert "request.operation == 'DELETE' ? oldObject.metadata.name : object.metadata.name" in text
     binding = one(docs, "ValidatingAdmissionPolicyBinding", component="agent")
     assert binding["apiVersion"] == "admissionregistration.k8s.io/v1"
     assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
