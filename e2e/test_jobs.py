@@ -15,7 +15,14 @@ import workloads as wl
 from conftest import StackNodes
 from gputopo.localcluster import CONTROLLER_MANAGER, TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from gputopo.localcluster.stack import GpuNode, Stack
-from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
+from gputopo.model import (
+    GPUS_IN_USE_ANNOTATION,
+    LABEL_NETWORK_LEAF,
+    LABEL_NETWORK_SPINE,
+    PLACEMENT_ANNOTATION,
+    parse_gpus_in_use,
+    parse_placement,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -93,7 +100,7 @@ def test_jobs_indexed_job_pods_are_made_by_the_job_controller_and_bind_as_one_gr
         ref = next(r for r in p["metadata"]["ownerReferences"] if r.get("controller"))
         assert (ref["kind"], ref["name"], ref["uid"]) == ("Job", "train", job["metadata"]["uid"])
     bound = _placed(kube, namespace, [p["metadata"]["name"] for p in pods], group)
-    assert len(set(bound.values())) == 2, "a group spreads over nodes by default"
+    assert len(set(bound.values())) == 2, "members of whole nodes take one node each"
 
 
 def test_jobs_statefulset_controller_makes_ordinal_pods_that_bind(
@@ -193,3 +200,127 @@ def test_jobs_lws_shaped_statefulsets_make_a_leader_and_workers_that_bind_as_one
     # LWS -> leader StatefulSet -> leader pod -> worker StatefulSet -> worker.
     wl.delete(kube, lws)
     wl.wait_gone(kube, namespace, f"{wl.LWS_NAME}=infer", timeout=90)
+
+
+# ---------------------------------------------------------------- the issue's jobs, on a fabric
+
+
+def _ranked(kube: KubeClient, namespace: str, names: list[str], group: str) -> dict[int, str]:
+    """Until every pod is bound: rank (the placement's stage) -> node, the placements naming ``group``."""
+    bound = _placed(kube, namespace, names, group)
+    ranks: dict[int, str] = {}
+    for name, node in bound.items():
+        p = parse_placement(kube.get_pod(namespace, name)["metadata"]["annotations"][PLACEMENT_ANNOTATION])
+        assert p.stage is not None, (name, p)
+        ranks[p.stage] = node
+    assert sorted(ranks) == list(range(len(names))), ranks
+    return ranks
+
+
+def _fabric(spine: str, leaf: str) -> dict[str, str]:
+    return {LABEL_NETWORK_SPINE: spine, LABEL_NETWORK_LEAF: leaf}
+
+
+@pytest.mark.usefixtures("owner_crds")
+def test_jobs_jobset_of_four_whole_node_workers_binds_in_one_leaf_with_ranks_along_the_fabric(
+    kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
+) -> None:
+    # Seven nodes, their names alternating between leaf-2 (4 nodes: room for the JobSet) and leaf-1 (3).
+    added = nodes.add(
+        *[GpuNode(f"js-{i}", "dgx-h100", labels=_fabric("spine-a", f"leaf-{2 - i % 2}")) for i in range(7)]
+    )
+    leaf2 = [n for i, n in enumerate(added) if i % 2 == 0]
+    # 4 workers x 8 GPUs and no gputopo annotation: two Jobs of two pods, ranks across the Jobs.
+    rjob = wl.replicated_job("workers", _template(test_id, 8, {}), replicas=2, pods=2)
+    js = wl.create(kube, wl.jobset("pretrain", namespace, [rjob]))
+    service = wl.jobset_service(js)
+    assert service is not None
+    for obj in [*wl.jobset_jobs(js), service]:
+        wl.create(kube, obj)
+    names = [p["metadata"]["name"] for p in wl.wait_pods(kube, namespace, f"{wl.JOBSET_NAME}=pretrain", 4)]
+    ranks = _ranked(kube, namespace, names, "jobset/pretrain")
+    # All four bound together under leaf-2, one per node, ranks in fabric order (switch path, then
+    # node), so consecutive ranks share the nearest switch.
+    assert [ranks[r] for r in range(4)] == leaf2
+    for name in names:
+        pod = kube.get_pod(namespace, name)
+        labels = pod["metadata"]["labels"]
+        rank = 2 * int(labels[wl.JOB_GLOBAL_INDEX]) + int(labels[wl.JOB_COMPLETION_INDEX])
+        assert pod["spec"]["nodeName"] == ranks[rank], "the rank is the JobSet's, from its labels"
+        sentence = f"group jobset/pretrain, rank {rank} of 4, from JobSet labels and its Jobs"
+        event = kube.wait_pod_event(namespace, name, "TopologyPlacement", contains=sentence)
+        assert f"stage {rank}/4 shares leaf leaf-2 with stages" in event.message, event.message
+
+
+def test_jobs_indexed_job_of_half_node_pods_pairs_ranks_on_nodes_and_fills_one_leaf_first(
+    kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
+) -> None:
+    # 16 pods x 4 GPUs on 8 nodes over two leaves, their names alternating between the leaves.
+    added = nodes.add(*[GpuNode(f"ij-{i}", "dgx-h100", labels=_fabric("spine-a", f"leaf-{i % 2}")) for i in range(8)])
+    leaf = {n: i % 2 for i, n in enumerate(added)}
+    wl.create(kube, wl.indexed_job("train", namespace, _template(test_id, 4, {}), completions=16))
+    pods = wl.wait_pods(kube, namespace, f"{JOB_NAME_LABEL}=train", 16)
+    ranks = _ranked(kube, namespace, [p["metadata"]["name"] for p in pods], "job/train")
+    assert all(ranks[2 * k] == ranks[2 * k + 1] for k in range(8)), ranks
+    assert len(set(ranks.values())) == 8
+    assert len({leaf[ranks[r]] for r in range(8)}) == 1 and len({leaf[ranks[r]] for r in range(8, 16)}) == 1
+    for p in pods:  # the rank is the Job controller's completion index
+        got = kube.get_pod(namespace, p["metadata"]["name"])
+        rank = int(got["metadata"]["labels"][wl.JOB_COMPLETION_INDEX])
+        assert got["spec"]["nodeName"] == ranks[rank]
+
+
+@pytest.mark.usefixtures("owner_crds")
+def test_jobs_lws_groups_of_a_leader_and_three_workers_are_each_their_own_gang_leader_first(
+    kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
+) -> None:
+    added = nodes.add(*[GpuNode(f"lw-{i}", "dgx-h100", labels=_fabric("spine-a", f"leaf-{i % 2}")) for i in range(8)])
+    leaf = {n: i % 2 for i, n in enumerate(added)}
+    template = _template(test_id, 8, {})
+    template["spec"]["schedulingGates"] = [{"name": WEBHOOK_GATE}]
+    lws = wl.create(kube, wl.leaderworkerset("serve", namespace, template, size=4, replicas=2))
+    wl.create(kube, wl.lws_service(lws))
+    wl.create(kube, wl.lws_leader_statefulset(lws))
+    leaders = wl.wait_pods(kube, namespace, f"{wl.LWS_NAME}=serve,{wl.LWS_WORKER_INDEX}=0", 2)
+    assert [p["metadata"]["name"] for p in leaders] == ["serve-0", "serve-1"]
+    leaders = [_as_lws_webhook_would(kube, p) for p in leaders]
+    for g, leader in enumerate(leaders):
+        # Group 1's workers do not exist yet while group 0 binds: each group is its own gang.
+        wl.create(kube, wl.lws_worker_statefulset(lws, leader))
+        selector = f"{wl.LWS_NAME}=serve,{wl.LWS_GROUP_INDEX}={g}"
+        members = wl.wait_pods(kube, namespace, selector, 4)
+        names = [p["metadata"]["name"] for p in members]
+        assert names == [f"serve-{g}", *[f"serve-{g}-{i}" for i in (1, 2, 3)]]
+        for worker in members[1:]:
+            _as_lws_webhook_would(kube, worker)
+        ranks = _ranked(kube, namespace, names, f"lws/serve/{g}")
+        assert ranks[0] == kube.get_pod(namespace, f"serve-{g}")["spec"]["nodeName"], "the leader is rank 0"
+        assert len(set(ranks.values())) == 4 and len({leaf[n] for n in ranks.values()}) == 1
+        if g == 0:
+            other = kube.get_pod(namespace, "serve-1")
+            assert not other["spec"].get("nodeName")
+            kube.wait_pod_event(namespace, "serve-1", "FailedScheduling", contains="group lws/serve/1: 1/4 pods exist")
+
+
+def test_jobs_job_created_while_only_8_of_12_fit_binds_nothing_until_all_fit_then_all(
+    stack: Stack, kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
+) -> None:
+    # 12 pods x 2 GPUs packed 4 to a node; the third node's agent reports all its GPUs in use (by
+    # something outside Kubernetes), so two nodes hold 8 of the 12.
+    *_, third = nodes.add(*[GpuNode(f"an-{i}", "dgx-h100", in_use=list(range(8)) if i == 2 else []) for i in range(3)])
+    wl.create(kube, wl.indexed_job("wide", namespace, _template(test_id, 2, {}), completions=12))
+    pods = [p["metadata"]["name"] for p in wl.wait_pods(kube, namespace, f"{JOB_NAME_LABEL}=wide", 12)]
+    # Members tried before the 12th existed were told the group is incomplete; whether kube-scheduler
+    # retries them before the next cluster event is its business, so one member saying 8 fit will do.
+    KubeClient._wait(
+        lambda: next((n for n in pods if any("; 8 fit" in e.message for e in kube.pod_events(namespace, n))), None),
+        90,
+        "a member's FailedScheduling saying 8 of the 12 fit",
+        lambda: "; ".join(e.message for e in kube.pod_events(namespace, pods[-1])),
+    )
+    assert not [p for p in wl.live_pods(kube, namespace, f"{JOB_NAME_LABEL}=wide") if p["spec"].get("nodeName")]
+    # The GPUs come free: the agent's Node update is the event kube-scheduler retries the pods on.
+    stack.set_in_use(third, [])
+    stack.wait_node_annotation(third, GPUS_IN_USE_ANNOTATION, lambda v: not (parse_gpus_in_use(v) if v else []))
+    bound = _placed(kube, namespace, pods, "job/wide")
+    assert third in bound.values() and len(set(bound.values())) == 3

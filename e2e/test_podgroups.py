@@ -9,6 +9,7 @@ leaves it). On releases before 1.37 the API is not served in this form and the t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,7 +31,8 @@ PRIORITIES = {"low": 10, "high": 1000}
 
 
 @pytest.fixture(scope="module")
-def gated_plane() -> Iterator[ControlPlane]:
+def control_plane() -> Iterator[ControlPlane]:
+    """This module's own control plane (named as the session's, so that a failed test gets its logs)."""
     bin_dir = find_binaries()
     if bin_dir is None:
         pytest.fail("e2e: the upstream binaries are not built (see e2e/conftest.py)", pytrace=False)
@@ -38,7 +40,9 @@ def gated_plane() -> Iterator[ControlPlane]:
     if version < (1, 37, 0):
         v = ".".join(map(str, version))
         pytest.skip(f"PodGroups are scheduling.k8s.io/v1beta1 from Kubernetes 1.37; the binaries are {v}")
-    cp = ControlPlane(bin_dir, feature_gates=GATES, runtime_config=RUNTIME)
+    cp = ControlPlane(
+        bin_dir, keep=os.environ.get("GPUTOPO_E2E_KEEP") == "1", feature_gates=GATES, runtime_config=RUNTIME
+    )
     cp.start()
     try:
         yield cp
@@ -47,8 +51,8 @@ def gated_plane() -> Iterator[ControlPlane]:
 
 
 @pytest.fixture(scope="module")
-def kube(gated_plane: ControlPlane) -> Iterator[KubeClient]:
-    client = gated_plane.client()
+def kube(control_plane: ControlPlane) -> Iterator[KubeClient]:
+    client = control_plane.client()
     client.apply(
         {
             "apiVersion": "scheduling.k8s.io/v1",
@@ -65,9 +69,9 @@ def kube(gated_plane: ControlPlane) -> Iterator[KubeClient]:
 
 
 @pytest.fixture(scope="module")
-def stack(gated_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
+def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
     s = Stack(
-        gated_plane,
+        control_plane,
         kube,
         scheduler_name=SCHEDULER,
         extender_name="gputopo-extender-podgroups",
@@ -152,10 +156,9 @@ def test_jobs_podgroup_on_one_free_nvlink_pair_binds_neither_member_then_both(
     (node,) = nodes.add(GpuNode("h100", "dgx-h100"))
     report_in_use(stack, node, [0, 1, 2, 3, 4, 5])
     kube.apply([podgroup("pair", namespace, 2)])
-    share = {"gputopo.io/spread": "none"}
     members = [f"pair-{i}" for i in range(2)]
-    for m in members:
-        kube.create_pod(gpu_pod(m, namespace, test_id, 2, group="pair", annotations=share))
+    for m in members:  # members of a PodGroup that take part of a node share one (docs/annotations.md, "Jobs")
+        kube.create_pod(gpu_pod(m, namespace, test_id, 2, group="pair"))
     for m in members:
         kube.wait_pod_event(namespace, m, "FailedScheduling", timeout=60)
     assert [bound_node(kube, namespace, m) for m in members] == ["", ""]

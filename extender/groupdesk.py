@@ -6,12 +6,14 @@ runs without the ledger's lock). Planning is serialised per group by a fixed tab
 
 A native PodGroup's member that no plan fits may be in kube-scheduler's gang preemption dry run
 (`_preemption_dry_run`): then it is planned, without a reservation, as if the pods of lower priority
-were gone, so that kube-scheduler finds victims (docs/extender.md, "Preemption").
+were gone, so that kube-scheduler finds victims (docs/extender.md, "Preemption"). That plan answers
+the group's later members of the same dry run, whose requests name only the nodes left to them.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 
 from extender.ledger import Ledger
@@ -27,6 +29,11 @@ from gputopo.model import PodRequest
 log = logging.getLogger("gputopo.extender.groups")
 
 PLAN_ATTEMPTS = 3
+# How long a dry run's plan answers the group's later members: kube-scheduler's dry run asks the
+# members one after another, each on the nodes left after the earlier ones were assumed, so only the
+# first member's request names every node the plan needs. A cycle takes well under this.
+DRY_RUN_PLAN_SECONDS = 10.0
+DRY_RUN_PLANS_KEPT = 1024  # groups at once; the oldest plan goes first
 
 
 def member_view(rec: PodRecord) -> MemberView:
@@ -66,6 +73,9 @@ class GroupDesk:
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
         self.locks = StripedLocks()
+        # group -> (made at, its members, the slots): the latest preemption dry run's plan
+        self._dry_runs: dict[tuple[str, str], tuple[float, frozenset[str], dict[str, Slot]]] = {}
+        self._dry_runs_lock = threading.Lock()
 
     def slot_for(self, info: PodInfo, req: PodRequest, names: Sequence[str]) -> Slot | GroupWaiting | GroupFailure:
         assert req.group is not None and req.group_size is not None
@@ -149,10 +159,23 @@ class GroupDesk:
             states.append(taking(st, st.in_use - gone) if gone & st.in_use else st)
         if not dry_run:
             return None
+        now = ledger.clock()
+        who = frozenset(members)
+        with self._dry_runs_lock:
+            made = self._dry_runs.get(key)
+        if made is not None and now - made[0] <= DRY_RUN_PLAN_SECONDS and made[1] == who:
+            slot = made[2].get(info.name)
+            if slot is not None and slot.node in wanted:
+                return slot
         assert req.group_size is not None
         out = replan(key[1], req.group_size, info.name, members, states, ledger.tiers, ledger.weights)
         if not isinstance(out, Replan):
             return None
+        with self._dry_runs_lock:
+            self._dry_runs.pop(key, None)
+            while len(self._dry_runs) >= DRY_RUN_PLANS_KEPT:
+                del self._dry_runs[next(iter(self._dry_runs))]
+            self._dry_runs[key] = (now, who, dict(out.slots))
         log.info(
             "group planned for kube-scheduler's preemption dry run (not reserved)",
             extra={"group": f"{key[0]}/{key[1]}", "plan": {s.member: s.node for s in out.slots.values()}},

@@ -177,6 +177,10 @@ def parse_pod_request(
             raise AnnotationError(ANN_GROUP, ann[ANN_GROUP], f"needs {ANN_GROUP_SIZE} as well")
     elif inferred is not None:
         fields["group"] = inferred.group
+        if ANN_SPREAD not in ann:
+            # A controller's gang packs members that take part of a node (docs/annotations.md, "Jobs");
+            # members of whole nodes are one per node either way.
+            fields["spread"] = Spread.NONE
     if ANN_GROUP_SIZE in ann:
         if "group" not in fields:
             raise AnnotationError(ANN_GROUP_SIZE, ann[ANN_GROUP_SIZE], f"needs {ANN_GROUP} as well")

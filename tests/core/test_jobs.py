@@ -7,15 +7,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gputopo.engine.groups import GroupPlan, Member, plan_group
+from gputopo.engine.snapshot import NodeState, node_state
 from gputopo.model import (
     AnnotationError,
     ControllerFacts,
     InferredGroup,
     JobShape,
+    Spread,
     infer_group,
     parse_pod_request,
 )
 from gputopo.model import jobs as J
+from gputopo.systems import build_system
 
 
 def jobset_pod(gidx: int, index: int, replicas: int = 2, name: str = "llama") -> dict[str, str]:
@@ -234,6 +238,47 @@ INFERRED = InferredGroup("jobset/llama", "JobSet", "JobSet labels", 8, 5, J.JOB_
 def test_annotations_override_what_is_inferred(annotations: dict[str, str], expected: tuple[object, ...]) -> None:
     req = parse_pod_request(annotations, 8, inferred=INFERRED)
     assert (req.group, req.group_size, req.stage) == expected
+
+
+@pytest.mark.parametrize(
+    ("annotations", "spread"),
+    [
+        ({}, Spread.NONE),  # an inferred gang packs members that take part of a node
+        ({"gputopo.io/stage": "2"}, Spread.NONE),
+        ({"gputopo.io/group-size": "16"}, Spread.NONE),
+        ({"gputopo.io/spread": "node"}, Spread.NODE),  # the annotation overrides, as any other
+        ({"gputopo.io/group": "pp"}, Spread.NODE),  # a gputopo group keeps gputopo's default
+    ],
+)
+def test_an_inferred_group_packs_its_members_unless_annotated(annotations: dict[str, str], spread: Spread) -> None:
+    assert parse_pod_request(annotations, 4, inferred=INFERRED).spread is spread
+
+
+def _leaf_nodes(count: int, leaves: int) -> list[NodeState]:
+    return [
+        node_state(
+            f"n{i}",
+            build_system("dgx-h100", f"n{i}"),
+            labels={"gputopo.io/network-spine": "s", "gputopo.io/network-leaf": f"leaf-{i % leaves}"},
+        )
+        for i in range(count)
+    ]
+
+
+@pytest.mark.parametrize("node_count", [8, 12], ids=["exactly-enough", "room-to-spare"])
+def test_an_indexed_job_of_half_node_pods_pairs_ranks_on_nodes_and_fills_one_leaf_first(node_count: int) -> None:
+    # 16 pods x 4 GPUs, 8-GPU nodes on two leaves: ranks 2k and 2k+1 share a node, ranks 0-7 a leaf.
+    facts = ControllerFacts(jobs={"train": JobShape("train", 16, 16, True)})
+    members = []
+    for i in range(16):
+        got = infer_group({J.JOB_NAME: "train", J.JOB_COMPLETION_INDEX: str(i)}, {}, facts)
+        members.append(Member(f"train-{i}", parse_pod_request({}, 4, inferred=got)))
+    plan = plan_group("job/train", members, _leaf_nodes(node_count, 2))
+    assert isinstance(plan, GroupPlan), plan
+    by_rank = {a.stage: a.node for a in plan.assignments}
+    assert all(by_rank[2 * k].name == by_rank[2 * k + 1].name for k in range(8))
+    assert len({by_rank[r].name for r in range(16)}) == 8
+    assert len({by_rank[r].location["leaf"] for r in range(8)}) == 1
 
 
 def test_an_overriding_size_below_the_inferred_rank_names_the_rank_label() -> None:

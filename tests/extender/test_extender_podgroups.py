@@ -244,6 +244,32 @@ def test_the_gang_preemption_dry_run_is_planned_as_if_lower_priority_pods_were_g
         assert got == [[], []]
 
 
+@pytest.mark.parametrize(
+    ("second_sees", "passes"),
+    [
+        pytest.param("the other node", True, id="the node the plan left it: passes, as planned"),
+        pytest.param("the first's node", False, id="only the first member's planned node: fails"),
+    ],
+)
+def test_the_dry_runs_later_members_are_answered_from_its_plan_on_the_nodes_left_to_them(
+    env: Env, second_sees: str, passes: bool
+) -> None:
+    # kube-scheduler assumes the first member before it asks about the second, so the second's request
+    # names only the nodes with room left by its own count: too few for a plan of its own.
+    env.add_nodes(*(node_obj(n) for n in NODES))
+    env.add_pods(*(holder(f"low-{n}", n, 10) for n in NODES))
+    pods = [member(f"train-{i}", "train", gpus=8) for i in range(2)]
+    for p in pods:
+        p["spec"]["priority"] = 1000
+    env.add_pods(*pods)
+    with_podgroup(env, podgroup("train", 2))
+    (first,) = passed(env, pods[0])
+    (other,) = set(NODES) - {first}
+    sees = [other] if second_sees == "the other node" else [first]
+    assert passed(env, pods[1], sees) == (sees if passes else [])
+    assert env.ledger.reservations.get(("default", "podgroup/train")) is None
+
+
 def test_a_real_cycle_is_not_taken_for_the_dry_run(env: Env) -> None:
     # GPUs 0-5 used by something kube-scheduler does not count (the agent's report): its count fits
     # the member, so this is the real cycle, and the lower-priority pod's GPUs are not given away.
