@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -169,6 +170,17 @@ def pytest_runtest_makereport(
             for name in cp.components():
                 report.sections.append((f"log tail: {name} ({cp.log_path(name)})", cp.log_tail(name, 30)))
     return report
+
+
+S = TypeVar("S", bound=Stack)
+
+
+def serve(stack: S) -> Iterator[S]:
+    """The body of a module's `stack` fixture (``yield from serve(Stack(...))``): starts the stack, hands
+    it to the module's tests, stops it after them."""
+    stack.start()
+    yield stack
+    stack.stop()
 
 
 class StackNodes:

@@ -15,7 +15,6 @@ never start; these tests check what the API server accepts and what each compone
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import subprocess
 import time
@@ -29,6 +28,7 @@ import pytest
 import yaml
 
 from gputopo.localcluster import ControlPlane, KubeApiError, KubeClient, SimNode
+from gputopo.localcluster.chart import run_helm
 from gputopo.model import agent_lease_name
 
 pytestmark = pytest.mark.e2e
@@ -61,21 +61,7 @@ class Release:
 
 
 def _helm(cp: ControlPlane, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    helm = os.environ.get("GPUTOPO_HELM") or str(cp.bin_dir / "helm")
-    env = {
-        **cp.env(),
-        "HELM_CACHE_HOME": str(cp.dir / "helm" / "cache"),
-        "HELM_CONFIG_HOME": str(cp.dir / "helm" / "config"),
-        "HELM_DATA_HOME": str(cp.dir / "helm" / "data"),
-    }
-    proc = subprocess.run(
-        [helm, "--kubeconfig", str(cp.kubeconfig), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-        check=False,
-    )
+    proc = run_helm(cp, *args, timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}\n{proc.stdout}")
     return proc
@@ -408,7 +394,8 @@ CAN_I = [
     ("agent", "create", "leases.coordination.k8s.io", "", "@", True),
     ("agent", "update", "leases.coordination.k8s.io", "", "@", True),
     ("agent", "patch", "leases.coordination.k8s.io", "", "@", True),
-    ("agent", "delete", "leases.coordination.k8s.io", "", "@", False),
+    # Its own heartbeat Lease on shutdown; the agent admission policy refuses any other (test below).
+    ("agent", "delete", "leases.coordination.k8s.io", "", "@", True),
     ("agent", "create", "leases.coordination.k8s.io", "", "kube-node-lease", False),
     # Reads pods (always with the field selector spec.nodeName=<its node>; RBAC cannot narrow reads), never writes.
     ("agent", "list", "pods", "", "", True),

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import workloads as wl
 
-from conftest import StackNodes
+from conftest import StackNodes, serve
 from gputopo.localcluster import CONTROLLER_MANAGER, TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from gputopo.localcluster.stack import GpuNode, Stack
 from gputopo.model import (
@@ -31,10 +31,7 @@ JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
-    s = Stack(control_plane, kube, stale_after_seconds=60)
-    s.start()
-    yield s
-    s.stop()
+    yield from serve(Stack(control_plane, kube, stale_after_seconds=60))
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from conftest import StackNodes
+from conftest import StackNodes, serve
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, find_binaries, pod_manifest
 from gputopo.localcluster.binaries import kubernetes_version
 from gputopo.localcluster.kube import KubeApiError
@@ -70,18 +70,17 @@ def kube(control_plane: ControlPlane) -> Iterator[KubeClient]:
 
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
-    s = Stack(
-        control_plane,
-        kube,
-        scheduler_name=SCHEDULER,
-        extender_name="gputopo-extender-podgroups",
-        stale_after_seconds=30,
-        heartbeat_seconds=2,
-        interval_seconds=1,
+    yield from serve(
+        Stack(
+            control_plane,
+            kube,
+            scheduler_name=SCHEDULER,
+            extender_name="gputopo-extender-podgroups",
+            stale_after_seconds=30,
+            heartbeat_seconds=2,
+            interval_seconds=1,
+        )
     )
-    s.start()
-    yield s
-    s.stop()
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 
+from conftest import serve
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from gputopo.localcluster.binaries import kubernetes_version
 from gputopo.localcluster.chart import RenderedChart, helm_binary, local_values, render
@@ -54,18 +55,17 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
         }
         for name, value in PRIORITIES.items()
     )
-    s = PreemptingStack(
-        control_plane,
-        kube,
-        scheduler_name=SCHEDULER,
-        extender_name="gputopo-extender-preempt",
-        stale_after_seconds=30,
-        heartbeat_seconds=2,
-        interval_seconds=1,
+    yield from serve(
+        PreemptingStack(
+            control_plane,
+            kube,
+            scheduler_name=SCHEDULER,
+            extender_name="gputopo-extender-preempt",
+            stale_after_seconds=30,
+            heartbeat_seconds=2,
+            interval_seconds=1,
+        )
     )
-    s.start()
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from workloads import create, events_about, indexed_job, live_pods, pod_template
 
+from conftest import serve
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from gputopo.localcluster.kube import KubeApiError
 from gputopo.localcluster.stack import GpuNode, Stack
@@ -27,10 +28,7 @@ FORGED = Placement(node="any-node", gpus=(0, 1), score=10, reason="forged").to_a
 
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
-    s = Stack(control_plane, kube, stale_after_seconds=60)
-    s.start()
-    yield s
-    s.stop()
+    yield from serve(Stack(control_plane, kube, stale_after_seconds=60))
 
 
 @pytest.fixture(scope="module")

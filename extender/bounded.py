@@ -120,6 +120,17 @@ class HeadMeter:
                     return False
         return True
 
+    def read(self, parser: _Parser, data: bytes) -> tuple[int, str] | None:
+        """`feed`, with what to answer when the bytes cannot be served: the status and text of the refusal
+        (an upgrade, bytes that are not HTTP/1.1, a head over the limit), or None when all is well."""
+        try:
+            fits = self.feed(parser, data)
+        except httptools.HttpParserUpgrade:
+            return 400, "protocol upgrades are not served here"
+        except httptools.HttpParserError as e:
+            return 400, f"not an HTTP/1.1 request: {e}"
+        return None if fits else (431, head_too_large(self.limit))
+
 
 class _Timer:
     """One pending call_later, replaced or cancelled as a whole."""
@@ -175,16 +186,9 @@ class BoundedHttpTools(HttpToolsProtocol):
         self._unset_keepalive_if_required()
         if self._meter.idle:
             self._read.start(self.limits.read_timeout_s, self._read_timed_out)
-        try:
-            fits = self._meter.feed(self.parser, data)
-        except httptools.HttpParserUpgrade:
-            self._refuse(400, "protocol upgrades are not served here")
-            return
-        except httptools.HttpParserError as e:
-            self._refuse(400, f"not an HTTP/1.1 request: {e}")
-            return
-        if not fits:
-            self._refuse(431, head_too_large(self.limits.max_header_bytes))
+        refused = self._meter.read(self.parser, data)
+        if refused is not None:
+            self._refuse(*refused)
 
     def on_headers_complete(self) -> None:
         self._meter.head_done()

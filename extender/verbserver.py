@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import httptools
 import orjson
 
-from extender.bounded import TOO_MANY, HeadMeter, ListenerLimits, head_too_large, read_too_slow, refusal
+from extender.bounded import TOO_MANY, HeadMeter, ListenerLimits, read_too_slow, refusal
 from extender.limits import too_large_body
 from extender.routers.health import HEALTHY
 from extender.routers.scheduler import VERBS, Answer, Verb
@@ -132,16 +132,9 @@ class VerbProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
-        try:
-            fits = self.meter.feed(self.parser, data)
-        except httptools.HttpParserUpgrade:
-            self._refuse(400, "protocol upgrades are not served here")
-            return
-        except httptools.HttpParserError as e:
-            self._refuse(400, f"not an HTTP/1.1 request: {e}")
-            return
-        if not fits:
-            self._refuse(431, head_too_large(self.limits.max_header_bytes))
+        refused = self.meter.read(self.parser, data)
+        if refused is not None:
+            self._refuse(*refused)
 
     def pause_writing(self) -> None:
         # Answers wait (and reading stops) until the client reads what is written; one that never does is

@@ -16,9 +16,9 @@ rail-aligned.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from gputopo.engine.cliques import bits, mask_of
 from gputopo.engine.gpusets import RailOption, rail_options
@@ -30,6 +30,24 @@ from gputopo.model import NetworkKind, NvlinkPolicy, PodRequest, Spread
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 T = TypeVar("T")
+
+
+class _OnNode(Protocol):
+    @property
+    def node(self) -> NodeState: ...
+
+
+N = TypeVar("N", bound=_OnNode)
+
+
+def _under_switches(items: Iterable[N], tier: str) -> dict[str, list[N]]:
+    """`items` by their node's switch of `tier`, in order; those whose node has none are left out."""
+    domains: dict[str, list[N]] = {}
+    for item in items:
+        sw = item.node.location.get(tier)
+        if sw is not None:
+            domains.setdefault(sw, []).append(item)
+    return domains
 
 
 @dataclass(frozen=True)
@@ -178,11 +196,7 @@ def plan_group(
     feasible = rank(evaluate_pod(nodes, demanding, weights))
     required = lead.required_tier
     if required:
-        domains: dict[str, list[NodeVerdict]] = {}
-        for v in feasible:
-            sw = v.node.location.get(required)
-            if sw is not None:
-                domains.setdefault(sw, []).append(v)
+        domains = _under_switches(feasible, required)
         big = {k: d for k, d in domains.items() if len(d) >= n}
         if not big:
             best = max((len(d) for d in domains.values()), default=0)
@@ -231,11 +245,7 @@ def _select(feasible: list[NodeVerdict], n: int, lead: PodRequest, tiers: TierCo
     required = lead.required_tier
     if not required:
         return _pack(feasible, n, order) if len(feasible) >= n else None
-    domains: dict[str, list[NodeVerdict]] = {}
-    for v in feasible:
-        sw = v.node.location.get(required)
-        if sw is not None:
-            domains.setdefault(sw, []).append(v)
+    domains = _under_switches(feasible, required)
     options = [_pack(d, n, order) for d in domains.values() if len(d) >= n]
     return min(options, key=lambda c: (_cost(c, order), [v.name for v in c])) if options else None
 
@@ -378,11 +388,7 @@ def _plan_packed(
     words = _requirement_words(demanding)
     required = lead.required_tier
     if required:
-        domains: dict[str, list[_Holds]] = {}
-        for h in holds:
-            sw = h.node.location.get(required)
-            if sw is not None:
-                domains.setdefault(sw, []).append(h)
+        domains = _under_switches(holds, required)
         options = [_cover(d, n, order) for d in domains.values() if _room(d, n) >= n]
         if not options:
             best = max((_room(d, n) for d in domains.values()), default=0)

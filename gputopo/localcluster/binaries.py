@@ -14,7 +14,7 @@ import os
 import re
 import subprocess
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 BUILD_SCRIPT = Path(__file__).with_name("build_binaries.sh")
@@ -71,6 +71,24 @@ def _check() -> tuple[bool, Path]:
     return proc.returncode == 0, Path(proc.stdout.strip().splitlines()[-1])
 
 
+def run_script(
+    argv: Sequence[str], progress: Callable[[str], None] | None, env: Mapping[str, str] | None = None
+) -> tuple[int, str, list[str]]:
+    """Run a build script: its exit status, its stdout, and the last 40 lines of its stderr, each of
+    which goes to ``progress`` as it comes. ``env`` None: this process's environment."""
+    tail: deque[str] = deque(maxlen=40)
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        assert proc.stderr is not None and proc.stdout is not None
+        for raw in proc.stderr:
+            line = raw.rstrip("\n")
+            tail.append(line)
+            if progress is not None:
+                progress(line)
+        out = proc.stdout.read()
+        rc = proc.wait()
+    return rc, out, list(tail)
+
+
 def ensure_binaries(progress: Callable[[str], None] | None = None) -> Path:
     """Build the binaries if needed (first run: tens of minutes) and return the bin directory.
 
@@ -85,22 +103,7 @@ def ensure_binaries(progress: Callable[[str], None] | None = None) -> Path:
         if missing:
             raise BinariesError(f"GPUTOPO_BIN_DIR={d} lacks {', '.join(missing)}")
         return d
-    tail: deque[str] = deque(maxlen=40)
-    with subprocess.Popen(
-        ["bash", str(BUILD_SCRIPT)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_script_env(),
-    ) as proc:
-        assert proc.stderr is not None and proc.stdout is not None
-        for raw in proc.stderr:
-            line = raw.rstrip("\n")
-            tail.append(line)
-            if progress is not None:
-                progress(line)
-        out = proc.stdout.read()
-        rc = proc.wait()
+    rc, out, tail = run_script(["bash", str(BUILD_SCRIPT)], progress, env=_script_env())
     if rc != 0:
         raise BinariesError(f"{BUILD_SCRIPT} failed with exit status {rc}; last output:\n" + "\n".join(tail))
     lines = out.strip().splitlines()

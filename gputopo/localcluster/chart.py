@@ -18,11 +18,14 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from gputopo.model import DEFAULT_NAMESPACE, EXTENDER_COMPONENT, SCHEDULER_NAME
+
+if TYPE_CHECKING:
+    from .controlplane import ControlPlane
 
 CHART_DIR = Path(__file__).resolve().parents[2] / "charts" / "gputopo"
 RELEASE = "gputopo"
@@ -52,6 +55,25 @@ def helm_binary(bin_dir: Path) -> Path:
     if not path.is_file():
         raise ChartError(f"helm not found at {path}; run gputopo/localcluster/build_binaries.sh")
     return path
+
+
+def run_helm(cp: ControlPlane, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """helm ``args`` against ``cp``'s API server, its cache, configuration and data under ``cp``'s
+    directory (none of the user's); the exit status is the caller's to judge."""
+    env = {
+        **cp.env(),
+        "HELM_CACHE_HOME": str(cp.dir / "helm" / "cache"),
+        "HELM_CONFIG_HOME": str(cp.dir / "helm" / "config"),
+        "HELM_DATA_HOME": str(cp.dir / "helm" / "data"),
+    }
+    return subprocess.run(
+        [str(helm_binary(cp.bin_dir)), "--kubeconfig", str(cp.kubeconfig), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def local_values(

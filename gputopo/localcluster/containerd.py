@@ -47,7 +47,7 @@ from pathlib import Path
 
 from .controlplane import HOST, ControlPlane, ControlPlaneError
 from .images import Image
-from .kubelet import RealKubelet, _http_ok, _restore_tunables, _save_tunables
+from .kubelet import RealKubelet, _http_ok, _restore_tunables, _save_tunables, in_private_mounts
 
 CNI_BIN_DIR = Path("/usr/lib/cni")  # Debian's containernetworking-plugins
 FIXED_KUBELET_ROOT = Path("/var/lib/kubelet")
@@ -265,20 +265,7 @@ class ContainerdNode(RealKubelet):
             )
         )
         self.containerd_socket.unlink(missing_ok=True)
-        argv = [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            "--",
-            "sh",
-            "-c",
-            _NAMESPACE_SETUP,
-            str(self.root_dir),
-            "containerd",
-            "--config",
-            str(cfg),
-        ]
+        argv = in_private_mounts(_NAMESPACE_SETUP, self.root_dir, ["containerd", "--config", str(cfg)])
         self._say(f"starting containerd for {self.node}")
         self.cp.start_process(self.cri_component, argv, ready=self.containerd_socket.exists)
         # unshare and sh exec, so the component's PID is containerd's, in the namespace.

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .binaries import kubernetes_version
+from .binaries import kubernetes_version, run_script
 
 IMAGES_SCRIPT = Path(__file__).with_name("build_images.sh")
 MANIFEST_ENV = "GPUTOPO_IMAGES_MANIFEST"
@@ -78,19 +76,8 @@ def _load(manifest: Path) -> ImageSet:
 
 
 def _run(args: Sequence[str], progress: Callable[[str], None] | None) -> tuple[int, str, list[str]]:
-    tail: deque[str] = deque(maxlen=40)
-    with subprocess.Popen(
-        ["bash", str(IMAGES_SCRIPT), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    ) as proc:
-        assert proc.stderr is not None and proc.stdout is not None
-        for raw in proc.stderr:
-            line = raw.rstrip("\n")
-            tail.append(line)
-            if progress is not None:
-                progress(line)
-        out = proc.stdout.read()
-        rc = proc.wait()
-    return rc, out.strip().splitlines()[-1] if out.strip() else "", list(tail)
+    rc, out, tail = run_script(["bash", str(IMAGES_SCRIPT), *args], progress)
+    return rc, out.strip().splitlines()[-1] if out.strip() else "", tail
 
 
 def find_images(bin_dirs: Sequence[Path]) -> ImageSet | None:

@@ -31,7 +31,7 @@ import yaml
 from gputopo.model import PLACEMENT_ANNOTATION, SCHEDULER_NAME, parse_placement
 from gputopo.systems import build_system
 
-from .chart import CHART_DIR, helm_binary
+from .chart import CHART_DIR, run_helm
 from .containerd import ContainerdNode
 from .controlplane import ControlPlane, ControlPlaneError
 from .images import ImageSet, ensure_images
@@ -97,20 +97,7 @@ class Installed:
         return self.work / "values.yaml"
 
     def helm(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        env = {
-            **self.cp.env(),
-            "HELM_CACHE_HOME": str(self.cp.dir / "helm" / "cache"),
-            "HELM_CONFIG_HOME": str(self.cp.dir / "helm" / "config"),
-            "HELM_DATA_HOME": str(self.cp.dir / "helm" / "data"),
-        }
-        proc = subprocess.run(
-            [str(helm_binary(self.cp.bin_dir)), "--kubeconfig", str(self.cp.kubeconfig), *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=timeout,
-            check=False,
-        )
+        proc = run_helm(self.cp, *args, timeout=timeout)
         if check and proc.returncode != 0:
             raise InstalledError(
                 f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}\n{proc.stdout}\n{self.state()}"

@@ -61,6 +61,12 @@ _NAMESPACE_SETUP = (
 _original_tunables: dict[str, str] = {}
 
 
+def in_private_mounts(setup: str, arg: Path, argv: Sequence[str]) -> list[str]:
+    """``argv`` run in a new mount namespace (private propagation) after the shell script ``setup``,
+    which gets ``arg`` as $0 and ``argv`` as "$@" (and execs it, so the PID stays the command's)."""
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", setup, str(arg), *argv]
+
+
 def kubelet_unavailable(bin_dir: Path) -> str | None:
     """Why a ``RealKubelet`` cannot run on this machine, or None when it can."""
     if os.geteuid() != 0:
@@ -216,18 +222,7 @@ class RealKubelet:
             ready=self.cri_socket.exists,
         )
         kubelet = self._kubelet_argv(endpoint, root_dir=self.root_dir)
-        argv = [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            "--",
-            "sh",
-            "-c",
-            _NAMESPACE_SETUP,
-            str(self.device_plugin_dir),
-            *kubelet,
-        ]
+        argv = in_private_mounts(_NAMESPACE_SETUP, self.device_plugin_dir, kubelet)
         self._say(f"starting a real kubelet for {self.node}")
         healthz = f"http://{HOST}:{self.healthz_port}/healthz"
         self.cp.start_process(self.kubelet_component, argv, ready=lambda: _http_ok(healthz))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,20 +18,6 @@ PODS = f"/api/v1/namespaces/{NS}/pods"
 
 def _list(*names: str) -> Reply:
     return Reply(200, {"items": [{"metadata": {"name": n}} for n in names], "metadata": {}})
-
-
-@pytest.fixture
-def server() -> Iterator[FakeApiServer]:
-    fake = FakeApiServer()
-    yield fake
-    fake.close()
-
-
-@pytest.fixture
-def kube(server: FakeApiServer, tmp_path: Path) -> Iterator[Kube]:
-    client = Kube(write_kubeconfig(tmp_path / "kubeconfig", server.url), request_timeout=5.0)
-    yield client
-    client.close()
 
 
 @pytest.mark.parametrize(

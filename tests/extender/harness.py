@@ -88,6 +88,16 @@ def node_obj(
     return {"metadata": {"name": name, "labels": labels, "annotations": ann}, "spec": {}, "status": {}}
 
 
+def two_leaves() -> list[JSON]:
+    """gpu-1 and gpu-2 under leaf-a, gpu-3 and gpu-4 under leaf-b, one spine above both."""
+    return [
+        node_obj("gpu-1", leaf="leaf-a", spine="s1"),
+        node_obj("gpu-2", leaf="leaf-a", spine="s1"),
+        node_obj("gpu-3", leaf="leaf-b", spine="s1"),
+        node_obj("gpu-4", leaf="leaf-b", spine="s1"),
+    ]
+
+
 def lease_obj(node: str, renew: float, namespace: str = NS) -> JSON:
     return {
         "metadata": {"name": agent_lease_name(node), "namespace": namespace},

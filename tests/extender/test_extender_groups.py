@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 
 from extender.app import create_app
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
-from tests.extender.harness import JSON, NS, Env, gputopo_pod, node_obj, pod_obj
+from tests.extender.harness import JSON, NS, Env, gputopo_pod, node_obj, pod_obj, two_leaves
 
 NODES = ["gpu-1", "gpu-2", "gpu-3", "gpu-4"]
 ELSEWHERE = "reserved for other members of the pod's group"
@@ -20,12 +20,7 @@ def member(name: str, stage: int, size: int = 2, gpus: int = 8) -> JSON:
 
 @pytest.fixture
 def cluster(env: Env) -> Env:
-    env.add_nodes(
-        node_obj("gpu-1", leaf="leaf-a", spine="s1"),
-        node_obj("gpu-2", leaf="leaf-a", spine="s1"),
-        node_obj("gpu-3", leaf="leaf-b", spine="s1"),
-        node_obj("gpu-4", leaf="leaf-b", spine="s1"),
-    )
+    env.add_nodes(*two_leaves())
     return env
 
 

@@ -8,19 +8,14 @@ import pytest
 from extender.objects import pod_record
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
 from gputopo.model import jobs as J
-from tests.extender.harness import JSON, Env, node_obj, pod_obj
+from tests.extender.harness import JSON, Env, pod_obj, two_leaves
 
 NODES = ["gpu-1", "gpu-2", "gpu-3", "gpu-4"]
 
 
 @pytest.fixture
 def cluster(env: Env) -> Env:
-    env.add_nodes(
-        node_obj("gpu-1", leaf="leaf-a", spine="s1"),
-        node_obj("gpu-2", leaf="leaf-a", spine="s1"),
-        node_obj("gpu-3", leaf="leaf-b", spine="s1"),
-        node_obj("gpu-4", leaf="leaf-b", spine="s1"),
-    )
+    env.add_nodes(*two_leaves())
     return env
 
 
