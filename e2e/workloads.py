@@ -429,6 +429,17 @@ def lws_revision_key(lws: Mapping[str, Any]) -> str:
     return "".join(_SAFE[ord(c) % len(_SAFE)] for c in str(h))
 
 
+def _annotate_pods(
+    tmeta: dict[str, Any], meta: Mapping[str, Any], tpl_spec: Mapping[str, Any], extra: Mapping[str, str] | None = None
+) -> None:
+    """The annotations LWS puts on the pods of a group's StatefulSet: the group size, the LWS's
+    exclusive-topology annotation where it has one, and `extra` (a worker's leader name)."""
+    pod_annotations = {LWS_SIZE: str(int(tpl_spec["size"])), **(extra or {})}
+    if (meta.get("annotations") or {}).get(LWS_EXCLUSIVE_TOPOLOGY):
+        pod_annotations[LWS_EXCLUSIVE_TOPOLOGY] = meta["annotations"][LWS_EXCLUSIVE_TOPOLOGY]
+    tmeta["annotations"] = {**(tmeta.get("annotations") or {}), **pod_annotations}
+
+
 def _merge(user: Mapping[str, str] | None, controller: Mapping[str, str]) -> dict[str, str]:
     return {**(user or {}), **controller}  # metadata.go mergeMetadata: the controller's keys win
 
@@ -461,10 +472,7 @@ def lws_leader_statefulset(lws: Mapping[str, Any], *, revision_key: str | None =
         LWS_NAME: meta["name"],
         LWS_REVISION: revision,
     }
-    pod_annotations = {LWS_SIZE: str(int(tpl_spec["size"]))}
-    if (meta.get("annotations") or {}).get(LWS_EXCLUSIVE_TOPOLOGY):
-        pod_annotations[LWS_EXCLUSIVE_TOPOLOGY] = meta["annotations"][LWS_EXCLUSIVE_TOPOLOGY]
-    tmeta["annotations"] = {**(tmeta.get("annotations") or {}), **pod_annotations}
+    _annotate_pods(tmeta, meta, tpl_spec)
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -550,10 +558,7 @@ def lws_worker_statefulset(lws: Mapping[str, Any], leader_pod: Mapping[str, Any]
     template = copy.deepcopy(tpl_spec["workerTemplate"])
     tmeta = template.setdefault("metadata", {})
     tmeta["labels"] = {**(tmeta.get("labels") or {}), **labels}
-    pod_annotations = {LWS_SIZE: str(int(tpl_spec["size"])), LWS_LEADER_NAME: leader_pod["metadata"]["name"]}
-    if (meta.get("annotations") or {}).get(LWS_EXCLUSIVE_TOPOLOGY):
-        pod_annotations[LWS_EXCLUSIVE_TOPOLOGY] = meta["annotations"][LWS_EXCLUSIVE_TOPOLOGY]
-    tmeta["annotations"] = {**(tmeta.get("annotations") or {}), **pod_annotations}
+    _annotate_pods(tmeta, meta, tpl_spec, {LWS_LEADER_NAME: leader_pod["metadata"]["name"]})
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
