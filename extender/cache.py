@@ -146,6 +146,10 @@ class ClusterCache:
         jobs = dict(self._jobs.get(namespace, {}))
         if event_type == "DELETED":
             jobs.pop(shape.name, None)
+        elif jobs.get(shape.name) == (shape, jobset):
+            # A status update (the Job controller's counts, many per big Job): nothing inference reads
+            # changed, so no pod of the namespace is inferred again.
+            return
         else:
             jobs[shape.name] = (shape, jobset)
         self._put_jobs(namespace, jobs)
@@ -235,7 +239,7 @@ class ClusterCache:
                     self._bad(kind, obj, e)
                     continue
                 by_ns.setdefault(namespace, {})[shape.name] = (shape, jobset)
-            touched = set(self._jobs) | set(by_ns)
+            touched = {ns for ns in set(self._jobs) | set(by_ns) if self._jobs.get(ns) != by_ns.get(ns)}
             for namespace in touched:
                 self._put_jobs(namespace, by_ns.get(namespace, {}))
             self._reinfer(touched)

@@ -3,6 +3,8 @@ members, sizes wait for the Job objects, bad labels reach every member, a delete
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from extender.objects import pod_record
@@ -152,3 +154,24 @@ def test_only_pods_under_gputopo_scheduler_are_inferred_members(scheduler: str, 
     assert (rec is not None) == tracked
     if rec is not None:
         assert rec.group == "lws/vllm/0" and rec.request is not None and rec.request.group_size == 2
+
+
+def test_a_jobs_status_update_infers_no_pod_again(cluster: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Job controller updates a big Job's status counts many times: only a change of what inference
+    reads (completions, parallelism, mode, JobSet labels) may re-read the namespace's pods."""
+    pods = [indexed(0), indexed(1)]
+    cluster.add_pods(*pods)
+    job = job_obj("train", 2)
+    cluster.cache.apply("jobs", "ADDED", job)
+    calls: list[str] = []
+    original = cluster.cache._record_again
+
+    def counting(rec: Any) -> Any:
+        calls.append(rec.name)
+        return original(rec)
+
+    monkeypatch.setattr(cluster.cache, "_record_again", counting)
+    cluster.cache.apply("jobs", "MODIFIED", {**job, "status": {"active": 2, "ready": 1}})
+    assert calls == []
+    cluster.cache.apply("jobs", "MODIFIED", {**job, "spec": {**job["spec"], "completions": 3, "parallelism": 3}})
+    assert sorted(calls) == ["train-0", "train-1"]
