@@ -13,6 +13,7 @@ COPY pyproject.toml README.md* ./
 COPY gputopo ./gputopo
 COPY extender ./extender
 COPY agent ./agent
+COPY console ./console
 RUN python -m pip wheel --no-deps --wheel-dir /wheels . \
  && /opt/gputopo/bin/pip install /wheels/gputopo-*.whl
 

@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from gputopo.engine import classsearch, gpusets, symmetric  # noqa: E402
+from gputopo.engine import gpusets  # noqa: E402
+from gputopo.engine.gpusets import classes, symmetric  # noqa: E402
 from gputopo.engine.cliques import k_cliques, mask_of, max_clique_size, popcount  # noqa: E402
 from gputopo.engine.gpusets import Kind, best_set, exhaustive_set  # noqa: E402
 from gputopo.engine.snapshot import Shape, node_state  # noqa: E402
@@ -127,9 +128,9 @@ def cold() -> None:
     """Forget every memoised search, so each repetition pays for a whole decision."""
     for fn in (
         gpusets.largest_clique,
-        symmetric._blocks,
+        symmetric.link_blocks,
         gpusets.twin_classes,
-        classsearch._symmetric_links,
+        classes._symmetric_links,
         symmetric._link_counts,
     ):
         fn.cache_clear()

@@ -3,7 +3,7 @@ nodes in 40 leaves, no gputopo annotation on the pods (the group comes from the 
 `spec.completions`, docs/annotations.md "Jobs").
 
 Starts etcd, kube-apiserver, kube-scheduler with the chart's profile and the real gputopo-extender
-(`gputopo.localcluster`), creates the nodes (Node objects with the agent's annotations and a Lease each;
+(`localcluster`), creates the nodes (Node objects with the agent's annotations and a Lease each;
 no agent processes), then the Job. Its pods come from one of two places (`--via`):
 
   controller  kube-controller-manager's Job controller creates them (the default when the binary is built)
@@ -34,7 +34,7 @@ from scheduler_throughput import create_leases, wait_scheduler_ready
 from throughput_run import Deadline, say
 
 from agent.labels import node_labels
-from gputopo.localcluster import (
+from localcluster import (
     GPUTOPO_PROFILE,
     ControlPlane,
     ControlPlaneError,
@@ -45,8 +45,8 @@ from gputopo.localcluster import (
     network_labels,
     pod_manifest,
 )
-from gputopo.localcluster.procstats import cpu_snapshot
-from gputopo.localcluster.stack import Stack
+from localcluster.procstats import cpu_snapshot
+from localcluster.stack import Stack
 from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION
 from gputopo.systems import build_system
 
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     deadline = Deadline(args.deadline)
     bin_dir = find_binaries()
     if bin_dir is None:
-        print("control-plane binaries are not built: run gputopo/localcluster/build_binaries.sh", file=sys.stderr)
+        print("control-plane binaries are not built: run localcluster/build_binaries.sh", file=sys.stderr)
         return 2
     via = args.via
     has_kcm = (bin_dir / "kube-controller-manager").is_file()

@@ -1,6 +1,6 @@
 """Client CPU per Kubernetes API write: the `kubernetes` ApiClient path against the lean transport.
 
-Starts etcd and kube-apiserver from the locally built binaries (`gputopo.localcluster`, loopback
+Starts etcd and kube-apiserver from the locally built binaries (`localcluster`, loopback
 only), then makes the extender's two writes per scheduled pod through `gputopo.kube.Kube` both ways,
 in the same run, against the same server:
 
@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from gputopo.kube import Kube
-from gputopo.localcluster import ControlPlane, find_binaries, pod_manifest
+from localcluster import ControlPlane, find_binaries, pod_manifest
 
 NAMESPACE = "kube-writes"
 MAX_CALLS = 5000
@@ -114,7 +114,7 @@ def report(title: str, tallies: dict[str, Tally]) -> None:
 def run(args: argparse.Namespace) -> int:
     bin_dir = find_binaries()
     if bin_dir is None:
-        print("control-plane binaries are not built: run gputopo/localcluster/build_binaries.sh first", file=sys.stderr)
+        print("control-plane binaries are not built: run localcluster/build_binaries.sh first", file=sys.stderr)
         return 2
     with ControlPlane(bin_dir) as cp:
         say(f"control plane up in {cp.dir}")

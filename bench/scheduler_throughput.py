@@ -1,7 +1,7 @@
 """Scheduler throughput on the real local control plane: pods bound per second, with the extender and without.
 
 Starts etcd, kube-apiserver and kube-scheduler from the locally built binaries
-(`gputopo.localcluster`), creates N simulated GPU nodes (Node objects with the agent's annotations
+(`localcluster`), creates N simulated GPU nodes (Node objects with the agent's annotations
 and labels, plus one agent Lease per node; no agent processes), then measures two runs, one after
 the other, on the same nodes and with the same kube-scheduler binary and client QPS/burst:
 
@@ -57,7 +57,7 @@ from api_counts import (
 from throughput_run import GPUS_PER_POD, Deadline, RunResult, delete_pods, measure_run, say
 
 from agent.labels import node_labels
-from gputopo.localcluster import (
+from localcluster import (
     GPUTOPO_PROFILE,
     PLAIN_PROFILE,
     ControlPlane,
@@ -69,8 +69,8 @@ from gputopo.localcluster import (
     find_binaries,
     network_labels,
 )
-from gputopo.localcluster.promstats import HistSum, diff, extender_metrics, http_get, scheduler_metrics
-from gputopo.localcluster.stack import Stack
+from localcluster.promstats import HistSum, diff, extender_metrics, http_get, scheduler_metrics
+from localcluster.stack import Stack
 from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION, agent_lease_name
 from gputopo.systems import build_system
 
@@ -383,7 +383,7 @@ def run(args: argparse.Namespace) -> int:
     deadline = Deadline(args.deadline)
     bin_dir = find_binaries()
     if bin_dir is None:
-        print("control-plane binaries are not built: run gputopo/localcluster/build_binaries.sh first", file=sys.stderr)
+        print("control-plane binaries are not built: run localcluster/build_binaries.sh first", file=sys.stderr)
         return 2
     rounds: list[Round] = []
     progress: Callable[[str], None] | None = say if args.verbose else None

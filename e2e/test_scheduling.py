@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import StackNodes
-from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from gputopo.localcluster.kube import KubeApiError, WaitTimeout
-from gputopo.localcluster.stack import GpuNode, Stack
+from localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from localcluster.kube import KubeApiError, WaitTimeout
+from localcluster.stack import GpuNode, Stack
 from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,
     PLACEMENT_ANNOTATION,

@@ -36,7 +36,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gputopo.localcluster import KubeClient
+from localcluster import KubeClient
 
 JSON = dict[str, Any]
 

@@ -9,7 +9,7 @@
 #   scripts/render-manifests.sh --stdout  print the rendering instead
 #
 # helm: $GPUTOPO_HELM, else $GPUTOPO_BIN_DIR/helm, else the pinned build
-# (gputopo/localcluster/build_binaries.sh --check), else helm on PATH.
+# (localcluster/build_binaries.sh --check), else helm on PATH.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,7 +21,7 @@ OUT="$ROOT/manifests/gputopo.yaml"
 find_helm() {
   if [[ -n "${GPUTOPO_HELM:-}" ]]; then echo "$GPUTOPO_HELM"; return; fi
   if [[ -n "${GPUTOPO_BIN_DIR:-}" && -x "$GPUTOPO_BIN_DIR/helm" ]]; then echo "$GPUTOPO_BIN_DIR/helm"; return; fi
-  local check="$ROOT/gputopo/localcluster/build_binaries.sh" dir
+  local check="$ROOT/localcluster/build_binaries.sh" dir
   if [[ -f "$check" ]] && dir="$(bash "$check" --check 2>/dev/null)" && [[ -x "$dir/helm" ]]; then
     echo "$dir/helm"; return
   fi

@@ -1,7 +1,7 @@
 """NVLink clique search over GPU bitmasks. Exact and deterministic.
 
 GPUs are bits; `adj[i]` is the mask of GPUs with at least one NVLink link to GPU i. Enumerating cliques
-is exponential in the node's size, so callers bound it (gpusets.py) and memoise results on (shape,
+is exponential in the node's size, so callers bound it (the gpusets package) and memoise results on (shape,
 usable mask, size); the largest clique is a branch and bound, quick on the regular wiring of real nodes.
 """
 

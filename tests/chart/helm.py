@@ -1,7 +1,7 @@
 """Run helm against charts/gputopo and parse what it renders (shared by the chart tests).
 
 helm is found, in order: ``$GPUTOPO_HELM``; ``$GPUTOPO_BIN_DIR/helm``; the pinned build of
-``gputopo/localcluster/build_binaries.sh`` (checked, never started here); ``helm`` on PATH. Tests
+``localcluster/build_binaries.sh`` (checked, never started here); ``helm`` on PATH. Tests
 that need helm skip with that explanation when none is found.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gputopo.localcluster.binaries import find_binaries
+from localcluster.binaries import find_binaries
 from gputopo.model import DEFAULT_NAMESPACE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,7 +53,7 @@ def helm_or_skip() -> str:
     if helm is None:
         pytest.skip(
             "helm not found: set GPUTOPO_HELM, or build the pinned binaries with "
-            "`bash gputopo/localcluster/build_binaries.sh`"
+            "`bash localcluster/build_binaries.sh`"
         )
     return helm
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gputopo.cli import main
+from console.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "examples" / "cluster.yaml"

@@ -9,13 +9,12 @@ import pytest
 
 from gputopo.engine.cliques import all_subsets, bits, k_cliques, mask_of, popcount
 from gputopo.engine.explain import placement_sentence
-from gputopo.engine.gpusets import RAIL_AFTER, Kind, exhaustive_set, rail_options
+from gputopo.engine.gpusets import RAIL_AFTER, Kind, exhaustive_set, rail_options, rank_key
 from gputopo.engine.groups import GroupPlan, Member, plan_group
 from gputopo.engine.placement import evaluate_node, outcome_on
 from gputopo.engine.rails import assess, rail_ranges
 from gputopo.engine.reasons import Reason
 from gputopo.engine.replan import MemberView, Replan, replan
-from gputopo.engine.setrank import _rank
 from gputopo.engine.snapshot import NodeState, node_state
 from gputopo.model import LABEL_RAILS, LabelError, NicInfo, parse_pod_request, parse_rails_label
 from gputopo.systems import SYSTEMS, build_system
@@ -145,7 +144,7 @@ def _reference(kind: Kind, shape_node: NodeState, candidates: int, k: int, near:
     assert shape is not None
     sets = list(k_cliques(shape.adj, candidates, k) if kind == "clique" else all_subsets(candidates, k))
     cut = RAIL_AFTER[kind]
-    ranks = {s: _rank(kind, shape, candidates, s, near) for s in sets}
+    ranks = {s: rank_key(kind, shape, candidates, s, near) for s in sets}
     if not ranks:
         return {}
     top = max(r[:cut] for r in ranks.values())

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from gputopo.cli import main
+from console.cli import main
 from gputopo.kube import Kube
-from gputopo.uninstall import cleanup, leases_to_delete
+from console.uninstall import cleanup, leases_to_delete
 from tests.kube.test_kube_layer import FakeApiServer, Reply, status, write_kubeconfig
 
 NS = "gputopo-system"

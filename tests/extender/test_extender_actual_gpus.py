@@ -12,7 +12,7 @@ import pytest
 from extender.cache import ClusterCache
 from extender.metrics import Metrics
 from extender.service import Extender
-from gputopo import inspect
+from console import inspect
 from gputopo.model import PLACEMENT_ANNOTATION, GpusInUse
 from tests.extender.harness import JSON, NS, Env, gputopo_pod, node_obj, pod_obj, sync
 

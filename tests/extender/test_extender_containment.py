@@ -12,7 +12,7 @@ from typing import Any, cast
 import pytest
 
 from extender.kube import ClusterSource, Informer, Kind
-from gputopo import inspect
+from console import inspect
 from gputopo.engine.placement import Outcome, evaluate_node
 from gputopo.engine.reasons import Reason
 from gputopo.engine.snapshot import NodeState

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from extender.app import create_app
 from extender.settings import Settings
-from gputopo import inspect
+from console import inspect
 from gputopo.engine.placement import evaluate_pod, rank
 from gputopo.engine.scoring import MAX_EXTENDER_SCORE, wire_scores
 from gputopo.engine.snapshot import node_state

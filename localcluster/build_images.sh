@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds, without any registry, the container images a local containerd node runs
-# (gputopo.localcluster.containerd), as OCI archives for `ctr images import`:
+# (localcluster.containerd), as OCI archives for `ctr images import`:
 #
 #   localhost/python:3.11-slim      a Debian bookworm base (mmdebstrap, the machine's own apt sources)
 #                                   standing in for python:3.11-slim; not an archive of its own
@@ -24,7 +24,7 @@
 # wait for each other (flock).
 set -euo pipefail
 
-SRC=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+SRC=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CACHE="${GPUTOPO_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gputopo}/images"
 SUITE=bookworm
 BASE_PACKAGES=python3,python3-venv,python3-pip,python-is-python3,passwd,ca-certificates,netbase
@@ -100,7 +100,7 @@ IMAGES=(
 )
 for d in "${BIN_DIRS[@]}"; do
   exe="$d/kube-scheduler"
-  [[ -x "$exe" ]] || { log "$exe is missing (build it with gputopo/localcluster/build_binaries.sh)"; exit 1; }
+  [[ -x "$exe" ]] || { log "$exe is missing (build it with localcluster/build_binaries.sh)"; exit 1; }
   ver=$("$exe" --version | grep -oE 'v[0-9]+\.[0-9]+\.[0-9]+' | head -1)
   [[ -n "$ver" ]] || { log "$exe --version printed no version"; exit 1; }
   k=$( (echo "$base_key"; sha256sum < "$exe") | sha)
@@ -149,7 +149,7 @@ t0=$(date +%s)
 step() { log "[$(( $(date +%s) - t0 ))s] $*"; }
 
 # What this build needs, and what the containerd node that runs the images needs
-# (gputopo.localcluster.containerd.RUNTIME_PACKAGES): installed together, once per machine.
+# (localcluster.containerd.RUNTIME_PACKAGES): installed together, once per machine.
 PACKAGES=(mmdebstrap buildah gcc libc6-dev containerd runc containernetworking-plugins iproute2)
 need=()
 for tool in mmdebstrap buildah gcc containerd runc ip /usr/lib/cni/bridge; do

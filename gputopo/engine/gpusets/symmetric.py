@@ -5,12 +5,12 @@ from __future__ import annotations
 from functools import lru_cache
 
 from gputopo.engine.cliques import bits, mask_of, popcount
-from gputopo.engine.setrank import _lower, _rank
+from gputopo.engine.gpusets.rank import lower, rank_key
 from gputopo.engine.snapshot import Shape
 
 
 @lru_cache(maxsize=4096)
-def _blocks(shape: Shape, candidates: int, floor: int = 1, equal_links: bool = True) -> tuple[int, ...] | None:
+def link_blocks(shape: Shape, candidates: int, floor: int = 1, equal_links: bool = True) -> tuple[int, ...] | None:
     """The candidates as disjoint blocks of GPUs linked pairwise by at least `floor` links (by one link
     count inside each block, if `equal_links`), each block's GPUs linked alike to every candidate outside
     it, so that any reordering inside a block changes no link or fragmentation term; or None."""
@@ -51,13 +51,13 @@ def _link_counts(shape: Shape) -> tuple[int, ...]:
     return tuple(sorted({c for row in shape.links for c in row if c > 0}, reverse=True))
 
 
-def _clique_blocks(shape: Shape, candidates: int, k: int) -> tuple[int, ...] | None:
-    """Blocks (as `_blocks`) at the strongest link floor where some block holds k GPUs: every best
+def clique_blocks(shape: Shape, candidates: int, k: int) -> tuple[int, ...] | None:
+    """Blocks (as `link_blocks`) at the strongest link floor where some block holds k GPUs: every best
     clique has that minimum link count, so lies in one of them. None when the wiring is not blocks."""
     counts = _link_counts(shape)
     for floor in counts:
         # At the weakest count linked means adjacent: the cheap adjacency masks answer.
-        blocks = _blocks(shape, candidates, 1 if floor == counts[-1] else floor)
+        blocks = link_blocks(shape, candidates, 1 if floor == counts[-1] else floor)
         if blocks is None:
             return None
         if any(popcount(b) >= k for b in blocks):
@@ -65,7 +65,7 @@ def _clique_blocks(shape: Shape, candidates: int, k: int) -> tuple[int, ...] | N
     return ()  # no k-clique at any floor
 
 
-def _clique_in_blocks(shape: Shape, candidates: int, blocks: tuple[int, ...], k: int, near: int) -> int | None:
+def clique_in_blocks(shape: Shape, candidates: int, blocks: tuple[int, ...], k: int, near: int) -> int | None:
     # Inside one block the link and fragmentation terms are equal for every k-set, and NIC nearness
     # outranks NUMA span; the blocks' winners are then compared on the full rank.
     best: tuple[tuple[int, ...], int] | None = None
@@ -73,8 +73,8 @@ def _clique_in_blocks(shape: Shape, candidates: int, blocks: tuple[int, ...], k:
         if popcount(block) < k:
             continue
         s = symmetric_set(shape, block, k, near, near_first=True)
-        rank = _rank("clique", shape, candidates, s, near)
-        if best is None or rank > best[0] or (rank == best[0] and _lower(s, best[1])):
+        rank = rank_key("clique", shape, candidates, s, near)
+        if best is None or rank > best[0] or (rank == best[0] and lower(s, best[1])):
             best = (rank, s)
     return None if best is None else best[1]
 

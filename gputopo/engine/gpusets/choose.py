@@ -1,36 +1,5 @@
-"""Choosing which GPUs inside one node a pod gets. Deterministic, and bounded in time.
-
-Ranking, for `nvlink: required` (and `preferred` when a clique exists): strongest links first (the
-minimum pairwise NVLink count), then the set that leaves the best clique free for later pods
-(fragmentation-aware), then GPUs near an accepted NIC, then one NUMA node, then lowest indices.
-Results are memoised on (shape, candidate mask, size, preferences): thousands of identical nodes cost
-one search.
-
-The answer is the one an exhaustive search over every candidate set would give (`exhaustive_set`, kept
-as the reference the tests compare against), found without enumerating subsets where the wiring allows:
-
-- Symmetric candidates (every pair linked with one link count, as behind NVSwitch, or no pair linked,
-  as on PCIe-only nodes): every k-set ties on all link and fragmentation terms, so only NIC nearness and
-  NUMA span separate them, and `symmetric_set` builds the lowest-index best set directly.
-- Blocks, for cliques (two NVSwitch trays, joined by weaker links or not; bridged pairs): at the
-  strongest link count some k-clique has, the best cliques lie inside blocks whose GPUs are linked
-  alike, so each block is decided as above and the blocks' best sets compared.
-- Anything else: GPUs the ranking cannot tell apart (twins: the same links to every other candidate,
-  the same NUMA node and NIC nearness) are interchangeable, so `class_search` enumerates only how many to
-  take from each class of twins, up to `SEARCH_BUDGET` steps. Past it the best set ranked so far is
-  returned and flagged `truncated` (when none was ranked: the first set reached, else a greedy clique
-  or the lowest-index GPUs), never a false "no clique" that the greedy would have disproved.
-- Tiny cases (a handful of sets) are ranked exhaustively: cheaper than recognising the wiring.
-
-Rails (group planning only, `rail_options`): a group whose members take part of a node wants the same
-fabric rails on every member's node. That preference is one more rank term after the terms each kind
-ranks first (`RAIL_AFTER`): for cliques link strength, the clique left free and its pairs; for
-`connected` NVLink pairs and link sum; for `any` the clique left free and its pairs. Every term after
-them (NIC nearness, NUMA span, link sum, the rest) and the lowest indices come after rails. `rail_options` ranks
-every set against those leading terms and returns, per reachable rail set, the best set below them; the
-rail set the engine's own choice uses always maps back to that choice, so a group already on one rail
-set, and every pod outside a group, is decided exactly as without rails.
-"""
+"""The GPU-set choice itself: `best_set` dispatches to the search the wiring allows; `rail_options`
+ranks sets by rails for group planning. The package docstring gives the ranking and the searches."""
 
 from __future__ import annotations
 
@@ -38,21 +7,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from math import comb
 
-# The searches live in setrank, symmetric and classsearch; their public names are re-exported so
-# callers keep importing the whole GPU-set choice from here.
-from gputopo.engine.classsearch import SEARCH_BUDGET as SEARCH_BUDGET
-from gputopo.engine.classsearch import class_search as class_search
-from gputopo.engine.classsearch import greedy_clique as greedy_clique
-from gputopo.engine.classsearch import twin_classes as twin_classes
 from gputopo.engine.cliques import all_subsets, bits, connected_pairs, k_cliques, popcount
-from gputopo.engine.setrank import Found as Found
-from gputopo.engine.setrank import Kind as Kind
-from gputopo.engine.setrank import _rank
-from gputopo.engine.setrank import exhaustive_set as exhaustive_set
-from gputopo.engine.setrank import largest_clique as largest_clique
+from gputopo.engine.gpusets.classes import SEARCH_BUDGET, class_search
+from gputopo.engine.gpusets.rank import Found, Kind, exhaustive_set, largest_clique, rank_key
+from gputopo.engine.gpusets.symmetric import clique_blocks, clique_in_blocks, link_blocks, symmetric_set
 from gputopo.engine.snapshot import Shape
-from gputopo.engine.symmetric import _blocks, _clique_blocks, _clique_in_blocks
-from gputopo.engine.symmetric import symmetric_set as symmetric_set
 
 # Where ranking every set costs less than recognising the wiring: at most this many k-subsets in all,
 # or, for cliques on irregular wiring, this many k-subsets to draw cliques from (any k on 8 GPUs: the
@@ -106,13 +65,13 @@ def best_set(
     if subsets <= exhaustive_below[0]:
         return Found(exhaustive_set(kind, shape, candidates, k, near))
     if kind == "clique" and k >= 2:
-        blocks = _clique_blocks(shape, candidates, k)
+        blocks = clique_blocks(shape, candidates, k)
         if blocks is not None:
-            return Found(_clique_in_blocks(shape, candidates, blocks, k, near))
+            return Found(clique_in_blocks(shape, candidates, blocks, k, near))
     elif kind != "clique":
         # `any` ranks by which GPUs stay linked, not by how strongly: there link counts need not be equal
         # (an NVSwitch node with one degraded GPU is still symmetric for it).
-        blocks = _blocks(shape, candidates, 1, kind != "any")
+        blocks = link_blocks(shape, candidates, 1, kind != "any")
         if blocks is not None and (len(blocks) == 1 or all(popcount(b) == 1 for b in blocks)):
             # All pairs linked alike (or none linked): the rank reduces to NUMA span, then NIC nearness.
             return Found(symmetric_set(shape, candidates, k, near, near_first=False))
@@ -146,7 +105,7 @@ def rail_options(
     for count, s in enumerate(sets):  # ascending index order, as exhaustive_set
         if count >= RAIL_SEARCH_SETS:
             return None
-        rank = _rank(kind, shape, candidates, s, near)
+        rank = rank_key(kind, shape, candidates, s, near)
         if head is None or rank[:cut] > head:
             head, best = rank[:cut], {}
         elif rank[:cut] < head:

@@ -56,8 +56,8 @@ def _events_section(describe: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: the simulator and other commands must not pay for the control-plane modules.
-    from gputopo.localcluster import ControlPlane, ensure_binaries, pod_manifest
-    from gputopo.localcluster.stack import GpuNode, Stack
+    from localcluster import ControlPlane, ensure_binaries, pod_manifest
+    from localcluster.stack import GpuNode, Stack
 
     try:
         cluster = load_cluster(args.cluster)
@@ -167,10 +167,10 @@ def _real_kubelet_part(stack: Any, kube: Any, bin_dir: Path, ns: str, timeout: f
     """One DGX-1V node run by a real kubelet; a TP-4 and a TP-2 pod go there, and what the kubelet
     allocated is read back from its PodResources socket."""
     from agent.podresources.client import PodResourcesClient
-    from gputopo.localcluster import pod_manifest
-    from gputopo.localcluster.kubelet import kubelet_unavailable
     from gputopo.model import GPUS_IN_USE_ANNOTATION, parse_gpus_in_use_report
     from gputopo.systems import build_system
+    from localcluster import pod_manifest
+    from localcluster.kubelet import kubelet_unavailable
 
     reason = kubelet_unavailable(bin_dir)
     if reason is not None:
@@ -246,8 +246,8 @@ def _wait_decided(kube: Any, ns: str, names: list[str], timeout: float) -> None:
 
 def _installed_part(bin_dir: Path, timeout: float) -> None:
     """The chart as users install it: helm install onto a containerd node, a TP-4 pod, helm uninstall."""
-    from gputopo.localcluster.containerd import containerd_unavailable
-    from gputopo.localcluster.installed import InstalledError, eventually, install, start_control_plane
+    from localcluster.containerd import containerd_unavailable
+    from localcluster.installed import InstalledError, eventually, install, start_control_plane
 
     reason = containerd_unavailable(bin_dir)
     if reason is not None:

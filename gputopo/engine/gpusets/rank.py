@@ -32,7 +32,7 @@ def largest_clique(shape: Shape, mask: int) -> int:
     return max_clique_size(shape.adj, mask)
 
 
-def _rank(kind: Kind, shape: Shape, candidates: int, s: int, near: int, rest_clique: int = -1) -> tuple[int, ...]:
+def rank_key(kind: Kind, shape: Shape, candidates: int, s: int, near: int, rest_clique: int = -1) -> tuple[int, ...]:
     """What `kind` maximises for the set `s`; on equal ranks the lowest indices win. `rest_clique`: the
     largest clique left, when the caller already knows it."""
     g = bits(s)
@@ -67,12 +67,12 @@ def exhaustive_set(
     best: tuple[tuple[int, ...], int] | None = None
     sets = k_cliques(shape.adj, candidates, k) if kind == "clique" else all_subsets(candidates, k)
     for s in islice(sets, limit):  # ascending index order, so on ties the first found is the lowest
-        rank = _rank(kind, shape, candidates, s, near)
+        rank = rank_key(kind, shape, candidates, s, near)
         if best is None or rank > best[0]:
             best = (rank, s)
     return None if best is None else best[1]
 
 
-def _lower(a: int, b: int) -> bool:
+def lower(a: int, b: int) -> bool:
     """Whether set `a` comes before `b` in ascending index order (the exhaustive search's tie-break)."""
     return bits(a) < bits(b)

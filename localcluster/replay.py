@@ -37,9 +37,6 @@ from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.snapshot import NodeState
 from gputopo.kube import KubeError
 from gputopo.kube.errors import Gone
-from gputopo.localcluster.kube import JSON, KubeClient, SimNode, pod_manifest
-from gputopo.localcluster.promstats import http_get
-from gputopo.localcluster.stack import Stack
 from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,
     PLACEMENT_ANNOTATION,
@@ -52,6 +49,9 @@ from gputopo.sim.core import prepare_pods
 from gputopo.sim.fidelity import EngineChoice, Follower, PodVerdict, RealPlacement
 from gputopo.sim.records import SimPod
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
+from localcluster.kube import JSON, KubeClient, SimNode, pod_manifest
+from localcluster.promstats import http_get
+from localcluster.stack import Stack
 
 MIX_LABEL = "gputopo.io/fidelity-mix"
 NUDGE_LABEL = "gputopo.io/fidelity-nudge"

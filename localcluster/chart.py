@@ -27,7 +27,7 @@ from gputopo.model import DEFAULT_NAMESPACE, EXTENDER_COMPONENT, SCHEDULER_NAME
 if TYPE_CHECKING:
     from .controlplane import ControlPlane
 
-CHART_DIR = Path(__file__).resolve().parents[2] / "charts" / "gputopo"
+CHART_DIR = Path(__file__).resolve().parents[1] / "charts" / "gputopo"
 RELEASE = "gputopo"
 NAMESPACE = DEFAULT_NAMESPACE
 KUBE_VERSION = "1.34.4"
@@ -53,7 +53,7 @@ def helm_binary(bin_dir: Path) -> Path:
     env = os.environ.get("GPUTOPO_HELM")
     path = Path(env) if env else bin_dir / "helm"
     if not path.is_file():
-        raise ChartError(f"helm not found at {path}; run gputopo/localcluster/build_binaries.sh")
+        raise ChartError(f"helm not found at {path}; run localcluster/build_binaries.sh")
     return path
 
 

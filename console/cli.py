@@ -15,11 +15,11 @@ from types import ModuleType
 
 COMMANDS: tuple[str, ...] = (
     "gputopo.sim.cli",
-    "gputopo.demo",
-    "gputopo.inspect",
-    "gputopo.calibrate",
-    "gputopo.defrag",
-    "gputopo.uninstall",
+    "console.demo",
+    "console.inspect",
+    "console.calibrate",
+    "console.defrag",
+    "console.uninstall",
 )
 
 

@@ -136,8 +136,8 @@ class ControlPlane(Supervisor):
             bin_dir = find_binaries()
             if bin_dir is None:
                 raise ControlPlaneError(
-                    "control-plane binaries are not built; run gputopo/localcluster/build_binaries.sh "
-                    "(or gputopo.localcluster.ensure_binaries())"
+                    "control-plane binaries are not built; run localcluster/build_binaries.sh "
+                    "(or localcluster.ensure_binaries())"
                 )
         self.bin_dir = Path(bin_dir)
         for b in ("etcd", "kube-apiserver", "kube-scheduler", "kubectl"):
@@ -362,7 +362,7 @@ class ControlPlane(Supervisor):
             raise ControlPlaneError(f"component {CONTROLLER_MANAGER!r} exists; use restart()")
         exe = self.bin_dir / CONTROLLER_MANAGER
         if not exe.is_file():
-            raise ControlPlaneError(f"{exe} is missing; run gputopo/localcluster/build_binaries.sh")
+            raise ControlPlaneError(f"{exe} is missing; run localcluster/build_binaries.sh")
         kubeconfig = self.write_kubeconfig(
             self.dir / "kubeconfigs" / "kube-controller-manager.kubeconfig",
             token=self.controller_manager_token,

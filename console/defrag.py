@@ -279,7 +279,7 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from gputopo.inspect import _common
+    from console.inspect import _common
 
     p: argparse.ArgumentParser = subparsers.add_parser(
         NAME,
@@ -306,7 +306,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _source(args: argparse.Namespace) -> Reader:
-    from gputopo.inspect import _source as inspect_source  # the same client and kubeconfig as explain
+    from console.inspect import _source as inspect_source  # the same client and kubeconfig as explain
 
     source: Reader = inspect_source(args)
     return source

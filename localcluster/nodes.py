@@ -11,9 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gputopo.localcluster.controlplane import ControlPlane
-from gputopo.localcluster.kube import KubeApiError, KubeClient, SimNode
-from gputopo.localcluster.kubelet import RealKubelet
 from gputopo.model import (
     AGENT_COMPONENT,
     GPU_RESOURCE,
@@ -23,9 +20,12 @@ from gputopo.model import (
     agent_lease_name,
 )
 from gputopo.systems import build_system
+from localcluster.controlplane import ControlPlane
+from localcluster.kube import KubeApiError, KubeClient, SimNode
+from localcluster.kubelet import RealKubelet
 
 if TYPE_CHECKING:
-    from gputopo.localcluster.chart import RenderedChart
+    from localcluster.chart import RenderedChart
 
 
 @dataclass

@@ -101,10 +101,10 @@ def containerd_unavailable(bin_dir: Path) -> str | None:
     if missing:
         return (
             f"a containerd node needs {', '.join(missing)}: apt-get install {' '.join(RUNTIME_PACKAGES)} "
-            "(gputopo/localcluster/build_images.sh installs them when run as root)"
+            "(localcluster/build_images.sh installs them when run as root)"
         )
     if not (bin_dir / "kubelet").is_file():
-        return f"kubelet not built in {bin_dir}; run gputopo/localcluster/build_binaries.sh"
+        return f"kubelet not built in {bin_dir}; run localcluster/build_binaries.sh"
     return None
 
 
@@ -248,7 +248,7 @@ class ContainerdNode(RealKubelet):
             [
                 sys.executable,
                 "-m",
-                "gputopo.localcluster.svcproxy",
+                "localcluster.svcproxy",
                 self.service_ip,
                 str(port),
                 HOST,

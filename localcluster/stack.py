@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gputopo.localcluster.chart import (
+from gputopo.model import EXTENDER_COMPONENT, SCHEDULER_NAME
+from localcluster.chart import (
     NAMESPACE,
     RELEASE,
     RenderedChart,
@@ -30,11 +31,10 @@ from gputopo.localcluster.chart import (
     local_values,
     render,
 )
-from gputopo.localcluster.controlplane import ControlPlane, free_port
-from gputopo.localcluster.kube import KubeApiError, KubeClient
-from gputopo.localcluster.kubelet import RealKubelet
-from gputopo.localcluster.nodes import GpuNode, NodeAgents
-from gputopo.model import EXTENDER_COMPONENT, SCHEDULER_NAME
+from localcluster.controlplane import ControlPlane, free_port
+from localcluster.kube import KubeApiError, KubeClient
+from localcluster.kubelet import RealKubelet
+from localcluster.nodes import GpuNode, NodeAgents
 
 # GpuNode lives with the nodes and agents; callers import it from here, with the Stack it feeds.
 __all__ = ["LEADER_LOG_LINE", "GpuNode", "SchedulerPod", "Stack"]

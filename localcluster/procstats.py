@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from gputopo.localcluster.controlplane import ControlPlane
+from localcluster.controlplane import ControlPlane
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 

@@ -77,7 +77,7 @@ def kubelet_unavailable(bin_dir: Path) -> str | None:
     missing = [b for b in KUBELET_BINARIES if not (bin_dir / b).is_file()]
     if missing:
         return (
-            f"{' and '.join(missing)} not built in {bin_dir}; run gputopo/localcluster/build_binaries.sh "
+            f"{' and '.join(missing)} not built in {bin_dir}; run localcluster/build_binaries.sh "
             "(builds only what is missing)"
         )
     return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from gputopo.engine.cliques import bits, mask_of, max_clique_within, popcount
-from gputopo.engine.setrank import Found, Kind, _lower, _rank
+from gputopo.engine.gpusets.rank import Found, Kind, lower, rank_key
 from gputopo.engine.snapshot import Shape
 
 # Steps one decision may spend on the general path: classes visited, plus the branch steps of finding
@@ -76,8 +76,8 @@ def class_search(
             steps += spent
             if rest_clique is None:
                 return False
-            rank = _rank(kind, shape, candidates, chosen, near, rest_clique)
-            if best is None or rank > best[0] or (rank == best[0] and _lower(chosen, best[1])):
+            rank = rank_key(kind, shape, candidates, chosen, near, rest_clique)
+            if best is None or rank > best[0] or (rank == best[0] and lower(chosen, best[1])):
                 best = (rank, chosen)
             return True
         left = members_after[c] & allowed

@@ -7,7 +7,7 @@ the mounted service-account token. No kube-proxy runs here and kube-apiserver li
 so ``ContainerdNode`` gives the cluster IP to an interface of its own and runs this forwarder
 on it, as a component of the control plane::
 
-    python -m gputopo.localcluster.svcproxy LISTEN_HOST LISTEN_PORT TARGET_HOST TARGET_PORT
+    python -m localcluster.svcproxy LISTEN_HOST LISTEN_PORT TARGET_HOST TARGET_PORT
 
 It copies bytes both ways (TLS goes end to end, between the pod and kube-apiserver); one
 connection's failure closes only that connection.
@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import sys
 
-USAGE = "usage: python -m gputopo.localcluster.svcproxy LISTEN_HOST LISTEN_PORT TARGET_HOST TARGET_PORT\n"
+USAGE = "usage: python -m localcluster.svcproxy LISTEN_HOST LISTEN_PORT TARGET_HOST TARGET_PORT\n"
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gputopo.localcluster.controlplane import ControlPlane
+from localcluster.controlplane import ControlPlane
 
 # What a run reports from kube-scheduler's /metrics: a title, the histogram, the labels it must have.
 SCHED_METRICS = {
