@@ -1,0 +1,219 @@
+"""gputopo's GPUs as DRA devices: names, attributes and the NVLink clique encodings. Pure.
+
+A ResourceClaim can only say "these devices share an attribute value" (`matchAttribute`). Two encodings
+turn "fully NVLink-connected" into that:
+
+- **List** (`nvlinkCliques`, needs the `DRAListTypeAttributes` gate): each GPU lists the ids of every
+  maximal clique that holds it. `matchAttribute` over a list means a non-empty intersection, and a set
+  of GPUs is fully connected exactly when one maximal clique holds them all, so one constraint is exact.
+- **Scalar partitions** (`nvlinkPartition0..N-1`, any release): partition `p` splits the node's GPUs
+  into disjoint cliques, and the partitions together hold every maximal clique as a block. A claim asks
+  with a `firstAvailable` list, one subrequest per partition, each constrained to its own attribute.
+  DGX-1V's overlapping cliques need two partitions (the quads, then the cross-quad pairs); NVSwitch and
+  NV-paired nodes need one. A node whose maximal cliques need more than `PARTITIONS` partitions loses
+  the rest, and `partition_cover` says so.
+
+Unused partitions repeat partition 0, so every device carries every attribute: a device without the
+attribute a constraint names can never be chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from gputopo.engine.cliques import bits, popcount
+from gputopo.model.base import LabelError
+from gputopo.model.rails import gpu_rail_masks, nic_rails
+from gputopo.model.topology import Health, NodeTopology
+
+DRIVER = "gpu.gputopo.io"  # the DRA driver name, the attribute domain and the DeviceClass's name
+DEVICE_CLASS = DRIVER
+PARTITIONS = 4  # scalar partitions every device carries: enough for DGX-1V (2) with room to spare
+
+# Attribute names, unqualified: DRA qualifies them with the driver's domain.
+ATTR_INDEX = "index"
+ATTR_UUID = "uuid"
+ATTR_PRODUCT = "productName"
+ATTR_CLIQUES = "nvlinkCliques"  # list attribute
+ATTR_PARTITION = "nvlinkPartition"  # + partition number
+ATTR_CLIQUE_SIZE = "nvlinkCliqueSize"  # the largest clique this GPU is in
+ATTR_RAIL = "rail"
+ATTR_IMPAIRED = "nvlinkImpaired"  # the GPU is degraded or one of its NVLink links is
+ATTR_HEALTH = "health"
+CAPACITY_MEMORY = "memory"
+# Standard attributes (KEP-4381 / KEP-6072), fully qualified.
+STD_PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
+STD_PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
+STD_NUMA_NODE = "resource.kubernetes.io/numaNode"
+
+Scalar = bool | int | str
+
+
+def qualified(name: str) -> str:
+    """An attribute's full name as a claim's constraint or CEL selector names it."""
+    return name if "/" in name else f"{DRIVER}/{name}"
+
+
+def partition_attribute(p: int) -> str:
+    return f"{ATTR_PARTITION}{p}"
+
+
+def device_name(index: int) -> str:
+    """The DRA device name of GPU `index` (a DNS label, stable across restarts)."""
+    return f"gpu-{index}"
+
+
+def device_index(name: str) -> int | None:
+    """The GPU index a device name stands for, or None when it is not one of ours."""
+    prefix, _, rest = name.partition("-")
+    if prefix != "gpu" or not rest.isdigit() or (len(rest) > 1 and rest[0] == "0"):
+        return None
+    return int(rest)
+
+
+def maximal_cliques(adj: Sequence[int], usable: int) -> list[int]:
+    """Every maximal fully connected set inside `usable` (masks), largest first, then lowest mask.
+    Bron-Kerbosch with pivoting: a node has at most a few dozen GPUs."""
+    out: list[int] = []
+
+    def expand(r: int, p: int, x: int) -> None:
+        if not p and not x:
+            out.append(r)
+            return
+        pivot = max(bits(p | x), key=lambda u: popcount(p & adj[u]))
+        for v in bits(p & ~adj[pivot]):
+            bit = 1 << v
+            expand(r | bit, p & adj[v], x & adj[v])
+            p &= ~bit
+            x |= bit
+
+    if usable:
+        expand(0, usable, 0)
+    out.sort(key=lambda m: (-popcount(m), m))
+    return out
+
+
+def partition_cover(
+    n: int, cliques: Sequence[int], limit: int = PARTITIONS
+) -> tuple[tuple[tuple[int, ...], ...], list[int]]:
+    """Partitions of the node's GPUs into disjoint blocks whose union holds every maximal clique of
+    size >= 2 as a block, built greedily (largest cliques first). Returns (partitions, left out): each
+    partition gives, per GPU, the mask of its block; `left out` are the cliques beyond `limit`
+    partitions. GPUs a partition's cliques do not reach are blocks of one."""
+    todo = [c for c in cliques if popcount(c) >= 2]
+    parts: list[tuple[int, ...]] = []
+    while todo and len(parts) < limit:
+        taken = 0
+        blocks: list[int] = []
+        rest: list[int] = []
+        for c in todo:
+            if c & taken:
+                rest.append(c)
+            else:
+                blocks.append(c)
+                taken |= c
+        per_gpu = [1 << g for g in range(n)]
+        for b in blocks:
+            for g in bits(b):
+                per_gpu[g] = b
+        parts.append(tuple(per_gpu))
+        todo = rest
+    if not parts:
+        parts.append(tuple(1 << g for g in range(n)))
+    return tuple(parts), todo
+
+
+def block_id(mask: int) -> str:
+    """A clique's id as its GPU indices in ranges: '0-3', '0,4', '7'."""
+    idx = bits(mask)
+    runs: list[str] = []
+    start = prev = idx[0]
+    for i in [*idx[1:], -2]:
+        if i == prev + 1:
+            prev = i
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = i
+    return ",".join(runs)
+
+
+@dataclass(frozen=True)
+class Device:
+    """One GPU as a DRA device: what a ResourceSlice carries for it, apart from the wire's shape."""
+
+    name: str
+    index: int
+    attributes: Mapping[str, Scalar | tuple[str, ...]]
+    memory_mib: int
+    failed: bool
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """A node's clique encodings: the maximal cliques, the scalar partitions, and what they miss."""
+
+    cliques: tuple[int, ...]
+    partitions: tuple[tuple[int, ...], ...]
+    left_out: tuple[int, ...]
+
+
+def _adjacency(topology: NodeTopology) -> tuple[int, ...]:
+    n = len(topology.gpus)
+    links = topology.nvlink.links or tuple(tuple(0 for _ in range(n)) for _ in range(n))
+    return tuple(sum(1 << j for j in range(n) if j != i and links[i][j] > 0) for i in range(n))
+
+
+def encoding(topology: NodeTopology) -> Encoding:
+    """The clique encodings of a node's healthy GPUs: a failed GPU is in no clique."""
+    n = len(topology.gpus)
+    usable = sum(1 << g.index for g in topology.gpus if g.health is not Health.FAILED)
+    cliques = maximal_cliques(_adjacency(topology), usable)
+    parts, left = partition_cover(n, cliques)
+    return Encoding(tuple(cliques), parts, tuple(left))
+
+
+def devices(
+    topology: NodeTopology,
+    *,
+    list_attributes: bool,
+    labels: Mapping[str, str] | None = None,
+    pcie_roots: Mapping[int, str] | None = None,
+) -> list[Device]:
+    """The node's GPUs as DRA devices. `list_attributes`: the cluster serves list-typed attributes
+    (KEP-5491); without it only the scalar partitions are published. `pcie_roots`: per GPU index, the
+    root complex sysfs gives ('pci0000:3a'); without it the standard attribute is left out."""
+    enc = encoding(topology)
+    try:
+        rails = gpu_rail_masks(topology, nic_rails(topology, dict(labels or {})))
+    except LabelError:  # a bad rails label: no rail attribute, as the engine reads no rail either
+        rails = tuple(0 for _ in topology.gpus)
+    impaired = {d.gpu for d in topology.degraded_links}
+    out: list[Device] = []
+    for g in topology.gpus:
+        i = g.index
+        failed = g.health is Health.FAILED
+        attrs: dict[str, Scalar | tuple[str, ...]] = {
+            ATTR_INDEX: i,
+            ATTR_UUID: g.uuid,
+            ATTR_PRODUCT: g.model,
+            ATTR_HEALTH: str(g.health),
+            ATTR_IMPAIRED: g.health is Health.DEGRADED or i in impaired,
+            ATTR_CLIQUE_SIZE: max((popcount(c) for c in enc.cliques if c >> i & 1), default=0),
+        }
+        for p in range(PARTITIONS):
+            part = enc.partitions[p] if p < len(enc.partitions) else enc.partitions[0]
+            attrs[partition_attribute(p)] = block_id(part[i])
+        if list_attributes:
+            attrs[ATTR_CLIQUES] = tuple(block_id(c) for c in enc.cliques if c >> i & 1) or (block_id(1 << i),)
+        if i < len(rails) and rails[i]:
+            attrs[ATTR_RAIL] = (rails[i] & -rails[i]).bit_length() - 1  # the lowest rail when a GPU has two
+        if g.pci_bus_id:
+            attrs[STD_PCI_BUS_ID] = g.pci_bus_id.lower()
+        root = (pcie_roots or {}).get(i)
+        if root:
+            attrs[STD_PCIE_ROOT] = root
+        if g.numa_node is not None and g.numa_node >= 0:
+            attrs[STD_NUMA_NODE] = g.numa_node
+        out.append(Device(device_name(i), i, attrs, g.memory_mib, failed))
+    return out
