@@ -24,11 +24,13 @@ from dataclasses import dataclass
 
 from gputopo.engine.cliques import bits, popcount
 from gputopo.model.base import LabelError
+from gputopo.model.dra import DEVICE_CLASS as DEVICE_CLASS
+from gputopo.model.dra import DRIVER as DRIVER
+from gputopo.model.dra import device_index as device_index
+from gputopo.model.dra import device_name as device_name
 from gputopo.model.rails import gpu_rail_masks, nic_rails
 from gputopo.model.topology import Health, NodeTopology
 
-DRIVER = "gpu.gputopo.io"  # the DRA driver name, the attribute domain and the DeviceClass's name
-DEVICE_CLASS = DRIVER
 PARTITIONS = 4  # scalar partitions every device carries: enough for DGX-1V (2) with room to spare
 
 # Attribute names, unqualified: DRA qualifies them with the driver's domain.
@@ -57,19 +59,6 @@ def qualified(name: str) -> str:
 
 def partition_attribute(p: int) -> str:
     return f"{ATTR_PARTITION}{p}"
-
-
-def device_name(index: int) -> str:
-    """The DRA device name of GPU `index` (a DNS label, stable across restarts)."""
-    return f"gpu-{index}"
-
-
-def device_index(name: str) -> int | None:
-    """The GPU index a device name stands for, or None when it is not one of ours."""
-    prefix, _, rest = name.partition("-")
-    if prefix != "gpu" or not rest.isdigit() or (len(rest) > 1 and rest[0] == "0"):
-        return None
-    return int(rest)
 
 
 def maximal_cliques(adj: Sequence[int], usable: int) -> list[int]:

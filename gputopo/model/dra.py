@@ -1,0 +1,167 @@
+"""gputopo's DRA names, and the two DRA objects the extender reads: ResourceSlices (which GPUs a node
+publishes under our driver) and ResourceClaims (which of them are allocated, and to which pods).
+
+Pure parsing of resource.k8s.io/v1 objects as JSON-shaped mappings. A malformed object raises
+`DraObjectError` naming it; an object of another driver is not an error, it is simply not ours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gputopo.model.inuse import GpusInUse
+
+DRIVER = "gpu.gputopo.io"  # the DRA driver name, the attribute domain and the DeviceClass's name
+DEVICE_CLASS = DRIVER
+
+# Upstream bounds (resource.k8s.io/v1 validation): devices per slice, results per allocation.
+MAX_SLICE_DEVICES = 128
+MAX_ALLOCATION_RESULTS = 32
+MAX_RESERVED_FOR = 256
+MAX_GPU_INDEX = 4096
+
+
+class DraObjectError(ValueError):
+    """A ResourceSlice or ResourceClaim that cannot be read; the message names the object."""
+
+
+def device_name(index: int) -> str:
+    """The DRA device name of GPU `index` (a DNS label, stable across restarts)."""
+    return f"gpu-{index}"
+
+
+def device_index(name: str) -> int | None:
+    """The GPU index a device name stands for, or None when it is not one of ours."""
+    prefix, _, rest = name.partition("-")
+    if prefix != "gpu" or not rest.isdigit() or (len(rest) > 1 and rest[0] == "0"):
+        return None
+    index = int(rest)
+    return index if index < MAX_GPU_INDEX else None
+
+
+def _name(obj: Mapping[str, Any]) -> str:
+    meta = obj.get("metadata")
+    if not isinstance(meta, Mapping):
+        return "<unnamed>"
+    ns, name = meta.get("namespace"), meta.get("name")
+    return f"{ns}/{name}" if isinstance(ns, str) and ns else str(name)
+
+
+def _map(obj: Mapping[str, Any], key: str, what: str) -> Mapping[str, Any]:
+    value = obj.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise DraObjectError(f"{what}: {key} is not an object")
+    return value
+
+
+def _list(obj: Mapping[str, Any], key: str, what: str, limit: int) -> list[Any]:
+    value = obj.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise DraObjectError(f"{what}: {key} is not a list")
+    if len(value) > limit:
+        raise DraObjectError(f"{what}: {key} has {len(value)} entries, more than {limit}")
+    return value
+
+
+@dataclass(frozen=True)
+class SliceInfo:
+    """Our devices on one node, as one ResourceSlice publishes them."""
+
+    node: str
+    pool: str
+    generation: int
+    gpus: frozenset[int]
+
+
+def parse_slice(obj: Mapping[str, Any]) -> SliceInfo | None:
+    """A ResourceSlice of our driver, or None for another driver's. Device names that are not ours
+    (`gpu-<index>`) are an error: our agent publishes no others."""
+    what = f"ResourceSlice {_name(obj)}"
+    spec = _map(obj, "spec", what)
+    if spec.get("driver") != DRIVER:
+        return None
+    node = spec.get("nodeName")
+    if not isinstance(node, str) or not node:
+        raise DraObjectError(f"{what}: no spec.nodeName (gputopo's devices are node-local)")
+    pool = _map(spec, "pool", what)
+    pool_name, generation = pool.get("name"), pool.get("generation", 0)
+    if not isinstance(pool_name, str) or not isinstance(generation, int) or isinstance(generation, bool):
+        raise DraObjectError(f"{what}: spec.pool needs a name and an integer generation")
+    gpus: set[int] = set()
+    for d in _list(spec, "devices", what, MAX_SLICE_DEVICES):
+        name = d.get("name") if isinstance(d, Mapping) else None
+        index = device_index(name) if isinstance(name, str) else None
+        if index is None:
+            raise DraObjectError(f"{what}: device {name!r} is not a gputopo GPU (gpu-<index>)")
+        gpus.add(index)
+    return SliceInfo(node, pool_name, generation, frozenset(gpus))
+
+
+@dataclass(frozen=True)
+class ClaimInfo:
+    """Which of our GPUs a ResourceClaim holds, on which pool (node), and for which pods."""
+
+    uid: str
+    namespace: str
+    name: str
+    pool: str | None  # None: nothing of ours is allocated
+    gpus: frozenset[int]
+    reserved_for: frozenset[str]  # pod UIDs
+
+
+def parse_claim(obj: Mapping[str, Any]) -> ClaimInfo:
+    what = f"ResourceClaim {_name(obj)}"
+    meta = _map(obj, "metadata", what)
+    uid, namespace, name = meta.get("uid", ""), meta.get("namespace", ""), meta.get("name", "")
+    if not all(isinstance(v, str) for v in (uid, namespace, name)):
+        raise DraObjectError(f"{what}: metadata uid, namespace and name must be strings")
+    status = _map(obj, "status", what)
+    allocation = _map(status, "allocation", what)
+    devices = _map(allocation, "devices", what)
+    pools: set[str] = set()
+    gpus: set[int] = set()
+    for r in _list(devices, "results", what, MAX_ALLOCATION_RESULTS):
+        if not isinstance(r, Mapping):
+            raise DraObjectError(f"{what}: an allocation result is not an object")
+        if r.get("driver") != DRIVER:
+            continue
+        pool, device = r.get("pool"), r.get("device")
+        index = device_index(device) if isinstance(device, str) else None
+        if not isinstance(pool, str) or index is None:
+            raise DraObjectError(f"{what}: allocation result {device!r} in pool {pool!r} is not a gputopo GPU")
+        pools.add(pool)
+        gpus.add(index)
+    if len(pools) > 1:
+        raise DraObjectError(f"{what}: our GPUs from {len(pools)} pools; gputopo's devices are node-local")
+    reserved: set[str] = set()
+    for c in _list(status, "reservedFor", what, MAX_RESERVED_FOR):
+        if isinstance(c, Mapping) and c.get("resource") == "pods" and isinstance(c.get("uid"), str):
+            reserved.add(c["uid"])
+    return ClaimInfo(str(uid), str(namespace), str(name), next(iter(pools), None), frozenset(gpus), frozenset(reserved))
+
+
+def in_use_by_node(claims: Iterable[ClaimInfo], slices: Iterable[SliceInfo]) -> dict[str, GpusInUse]:
+    """Per node that publishes our GPUs, the GPUs its claims hold: per pod UID when the claim is
+    reserved for one pod, else under `other` (a claim shared by pods, or allocated but not yet
+    reserved, still holds its GPUs). A claim on a pool no slice publishes counts for nobody."""
+    node_of = {s.pool: s.node for s in slices}
+    pods: dict[str, dict[str, set[int]]] = {node: {} for node in node_of.values()}
+    other: dict[str, set[int]] = {node: set() for node in node_of.values()}
+    for c in claims:
+        node = node_of.get(c.pool) if c.pool is not None else None
+        if node is None or not c.gpus:
+            continue
+        if len(c.reserved_for) == 1:
+            pods[node].setdefault(next(iter(c.reserved_for)), set()).update(c.gpus)
+        else:
+            other[node].update(c.gpus)
+    out: dict[str, GpusInUse] = {}
+    for node in pods:
+        out[node] = GpusInUse(pods={uid: frozenset(g) for uid, g in pods[node].items()}, other=frozenset(other[node]))
+    return out
