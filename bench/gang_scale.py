@@ -34,6 +34,8 @@ from scheduler_throughput import create_leases, wait_scheduler_ready
 from throughput_run import Deadline, say
 
 from agent.labels import node_labels
+from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION
+from gputopo.systems import build_system
 from localcluster import (
     GPUTOPO_PROFILE,
     ControlPlane,
@@ -47,8 +49,6 @@ from localcluster import (
 )
 from localcluster.procstats import cpu_snapshot
 from localcluster.stack import Stack
-from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION
-from gputopo.systems import build_system
 
 GPUS = 8
 TARGET_S = 30.0

@@ -57,6 +57,8 @@ from api_counts import (
 from throughput_run import GPUS_PER_POD, Deadline, RunResult, delete_pods, measure_run, say
 
 from agent.labels import node_labels
+from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION, agent_lease_name
+from gputopo.systems import build_system
 from localcluster import (
     GPUTOPO_PROFILE,
     PLAIN_PROFILE,
@@ -71,8 +73,6 @@ from localcluster import (
 )
 from localcluster.promstats import HistSum, diff, extender_metrics, http_get, scheduler_metrics
 from localcluster.stack import Stack
-from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION, agent_lease_name
-from gputopo.systems import build_system
 
 TARGET_RATIO = 0.5
 # A realistic 8-GPU training fleet: mostly Hopper NVSwitch systems, some A100s.

@@ -39,12 +39,12 @@ import placement_quality as pq  # noqa: E402  (beside this script)
 
 from gputopo.clusterfile import JobSpec, cluster_states, load_cluster, load_jobs  # noqa: E402
 from gputopo.engine.snapshot import NodeState  # noqa: E402
-from localcluster import ControlPlane, ControlPlaneError, KubeApiError, find_binaries  # noqa: E402
-from localcluster.replay import MixRun, Replay  # noqa: E402
-from localcluster.stack import Stack  # noqa: E402
 from gputopo.sim import SimResult, Summary, simulate  # noqa: E402
 from gputopo.sim.fidelity import follow_engine  # noqa: E402
 from gputopo.tiers import DEFAULT_TIERS  # noqa: E402
+from localcluster import ControlPlane, ControlPlaneError, KubeApiError, find_binaries  # noqa: E402
+from localcluster.replay import MixRun, Replay  # noqa: E402
+from localcluster.stack import Stack  # noqa: E402
 
 MIXES = ("examples", "llm", "alibaba")
 

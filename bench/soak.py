@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gputopo.model import PLACEMENT_ANNOTATION, SCHEDULER_NAME
 from localcluster import ControlPlane, ControlPlaneError, KubeApiError, KubeClient, pod_manifest
 from localcluster.checks import check_gpus, per_pod_truth
 from localcluster.kubelet import kubelet_unavailable
 from localcluster.stack import GpuNode, Stack
-from gputopo.model import PLACEMENT_ANNOTATION, SCHEDULER_NAME
 
 NAMESPACE = "soak"
 LABEL = "gputopo.io/soak"

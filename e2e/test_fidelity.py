@@ -14,11 +14,11 @@ import pytest
 
 from gputopo.clusterfile import JobSpec
 from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.model import LABEL_NETWORK_LEAF, LABEL_NETWORK_SPINE
+from gputopo.systems import build_system
 from localcluster import ControlPlane, KubeClient
 from localcluster.replay import MixRun, Replay
 from localcluster.stack import Stack
-from gputopo.model import LABEL_NETWORK_LEAF, LABEL_NETWORK_SPINE
-from gputopo.systems import build_system
 
 pytestmark = pytest.mark.e2e
 

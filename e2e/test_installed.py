@@ -24,9 +24,6 @@ from typing import Any
 
 import pytest
 
-from localcluster import ControlPlane, find_binaries
-from localcluster.containerd import containerd_unavailable
-from localcluster.installed import GPUS, Installed, Tp4, eventually, install, start_control_plane
 from gputopo.model import (
     GPU_RESOURCE,
     GPUS_IN_USE_ANNOTATION,
@@ -36,6 +33,9 @@ from gputopo.model import (
     parse_gpus_in_use_report,
     parse_placement,
 )
+from localcluster import ControlPlane, find_binaries
+from localcluster.containerd import containerd_unavailable
+from localcluster.installed import GPUS, Installed, Tp4, eventually, install, start_control_plane
 
 pytestmark = pytest.mark.e2e
 

@@ -13,8 +13,6 @@ import pytest
 import workloads as wl
 
 from conftest import StackNodes, serve
-from localcluster import CONTROLLER_MANAGER, TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from localcluster.stack import GpuNode, Stack
 from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,
     LABEL_NETWORK_LEAF,
@@ -23,6 +21,8 @@ from gputopo.model import (
     parse_gpus_in_use,
     parse_placement,
 )
+from localcluster import CONTROLLER_MANAGER, TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from localcluster.stack import GpuNode, Stack
 
 pytestmark = pytest.mark.e2e
 

@@ -23,9 +23,6 @@ from agent.podresources.client import PodResourcesClient, PodResourcesError
 from gputopo.engine.besteffort import best_effort
 from gputopo.engine.placement import evaluate_node
 from gputopo.engine.snapshot import node_state
-from localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from localcluster.kubelet import RealKubelet, kubelet_unavailable
-from localcluster.stack import Stack
 from gputopo.model import (
     GPU_RESOURCE,
     GPUS_IN_USE_ANNOTATION,
@@ -36,6 +33,9 @@ from gputopo.model import (
     parse_placement,
 )
 from gputopo.systems import build_system
+from localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from localcluster.kubelet import RealKubelet, kubelet_unavailable
+from localcluster.stack import Stack
 
 pytestmark = pytest.mark.e2e
 

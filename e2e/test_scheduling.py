@@ -15,9 +15,6 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import StackNodes
-from localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from localcluster.kube import KubeApiError, WaitTimeout
-from localcluster.stack import GpuNode, Stack
 from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,
     PLACEMENT_ANNOTATION,
@@ -26,6 +23,9 @@ from gputopo.model import (
     parse_topology,
 )
 from gputopo.systems import build_system
+from localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from localcluster.kube import KubeApiError, WaitTimeout
+from localcluster.stack import GpuNode, Stack
 
 pytestmark = pytest.mark.e2e
 

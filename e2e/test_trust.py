@@ -15,10 +15,10 @@ import pytest
 from workloads import create, events_about, indexed_job, live_pods, pod_template
 
 from conftest import serve
+from gputopo.model import PLACEMENT_ANNOTATION, Placement, parse_placement
 from localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from localcluster.kube import KubeApiError
 from localcluster.stack import GpuNode, Stack
-from gputopo.model import PLACEMENT_ANNOTATION, Placement, parse_placement
 
 pytestmark = pytest.mark.e2e
 

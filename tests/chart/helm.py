@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-from localcluster.binaries import find_binaries
 from gputopo.model import DEFAULT_NAMESPACE
+from localcluster.binaries import find_binaries
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "gputopo"

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from console.cli import main
-from gputopo.kube import Kube
 from console.uninstall import cleanup, leases_to_delete
+from gputopo.kube import Kube
 from tests.kube.test_kube_layer import FakeApiServer, Reply, status, write_kubeconfig
 
 NS = "gputopo-system"

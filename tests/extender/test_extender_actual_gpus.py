@@ -9,10 +9,10 @@ import json
 
 import pytest
 
+from console import inspect
 from extender.cache import ClusterCache
 from extender.metrics import Metrics
 from extender.service import Extender
-from console import inspect
 from gputopo.model import PLACEMENT_ANNOTATION, GpusInUse
 from tests.extender.harness import JSON, NS, Env, gputopo_pod, node_obj, pod_obj, sync
 

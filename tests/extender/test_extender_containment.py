@@ -11,8 +11,8 @@ from typing import Any, cast
 
 import pytest
 
-from extender.kube import ClusterSource, Informer, Kind
 from console import inspect
+from extender.kube import ClusterSource, Informer, Kind
 from gputopo.engine.placement import Outcome, evaluate_node
 from gputopo.engine.reasons import Reason
 from gputopo.engine.snapshot import NodeState

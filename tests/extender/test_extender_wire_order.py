@@ -13,9 +13,9 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from console import inspect
 from extender.app import create_app
 from extender.settings import Settings
-from console import inspect
 from gputopo.engine.placement import evaluate_pod, rank
 from gputopo.engine.scoring import MAX_EXTENDER_SCORE, wire_scores
 from gputopo.engine.snapshot import node_state
