@@ -40,6 +40,11 @@ from agent.deviceplugin.devices import DeviceListStrategy, MigModeError
 from agent.deviceplugin.plugin import DevicePlugin, PluginConfig, TopologyTap
 from agent.deviceplugin.preferred import PreferredAllocation
 from agent.deviceplugin.server import DEFAULT_PLUGIN_DIR
+from agent.dra.cdi import DEFAULT_CDI_DIR
+from agent.dra.plugin import DraConfig, DraPlugin
+from agent.dra.server import DEFAULT_PLUGINS_DIR as DEFAULT_DRA_PLUGINS_DIR
+from agent.dra.server import DEFAULT_REGISTRY_DIR as DEFAULT_DRA_REGISTRY_DIR
+from agent.dra.slices import KubeSliceApi
 from agent.metrics import AgentMetrics
 from agent.nvml_backend import NvmlLib, NvmlUnavailableError
 from agent.podresources.client import DEFAULT_SOCKET
@@ -47,6 +52,7 @@ from agent.pods import KubeLocalPods, KubePodSource, LocalPods, StaticLocalPods
 from agent.publisher import KubeNodeApi, NodeApi, Publisher, PublishResult
 from agent.runner import Agent
 from gputopo.jsonlog import configure_logging
+from gputopo.kube import Kube
 from gputopo.model import AGENT_COMPONENT, DEFAULT_NAMESPACE, GPU_RESOURCE
 from gputopo.render import render_topology
 from gputopo.settingsconfig import ENV_PREFIX, command_settings
@@ -101,6 +107,24 @@ class AgentSettings(BaseSettings):
         PreferredAllocation.PLACEMENT,
         description="placement (the pod's gputopo placement, else best effort) or besteffort (ignore placements)",
     )
+    dra: bool = Field(
+        False,
+        description="serve the GPUs as the kubelet DRA driver gpu.gputopo.io and publish their ResourceSlice "
+        "(not --once; the device plugin then does not start)",
+    )
+    dra_list_attributes: bool = Field(
+        False, description="DRA: publish the NVLink cliques as a list attribute (needs the DRAListTypeAttributes gate)"
+    )
+    dra_device_taints: bool = Field(
+        False,
+        description="DRA: publish a failed GPU with a NoSchedule device taint (needs DRADeviceTaints); "
+        "without it a failed GPU is left out of the ResourceSlice",
+    )
+    dra_plugins_dir: Path = Field(DEFAULT_DRA_PLUGINS_DIR, description="DRA: the kubelet's plugins directory")
+    dra_registry_dir: Path = Field(
+        DEFAULT_DRA_REGISTRY_DIR, description="DRA: the kubelet's plugin registration directory"
+    )
+    cdi_dir: Path = Field(DEFAULT_CDI_DIR, description="DRA: where the CDI specs of the GPUs and claims are written")
 
     @field_validator("backend")
     @classmethod
@@ -191,12 +215,17 @@ def default_node_name(settings: AgentSettings) -> str:
     return arg if kind == "fixture" else socket.gethostname()
 
 
+def serves_device_plugin(settings: AgentSettings) -> bool:
+    """--device-plugin, unless --dra owns the node's GPUs."""
+    return settings.device_plugin and not settings.dra
+
+
 def make_in_use(settings: AgentSettings, pods: PodLookup | None = None) -> InUseSource:
     """`pods` (the node-local pod view) attributes the kubelet's GPUs to pod UIDs; without it every
     GPU in use is published as `other`."""
     if settings.in_use_file is not None:
         return InUseFile(settings.in_use_file)
-    if settings.backend == "nvml" or settings.device_plugin:  # a kubelet allocates: it knows the truth
+    if settings.backend == "nvml" or serves_device_plugin(settings):  # a kubelet allocates: it knows the truth
         return PodResourcesInUse(settings.podresources_socket, pods=pods, resource=settings.resource_name)
     return NoneInUse()
 
@@ -210,7 +239,7 @@ def make_local_pods(
     """The node-local pod view (list+watch of this node's pods) when something reads it: the device plugin,
     or the per-pod attribution of the kubelet's PodResources. `--once` runs without one."""
     uses_podresources = settings.backend == "nvml" and settings.in_use_file is None
-    if once or not (settings.device_plugin or uses_podresources):
+    if once or not (serves_device_plugin(settings) or uses_podresources):
         return None
     if factory is not None:
         return factory(settings, node)
@@ -243,6 +272,50 @@ def start_device_plugin(
     return plugin
 
 
+DraFactory = Callable[[AgentSettings, DraConfig, Callable[[float], bool]], DraPlugin]
+
+
+def make_dra(settings: AgentSettings, config: DraConfig, sleep: Callable[[float], bool]) -> DraPlugin:
+    """The DRA driver on the project's Kubernetes layer (claims read and the slice written through it)."""
+    kube = Kube(settings.kubeconfig or None, request_timeout=10.0)
+    return DraPlugin(config, kube, KubeSliceApi(kube), sleep)
+
+
+def start_dra(
+    settings: AgentSettings,
+    node: str,
+    backend: TopologyBackend,
+    sleep: Callable[[float], bool],
+    factory: DraFactory | None = None,
+) -> DraPlugin:
+    """Serve, register and publish; raises BackendError (no first topology), OSError or ValueError."""
+    config = DraConfig(
+        node=node,
+        plugins_dir=settings.dra_plugins_dir,
+        registry_dir=settings.dra_registry_dir,
+        cdi_dir=settings.cdi_dir,
+        list_attributes=settings.dra_list_attributes,
+        device_taints=settings.dra_device_taints,
+        sysfs_root=settings.sysfs_root,
+    )
+    topology = backend.discover()
+    plugin = (factory or make_dra)(settings, config, sleep)
+    result = plugin.start(topology)
+    log.info(
+        "DRA driver started",
+        extra={
+            "driver": config.driver,
+            "plugins_dir": str(config.plugins_dir),
+            "registry_dir": str(config.registry_dir),
+            "cdi_dir": str(config.cdi_dir),
+            "list_attributes": config.list_attributes,
+            "device_taints": config.device_taints,
+            "slice": result.value,
+        },
+    )
+    return plugin
+
+
 def _fail(message: str, code: int = 1) -> int:
     print(f"{PROG}: error: {message}", file=sys.stderr)
     return code
@@ -265,6 +338,7 @@ def main(
     node_api_factory: Callable[[AgentSettings], NodeApi] | None = None,
     nvml_lib: Callable[[], NvmlLib] | None = None,
     local_pods_factory: PodsFactory | None = None,
+    dra_factory: DraFactory | None = None,
 ) -> int:
     try:
         command = parse_command(sys.argv[1:] if argv is None else argv)
@@ -295,7 +369,7 @@ def main(
             except BackendError as e:
                 return _fail(str(e))
             return 0
-        return _run(settings, node, backend, in_use, command.once, node_api_factory, pods)
+        return _run(settings, node, backend, in_use, command.once, node_api_factory, pods, dra_factory)
     finally:
         in_use.close()
         backend.close()
@@ -311,6 +385,7 @@ def _run(
     once: bool,
     node_api_factory: Callable[[AgentSettings], NodeApi] | None,
     pods: LocalPods | None = None,
+    dra_factory: DraFactory | None = None,
 ) -> int:
     stop = threading.Event()
     try:
@@ -327,7 +402,16 @@ def _run(
     )
     metrics = AgentMetrics()
     plugin: DevicePlugin | None = None
-    if settings.device_plugin and not once:
+    dra: DraPlugin | None = None
+    if settings.dra and not once:
+        if settings.device_plugin:
+            log.warning("--dra and --device-plugin: a node's GPUs have one owner; serving DRA only")
+        try:
+            dra = start_dra(settings, node, backend, stop.wait, dra_factory)
+        except Exception as e:  # no first topology, a socket path, the Kubernetes client's configuration
+            return _fail(f"cannot start the DRA driver: {e}")
+        backend = TopologyTap(backend, dra.update)  # every discovery cycle republishes on change
+    elif settings.device_plugin and not once:
         try:
             plugin = start_device_plugin(settings, node, backend, pods)
         except (BackendError, MigModeError, OSError, ValueError) as e:
@@ -361,6 +445,8 @@ def _run(
         publisher.release_lease()
         if plugin is not None:
             plugin.stop()
+        if dra is not None:
+            dra.stop()
     log.info("agent stopped", extra={"node": node})
     return 0
 

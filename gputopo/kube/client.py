@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import orjson
 
@@ -246,6 +247,10 @@ class Kube:
             "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         }
         self.create(f"{pod_path(namespace, name)}/binding", body)
+
+    def get_resource_claim(self, namespace: str, name: str) -> JSON:
+        """A resource.k8s.io/v1 ResourceClaim; `KubeError` 404 when there is none."""
+        return self.get(f"/apis/resource.k8s.io/v1/namespaces/{quote(namespace)}/resourceclaims/{quote(name)}")
 
     def create_event(self, namespace: str, event: Mapping[str, Any]) -> None:
         """A core/v1 Event."""

@@ -1,0 +1,214 @@
+"""What NodePrepareResources and NodeUnprepareResources do, apart from gRPC.
+
+Prepare, per claim: answer from the checkpoint when the claim is already prepared; else read the
+ResourceClaim (the one Kubernetes client, behind `ClaimReader`), check its uid, take the allocation's
+results whose driver is ours and whose pool is this node, map each device name (`gpu-<i>`) to a GPU of
+the current topology, write the claim's CDI spec, checkpoint, answer. A device we do not have, a failed
+GPU, a missing or changed claim: that claim gets an error naming it, the others in the call go on.
+Unprepare: forget the claim and its CDI spec; a claim we never prepared is already unprepared.
+Nothing raises out of `prepare` or `unprepare`: every failure is a claim's error string.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from agent.dra.cdi import CdiNameError, CdiWriter, claim_device_id, gpu_device_id
+from agent.dra.checkpoint import Checkpoint, CheckpointError, PreparedClaim, PreparedDevice
+from gputopo.engine.dra import DRIVER, device_index
+from gputopo.kube import short_error
+from gputopo.model import Health, NodeTopology
+
+log = logging.getLogger(__name__)
+
+# The API's own limits: a uid is a UUID, a namespace a DNS label, a name a DNS subdomain.
+_MAX_UID = 128
+_MAX_NAMESPACE = 63
+_MAX_NAME = 253
+
+
+class ClaimReader(Protocol):
+    """Reads a resource.k8s.io/v1 ResourceClaim as JSON; raises `gputopo.kube.KubeError` (404: none)."""
+
+    def get_resource_claim(self, namespace: str, name: str) -> Mapping[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    """A claim as the kubelet names it."""
+
+    uid: str
+    namespace: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"ResourceClaim {self.namespace}/{self.name} (uid {self.uid})"
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    devices: tuple[PreparedDevice, ...] = ()
+    error: str = ""
+
+
+class ClaimError(Exception):
+    """Preparing one claim failed; the message is the claim's error as the kubelet shows it."""
+
+
+def _check_ref(ref: ClaimRef) -> None:
+    missing = [f for f in ("uid", "namespace", "name") if not getattr(ref, f)]
+    if missing:
+        raise ClaimError(f"claim {ref.namespace!r}/{ref.name!r} (uid {ref.uid!r}): {', '.join(missing)} required")
+    for field, limit in (("uid", _MAX_UID), ("namespace", _MAX_NAMESPACE), ("name", _MAX_NAME)):
+        if len(getattr(ref, field)) > limit:
+            raise ClaimError(f"claim {field} is longer than {limit} characters")
+    if "/" in ref.namespace or "/" in ref.name:
+        raise ClaimError(f"claim {ref.namespace!r}/{ref.name!r}: a namespace or name has no '/'")
+
+
+def _results(claim: Mapping[str, Any]) -> list[Any]:
+    status = claim.get("status")
+    allocation = status.get("allocation") if isinstance(status, Mapping) else None
+    devices = allocation.get("devices") if isinstance(allocation, Mapping) else None
+    results = devices.get("results") if isinstance(devices, Mapping) else None
+    if not isinstance(allocation, Mapping):
+        raise ClaimError("it is not allocated")
+    return list(results) if isinstance(results, list) else []
+
+
+class DraDriver:
+    """The prepared claims of one node; thread-safe (the kubelet may call concurrently)."""
+
+    def __init__(
+        self,
+        node: str,
+        reader: ClaimReader,
+        checkpoint: Checkpoint,
+        cdi: CdiWriter,
+        topology: NodeTopology,
+        driver: str = DRIVER,
+    ) -> None:
+        self.node = node
+        self.driver = driver
+        self._reader = reader
+        self._checkpoint = checkpoint
+        self._cdi = cdi
+        self._lock = threading.Lock()
+        self._topology = topology
+        self.api_reads = 0
+        cdi.write_node(topology)
+
+    def update(self, topology: NodeTopology) -> None:
+        """A discovery cycle's topology: new GPUs and health for later Prepares, the CDI spec rewritten on change."""
+        with self._lock:
+            self._topology = topology
+            if self._cdi.write_node(topology):
+                log.info("CDI spec for the node's GPUs written", extra={"dir": str(self._cdi.cdi_dir)})
+
+    def prepared(self) -> Mapping[str, PreparedClaim]:
+        with self._lock:
+            return self._checkpoint.claims()
+
+    # ------------------------------------------------------------------ Prepare
+
+    def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
+        out: dict[str, PrepareResult] = {}
+        for ref in refs:
+            try:
+                out[ref.uid] = PrepareResult(devices=self._prepare_one(ref))
+            except ClaimError as e:
+                out[ref.uid] = PrepareResult(error=f"{ref}: {e}")
+            except Exception as e:  # a bug or an I/O failure must fail this claim only
+                log.exception("preparing a claim failed", extra={"claim": str(ref)})
+                out[ref.uid] = PrepareResult(error=f"{ref}: {type(e).__name__}: {e}")
+            if out[ref.uid].error:
+                log.warning("claim not prepared", extra={"claim": str(ref), "error": out[ref.uid].error})
+        return out
+
+    def _prepare_one(self, ref: ClaimRef) -> tuple[PreparedDevice, ...]:
+        _check_ref(ref)
+        with self._lock:
+            done = self._checkpoint.get(ref.uid)
+        if done is not None:
+            return done.devices
+        try:
+            self.api_reads += 1
+            claim = self._reader.get_resource_claim(ref.namespace, ref.name)
+        except Exception as e:
+            if getattr(e, "status", None) == 404:
+                raise ClaimError("not found on the API server") from None
+            raise ClaimError(f"cannot read it: {short_error(e)}") from None
+        meta = claim.get("metadata")
+        uid = meta.get("uid") if isinstance(meta, Mapping) else None
+        if uid != ref.uid:
+            raise ClaimError(f"the API server's claim has uid {uid!r} (deleted and created again?)")
+        results = _results(claim)
+        with self._lock:
+            done = self._checkpoint.get(ref.uid)  # a concurrent call for the same claim won
+            if done is not None:
+                return done.devices
+            devices, uuids = self._devices(ref.uid, results)
+            try:
+                self._cdi.write_claim(ref.uid, uuids)
+                self._checkpoint.add(PreparedClaim(ref.uid, ref.namespace, ref.name, devices))
+            except (CdiNameError, CheckpointError) as e:
+                self._cdi.remove_claim(ref.uid)
+                raise ClaimError(str(e)) from None
+        log.info("claim prepared", extra={"claim": str(ref), "devices": [d.device_name for d in devices]})
+        return devices
+
+    def _devices(self, claim_uid: str, results: Sequence[Any]) -> tuple[tuple[PreparedDevice, ...], list[str]]:
+        """Under the lock: our results as prepared devices, in allocation order, and their GPUs' UUIDs."""
+        gpus = {g.index: g for g in self._topology.gpus}
+        by_device: dict[str, tuple[list[str], str]] = {}  # device -> (requests, uuid)
+        for r in results:
+            if not isinstance(r, Mapping) or r.get("driver") != self.driver or r.get("pool") != self.node:
+                continue
+            name, request = r.get("device"), r.get("request")
+            if not isinstance(name, str) or not isinstance(request, str):
+                raise ClaimError(f"an allocation result of driver {self.driver} has no device or request name")
+            index = device_index(name)
+            gpu = gpus.get(index) if index is not None else None
+            if gpu is None:
+                raise ClaimError(f"device {name!r} of pool {self.node} is not a GPU of this node")
+            if gpu.health is Health.FAILED:
+                raise ClaimError(f"device {name} (GPU {gpu.index}, {gpu.uuid}) has failed")
+            requests, _ = by_device.setdefault(name, ([], gpu.uuid))
+            if request not in requests:
+                requests.append(request)
+        devices: list[PreparedDevice] = []
+        uuids = [uuid for _, uuid in by_device.values()]
+        for i, (name, (requests, uuid)) in enumerate(by_device.items()):
+            try:
+                ids = [gpu_device_id(uuid)]
+                if i == 0:
+                    # The claim's NVIDIA_VISIBLE_DEVICES rides on its first device only: the runtime
+                    # would apply the same edit once per device otherwise.
+                    ids.append(claim_device_id(claim_uid))
+            except CdiNameError as e:
+                raise ClaimError(f"device {name}: {e}") from None
+            devices.append(PreparedDevice(tuple(requests), self.node, name, tuple(ids)))
+        return tuple(devices), uuids
+
+    # ------------------------------------------------------------------ Unprepare
+
+    def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str]:
+        """Per claim uid, the error ('' when unprepared, or never prepared)."""
+        out: dict[str, str] = {}
+        for ref in refs:
+            try:
+                with self._lock:
+                    known = self._checkpoint.get(ref.uid) is not None
+                    self._cdi.remove_claim(ref.uid)
+                    self._checkpoint.remove(ref.uid)
+                out[ref.uid] = ""
+                if known:
+                    log.info("claim unprepared", extra={"claim": str(ref)})
+            except Exception as e:
+                log.exception("unpreparing a claim failed", extra={"claim": str(ref)})
+                out[ref.uid] = f"{ref}: {type(e).__name__}: {e}"
+        return out
