@@ -78,6 +78,12 @@ class Settings(BaseSettings):
     max_connections: int = Field(
         DEFAULT_MAX_CONNECTIONS, ge=1, le=65536, description="open connections per listener; more get HTTP 503"
     )
+    # DRA (docs/annotations.md, "Claims under DRA"): the nodes' GPUs are gputopo's DRA devices, so the webhook
+    # turns an opted-in pod's nvidia.com/gpu into a ResourceClaim that asks for an NVLink clique.
+    dra: bool = Field(False, description="the webhook gives opted-in pods a ResourceClaim asking for a GPU clique")
+    dra_list_attributes: bool = Field(
+        False, description="with --dra: claims match the nvlinkCliques list attribute (DRAListTypeAttributes)"
+    )
     # Environment only (JSON): GPUTOPO_SCORE_WEIGHTS, and GPUTOPO_TIERS as the chart passes it. Hidden from
     # --help because a JSON object per flag invites quoting mistakes; the environment is the documented way.
     score_weights: CliSuppress[ScoreWeights] = ScoreWeights()
@@ -102,6 +108,8 @@ class Settings(BaseSettings):
                 "--tls-cert-file and --tls-key-file serve only the webhook listener: set --webhook-port "
                 "(the scheduling verbs are plain HTTP on loopback)"
             )
+        if self.dra_list_attributes and not self.dra:
+            raise ValueError("--dra-list-attributes shapes the claims of --dra: set --dra as well")
         ports = {"--port": self.port, "--webhook-port": self.webhook_port, "--metrics-port": self.metrics_port}
         used = [(flag, p) for flag, p in ports.items() if p]
         for i, (flag, p) in enumerate(used):

@@ -6,7 +6,7 @@ CREATE requests to the extender at ``POST /mutate``. A pod that carries at least
 empty or ``default-scheduler``, which the API server fills in before admission) gets a JSONPatch
 that sets ``spec.schedulerName`` to ``gputopo-scheduler``. Everything else is admitted unchanged.
 
-The webhook never denies: it only mutates. Its match conditions in the chart repeat the same
+Outside DRA mode the webhook never denies: it only mutates. Its match conditions in the chart repeat the same
 test, so the API server rarely calls it for pods it would leave alone; this function still
 decides on its own and is safe to call with any AdmissionReview.
 
@@ -19,6 +19,18 @@ This module is pure (no I/O). The extender mounts it, e.g.::
 and, when :func:`mutate_pod` raises :class:`ValueError` (a malformed review), answers
 :func:`error_review` if the request's uid can be read (the pod is admitted unchanged, the reason is in
 ``status`` and in a warning), and HTTP 400 only when it cannot.
+
+**DRA mode** (``--dra``, docs/annotations.md "Claims under DRA"): the node's GPUs are DRA devices, so a
+pod's ``nvidia.com/gpu`` count becomes a ResourceClaim that asks for a clique. :func:`admit_pod` answers
+an opted-in pod (a ``gputopo.io/`` annotation under no scheduler of its own or under gputopo's, or a
+known controller's group labels under gputopo's scheduler) with a patch that removes the containers'
+``nvidia.com/gpu`` limits and requests, gives those containers ``resources.claims: [{name: gpus}]`` and
+the pod ``spec.resourceClaims: [{name: gpus, resourceClaimTemplateName: <name>}]``, and says which
+template (gputopo.engine.draclaims) the caller must ensure in the pod's namespace before answering
+(not on a dry run). A pod that already has claims keeps them as they are. Here the webhook may deny: a
+request no claim can express (a bad ``gputopo.io/nvlink`` or ``min-gpu-memory``, more GPUs than a claim
+holds, an unreadable ``nvidia.com/gpu``) is refused with the reason, since admitted unchanged it would
+ask for a resource no DRA node serves.
 """
 
 from __future__ import annotations
@@ -26,27 +38,39 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gputopo.model import PREFIX, SCHEDULER_NAME
+from extender.wire import WireError, pod_gpus
+from gputopo.engine.draclaims import REQUEST, ClaimError, ClaimTemplate, claim_template
+from gputopo.model import ANN_MIN_GPU_MEMORY, ANN_NVLINK, GPU_RESOURCE, PREFIX, SCHEDULER_NAME, AnnotationError
+from gputopo.model.jobs import group_identity
+from gputopo.model.request import parse_pod_request
 
 __all__ = [
     "ADMISSION_API_VERSION",
+    "CLAIM_NAME",
     "DEFAULT_SCHEDULER",
+    "Admission",
     "AdmissionRequest",
     "AdmissionResponse",
     "AdmissionReview",
+    "DraMode",
+    "admit_pod",
+    "claim_patch",
     "error_review",
     "is_opted_in",
     "mutate_pod",
+    "refusal",
     "review_uid",
     "scheduler_name_patch",
 ]
 
 ADMISSION_API_VERSION: Final = "admission.k8s.io/v1"
 DEFAULT_SCHEDULER = "default-scheduler"
+CLAIM_NAME = REQUEST  # the pod's claim and the claim's one request share the name "gpus"
 
 
 class GroupVersionKind(BaseModel):
@@ -139,12 +163,39 @@ def scheduler_name_patch(scheduler_name: str = SCHEDULER_NAME) -> list[dict[str,
     return [{"op": "add", "path": "/spec/schedulerName", "value": scheduler_name}]
 
 
+@dataclass(frozen=True)
+class DraMode:
+    """The webhook's DRA settings: `list_attributes` when the devices carry `nvlinkCliques`."""
+
+    list_attributes: bool = False
+
+
+@dataclass(frozen=True)
+class Admission:
+    """An answer to one review, and (DRA mode) the template to ensure in `namespace` before sending it;
+    `dry_run`: the API server will not persist the pod, so nothing may be created for it."""
+
+    answer: dict[str, Any]
+    uid: str
+    namespace: str = ""
+    template: ClaimTemplate | None = None
+    dry_run: bool = False
+
+
 def mutate_pod(admission_review: dict[str, Any], scheduler_name: str = SCHEDULER_NAME) -> dict[str, Any]:
     """Answer one AdmissionReview (v1): allow, and patch the scheduler name of opted-in pods.
 
     Raises :class:`ValueError` (a pydantic ``ValidationError``, or for a review without a request)
     when the input is not an AdmissionReview v1 request; the HTTP layer answers 400 then.
     """
+    return admit_pod(admission_review, scheduler_name).answer
+
+
+def admit_pod(
+    admission_review: dict[str, Any], scheduler_name: str = SCHEDULER_NAME, dra: DraMode | None = None
+) -> Admission:
+    """:func:`mutate_pod`, and with `dra` the claim: see the module's docstring. Raises ValueError as
+    mutate_pod does; a pod whose request no claim can express gets a refusal, not an exception."""
     try:
         review = AdmissionReview.model_validate(admission_review)
     except ValidationError as exc:
@@ -155,18 +206,128 @@ def mutate_pod(admission_review: dict[str, Any], scheduler_name: str = SCHEDULER
 
     response = AdmissionResponse(uid=request.uid, allowed=True)
     is_pod = request.kind.kind == "Pod" or request.resource.resource == "pods"
-    if (
-        is_pod
-        and request.sub_resource == ""
-        and request.operation == "CREATE"
-        and request.object is not None
-        and is_opted_in(request.object)
-    ):
-        patch = json.dumps(scheduler_name_patch(scheduler_name), separators=(",", ":"))
+    pod = request.object
+    if not (is_pod and request.sub_resource == "" and request.operation == "CREATE" and pod is not None):
+        return Admission(_answer(response), request.uid)
+    ops: list[dict[str, Any]] = []
+    if is_opted_in(pod):
+        ops.extend(scheduler_name_patch(scheduler_name))
+    template: ClaimTemplate | None = None
+    namespace = request.namespace or _str_at(pod, "metadata", "namespace")
+    if dra is not None and _claims_gpus(pod, scheduler_name) and not _has_claims(pod):
+        try:
+            template = _claim(pod, dra)
+        except (ClaimError, AnnotationError, WireError) as e:
+            return Admission(refusal(request.uid, str(e)), request.uid)
+        if template is not None:
+            if not namespace:
+                return Admission(refusal(request.uid, "the pod has no namespace to put its claim in"), request.uid)
+            ops.extend(claim_patch(pod, template.name))
+    if ops:
+        patch = json.dumps(ops, separators=(",", ":"))
         response.patch_type = "JSONPatch"
         response.patch = base64.b64encode(patch.encode()).decode()
+    return Admission(_answer(response), request.uid, namespace, template, request.dry_run)
 
-    return _answer(response)
+
+def _str_at(obj: Mapping[str, Any], *keys: str) -> str:
+    cur: Any = obj
+    for k in keys:
+        cur = cur.get(k) if isinstance(cur, Mapping) else None
+    return cur if isinstance(cur, str) else ""
+
+
+def _str_map(value: Any) -> dict[str, str]:
+    if not isinstance(value, Mapping):
+        return {}
+    return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def _claims_gpus(pod: Mapping[str, Any], scheduler_name: str) -> bool:
+    """The pod is gputopo's in DRA mode: annotated under no scheduler of its own or under ours, or a
+    known controller's group member under ours (the extender infers its group from the labels)."""
+    metadata = pod.get("metadata")
+    spec = pod.get("spec")
+    if not isinstance(metadata, Mapping) or not isinstance(spec, Mapping):
+        return False
+    scheduler = spec.get("schedulerName")
+    ours = scheduler == scheduler_name
+    if _has_gputopo_annotation(metadata.get("annotations")):
+        return ours or scheduler in (None, "", DEFAULT_SCHEDULER)
+    if not ours:
+        return False
+    pod_group = _str_at(spec, "schedulingGroup", "podGroupName")
+    return group_identity(_str_map(metadata.get("labels")), pod_group) is not None
+
+
+def _has_claims(pod: Mapping[str, Any]) -> bool:
+    """The pod names claims already (its own, or a container's): the user wrote them, they stay."""
+    spec = pod.get("spec")
+    if not isinstance(spec, Mapping):
+        return False
+    if spec.get("resourceClaims"):
+        return True
+    for key in ("initContainers", "containers"):
+        containers = spec.get(key)
+        for c in containers if isinstance(containers, list) else ():
+            resources = c.get("resources") if isinstance(c, Mapping) else None
+            if isinstance(resources, Mapping) and resources.get("claims"):
+                return True
+    return False
+
+
+def _claim(pod: Mapping[str, Any], dra: DraMode) -> ClaimTemplate | None:
+    """The template of the pod's claim (None when it asks for no GPU). Raises ClaimError,
+    AnnotationError or WireError naming what cannot be expressed."""
+    spec = pod.get("spec")
+    gpus = pod_gpus(spec if isinstance(spec, Mapping) else {})
+    if gpus == 0:
+        return None
+    raw = pod.get("metadata", {}).get("annotations")
+    annotations = raw if isinstance(raw, Mapping) else {}
+    wanted: dict[str, str] = {}
+    for key in (ANN_NVLINK, ANN_MIN_GPU_MEMORY):
+        if key in annotations:
+            value = annotations[key]
+            if not isinstance(value, str):
+                raise AnnotationError(key, str(value)[:60], "must be a string")
+            wanted[key] = value
+    # Only what a claim carries is read here: the extender reads (and reports) the rest of the request.
+    request = parse_pod_request(wanted, gpus)
+    return claim_template(request, list_attributes=dra.list_attributes)
+
+
+def claim_patch(pod: Mapping[str, Any], template_name: str) -> list[dict[str, Any]]:
+    """The JSONPatch that moves the containers' GPUs into one claim from `template_name`: each container
+    that asks for `nvidia.com/gpu` loses it from limits and requests and references the claim instead
+    (every container that references it sees all its devices, as under NVIDIA's DRA driver)."""
+    ops: list[dict[str, Any]] = []
+    spec = pod.get("spec")
+    spec = spec if isinstance(spec, Mapping) else {}
+    resource = GPU_RESOURCE.replace("~", "~0").replace("/", "~1")  # RFC 6901 escaping
+    for key in ("initContainers", "containers"):
+        containers = spec.get(key)
+        for i, c in enumerate(containers if isinstance(containers, list) else ()):
+            resources = c.get("resources") if isinstance(c, Mapping) else None
+            if not isinstance(resources, Mapping):
+                continue
+            had = False
+            for kind in ("limits", "requests"):
+                values = resources.get(kind)
+                if isinstance(values, Mapping) and GPU_RESOURCE in values:
+                    ops.append({"op": "remove", "path": f"/spec/{key}/{i}/resources/{kind}/{resource}"})
+                    had = True
+            if had and pod_gpus({"containers": [c]}) > 0:
+                ops.append({"op": "add", "path": f"/spec/{key}/{i}/resources/claims", "value": [{"name": CLAIM_NAME}]})
+    claim = {"name": CLAIM_NAME, "resourceClaimTemplateName": template_name}
+    ops.append({"op": "add", "path": "/spec/resourceClaims", "value": [claim]})
+    return ops
+
+
+def refusal(uid: str, message: str, code: int = 400) -> dict[str, Any]:
+    """A denial (DRA mode only): the API server refuses the pod and shows `message` to the client."""
+    status = AdmissionStatus(code=code, message=f"gputopo webhook: {message}")
+    return _answer(AdmissionResponse(uid=uid, allowed=False, status=status))
 
 
 def _answer(response: AdmissionResponse) -> dict[str, Any]:

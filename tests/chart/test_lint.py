@@ -16,6 +16,7 @@ def test_every_documented_scenario_has_a_ci_values_file() -> None:
         "webhook-values.yaml",
         "cert-manager-values.yaml",
         "custom-tiers-values.yaml",
+        "dra-values.yaml",
     } <= names
 
 

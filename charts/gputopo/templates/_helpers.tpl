@@ -183,6 +183,12 @@ Fail fast on value combinations that cannot work.
 {{- if and .Values.agent.privileged (not .Values.agent.enabled) }}
 {{- fail "\n\nagent.privileged is set but agent.enabled is false." }}
 {{- end }}
+{{- if and .Values.agent.dra.enabled (not (semverCompare ">=1.34.0-0" .Capabilities.KubeVersion.Version)) }}
+{{- fail (printf "\n\nagent.dra.enabled needs Kubernetes 1.34 or later (resource.k8s.io/v1); this cluster is %s.\nLeave it off and use the device plugin (agent.devicePlugin)." .Capabilities.KubeVersion.Version) }}
+{{- end }}
+{{- if and (or .Values.agent.dra.listAttributes .Values.agent.dra.deviceTaints) (not .Values.agent.dra.enabled) }}
+{{- fail "\n\nagent.dra.listAttributes and agent.dra.deviceTaints shape the agent's DRA devices: set agent.dra.enabled too." }}
+{{- end }}
 {{- if and .Values.webhook.enabled (not .Values.scheduler.enabled) }}
 {{- fail "\n\nwebhook.enabled needs scheduler.enabled: the webhook is served by the extender, which runs in the\nscheduler pod, and it sets spec.schedulerName to that scheduler." }}
 {{- end }}
@@ -226,4 +232,11 @@ The KubeSchedulerConfiguration of the gputopo scheduler: one profile, one extend
   "extenders" (list $ext)
 }}
 {{- toYaml $cfg }}
+{{- end }}
+
+{{/*
+True ("true") when the agent serves the device plugin: asked for, and not replaced by the DRA driver.
+*/}}
+{{- define "gputopo.agent.devicePlugin" -}}
+{{- if and .Values.agent.devicePlugin.enabled (not .Values.agent.dra.enabled) }}true{{ end }}
 {{- end }}
