@@ -41,9 +41,28 @@ gputopo/sim/core.py and docs/simulator.md for what each policy does and what eac
    16 stages of 8 GPUs with `network: infiniband` and `preferred-tier: leaf`, a third of them also
    `required-tier: spine`; the total asks for `--load` times the cluster's GPUs.
 
+   Under each mix, the same jobs placed as DRA would place them (gputopo/sim/dra.py): the claim each
+   pod gets under one of three encodings (`none`: KEP-5004's `nvidia.com/gpu: N`, no constraint;
+   `partitions`: the scalar `nvlinkPartition0..3` firstAvailable list; `list`: one `matchAttribute`
+   on the `nvlinkCliques` list, KEP-5491), the GPUs kube-scheduler's allocator picks (first fit in
+   slice order), and two node choices: the engine's (the extender ranks, the allocator picks the
+   GPUs) beside the device-plugin `gputopo` column, and kube-scheduler's alone beside `default`:
+   1.34 scores no DRA device (the first node by name where the claim fits stands for its random
+   pick among ties), 1.35+ prefers nodes that meet an earlier `firstAvailable` subrequest.
+
+2b. **NVLink islands** (only with the DRA columns): 64 `dgx-1v` and 64 `a100-pcie-bridged` nodes,
+   where NVLink reaches only part of a node and cliques overlap (DGX-1V). Jobs (seeded): 1-GPU
+   pods (45%), TP-2 (35%) and TP-4 (20%), two in three `nvlink: required`, the rest `preferred`;
+   the total asks for `--load` times the cluster's GPUs.
+
 3. **Decision time** at scale: one 8-GPU decision (`evaluate_pod` + `rank`) over 5,000 nodes of mixed
    named systems with random in-use GPUs and Lingjun switch labels, and one 32-stage group plan
    (`plan_group`) over the same nodes; printed against the targets (20 ms and 200 ms), not asserted.
+
+4. **DRA clique encodings per named system**: the maximal NVLink cliques, the scalar partitions that
+   hold them all, the cliques the 4 published partitions leave out, and for k = 2, 4, 8 the share of
+   the node's fully connected k-sets a claim can ask for under each encoding (two synthetic layouts
+   at the end show what the partitions lose when cliques overlap more than on DGX-1V).
 """
 
 from __future__ import annotations
@@ -74,7 +93,8 @@ from gputopo.model import (  # noqa: E402
     parse_pod_request,
 )
 from gputopo.sim import SimResult, simulate  # noqa: E402
-from gputopo.systems import build_system  # noqa: E402
+from gputopo.sim.dra import ENCODINGS, Encoding, NodeChoice, expressiveness, simulate_dra  # noqa: E402
+from gputopo.systems import SYSTEMS, build_system  # noqa: E402
 from gputopo.tiers import DEFAULT_TIERS  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
@@ -240,7 +260,8 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f}"
 
 
-def quality_table(results: dict[str, SimResult]) -> list[str]:
+def quality_table(results: dict[str, SimResult], only: Sequence[str] | None = None) -> list[str]:
+    """The figures side by side, one column per result; `only`: these rows (by label), in table order."""
     rows: list[tuple[str, Callable[[SimResult], str]]] = [
         ("pods placed", lambda r: pct(r.summary.pods_placed, r.summary.pods)),
         ("GPUs placed", lambda r: str(r.summary.gpus_placed)),
@@ -278,6 +299,8 @@ def quality_table(results: dict[str, SimResult]) -> list[str]:
         ("decisions", lambda r: str(len(r.decisions))),
         ("decision time mean / p50 / p99 / max, ms", lambda r: _decision_times(r)),
     ]
+    if only is not None:
+        rows = [r for r in rows if r[0] in only]
     width = max(len(k) for k, _ in rows)
     cols = {p: [fn(results[p]) for _, fn in rows] for p in results}
     colw = {p: max(len(p), *(len(v) for v in cols[p])) for p in results}
@@ -306,6 +329,121 @@ def run_policies(nodes: list[NodeState], jobs: list[JobSpec], seed: int) -> dict
         t0 = time.perf_counter()
         out[policy] = simulate(nodes, jobs, policy, DEFAULT_TIERS, seed, exhaustive=False)
         print(f"  ({policy}: {time.perf_counter() - t0:.1f} s wall)", flush=True)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# DRA
+
+DRA_ROWS = (
+    "pods placed",
+    "GPUs placed",
+    "multi-GPU pods on a full NVLink clique (of placed)",
+    "  ... of those that could have had one",
+    "groups placed in full",
+    "pods placed against their requests",
+    "free GPUs at the end",
+    "stranded GPUs (fit no waiting pod)",
+    "decision time mean / p50 / p99 / max, ms",
+)
+
+
+def dra_tables(nodes: list[NodeState], jobs: list[JobSpec], device_plugin: dict[str, SimResult]) -> list[str]:
+    """The mix placed under each DRA encoding and node choice, beside the device-plugin columns."""
+    out: list[str] = []
+    tables: tuple[tuple[str, str, tuple[tuple[str, Encoding, NodeChoice], ...]], ...] = (
+        (
+            "the engine picks the node (extender), the DRA allocator the GPUs",
+            "gputopo",
+            tuple((f"dra {e}", e, "gputopo") for e in ENCODINGS),
+        ),
+        (
+            "kube-scheduler alone (1.34: first fitting node by name; 1.35+: best subrequest first)",
+            "default",
+            (
+                *((f"dra {e}", e, "first") for e in ENCODINGS),
+                ("dra partitions 1.35+", "partitions", "scored"),
+                ("dra list 1.35+", "list", "scored"),
+            ),
+        ),
+    )
+    for title, beside, runs in tables:
+        cols: dict[str, SimResult] = {}
+        if beside in device_plugin:
+            cols[f"{beside} (dev. plugin)"] = device_plugin[beside]
+        for label, enc, choice in runs:
+            t0 = time.perf_counter()
+            cols[label] = simulate_dra(nodes, jobs, enc, choice)
+            print(f"  ({label}, node choice {choice}: {time.perf_counter() - t0:.1f} s wall)", flush=True)
+        out.append(f"  DRA, {title}:")
+        out += quality_table(cols, DRA_ROWS)
+    return out
+
+
+def island_cluster() -> list[NodeState]:
+    v, b = build_system("dgx-1v"), build_system("a100-pcie-bridged")
+    return [node_state(f"isl-{i:03d}", v if i % 2 == 0 else b) for i in range(128)]
+
+
+def island_jobs(capacity: int, load: float, seed: int) -> list[JobSpec]:
+    rng = random.Random(seed)
+    jobs: list[JobSpec] = []
+    asked = 0
+    while asked < capacity * load:
+        r = rng.random()
+        gpus = 1 if r < 0.45 else 2 if r < 0.80 else 4
+        if gpus == 1:
+            ann = {"gputopo.io/nvlink": "ignore"}
+        else:
+            ann = {"gputopo.io/nvlink": "required" if rng.random() < 2 / 3 else "preferred"}
+        jobs.append(JobSpec(name=f"tp{gpus}-{len(jobs)}", gpus_per_pod=gpus, annotations=ann))
+        asked += gpus
+    return jobs
+
+
+def synthetic_layouts() -> list[tuple[str, NodeTopology]]:
+    """Two layouts that are no named system: DGX-1V with its 0-1 NVLink down, and 8 GPUs linked all
+    to all but i to i+4 (sixteen overlapping quads)."""
+    v = build_system("dgx-1v")
+    links = [list(r) for r in v.nvlink.links]
+    links[0][1] = links[1][0] = 0
+    down = v.model_copy(update={"nvlink": v.nvlink.model_copy(update={"links": tuple(map(tuple, links))})})
+    h = build_system("dgx-h100")
+    quads = tuple(tuple(0 if i == j or abs(i - j) == 4 else 18 for j in range(8)) for i in range(8))
+    dense = h.model_copy(update={"nvlink": h.nvlink.model_copy(update={"links": quads})})
+    return [("dgx-1v, NVLink 0-1 down (synthetic)", down), ("8 GPUs, all pairs but i,i+4 (synthetic)", dense)]
+
+
+def encoding_section() -> list[str]:
+    layouts = [(name, build_system(name)) for name in SYSTEMS] + synthetic_layouts()
+    ks = (2, 4, 8)
+    head = f"  {'system':<40} {'maximal cliques (2+ GPUs)':<34} {'parts':>5}  {'left out by 4':<14}"
+    head += "".join(f"  {f'k={k}: conn/all  part  list':<27}" for k in ks)
+    out = [head.rstrip()]
+    for name, topo in layouts:
+        e = expressiveness(topo, ks)
+        cliques = " ".join(e.clique_ids()) or "-"
+        left = " ".join(e.left_out_ids()) or "-"
+        if len(cliques) > 34:
+            cliques = f"{len(e.cliques)} cliques"
+        if len(left) > 14:
+            left = f"{len(e.left_out)} cliques"
+        row = f"  {name:<40} {cliques:<34} {e.partitions_needed:>5}  {left:<14}"
+        by_k = {s.k: s for s in e.ksets}
+        for k in ks:
+            s = by_k.get(k)
+            if s is None:
+                row += f"  {'-':<27}"
+                continue
+            part = f"{100 * s.by_partitions / s.connected:.0f}%" if s.connected else "-"
+            lst = f"{100 * s.by_list / s.connected:.0f}%" if s.connected else "-"
+            row += f"  {f'{s.connected}/{s.all}':>11} {part:>5} {lst:>5}     "
+        out.append(row.rstrip())
+    out += [
+        "  (parts: scalar partitions needed to hold every maximal clique as a block; conn/all: fully",
+        "   connected k-sets of the healthy GPUs; part / list: the share of those a claim can ask for",
+        "   under the scalar partitions / the list attribute; without a constraint a claim asks for none)",
+    ]
     return out
 
 
@@ -382,7 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--load", type=float, default=1.05, help="requested GPUs / cluster GPUs (default 1.05)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="a quarter of the Alibaba pods, 1,000 nodes at scale")
-    ap.add_argument("--skip", choices=("alibaba", "llm", "scale"), action="append", default=[])
+    ap.add_argument("--skip", choices=("alibaba", "llm", "scale", "dra"), action="append", default=[])
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
 
@@ -405,6 +543,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         results = run_policies(nodes, jobs, args.seed)
         print("\n".join(quality_table(results)))
+        if "dra" not in args.skip:
+            print("\n".join(dra_tables(nodes, jobs, results)))
         print()
 
     if "llm" not in args.skip:
@@ -421,12 +561,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         results = run_policies(nodes, jobs, args.seed)
         print("\n".join(quality_table(results)))
+        if "dra" not in args.skip:
+            print("\n".join(dra_tables(nodes, jobs, results)))
+        print()
+
+    if "dra" not in args.skip:
+        nodes = island_cluster()
+        capacity = sum(n.gpu_count for n in nodes)
+        jobs = island_jobs(capacity, args.load, args.seed)
+        print("== 2b. NVLink islands: 64 dgx-1v + 64 a100-pcie-bridged")
+        counts = {g: sum(1 for j in jobs if j.gpus_per_pod == g) for g in (1, 2, 4)}
+        req = sum(1 for j in jobs if j.annotations.get("gputopo.io/nvlink") == "required")
+        print(
+            f"  {len(nodes)} nodes, {capacity} GPUs; {counts[1]} 1-GPU, {counts[2]} TP-2, {counts[4]} TP-4 pods "
+            f"({req} nvlink: required, the other multi-GPU pods preferred); "
+            f"{sum(j.gpus_per_pod for j in jobs) / capacity:.2f}x capacity asked"
+        )
+        results = run_policies(nodes, jobs, args.seed)
+        print("\n".join(quality_table(results, DRA_ROWS)))
+        print("\n".join(dra_tables(nodes, jobs, results)))
         print()
 
     if "scale" not in args.skip:
         count = 1000 if args.quick else 5000
         print(f"== 3. Decision time at scale ({count} nodes)")
         print("\n".join(scale_section(count, args.seed)))
+        print()
+
+    if "dra" not in args.skip:
+        print("== 4. DRA clique encodings per named system")
+        print("\n".join(encoding_section()))
         print()
 
     print(f"total wall time {time.perf_counter() - t_start:.0f} s")
