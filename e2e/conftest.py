@@ -38,6 +38,7 @@ from localcluster import (
     find_binaries,
     parse_flag_map,
 )
+from localcluster.binaries import kubernetes_version
 from localcluster.stack import GpuNode, Stack
 
 MakeNodes = Callable[[Sequence[SimNode]], list[str]]
@@ -62,6 +63,16 @@ FEATURE_GATES_ENV = "GPUTOPO_E2E_FEATURE_GATES"
 RUNTIME_CONFIG_ENV = "GPUTOPO_E2E_RUNTIME_CONFIG"
 
 
+# Gates the session's control plane turns on by release, under what GPUTOPO_E2E_FEATURE_GATES says:
+# list-typed DRA attributes (alpha from 1.36) for e2e/test_dra.py's list encoding.
+DEFAULT_GATES: tuple[tuple[tuple[int, int], str], ...] = (((1, 36), "DRAListTypeAttributes"),)
+
+
+def _default_gates(bin_dir: Path) -> dict[str, bool]:
+    version = kubernetes_version(bin_dir)[:2]
+    return {gate: True for since, gate in DEFAULT_GATES if version >= since}
+
+
 def _flag_env(name: str) -> dict[str, bool]:
     try:
         return parse_flag_map(os.environ.get(name, ""), source=name)
@@ -80,7 +91,7 @@ def control_plane() -> Iterator[ControlPlane]:
         cp = ControlPlane(
             bin_dir,
             keep=keep,
-            feature_gates=_flag_env(FEATURE_GATES_ENV),
+            feature_gates={**_default_gates(bin_dir), **_flag_env(FEATURE_GATES_ENV)},
             runtime_config=_flag_env(RUNTIME_CONFIG_ENV),
         )
     except FlagError as e:

@@ -39,6 +39,7 @@ ACCESS_KINDS = (
     "RoleBinding",
     "ValidatingAdmissionPolicy",
     "ValidatingAdmissionPolicyBinding",
+    "DeviceClass",  # rendered with agent.dra.enabled: what claims for gputopo's GPUs name
 )
 
 Doc = dict[str, Any]
@@ -83,11 +84,13 @@ def local_values(
     lease_name: str = "gputopo-scheduler",
     stale_after_seconds: float | None = None,
     reservation_timeout_seconds: float | None = None,
+    dra: bool = False,
 ) -> Doc:
     """Chart values for the local layout. One replica runs without leader election (nothing to
     elect, and no Lease left by an earlier stack to wait out); two elect a leader on the Lease
     ``lease_name`` in the release namespace, as in a cluster. The extender's timings are chart
-    values when they are whole seconds (the chart's schema); ``local_extender_args`` passes others."""
+    values when they are whole seconds (the chart's schema); ``local_extender_args`` passes others.
+    ``dra``: the agents are DRA drivers (their RBAC, and the DeviceClass)."""
     scheduler: Doc = {
         "schedulerName": scheduler_name,
         "replicas": replicas,
@@ -100,7 +103,10 @@ def local_values(
     ):
         if value is not None and float(value).is_integer() and value >= 1:
             extender[key] = int(value)
-    return {"scheduler": scheduler, "extender": extender}
+    out: Doc = {"scheduler": scheduler, "extender": extender}
+    if dra:
+        out["agent"] = {"dra": {"enabled": True}}
+    return out
 
 
 def render(

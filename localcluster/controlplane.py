@@ -90,6 +90,8 @@ CONTROLLERS = (
     "replicaset-controller",
     "job-controller",
     "statefulset-controller",
+    # DRA: makes a pod's ResourceClaims from its templates and deletes them with it.
+    "resourceclaim-controller",
 )
 
 

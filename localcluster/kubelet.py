@@ -178,6 +178,11 @@ class RealKubelet:
         self.root_dir = self.dir / "root"
         self.device_plugin_dir = self.dir / "device-plugins"
         self.podresources_socket = self.root_dir / "pod-resources" / "kubelet.sock"
+        # Where a DRA driver registers (the kubelet's plugin watcher) and serves (its own socket dir):
+        # both under the root dir, which the kubelet's mount namespace sees at the same path.
+        self.plugins_registry_dir = self.root_dir / "plugins_registry"
+        self.dra_plugins_dir = self.root_dir / "plugins"
+        self.cdi_dir = self.dir / "cdi"
         self.cri_socket = self.dir / "cri.sock"
         self.kubelet_component = f"kubelet-{node}"
         self.cri_component = f"fakecri-{node}"
@@ -205,7 +210,15 @@ class RealKubelet:
 
     def start(self, *, timeout: float = 120.0) -> None:
         """Start the fake CRI and the kubelet, and wait until the Node is registered and Ready."""
-        for d in (self.root_dir, self.device_plugin_dir, self.dir / "images", self.dir / "pod-logs"):
+        for d in (
+            self.root_dir,
+            self.device_plugin_dir,
+            self.plugins_registry_dir,
+            self.dra_plugins_dir,
+            self.cdi_dir,
+            self.dir / "images",
+            self.dir / "pod-logs",
+        ):
             d.mkdir(parents=True, exist_ok=True)
         (self.dir / "volume-plugins").mkdir(exist_ok=True)
         FIXED_DEVICE_PLUGIN_DIR.mkdir(parents=True, exist_ok=True)

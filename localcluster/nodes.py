@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gputopo.model import (
     AGENT_COMPONENT,
@@ -19,6 +19,7 @@ from gputopo.model import (
     NodeTopology,
     agent_lease_name,
 )
+from gputopo.model.dra import DRIVER as DRA_DRIVER
 from gputopo.systems import build_system
 from localcluster.controlplane import ControlPlane
 from localcluster.kube import KubeApiError, KubeClient, SimNode
@@ -56,6 +57,7 @@ class NodeAgents:
     nodes: dict[str, GpuNode]
     kubelets: dict[str, RealKubelet]
     _plugin_options: dict[str, tuple[str, str]]
+    _dra: dict[str, bool]  # kubelet nodes whose agent is the DRA driver -> with list attributes
     dir: Path
     _progress: Callable[[str], None] | None
 
@@ -128,6 +130,15 @@ class NodeAgents:
         kubelet = self.kubelets.get(node)
         if kubelet is None:
             return [f"--in-use-file={in_use_file}"]
+        if node in self._dra:
+            return [
+                f"--podresources-socket={kubelet.podresources_socket}",
+                "--dra",
+                f"--dra-plugins-dir={kubelet.dra_plugins_dir}",
+                f"--dra-registry-dir={kubelet.plugins_registry_dir}",
+                f"--cdi-dir={kubelet.cdi_dir}",
+                *(["--dra-list-attributes"] if self._dra[node] else []),
+            ]
         mode, resource = self._plugin_options[node]
         return [
             f"--podresources-socket={kubelet.podresources_socket}",
@@ -146,20 +157,50 @@ class NodeAgents:
         taints: Sequence[str] = (),
         preferred_allocation: str = "placement",
         resource_name: str = GPU_RESOURCE,
+        dra: bool = False,
+        dra_list_attributes: bool = False,
         timeout: float = 120.0,
     ) -> RealKubelet:
         """A node run by a real kubelet (``RealKubelet``, needs root) next to the simulated ones. Its
         agent has the fixture backend ``system`` (GPU UUIDs derived from the node name) and serves
-        the kubelet as its device plugin. Returns once the kubelet advertises every GPU."""
+        the kubelet as its device plugin. Returns once the kubelet advertises every GPU.
+
+        With `dra`, the agent is the node's DRA driver instead (`--dra`, with the list attribute when
+        `dra_list_attributes`), and this returns once the node's ResourceSlice lists every GPU."""
         kubelet = RealKubelet(self.cp, name, labels=labels, taints=taints, progress=self._progress)
         self.kubelets[name] = kubelet
         self._plugin_options[name] = (preferred_allocation, resource_name)
+        if dra:
+            self._dra[name] = dra_list_attributes
         self.nodes[name] = GpuNode(name, system, labels=dict(labels or {}))
         kubelet.start(timeout=timeout)
         # The agent's token is bound to the Node object, which the kubelet has just registered.
         self.start_agent(name)
-        kubelet.wait_allocatable(resource_name, len(self.nodes[name].resolved().gpus), timeout=timeout)
+        gpus = len(self.nodes[name].resolved().gpus)
+        if dra:
+            self.wait_resource_slice(name, gpus, timeout=timeout)
+        else:
+            kubelet.wait_allocatable(resource_name, gpus, timeout=timeout)
         return kubelet
+
+    def resource_slices(self, node: str) -> list[dict[str, Any]]:
+        """The ResourceSlices of gputopo's DRA driver on `node`."""
+        out = self.kube.kubectl("get", "resourceslices", "-o", "json", f"--field-selector=spec.nodeName={node}")
+        return [s for s in json.loads(out)["items"] if s["spec"].get("driver") == DRA_DRIVER]
+
+    def wait_resource_slice(self, node: str, devices: int, *, timeout: float = 60.0) -> dict[str, Any]:
+        """Until the node's agent has published one ResourceSlice with `devices` devices."""
+        deadline = time.monotonic() + timeout
+        last: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:
+            last = self.resource_slices(node)
+            if len(last) == 1 and len(last[0]["spec"].get("devices", [])) == devices:
+                return last[0]
+            time.sleep(0.5)
+        raise TimeoutError(
+            f"no ResourceSlice of {DRA_DRIVER} with {devices} devices on {node} in {timeout:.0f}s (saw {last}); "
+            "agent log tail:\n" + self.cp.log_tail(self.agent_component(node), 30)
+        )
 
     def set_preferred_allocation(self, node: str, mode: str) -> None:
         """Restart a kubelet node's agent with another ``--preferred-allocation`` mode."""
@@ -176,6 +217,7 @@ class NodeAgents:
             kubelet.stop()
         self.nodes.pop(node, None)
         self._plugin_options.pop(node, None)
+        self._dra.pop(node, None)
         try:
             self.kube.delete_node(node)
         except KubeApiError as e:

@@ -81,7 +81,8 @@ class Stack(NodeAgents):
     chart's leader election). ``scheduler_name`` is the profile pods name in ``schedulerName`` and the
     component name of replica 0's kube-scheduler; ``extender_name`` that of replica 0's extender
     (replica i > 0 adds ``-<i>`` to both). ``webhook`` also serves the mutating webhook over HTTPS
-    (``webhook_url``, trusted through ``ca_file``)."""
+    (``webhook_url``, trusted through ``ca_file``). ``dra`` renders the chart with the agents as DRA
+    drivers (their RBAC and the DeviceClass; `add_kubelet_node(dra=True)` starts such an agent)."""
 
     def __init__(
         self,
@@ -99,6 +100,7 @@ class Stack(NodeAgents):
         replicas: int = 1,
         lease_name: str = "gputopo-scheduler",
         webhook: bool = False,
+        dra: bool = False,
         progress: Callable[[str], None] | None = None,
     ) -> None:
         if replicas < 1:
@@ -116,12 +118,14 @@ class Stack(NodeAgents):
         self.replicas = replicas
         self.lease_name = lease_name
         self.webhook = webhook
+        self.dra = dra
         self.ca_file: Path | None = None
         self.webhook_url = ""
         self.nodes: dict[str, GpuNode] = {}
         # Nodes run by a real kubelet, and their agents' device-plugin options (mode, resource).
         self.kubelets: dict[str, RealKubelet] = {}
         self._plugin_options: dict[str, tuple[str, str]] = {}
+        self._dra: dict[str, bool] = {}
         self.dir = cp.dir / "gputopo"
         self.dir.mkdir(exist_ok=True)
         self._progress = progress
@@ -140,6 +144,7 @@ class Stack(NodeAgents):
                 lease_name=self.lease_name,
                 stale_after_seconds=self.stale_after_seconds,
                 reservation_timeout_seconds=self.reservation_timeout_seconds,
+                dra=self.dra,
             )
             self._chart = render(helm_binary(self.cp.bin_dir), values, release=self.release, namespace=self.namespace)
         return self._chart

@@ -1,0 +1,294 @@
+"""End to end under DRA: gputopo's agent as the node's DRA driver, a real kubelet, and kube-scheduler's
+DynamicResources plugin choosing the GPUs from the attributes the agent publishes.
+
+Each kubelet node is DGX-1V-shaped (the hybrid cube mesh: quads 0-3 and 4-7 are the only 4-GPU
+cliques; the cross-quad pairs 0-4, 1-5, 2-6 and 3-7 are linked too), run by an upstream kubelet on
+Kubernetes' fake CRI. Its gputopo-agent runs with `--dra`: it registers with the kubelet's plugin
+watcher, publishes one ResourceSlice, and serves NodePrepareResources. Claims come from the same
+builder the webhook uses (`gputopo.engine.draclaims`): the scalar partitions on every release, and the
+list attribute where the API server serves it (`DRAListTypeAttributes`, alpha from 1.36).
+
+GPUs are taken with "pin" pods whose one-device claims select a GPU by its `index` attribute, so the
+tests say exactly which GPUs are in use. Needs root (a private mount namespace per kubelet) and the
+kubelet and fakecri binaries; skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterator, Sequence
+from itertools import combinations
+from typing import Any
+
+import pytest
+
+from gputopo.engine.cliques import mask_of
+from gputopo.engine.draclaims import claim_template
+from gputopo.engine.snapshot import shape_of
+from gputopo.model import NvlinkPolicy, PodRequest
+from gputopo.model.dra import DEVICE_CLASS, DRIVER, device_index
+from gputopo.systems import build_system
+from localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from localcluster.kubelet import kubelet_unavailable
+from localcluster.stack import Stack
+
+pytestmark = pytest.mark.e2e
+
+SYSTEM = "dgx-1v"
+NS = "default"
+ADJ = shape_of(build_system(SYSTEM)).adj
+
+
+def _minor(version: str) -> int:
+    return int(version.split(".")[1])
+
+
+def _is_clique(gpus: Sequence[int]) -> bool:
+    return all(ADJ[a] >> b & 1 for a, b in combinations(gpus, 2))
+
+
+@pytest.fixture(scope="module")
+def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
+    reason = kubelet_unavailable(control_plane.bin_dir)
+    if reason is not None:
+        pytest.skip(reason)
+    s = Stack(
+        control_plane,
+        kube,
+        stale_after_seconds=30,
+        heartbeat_seconds=2,
+        interval_seconds=1,
+        extender_name="gputopo-extender-dra",
+        dra=True,  # the chart's DRA RBAC and its DeviceClass
+    )
+    s.install()
+    # The chart's scheduler profile; its extender manages nvidia.com/gpu only, so kube-scheduler never
+    # calls it for these pods (they ask for claims), and none is started.
+    s.start_scheduler()
+    yield s
+    control_plane.remove(s.scheduler_name)
+
+
+class DraNode:
+    """One test's DRA kubelet node, and the pods and claim templates it makes."""
+
+    def __init__(self, stack: Stack, test_id: str, *, list_attributes: bool = False) -> None:
+        self.stack = stack
+        self.kube = stack.kube
+        self.test_id = test_id
+        self.list_attributes = list_attributes
+        self.name = f"dra-{hashlib.sha256(test_id.encode()).hexdigest()[:8]}"
+        stack.add_kubelet_node(
+            self.name, SYSTEM, labels={TEST_LABEL: test_id}, dra=True, dra_list_attributes=list_attributes
+        )
+        self.kubelet = stack.kubelets[self.name]
+        self.pods: list[str] = []
+
+    def template(self, name: str, devices: dict[str, Any]) -> str:
+        self.kube.apply(
+            [
+                {
+                    "apiVersion": "resource.k8s.io/v1",
+                    "kind": "ResourceClaimTemplate",
+                    "metadata": {"name": name, "namespace": NS},
+                    "spec": {"spec": {"devices": devices}},
+                }
+            ]
+        )
+        return name
+
+    def tp_template(self, gpus: int, nvlink: NvlinkPolicy = NvlinkPolicy.REQUIRED) -> str:
+        """The template gputopo's webhook gives a pod asking for `gpus` GPUs under `nvlink`."""
+        t = claim_template(PodRequest(gpus=gpus, nvlink=nvlink), list_attributes=self.list_attributes)
+        return self.template(t.name, dict(t.devices))
+
+    def pin_template(self, indices: Sequence[int]) -> str:
+        expr = f'device.attributes["{DRIVER}"].index in [{", ".join(map(str, indices))}]'
+        selector = [{"cel": {"expression": expr}}]
+        name = f"pin-{'-'.join(map(str, indices))}"
+        return self.template(
+            name,
+            {
+                "requests": [
+                    {
+                        "name": "gpus",
+                        "exactly": {"deviceClassName": DEVICE_CLASS, "count": len(indices), "selectors": selector},
+                    }
+                ]
+            },
+        )
+
+    def pod(self, name: str, template: str) -> str:
+        """A pod on this node whose one claim comes from `template`."""
+        full = f"{self.name}-{name}"
+        m = pod_manifest(
+            full,
+            scheduler_name=self.stack.scheduler_name,
+            labels={TEST_LABEL: self.test_id},
+            node_selector={"kubernetes.io/hostname": self.name},
+        )
+        m["spec"]["resourceClaims"] = [{"name": "gpus", "resourceClaimTemplateName": template}]
+        m["spec"]["containers"][0]["resources"]["claims"] = [{"name": "gpus"}]
+        self.kube.create_pod(m)
+        self.pods.append(full)
+        return full
+
+    def claim_of(self, pod: str) -> dict[str, Any]:
+        statuses = self.kube.get_pod(NS, pod).get("status", {}).get("resourceClaimStatuses") or []
+        assert statuses, f"{pod} has no generated claim yet"
+        claim = statuses[0]["resourceClaimName"]
+        return dict(json.loads(self.kube.kubectl("get", "resourceclaim", "-n", NS, claim, "-o", "json")))
+
+    def gpus_of(self, pod: str) -> tuple[int, ...]:
+        results = self.claim_of(pod)["status"]["allocation"]["devices"]["results"]
+        assert all(r["driver"] == DRIVER and r["pool"] == self.name for r in results), results
+        out = [device_index(r["device"]) for r in results]
+        assert None not in out, results
+        return tuple(sorted(i for i in out if i is not None))
+
+    def running(self, pod: str, *, timeout: float = 90.0) -> tuple[int, ...]:
+        """Until the kubelet runs `pod` (its claim prepared by the agent); the GPUs it holds."""
+        self.kube.wait_pod_condition(NS, pod, "Ready", status="True", timeout=timeout)
+        return self.gpus_of(pod)
+
+    def unschedulable(self, pod: str) -> str:
+        cond = self.kube.wait_pod_condition(NS, pod, "PodScheduled", status="False", reason="Unschedulable")
+        return cond.message
+
+    def delete(self, pod: str, *, timeout: float = 90.0) -> None:
+        """Delete `pod` and wait until it and its generated claim are gone: the GPUs are free again."""
+        claim = self.claim_of(pod)["metadata"]["name"]
+        self.kube.delete_pod(NS, pod)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pods = {p["metadata"]["name"] for p in self.kube.list_pods(NS)}
+            claims = self.kube.kubectl("get", "resourceclaims", "-n", NS, "-o", "name")
+            if pod not in pods and f"resourceclaim.resource.k8s.io/{claim}" not in claims.split():
+                self.pods.remove(pod)
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"{pod} or its claim {claim} still there after {timeout:.0f}s")
+
+    def checkpoint(self) -> dict[str, Any]:
+        path = self.kubelet.dra_plugins_dir / DRIVER / "checkpoint.json"
+        return dict(json.loads(path.read_text())["claims"]) if path.exists() else {}
+
+    def close(self) -> None:
+        for pod in list(self.pods):
+            self.kube.delete_pod(NS, pod)
+        self.stack.remove_kubelet_node(self.name)
+
+
+@pytest.fixture
+def dra_node(stack: Stack, test_id: str) -> Iterator[DraNode]:
+    node = DraNode(stack, test_id)
+    try:
+        yield node
+    finally:
+        node.close()
+
+
+def test_dra_slice_lists_every_gpu_with_its_clique_partitions(stack: Stack, dra_node: DraNode) -> None:
+    slices = stack.resource_slices(dra_node.name)
+    assert len(slices) == 1
+    spec = slices[0]["spec"]
+    assert spec["pool"]["name"] == dra_node.name and spec["nodeName"] == dra_node.name
+    devices = {d["name"]: d for d in spec["devices"]}
+    assert sorted(devices) == [f"gpu-{i}" for i in range(8)]
+    attrs = devices["gpu-0"]["attributes"]
+    assert attrs["nvlinkPartition0"] == {"string": "0-3"}
+    assert attrs["nvlinkPartition1"] == {"string": "0,4"}
+    assert attrs["index"] == {"int": 0}
+    assert "memory" in devices["gpu-0"]["capacity"]
+    # Steady state: the slice is not rewritten while nothing changes.
+    version = slices[0]["metadata"]["resourceVersion"]
+    time.sleep(3 * stack.interval_seconds)
+    assert stack.resource_slices(dra_node.name)[0]["metadata"]["resourceVersion"] == version
+
+
+def test_dra_tp4_waits_for_a_full_quad_and_tp2_gets_only_nvlink_pairs(dra_node: DraNode) -> None:
+    n = dra_node
+    pin0 = n.pod("pin0", n.pin_template([0]))
+    pin5 = n.pod("pin5", n.pin_template([5]))
+    assert (n.running(pin0), n.running(pin5)) == ((0,), (5,))
+
+    # GPUs 0 and 5 taken: neither quad is whole, so a TP-4 claim cannot be allocated on this node...
+    tp4 = n.pod("tp4", n.tp_template(4))
+    assert "claim" in n.unschedulable(tp4).lower()
+    # ...until GPU 5 is free again: then it gets the quad 4-7, never a set spanning both quads.
+    n.delete(pin5)
+    assert n.running(tp4) == (4, 5, 6, 7)
+    n.delete(tp4)
+    pin5 = n.pod("pin5b", n.pin_template([5]))
+    assert n.running(pin5) == (5,)
+
+    # TP-2 pods, one after another: each gets an NVLink pair. First fit without the constraint would
+    # give the second one GPUs 3 and 4, which share no link (the next test).
+    first = n.pod("tp2a", n.tp_template(2))
+    assert n.running(first) == (1, 2)
+    second = n.pod("tp2b", n.tp_template(2))
+    assert n.running(second) == (4, 6)
+    # Only 3 and 7 are left: not in one quad, but linked across the quads (the second partition).
+    third = n.pod("tp2c", n.tp_template(2))
+    assert n.running(third) == (3, 7)
+    held = [n.gpus_of(p) for p in (pin0, pin5, first, second, third)]
+    assert all(_is_clique(g) for g in held)
+    assert mask_of([g for gs in held for g in gs]) == 0xFF
+
+
+def test_dra_without_the_constraint_first_fit_breaks_the_clique(dra_node: DraNode) -> None:
+    """The control for the test above: what KEP-5004's plain count gets on the same node."""
+    n = dra_node
+    pins = n.pod("pins", n.pin_template([0, 5]))
+    assert n.running(pins) == (0, 5)
+    first = n.pod("any2a", n.tp_template(2, NvlinkPolicy.IGNORE))
+    assert n.running(first) == (1, 2)
+    second = n.pod("any2b", n.tp_template(2, NvlinkPolicy.IGNORE))
+    got = n.running(second)
+    assert got == (3, 4) and not _is_clique(got)
+
+
+@pytest.mark.parametrize("encoding", ["partitions", "list"])
+def test_dra_tp2_takes_the_cross_quad_pair_when_only_it_is_free(
+    stack: Stack, control_plane: ControlPlane, test_id: str, encoding: str
+) -> None:
+    if encoding == "list" and not control_plane.feature_gates.get("DRAListTypeAttributes"):
+        pytest.skip("list-typed attributes need the DRAListTypeAttributes gate (alpha from Kubernetes 1.36)")
+    n = DraNode(stack, test_id, list_attributes=encoding == "list")
+    try:
+        if encoding == "list":
+            attrs = stack.resource_slices(n.name)[0]["spec"]["devices"][0]["attributes"]
+            assert attrs["nvlinkCliques"] == {"strings": ["0-3", "0,4"]}
+        pins = n.pod("pins", n.pin_template([1, 2, 3, 5, 6, 7]))
+        assert n.running(pins) == (1, 2, 3, 5, 6, 7)
+        pair = n.pod("tp2", n.tp_template(2))
+        assert n.running(pair) == (0, 4)
+    finally:
+        n.close()
+
+
+def test_dra_kubelet_and_agent_restarts_lose_no_prepared_claim(stack: Stack, dra_node: DraNode) -> None:
+    n = dra_node
+    quad = n.pod("tp4", n.tp_template(4))
+    assert n.running(quad) == (0, 1, 2, 3)
+    uid = n.claim_of(quad)["metadata"]["uid"]
+    assert uid in n.checkpoint()
+
+    n.kubelet.restart()
+    stack.wait_resource_slice(n.name, 8)  # the kubelet deletes its node's slices at start; the agent restores it
+    stack.cp.remove(stack.agent_component(n.name), grace=3)
+    stack.start_agent(n.name)
+    stack.wait_resource_slice(n.name, 8)
+    assert uid in n.checkpoint()
+    n.kube.wait_pod_condition(NS, quad, "Ready", status="True", timeout=60)
+
+    # The restarted pair still unprepares the claim when the pod goes, and the GPUs serve the next one.
+    n.delete(quad)
+    deadline = time.monotonic() + 30
+    while uid in n.checkpoint() and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert uid not in n.checkpoint()
+    again = n.pod("tp4b", n.tp_template(4))
+    assert n.running(again) == (0, 1, 2, 3)
