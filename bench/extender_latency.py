@@ -105,9 +105,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class FloorLane:
+class FloorDoor:
     """The floor's verbs: decode the request with orjson, answer the extender's own answer to it, encoded
-    again. Served by the extender's verbs server (`extender.verbserver`), worker-thread hop included."""
+    again. Served by the extender's verbs server (`extender.verbserver`) as its door, worker-thread hop
+    included; readyz on the loop, as the extender's."""
 
     max_request_bytes = 64 * 1024 * 1024
 
@@ -115,11 +116,16 @@ class FloorLane:
         self.answers = answers
         self._pool = ThreadPoolExecutor(max_workers=4)
 
-    def pool_for(self, verb: str) -> ThreadPoolExecutor:
-        return self._pool
+    @staticmethod
+    def route(method: bytes, path: str) -> str | tuple[int, bytes]:
+        return path[1:] if path[1:] in (*VERBS, "readyz") else (404, b"{}")
 
-    def readiness(self) -> tuple[int, bytes]:
-        return 200, b"{}"
+    @staticmethod
+    def reads_body(verb: str) -> bool:
+        return verb in VERBS
+
+    def pool_for(self, verb: str) -> ThreadPoolExecutor | None:
+        return self._pool if verb in VERBS else None
 
     def after(self, verb: str) -> None:
         pass
@@ -127,7 +133,9 @@ class FloorLane:
     def ready(self, verb: str, body: bytes) -> tuple[int, bytes] | None:
         return None
 
-    def answer(self, verb: str, handler: Any, body: bytes) -> tuple[int, bytes]:
+    def answer(self, verb: str, body: bytes) -> tuple[int, bytes]:
+        if verb == "readyz":
+            return 200, b"{}"
         args = orjson.loads(body)
         assert isinstance(args["NodeNames"], list)
         return 200, orjson.dumps(self.answers[verb])
@@ -138,7 +146,7 @@ def serve_floor(port: int, answers_file: Path) -> None:
     from extender.main import _loop_factory
     from extender.verbserver import VerbServer
 
-    server = VerbServer(FloorLane(orjson.loads(answers_file.read_bytes())))
+    server = VerbServer(FloorDoor(orjson.loads(answers_file.read_bytes())))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
@@ -213,13 +221,11 @@ def in_process_decision(path: Path, names: list[str], repeat: int) -> tuple[floa
     """Median CPU ms of one 8-GPU decision in process (decode, filter, encode), a new pod each time:
     with the ledger's per-kind memo warm, and cleared before each decision (cold)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from extender.app import create_app
-    from extender.routers.scheduler import filter_
+    from extender.app import create_listeners
     from extender.settings import Settings
 
-    app = create_app(Settings(snapshot=path, metrics_port=0))
-    extender = app.state.extender
-    ledger = extender.ledger
+    door = create_listeners(Settings(snapshot=path, metrics_port=0)).door
+    ledger = door.extender.ledger
     warm: list[float] = []
     cold: list[float] = []
     for i in range(2 * repeat + 2):
@@ -229,7 +235,7 @@ def in_process_decision(path: Path, names: list[str], repeat: int) -> tuple[floa
         if i % 2:
             ledger._verdicts.clear()
         t0 = time.process_time()
-        status, _ = filter_(extender, app.state.metrics, body)
+        status, _ = door.answer("filter", body)
         assert status == 200
         dt = (time.process_time() - t0) * 1000
         if i >= 2:

@@ -15,13 +15,19 @@ the cases or `--time-limit` seconds, and prints:
 
 Exit status 1 when any 5xx, non-JSON answer, drop or hang was seen.
 
-    .venv/bin/python bench/fuzz.py [--cases 100000] [--time-limit 1200] [--seed 1]
+With `--door` the same cases for the verbs (not /mutate, which is the webhook's) go straight into the one
+door, in process (`extender.door.Door.answer`, what the verbs server calls for every request): no socket,
+so 100,000 cases take seconds; bodies over the limit are handed over whole (the limit is the server's).
+It prints the answers by status, 5xx and non-JSON answers, failed probes, and exits 1 on any.
+
+    .venv/bin/python bench/fuzz.py [--cases 100000] [--time-limit 1200] [--seed 1] [--door]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
 import signal
@@ -225,11 +231,14 @@ def main() -> int:
     ap.add_argument("--cases", type=int, default=100_000)
     ap.add_argument("--time-limit", type=float, default=1200.0, help="stop after this many seconds")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--door", action="store_true", help="the verbs' cases through the door, in process")
     opts = ap.parse_args()
     rng = random.Random(opts.seed)
     with tempfile.TemporaryDirectory(prefix="gputopo-fuzz-") as tmp:
         cluster, log_path = Path(tmp) / "cluster.yaml", Path(tmp) / "server.log"
         write_cluster(cluster)
+        if opts.door:
+            return through_door(opts, rng, cluster)
         ca, crt, key = certificate(Path(tmp))
         port, webhook_port = free_port(), free_port()
         cmd = [sys.executable, "-m", "extender.main", "--snapshot", str(cluster), "--host", "127.0.0.1"]
@@ -252,6 +261,47 @@ def main() -> int:
             for c in clients.values():
                 c.close()
             stop(server)
+
+
+def through_door(opts: argparse.Namespace, rng: random.Random, cluster: Path) -> int:
+    """The verbs' cases straight into `Door.answer`, in process, over the snapshot `cluster`."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from extender.app import create_listeners
+    from extender.settings import Settings
+
+    logging.disable(logging.WARNING)  # each malformed case is logged as a warning: not what is measured
+    listeners = create_listeners(Settings(snapshot=cluster, max_request_bytes=LIMIT))
+    door = listeners.door
+    verbs = [v for v in VERBS if v != "mutate"]
+    statuses: Counter[int] = Counter()
+    by_verb: Counter[str] = Counter()
+    fives = non_json = failed_probes = done = 0
+    probe = json.dumps(valid("filter")).encode()
+    start = time.monotonic()
+    with listeners.running():
+        for i in range(opts.cases):
+            if time.monotonic() - start > opts.time_limit:
+                break
+            verb = verbs[i % len(verbs)]
+            body = case(rng, verb)
+            status, data = door.answer(verb, body if isinstance(body, bytes) else b"".join(body))
+            done += 1
+            statuses[status] += 1
+            by_verb[f"{verb} {status}"] += 1
+            fives += status >= 500
+            try:
+                json.loads(data)
+            except ValueError:
+                non_json += 1
+            if i % 100 == 99:
+                status, data = door.answer("filter", probe)
+                failed_probes += not (status == 200 and json.loads(data)["Error"] == "")
+    elapsed = time.monotonic() - start
+    print(f"through the door: {done} cases in {elapsed:.1f} s ({done / elapsed:.0f}/s), seed {opts.seed}")
+    print("answers by status: " + ", ".join(f"{s}: {n}" for s, n in sorted(statuses.items())))
+    print("by verb: " + ", ".join(f"{k}: {n}" for k, n in sorted(by_verb.items())))
+    print(f"5xx: {fives}  not JSON: {non_json}  failed valid probes: {failed_probes}")
+    return 1 if fives or non_json or failed_probes else 0
 
 
 def run(

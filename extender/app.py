@@ -1,68 +1,93 @@
-"""The app factory: one service, one cache, three listeners.
+"""The factory: one cache, one service, the door into the verbs, and the webhook's and metrics' apps.
 
-`create_listeners(settings, cluster=..., clock=...)` builds the cache, the service and one FastAPI app per
-listener, all sharing them (docs/extender.md, "Listeners"):
+`create_listeners(settings, cluster=..., clock=...)` builds what the three listeners serve, all over one
+cache and service (docs/extender.md, "Listeners"):
 
-- `verbs`: POST /filter, /prioritize, /bind, /preempt, GET /healthz, /readyz (`--host`/`--port`, loopback);
-- `webhook`: POST /mutate, GET /healthz, /readyz (`--webhook-port`, HTTPS);
-- `metrics`: GET /metrics, /healthz, /readyz (`--metrics-port`).
+- `door`: the verbs (POST /filter, /prioritize, /bind, /preempt, GET /healthz, /readyz), served by the
+  verbs listener's own server (`extender.verbserver`, `--host`/`--port`, loopback) and called directly by
+  the unit tests (`door.answer("filter", body)`);
+- `webhook`: a FastAPI app, POST /mutate, GET /healthz, /readyz (`--webhook-port`, HTTPS);
+- `metrics`: a FastAPI app, GET /metrics, /healthz, /readyz (`--metrics-port`).
 
-Each answers 404 for the others' paths. The verbs app owns the lifespan, which starts one list+watch thread
-per kind (nodes, pods, the agents' Leases) and stops them on shutdown; `extender.main` enters it once for
-all three servers. In snapshot mode (`settings.snapshot`) there is no API server: the cache is loaded from
-the cluster file once and is ready immediately. `create_app` is the verbs app alone (what most tests drive):
+`Listeners.running()` is the lifespan: it starts one list+watch thread per kind (nodes, pods, the agents'
+Leases, ...) and stops them, the door's workers and the Event posting on exit; `extender.main` enters it
+once for all three servers. In snapshot mode (`settings.snapshot`) there is no API server: the cache is
+loaded from the cluster file once and is ready immediately.
 
-    app = create_app(Settings(kubeconfig=Path("admin.kubeconfig"), namespace="gputopo-system"))
-    with TestClient(app) as client: ...
-    metrics = app.state.listeners.metrics   # the sibling apps, same cache and service
+    listeners = create_listeners(Settings(kubeconfig=Path("admin.kubeconfig"), namespace="gputopo-system"))
+    with listeners.running():
+        status, body = listeners.door.answer("readyz", b"")
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
-from starlette.types import Receive, Scope, Send
 
 from extender.cache import ClusterCache
+from extender.door import Door
 from extender.kube import ClusterSource, Informer, KubeSource, start_informers
 from extender.limits import RequestGuard
 from extender.metrics import Metrics
 from extender.routers import health, metrics, mutate
-from extender.routers.scheduler import VerbLane
 from extender.service import Extender
 from extender.settings import Settings
 from gputopo.clusterfile import cluster_states, load_cluster
-from gputopo.model import EXTENDER_COMPONENT
 
 log = logging.getLogger("gputopo.extender")
 
 
-class VerbsApp(FastAPI):
-    """The verbs listener's app: kube-scheduler's POSTs go straight to the `VerbLane`, around FastAPI's
-    stack (three calls per scheduled pod: its per-request cost showed); the rest is FastAPI's."""
-
-    lane: VerbLane
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.lane.matches(scope):
-            await self.lane(scope, receive, send)
-        else:
-            await super().__call__(scope, receive, send)
-
-
-@dataclass(frozen=True)
+@dataclass
 class Listeners:
-    """One app per listener; `verbs` owns the lifespan that starts and stops the informers."""
+    """What each listener serves, over one cache and service; `running()` is their lifespan."""
 
-    verbs: VerbsApp
+    settings: Settings
+    cache: ClusterCache
+    extender: Extender
+    prometheus: Metrics
+    door: Door
     webhook: FastAPI
     metrics: FastAPI
+    watch: bool = True
+    watch_timeout_seconds: int = 300
+    informers: list[Informer] = field(default_factory=list)
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """Start the informers (an API source from the settings when none was given); on exit stop them,
+        the door's workers and the Event posting (queued Events go out while the API client is still open)."""
+        settings, extender = self.settings, self.extender
+        owned: ClusterSource | None = None
+        if settings.snapshot is None:
+            if extender.source is None:
+                owned = extender.source = KubeSource(settings.kubeconfig, settings.namespace)
+            if self.watch:
+                started = start_informers(extender.source, self.cache, watch_timeout_seconds=self.watch_timeout_seconds)
+                self.informers = [inf for inf, _ in started]
+        log.info(
+            "gputopo-extender started",
+            extra={
+                "mode": "snapshot" if settings.snapshot else "api",
+                "nodes": len(self.cache.nodes),
+                "namespace": settings.namespace,
+            },
+        )
+        try:
+            yield
+        finally:
+            for inf in self.informers:
+                inf.stop.set()
+            self.door.close()
+            extender.close()
+            if owned is not None:
+                owned.close()
+                extender.source = None
 
 
 def create_listeners(
@@ -73,12 +98,12 @@ def create_listeners(
     watch: bool = True,
     watch_timeout_seconds: int = 300,
 ) -> Listeners:
-    """Build the three apps over one cache and service.
+    """Build the door and the two apps over one cache and service.
 
     - `cluster`: the API source (tests pass an in-memory fake); None builds a `KubeSource` from
-      `settings.kubeconfig` (or the in-cluster config) when the lifespan starts.
+      `settings.kubeconfig` (or the in-cluster config) when `running()` starts.
     - `clock`: epoch seconds, for Lease staleness and reservation timeouts (tests inject one).
-    - `watch=False`: do not start informer threads (tests drive `app.state.cache` themselves).
+    - `watch=False`: do not start informer threads (tests drive `listeners.cache` themselves).
     """
     settings = settings or Settings()
     cache = ClusterCache(
@@ -94,51 +119,12 @@ def create_listeners(
     prometheus = Metrics(cache.age_seconds)
     extender = Extender(cache, None if settings.snapshot is not None else cluster, prometheus)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        informers: list[Informer] = []
-        owned: ClusterSource | None = None
-        if settings.snapshot is None:
-            if extender.source is None:
-                owned = extender.source = KubeSource(settings.kubeconfig, settings.namespace)
-            if watch:
-                started = start_informers(extender.source, cache, watch_timeout_seconds=watch_timeout_seconds)
-                informers = [inf for inf, _ in started]
-                app.state.informers = informers
-        log.info(
-            "gputopo-extender started",
-            extra={
-                "mode": "snapshot" if settings.snapshot else "api",
-                "nodes": len(cache.nodes),
-                "namespace": settings.namespace,
-            },
-        )
-        try:
-            yield
-        finally:
-            for inf in informers:
-                inf.stop.set()
-            lane.close()
-            extender.close()  # queued Events go out while the API client is still open
-            if owned is not None:
-                owned.close()
-                extender.source = None
-
-    lane = VerbLane(extender, prometheus, settings.max_request_bytes)
-
-    def build(title: str, *routers: APIRouter, owns_lifespan: bool = False, cls: type[FastAPI] = FastAPI) -> FastAPI:
-        app = cls(
-            title=title,
-            lifespan=lifespan if owns_lifespan else None,
-            docs_url=None,
-            redoc_url=None,
-            openapi_url=None,
-        )
+    def build(title: str, *routers: APIRouter) -> FastAPI:
+        app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
         app.state.settings = settings
         app.state.cache = cache
         app.state.extender = extender
         app.state.metrics = prometheus
-        app.state.informers = []
         for router in routers:
             app.include_router(router)
         # The POST paths whose body the listener reads: its server sends 100 Continue only for those.
@@ -152,28 +138,14 @@ def create_listeners(
         app.add_middleware(RequestGuard, max_request_bytes=settings.max_request_bytes)
         return app
 
-    verbs = build(EXTENDER_COMPONENT, health.router, owns_lifespan=True, cls=VerbsApp)
-    assert isinstance(verbs, VerbsApp)
-    verbs.lane = lane
-    listeners = Listeners(
-        verbs=verbs,
+    return Listeners(
+        settings=settings,
+        cache=cache,
+        extender=extender,
+        prometheus=prometheus,
+        door=Door(extender, prometheus, settings.max_request_bytes),
         webhook=build("gputopo-extender webhook", mutate.router, health.router),
         metrics=build("gputopo-extender metrics", metrics.router, health.router),
+        watch=watch,
+        watch_timeout_seconds=watch_timeout_seconds,
     )
-    for app in (listeners.verbs, listeners.webhook, listeners.metrics):
-        app.state.listeners = listeners
-    return listeners
-
-
-def create_app(
-    settings: Settings | None = None,
-    *,
-    cluster: ClusterSource | None = None,
-    clock: Callable[[], float] | None = None,
-    watch: bool = True,
-    watch_timeout_seconds: int = 300,
-) -> VerbsApp:
-    """The verbs app of `create_listeners` (its siblings are `app.state.listeners`)."""
-    return create_listeners(
-        settings, cluster=cluster, clock=clock, watch=watch, watch_timeout_seconds=watch_timeout_seconds
-    ).verbs

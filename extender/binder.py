@@ -9,10 +9,8 @@ the ledger holds them as an in-flight claim, so concurrent filters and binds alr
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
-import threading
 from collections.abc import Callable
 
 from extender.events import EventPoster
@@ -39,39 +37,6 @@ from gputopo.model import (
 log = logging.getLogger("gputopo.extender")
 
 
-class RecentPods:
-    """Pods as their filter call carried them moments ago (saves a GET per bind). Bounded in count and
-    in bytes of annotations, since filter bodies carry whatever the pod's author wrote."""
-
-    MAX_PODS = 4096
-    MAX_BYTES = 64 * 1024 * 1024
-
-    def __init__(self) -> None:
-        self._pods: collections.OrderedDict[str, tuple[PodInfo, int]] = collections.OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._pods)
-
-    def remember(self, info: PodInfo) -> None:
-        size = sum(len(k) + len(v) for k, v in info.annotations.items()) + 256
-        with self._lock:
-            for key in (info.uid, info.ref):
-                if key:
-                    old = self._pods.pop(key, None)
-                    self._bytes += size - (old[1] if old else 0)
-                    self._pods[key] = (info, size)
-            while self._pods and (len(self._pods) > self.MAX_PODS or self._bytes > self.MAX_BYTES):
-                self._bytes -= self._pods.popitem(last=False)[1][1]
-
-    def recall(self, uid: str, ref: str) -> PodInfo | None:
-        with self._lock:
-            hit = self._pods.get(uid) if uid else self._pods.get(ref)
-        info = hit[0] if hit is not None else None
-        return info if info is not None and (not uid or info.uid == uid) else None
-
-
 def bound_info(info: PodInfo, node: str, placement: Placement) -> PodInfo:
     """The pod as the API server holds it after our Binding: bound, with the placement annotation, and
     everything else it had (its labels, scheduler and PodGroup: a member whose group its controller's
@@ -88,19 +53,20 @@ class Binder:
         source: Callable[[], ClusterSource | None],
         events: EventPoster,
         facts: Callable[[str], ControllerFacts] = lambda _namespace: NO_FACTS,
+        recall: Callable[[str, str], PodInfo | None] = lambda _uid, _ref: None,
     ) -> None:
         self.ledger = ledger
         self.facts = facts  # a namespace's controller objects, as the cache reads pods with them
         self._source = source
         self.events = events
-        self.recent = RecentPods()
+        self.recall = recall  # the pod as its filter carried it moments ago (by uid, else namespace/name)
         self.locks = StripedLocks()
 
     def bind(self, namespace: str, name: str, uid: str, node: str) -> str:
         """Bind the pod; returns '' on success or the error text for the Error field."""
         source = self._source()
         ref = f"{namespace}/{name}"
-        info = self.recent.recall(uid, ref)
+        info = self.recall(uid, ref)
         if source is None and (info is None or not self._ours(info)):
             return ""  # snapshot mode has no API to bind through; nothing to account for
         if source is not None and info is None:

@@ -1,4 +1,5 @@
-"""FastAPI dependencies: the app's settings, service and metrics live on `app.state` (set by create_app)."""
+"""FastAPI dependencies of the webhook and metrics apps: settings, service and metrics live on `app.state`
+(set by `extender.app.create_listeners`)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,16 @@
 """core/v1 Events that explain what already happened (a placement, a placement mismatch), posted by a
-small worker pool off every request's critical path. A lost Event is only logged."""
+small worker pool off every request's critical path. A lost Event is only logged.
+
+`flush` is a barrier: it returns once every Event submitted before it was posted or failed (each post's
+future is kept until it is done, and `flush` waits for the ones pending when it was called)."""
 
 from __future__ import annotations
 
 import logging
 import socket
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import UTC, datetime
 
 from extender.kube import JSON, ClusterSource
@@ -27,10 +31,29 @@ class EventPoster:
         self.instance = socket.gethostname()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gputopo-events")
         self._closed = False
+        self._lock = threading.Lock()
+        self._pending: set[Future[None]] = set()  # posts submitted and not done yet
 
     def flush(self, timeout: float = 10.0) -> None:
-        """Wait until the events queued so far are posted (tests, shutdown)."""
-        self._pool.submit(lambda: None).result(timeout=timeout)
+        """Return once every Event submitted before this call was posted or failed (tests, shutdown);
+        TimeoutError when some are still pending after `timeout` seconds. Events submitted meanwhile are
+        not waited for."""
+        with self._lock:
+            pending = set(self._pending)
+        if pending and wait(pending, timeout=timeout).not_done:
+            raise TimeoutError(f"Events still being posted after {timeout:g} s")
+
+    def _submit(self, fn: Callable[..., None], *args: object) -> None:
+        future = self._pool.submit(fn, *args)
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._done)  # runs at once when the post already finished
+
+    def _done(self, future: Future[None]) -> None:
+        with self._lock:
+            self._pending.discard(future)
+        if not future.cancelled() and (e := future.exception()) is not None:  # not a KubeError: logged here
+            log.warning("could not post an Event", extra={"error": repr(e)})
 
     def close(self, timeout: float = 10.0) -> None:
         """Post what is queued (bounded by `timeout`), then stop the posting threads; later posts are dropped."""
@@ -44,12 +67,12 @@ class EventPoster:
     def placed(self, namespace: str, name: str, uid: str, sentence: str) -> None:
         if self._closed:
             return
-        self._pool.submit(self._placed, namespace, name, uid, sentence)
+        self._submit(self._placed, namespace, name, uid, sentence)
 
     def mismatch(self, m: Mismatch) -> None:
         if self._closed:
             return
-        self._pool.submit(self._mismatch, m)
+        self._submit(self._mismatch, m)
 
     def _placed(self, namespace: str, name: str, uid: str, sentence: str) -> None:
         source = self._source()

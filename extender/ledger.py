@@ -20,7 +20,7 @@ from extender import mismatch
 from extender.mismatch import Mismatch
 from extender.nodestates import NodeStates
 from extender.objects import NodeEntry, NodeFacts, PodRecord
-from extender.reservations import GroupKey, Reservation, SlotKey
+from extender.reservations import GroupKey, Reservation, ReservationBook, SlotKey
 from gputopo.engine.placement import Outcome, evaluate_node
 from gputopo.engine.reasons import Code
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
@@ -56,6 +56,13 @@ class Kinds(NamedTuple):
 log = logging.getLogger("gputopo.extender.ledger")
 
 
+def _cached(states: NodeStates, name: str) -> NodeState:
+    """A node the cache holds a current state of (read under its lock, from its kinds)."""
+    state = states.state_now(name)
+    assert state is not None
+    return state
+
+
 class LedgerOptions(TypedDict, total=False):
     tiers: TierConfig
     weights: ScoreWeights
@@ -64,9 +71,12 @@ class LedgerOptions(TypedDict, total=False):
     clock: Callable[[], float]
 
 
-# A subclass, not a member: every change here (nodes, pods, binds, reservations) takes the same lock,
-# node entries and generation the state cache keeps, and rebuilds through it.
-class Ledger(NodeStates):
+class Ledger:
+    """Nodes, placed pods, binds in flight and group reservations, and the per-request verdict memo, over its
+    node-state cache (`node_states`, extender/nodestates.py): every change here takes the cache's lock,
+    records what it changed there (assumed GPUs, claims, reservations, the generation) and has the nodes it
+    touched rebuilt by it."""
+
     MAX_REQUESTS_MEMOISED = 512
 
     def __init__(
@@ -78,7 +88,10 @@ class Ledger(NodeStates):
         reservation_timeout_seconds: float = 120.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        super().__init__(tiers=tiers, clock=clock, reservation_timeout_seconds=reservation_timeout_seconds)
+        self.node_states = NodeStates(tiers=tiers, clock=clock, reservation_timeout_seconds=reservation_timeout_seconds)
+        self.tiers = tiers
+        self.clock = clock
+        self.lock = self.node_states.lock  # one lock for the ledger and its cache
         self.tier_names = tiers.names
         self.weights = weights
         self.stale_after = stale_after_seconds
@@ -95,27 +108,41 @@ class Ledger(NodeStates):
     def reservations(self) -> Mapping[GroupKey, Reservation]:
         return self.book.reservations
 
+    @property
+    def nodes(self) -> dict[str, NodeEntry]:
+        return self.node_states.nodes
+
+    @property
+    def book(self) -> ReservationBook:
+        return self.node_states.book
+
+    @property
+    def generation(self) -> int:
+        """Moves on every change that can alter a verdict (`NodeStates.generation`)."""
+        return self.node_states.generation
+
+    def resolve(self, name: str, now: float) -> NodeState:
+        return self.node_states.resolve(name, now)
+
+    def unchanged_since(self, generation: int, names: Iterable[str]) -> bool:
+        return self.node_states.unchanged_since(generation, names)
+
     # ------------------------------------------------------------------ reading node states
 
     def states(self, names: Iterable[str] | None = None, now: float | None = None) -> list[NodeState]:
         now = self.clock() if now is None else now
         self.expire(now)
-        names = list(self.nodes) if names is None else names
-        if not self._passed < now <= self._earliest:
-            self._sweep(now)
-        try:
-            return list(map(self._now.__getitem__, names))
-        except KeyError:
-            return [self._view(n, now) for n in names]
+        return self.node_states.states_at(list(self.nodes) if names is None else names, now)
 
     def node_for(self, name: str, *, without_pod: str = "", without_slot: SlotKey | None = None) -> NodeState:
         """The node as the given pod (or group member) sees it: its own assumed/reserved GPUs are free."""
+        ns = self.node_states
         with self.lock:
-            st = self.resolve(name, self.clock())
-            e = self.nodes.get(name)
+            st = ns.resolve(name, self.clock())
+            e = ns.nodes.get(name)
             if e is None or st.problem is not None:
                 return st
-            return self._build(e, self._in_use(name, e.report, without_pod, without_slot))
+            return ns.build(e, ns.in_use(name, e.report, without_pod, without_slot))
 
     def evaluate(self, names: Sequence[str], req: PodRequest) -> list[Outcome]:
         """Outcome per requested node, in request order (unknown nodes: topology not reported)."""
@@ -133,7 +160,7 @@ class Ledger(NodeStates):
         self.expire(now)
         memo = self._memo(req)
         out: list[tuple[NodeState, Outcome]] = []
-        view, weights = self._view, self.weights
+        view, weights = self.node_states.view, self.weights
         for name in names:
             state = view(name, now)
             o = memo.get(state.key)
@@ -161,7 +188,7 @@ class Ledger(NodeStates):
         self.expire(now)
         memo = self._memo(req)
         for _ in range(3):
-            keys, states = self._kinds(names, now)
+            keys, states = self.node_states.kinds(names, now)
             try:
                 return list(map(memo.__getitem__, keys)), Kinds(keys, memo)
             except KeyError:
@@ -170,7 +197,7 @@ class Ledger(NodeStates):
             where = dict(zip(keys, range(len(keys)), strict=True))  # a node of each kind (C-level)
             for key in set(keys).difference(memo):
                 i = where[key]
-                state = states[i] if states is not None else self._now.get(names[i])
+                state = states[i] if states is not None else self.node_states.state_now(names[i])
                 if state is None or state.key != key:
                     break  # the node changed since its key was read: read the keys again
                 # two threads may both compute one outcome: equal values, no harm
@@ -188,19 +215,20 @@ class Ledger(NodeStates):
         self.expire(now)
         memo = self._memo(req)
         weights, success = self.weights, Code.SUCCESS
+        ns = self.node_states
         with self.lock:  # the kinds and their nodes read together; a kind not seen for `req` is evaluated here
-            self._current(now)
+            ns.current(now)
             feasible: dict[float, list[set[str]]] = {}
-            for key, members in self._by_key.items():
+            for key, members in ns.kinds_now().items():
                 o = memo.get(key)
                 if o is None:
-                    o = memo[key] = evaluate_node(self._now[next(iter(members))], req, weights)
+                    o = memo[key] = evaluate_node(_cached(ns, next(iter(members))), req, weights)
                 if o.code is success:
                     feasible.setdefault(o.score, []).append(members)
             for score in sorted(feasible, reverse=True):
                 pick = min(filter(node.__ne__, chain.from_iterable(feasible[score])), default=None)
                 if pick is not None:
-                    state = self._now[pick]
+                    state = _cached(ns, pick)
                     return state, memo[state.key]
         return None
 
@@ -225,10 +253,11 @@ class Ledger(NodeStates):
                 # Same topology document (node_facts reuses it while the annotation text is unchanged):
                 # a gpus-in-use update lands on a state built before, e.g. by the bind that caused it.
                 e.built = prev.built
-            e.fresh = self._build(e)  # built before it is visible: readers take entries without the lock
-            self._settle(e, self.clock())
-            self.nodes[facts.name] = e
-            self.generation += 1
+            ns = self.node_states
+            e.fresh = ns.build(e)  # built before it is visible: readers take entries without the lock
+            ns.settle(e, self.clock())
+            ns.nodes[facts.name] = e
+            ns.changed()
             for uid in e.report.pods:
                 self._check_mismatch(uid)
 
@@ -244,8 +273,8 @@ class Ledger(NodeStates):
         with self.lock:
             for name in names:
                 if self.nodes.pop(name, None) is not None:
-                    self._forget_now(name)
-                    self.generation += 1
+                    self.node_states.forget(name)
+                    self.node_states.changed()
 
     def put_lease(self, node: str, renew: float | None) -> bool:
         """Record an agent heartbeat (None: the Lease is gone or says nothing). True when it may change
@@ -259,10 +288,10 @@ class Ledger(NodeStates):
                 self.leases[node] = renew
             if entry is not None:
                 entry.deadline = self.deadline(node)
-                self._settle(entry, self.clock())
+                self.node_states.settle(entry, self.clock())
             changed = renew is None or not was_fresh
             if changed:
-                self.generation += 1
+                self.node_states.changed()
             return changed
 
     def replace_leases(self, leases: Mapping[str, float]) -> None:
@@ -270,8 +299,8 @@ class Ledger(NodeStates):
             self.leases = dict(leases)
             for e in self.nodes.values():
                 e.deadline = self.deadline(e.name)
-            self._sweep(self.clock())
-            self.generation += 1
+            self.node_states.sweep(self.clock())
+            self.node_states.changed()
 
     # ------------------------------------------------------------------ pods
 
@@ -284,7 +313,7 @@ class Ledger(NodeStates):
             if rec is not None:
                 self.pods[uid] = rec
                 self._index(rec)
-            self._rebuild({old.placed_node if old else None, rec.placed_node if rec else None})
+            self.node_states.rebuild({old.placed_node if old else None, rec.placed_node if rec else None})
             if rec is not None:
                 self._check_mismatch(uid)
             else:
@@ -295,35 +324,32 @@ class Ledger(NodeStates):
         with self.lock:
             touched = {p.placed_node for p in self.pods.values()} | {p.placed_node for p in records.values()}
             self.pods = dict(records)
-            self._assumed, self._groups = {}, {}
+            self.node_states.clear_assumed()
+            self._groups = {}
             for rec in self.pods.values():
                 self._index(rec)
-            self._rebuild(touched)
+            self.node_states.rebuild(touched)
             for uid in set(self.mismatches) - set(records):
                 del self.mismatches[uid]
             self._announced &= set(records)
             for uid in records:
                 self._check_mismatch(uid)
-            self.generation += 1
+            self.node_states.changed()
 
     def _index(self, rec: PodRecord) -> None:
         if not rec.active:
             return
         node = rec.placed_node
         if node and rec.placement is not None:
-            self._assumed.setdefault(node, {})[rec.uid] = frozenset(rec.placement.gpus)
+            self.node_states.assume(node, rec.uid, frozenset(rec.placement.gpus))
         if rec.group:
             self._groups.setdefault((rec.namespace, rec.group), set()).add(rec.uid)
             if node:
-                self._rebuild(self.book.pin((rec.namespace, rec.group), rec.name))
+                self.node_states.rebuild(self.book.pin((rec.namespace, rec.group), rec.name))
 
     def _unindex(self, rec: PodRecord) -> None:
-        node = rec.placed_node
-        per = self._assumed.get(node) if node else None
-        if per is not None:
-            per.pop(rec.uid, None)
-            if not per:
-                del self._assumed[node]  # type: ignore[arg-type]
+        if rec.placed_node:
+            self.node_states.unassume(rec.placed_node, rec.uid)
         members = self._groups.get((rec.namespace, rec.group)) if rec.group else None
         if members is not None:
             members.discard(rec.uid)
@@ -338,7 +364,7 @@ class Ledger(NodeStates):
                     e.report = GpusInUse(
                         pods={u: g for u, g in e.report.pods.items() if u != uid}, other=e.report.other
                     )
-                    self._rebuild([e.name])
+                    self.node_states.rebuild([e.name])
 
     def reported_gpus(self, node: str, uid: str) -> frozenset[int] | None:
         """The GPUs `node` reports under pod `uid`, or None when it reports none for it."""
@@ -350,7 +376,7 @@ class Ledger(NodeStates):
         its placement; None when gputopo knows of none."""
         with self.lock:
             reported = self.reported_gpus(node, uid)
-            return reported if reported is not None else self._assumed.get(node, {}).get(uid)
+            return reported if reported is not None else self.node_states.assumed(node, uid)
 
     def _check_mismatch(self, uid: str) -> None:
         """Record (and announce once) a placed pod whose node reports other GPUs for it."""
@@ -378,17 +404,10 @@ class Ledger(NodeStates):
 
     def claim(self, uid: str, node: str, gpus: frozenset[int]) -> None:
         """GPUs this process is binding a pod to right now: used for everyone else until `unclaim`."""
-        with self.lock:
-            self._claims.setdefault(node, {})[uid] = gpus
-            self._rebuild([node])
+        self.node_states.claim(uid, node, gpus)
 
     def unclaim(self, uid: str, node: str) -> None:
-        with self.lock:
-            per = self._claims.get(node)
-            if per is not None and per.pop(uid, None) is not None:
-                if not per:
-                    del self._claims[node]
-                self._rebuild([node])
+        self.node_states.unclaim(uid, node)
 
     # ------------------------------------------------------------------ groups
 
@@ -403,18 +422,18 @@ class Ledger(NodeStates):
                 e = self.nodes.get(slot.node)
                 if slot.pinned or e is None:
                     continue
-                if slot.gpus & self._in_use(slot.node, e.report, without_slot=(res.key, slot.member)):
+                if slot.gpus & self.node_states.in_use(slot.node, e.report, without_slot=(res.key, slot.member)):
                     return False
-            self._rebuild(self.book.put(res))
+            self.node_states.rebuild(self.book.put(res))
             return True
 
     def release(self, key: GroupKey) -> None:
         with self.lock:
-            self._rebuild(self.book.drop(key))
+            self.node_states.rebuild(self.book.drop(key))
 
     def pin(self, key: GroupKey, member: str) -> None:
         with self.lock:
-            self._rebuild(self.book.pin(key, member))
+            self.node_states.rebuild(self.book.pin(key, member))
 
     def expire(self, now: float) -> list[GroupKey]:
         """Release reservations whose unbound members did not bind within the timeout."""
@@ -424,5 +443,5 @@ class Ledger(NodeStates):
             gone = self.book.due(now)
             for k in gone:
                 log.info("group reservation expired; released", extra={"group": f"{k[0]}/{k[1]}"})
-                self._rebuild(self.book.drop(k))
+                self.node_states.rebuild(self.book.drop(k))
             return gone

@@ -6,7 +6,7 @@ docs/configuration.md), then one asyncio loop serving three listeners over one c
 - Prometheus metrics on `--metrics-host`/`--metrics-port` (0 turns it off).
 
 Every socket is bound before anything starts, so a port in use is one line naming its flag, not a half-started
-process. The lifespan (informers) is entered once for all three servers.
+process. The lifespan (informers, `Listeners.running`) is entered once for all three servers.
 """
 
 from __future__ import annotations
@@ -141,8 +141,8 @@ async def serve(listeners: Listeners, settings: Settings, stop: asyncio.Event | 
     try:
         for ep in eps:
             sock = _bind(ep)
-            if ep.name == "verbs":  # kube-scheduler's calls: the lean server (extender/verbserver.py)
-                servers.append((VerbServer(listeners.verbs.lane, limits), sock))
+            if ep.name == "verbs":  # kube-scheduler's calls: the door on its own server (extender/verbserver.py)
+                servers.append((VerbServer(listeners.door, limits), sock))
                 continue
             config = listener_config(apps[ep.name], limits, ep.tls)
             servers.append((_Server(config), sock))
@@ -163,7 +163,7 @@ async def serve(listeners: Listeners, settings: Settings, stop: asyncio.Event | 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
     try:
-        async with listeners.verbs.router.lifespan_context(listeners.verbs):
+        with listeners.running():
             tasks = [asyncio.create_task(server.serve(sockets=[sock])) for server, sock in servers]
             stopper = asyncio.create_task(stop.wait())
             # One listener failing (or a signal) stops them all: a pod that half-serves is worse than a restart.

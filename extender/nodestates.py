@@ -22,8 +22,10 @@ _KEY = operator.attrgetter("key")
 
 
 class NodeStates:
-    """The engine `NodeState` of every node, rebuilt only when that node, the pods placed on it or a
-    reservation touching it change. In-use GPUs of a node are
+    """The engine `NodeState` of every node (the ledger's node-state cache, `Ledger.node_states`), rebuilt
+    only when that node, the pods placed on it or a reservation touching it change. The ledger records
+    what changed (`assume`, `claim`, the reservation book, `changed`) and has the nodes rebuilt
+    (`rebuild`). In-use GPUs of a node are
 
         the GPUs the agent's gputopo.io/gpus-in-use reports, per pod UID and `other`
       ∪ GPUs of non-terminated pods bound to the node whose gputopo.io/placement names it and that the
@@ -39,7 +41,7 @@ class NodeStates:
     state and equivalence key are kept in name -> state and name -> key dicts, right for every time
     between the latest deadline already passed and the earliest one not passed yet, so a decision reads
     thousands of keys with C-level lookups and re-checks deadlines node by node only when the clock
-    crosses one (`_sweep`).
+    crosses one (`sweep`).
     """
 
     def __init__(self, *, tiers: TierConfig, clock: Callable[[], float], reservation_timeout_seconds: float) -> None:
@@ -54,7 +56,7 @@ class NodeStates:
         # "did anything change" for reusing a filter's outcomes in the prioritize that follows.
         self.generation = 0
         # The state (and its equivalence key) pods see of each cached node, right for every `now` with
-        # _passed < now <= _earliest (see _sweep); -inf/+inf as set here force a sweep on the first read.
+        # _passed < now <= _earliest (see sweep); -inf/+inf as set here force a sweep on the first read.
         self._now: dict[str, NodeState] = {}
         self._now_keys: dict[str, int] = {}
         self._by_key: dict[int, set[str]] = {}  # the inverse of _now_keys: the nodes of each kind
@@ -63,7 +65,7 @@ class NodeStates:
         self._earliest = -math.inf
         self._passed = math.inf
 
-    def _in_use(
+    def in_use(
         self, name: str, report: GpusInUse, without_pod: str = "", without_slot: SlotKey | None = None
     ) -> frozenset[int]:
         used = set(report.other)
@@ -82,8 +84,8 @@ class NodeStates:
                 used |= gpus
         return frozenset(used)
 
-    def _build(self, e: NodeEntry, in_use: frozenset[int] | None = None) -> NodeState:
-        used = self._in_use(e.name, e.report) if in_use is None else in_use
+    def build(self, e: NodeEntry, in_use: frozenset[int] | None = None) -> NodeState:
+        used = self.in_use(e.name, e.report) if in_use is None else in_use
         # A bind rebuilds its node three times with the same GPUs in use (claim, the bound pod, unclaim)
         # and the pod's watch event a fourth: node_state is pure in (entry, in-use set), so the entry
         # keeps its last few states by in-use set, and a new set is derived from one of them (`taking`).
@@ -108,19 +110,19 @@ class NodeStates:
         e.built[used] = built
         return built
 
-    def _rebuild(self, names: Iterable[str | None]) -> None:
+    def rebuild(self, names: Iterable[str | None]) -> None:
         for name in names:
             e = self.nodes.get(name) if name else None
             if e is not None:
-                built = self._build(e)
+                built = self.build(e)
                 if built is e.fresh:
                     continue  # the same GPUs in use as before (a bound pod's watch event after our bind)
                 e.stale = None
                 e.fresh = built
-                self._settle(e, self.clock())
+                self.settle(e, self.clock())
                 self.generation += 1
 
-    def _settle(self, e: NodeEntry, now: float) -> None:
+    def settle(self, e: NodeEntry, now: float) -> None:
         """Record the state pods see of `e` at `now` after its state or deadline changed (under the lock)."""
         if e.problem is None and now > e.deadline:
             self._set_now(e.name, self._stale(e))
@@ -140,12 +142,67 @@ class NodeStates:
             self._by_key.setdefault(state.key, set()).add(name)
             self._moves.append((self.generation, name))
 
-    def _forget_now(self, name: str) -> None:
+    def forget(self, name: str) -> None:
         self._now.pop(name, None)
         old = self._now_keys.pop(name, None)
         if old is not None:
             self._unkind(name, old)
             self._moves.append((self.generation, name))
+
+    # ------------------------------------------------------------------ what the owner records
+
+    def changed(self) -> None:
+        """A change that can alter a verdict happened (a node, a Lease, the pods): the generation moves."""
+        self.generation += 1
+
+    def assume(self, node: str, uid: str, gpus: frozenset[int]) -> None:
+        """A pod bound to `node` with a placement the node has not reported yet (rebuilt by `rebuild`)."""
+        self._assumed.setdefault(node, {})[uid] = gpus
+
+    def unassume(self, node: str, uid: str) -> None:
+        per = self._assumed.get(node)
+        if per is not None:
+            per.pop(uid, None)
+            if not per:
+                del self._assumed[node]
+
+    def clear_assumed(self) -> None:
+        self._assumed = {}
+
+    def assumed(self, node: str, uid: str) -> frozenset[int] | None:
+        return self._assumed.get(node, {}).get(uid)
+
+    def claim(self, uid: str, node: str, gpus: frozenset[int]) -> None:
+        """GPUs a bind in flight holds on `node`; the node is rebuilt."""
+        with self.lock:
+            self._claims.setdefault(node, {})[uid] = gpus
+            self.rebuild([node])
+
+    def unclaim(self, uid: str, node: str) -> None:
+        with self.lock:
+            per = self._claims.get(node)
+            if per is not None and per.pop(uid, None) is not None:
+                if not per:
+                    del self._claims[node]
+                self.rebuild([node])
+
+    # ------------------------------------------------------------------ reading states
+
+    def states_at(self, names: Iterable[str], now: float) -> list[NodeState]:
+        """Each named node as pods see it at `now` (C-level lookups while every name is cached)."""
+        self.current(now)
+        try:
+            return list(map(self._now.__getitem__, names))
+        except KeyError:
+            return [self.view(n, now) for n in names]
+
+    def state_now(self, name: str) -> NodeState | None:
+        """The node's state as of the last `current` (None when not cached)."""
+        return self._now.get(name)
+
+    def kinds_now(self) -> dict[int, set[str]]:
+        """The nodes of each kind as of the last `current` (read under the lock: it changes with the nodes)."""
+        return self._by_key
 
     def unchanged_since(self, generation: int, names: Iterable[str]) -> bool:
         """Whether no node in `names` changed kind since `generation` was read (so every verdict on them
@@ -153,7 +210,7 @@ class NodeStates:
         changes happened since to tell. `names` is read only when some node changed since."""
         now = self.clock()
         with self.lock:
-            self._current(now)  # a Lease deadline passed since is a change too
+            self.current(now)  # a Lease deadline passed since is a change too
             moved: set[str] = set()
             for gen, name in reversed(self._moves):
                 if gen < generation:
@@ -170,7 +227,7 @@ class NodeStates:
         if not names:
             del self._by_key[key]
 
-    def _sweep(self, now: float) -> None:
+    def sweep(self, now: float) -> None:
         """Re-decide every node's current state for `now`; afterwards _passed < now <= _earliest."""
         with self.lock:
             earliest, passed = math.inf, -math.inf
@@ -184,20 +241,20 @@ class NodeStates:
                         earliest = min(earliest, e.deadline)
             self._earliest, self._passed = earliest, passed
 
-    def _current(self, now: float) -> None:
+    def current(self, now: float) -> None:
         """Make _now, _now_keys and _by_key right for `now` (a sweep only when the clock crossed a deadline)."""
         if not self._passed < now <= self._earliest:
-            self._sweep(now)
+            self.sweep(now)
 
-    def _kinds(self, names: list[str], now: float) -> tuple[list[int], list[NodeState] | None]:
+    def kinds(self, names: list[str], now: float) -> tuple[list[int], list[NodeState] | None]:
         """Each node's equivalence key at `now`, by one C-level lookup per node (a plain name -> key
         dict: no node object is touched). When a name is not in the cache the states are built one by
         one (`resolve`) and returned too."""
-        self._current(now)
+        self.current(now)
         try:
             return list(map(self._now_keys.__getitem__, names)), None
         except KeyError:
-            states = [self._view(n, now) for n in names]
+            states = [self.view(n, now) for n in names]
             return list(map(_KEY, states)), states
 
     def _stale(self, e: NodeEntry) -> NodeState:
@@ -224,7 +281,7 @@ class NodeStates:
                 return self._stale(e)
         return e.fresh
 
-    def _view(self, name: str, now: float) -> NodeState:
+    def view(self, name: str, now: float) -> NodeState:
         e = self.nodes.get(name)
         if e is not None and (e.problem is not None or now <= e.deadline):
             return e.fresh  # the common case: no lock

@@ -1,8 +1,9 @@
 """The extender's decisions: filter, prioritize, bind and preempt over the ledger, with the engine.
 
-Everything here is synchronous and free of HTTP; the routers translate. Filter and prioritize read
-only the ledger (no I/O, and the ledger's lock only for the rare node that needs building), so they
-can run on worker threads side by side with each other and with the informers. A group member's
+Everything here is synchronous and free of HTTP; the door (`extender/door.py`) translates. Filter and
+prioritize read only the ledger (no I/O, and the ledger's lock only for the rare node that needs
+building), so they can run on worker threads side by side with each other and with the informers. What a
+filter leaves for the prioritize that follows is kept in `extender/ahead.py`. A group member's
 filter goes to the group desk (`extender/groupdesk.py`); bind to the binder (`extender/binder.py`: one
 Binding per pod, docs/extender.md).
 """
@@ -11,12 +12,15 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, repeat
-from typing import NamedTuple
 
+from pydantic_core import to_json
+
+from extender.ahead import Ahead, ranked
 from extender.binder import Binder
 from extender.cache import ClusterCache
 from extender.events import MISMATCH_REASON, EventPoster
@@ -33,15 +37,16 @@ from gputopo.engine.placement import Outcome, fail_invalid
 from gputopo.engine.preempt import Victim, choose_victims
 from gputopo.engine.reasons import Code, Reason, code_for, message
 from gputopo.engine.replan import GroupWaiting
-from gputopo.engine.scoring import MAX_EXTENDER_SCORE, wire_scores
+from gputopo.engine.scoring import MAX_EXTENDER_SCORE
 from gputopo.engine.snapshot import node_state
 from gputopo.model import AnnotationError, PodRequest, is_gputopo_pod, parse_pod_request
 
-__all__ = ["MISMATCH_REASON", "NEUTRAL_SCORE", "Decision", "Extender", "FilterAnswer", "LastFilter"]
+__all__ = ["HEALTHY", "MISMATCH_REASON", "NEUTRAL_SCORE", "Decision", "Extender", "FilterAnswer", "RecentPods"]
 
 log = logging.getLogger("gputopo.extender")
 
 NEUTRAL_SCORE = 5
+HEALTHY = b'{"status":"ok"}'  # /healthz on every listener: the process answers
 # How long a preemptor's filter waits for the victims it was answered to leave the cache (see
 # `Extender._catch_up_with_preemption`); time since the preempt answer, so a pod waits once at most.
 PREEMPTION_CATCH_UP_SECONDS = 0.5
@@ -73,36 +78,45 @@ class Decision:
         return counts.most_common(1)[0][0]
 
 
-@dataclass
-class _Recent:
-    """The last evaluation (its pod, request and ledger generation as `key`), for the prioritize that follows."""
-
-    key: tuple[object, ...]
-    at: float
-    info: PodInfo
-    names: list[str]
-    outcomes: list[Outcome]
-    kinds: Kinds | None
-    passed: tuple[list[str], list[Outcome], Kinds | None] | None = None  # the nodes filter passed: outcomes, kinds
-    raw: bytes = b""  # the body of the filter request that passed them
-
-
-class LastFilter(NamedTuple):
-    """The filter answered last, as `Extender.last_filter` hands it out once."""
-
-    token: object  # for `answers_from` and `still_holds`
-    info: PodInfo
-    names: list[str]  # the nodes it was asked about
-    passed: list[str]  # the nodes it passed: what the next prioritize names
-    raw: bytes  # its request's body (b"" when not given)
-
-
 @dataclass(frozen=True)
 class FilterAnswer:
     passed: list[str]
     failed: dict[str, str]
     unresolvable: dict[str, str]
     decision: Decision
+
+
+class RecentPods:
+    """Pods as their filter call carried them moments ago (saves a GET per bind). Bounded in count and
+    in bytes of annotations, since filter bodies carry whatever the pod's author wrote."""
+
+    MAX_PODS = 4096
+    MAX_BYTES = 64 * 1024 * 1024
+
+    def __init__(self) -> None:
+        self._pods: collections.OrderedDict[str, tuple[PodInfo, int]] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._pods)
+
+    def remember(self, info: PodInfo) -> None:
+        size = sum(len(k) + len(v) for k, v in info.annotations.items()) + 256
+        with self._lock:
+            for key in (info.uid, info.ref):
+                if key:
+                    old = self._pods.pop(key, None)
+                    self._bytes += size - (old[1] if old else 0)
+                    self._pods[key] = (info, size)
+            while self._pods and (len(self._pods) > self.MAX_PODS or self._bytes > self.MAX_BYTES):
+                self._bytes -= self._pods.popitem(last=False)[1][1]
+
+    def recall(self, uid: str, ref: str) -> PodInfo | None:
+        with self._lock:
+            hit = self._pods.get(uid) if uid else self._pods.get(ref)
+        info = hit[0] if hit is not None else None
+        return info if info is not None and (not uid or info.uid == uid) else None
 
 
 def _outcome(reason: Reason, text: str = "") -> Outcome:
@@ -115,20 +129,18 @@ _STUB = node_state("-", None)
 class Extender:
     """One extender instance: a cache, optionally an API source (None in snapshot mode), metrics."""
 
-    REUSE_SECONDS = 2.0  # a filter's outcomes answer the prioritize that follows within this window
-
     def __init__(self, cache: ClusterCache, source: ClusterSource | None, metrics: Metrics | None = None) -> None:
         self.cache = cache
         self.ledger = cache.ledger
         self.source = source
         self.metrics = metrics
-        self._last_outcomes: _Recent | None = None
-        self._fresh: _Recent | None = None  # the evaluation of the filter answered last, until `last_filter`
+        self.ahead = Ahead(self.ledger)  # what a filter leaves for the prioritize that follows (extender/ahead.py)
+        self.recent = RecentPods()  # filled by filter, read by bind
         # preemptor -> (until, the victims answered on each candidate node): see _catch_up_with_preemption
         self._preempted: dict[str, tuple[float, list[frozenset[str]]]] = {}
         self.events = EventPoster(lambda: self.source)
         self.groups = GroupDesk(self.ledger)
-        self.binder = Binder(self.ledger, lambda: self.source, self.events, cache.facts)
+        self.binder = Binder(self.ledger, lambda: self.source, self.events, cache.facts, self.recent.recall)
         self.ledger.on_mismatch = self._on_mismatch
         cache.on_bad_object = self._on_bad_object
         if metrics is not None:
@@ -154,6 +166,13 @@ class Extender:
         if self.metrics is not None:
             self.metrics.bad_objects.labels(kind=kind).inc()
 
+    def readiness(self) -> tuple[int, bytes]:
+        """/readyz on every listener: 200 once the first full list of nodes, pods and Leases is in."""
+        cache = self.cache
+        if cache.ready:
+            return 200, to_json({"status": "ready", "nodes": len(cache.nodes)})
+        return 503, to_json({"status": "syncing", "synced": sorted(cache.synced)})
+
     # ------------------------------------------------------------------ decisions
 
     def decide(self, info: PodInfo, names: Sequence[str]) -> Decision:
@@ -170,74 +189,27 @@ class Extender:
         if req is None:
             bad = fail_invalid([_STUB], resolved.problem)[0].outcome
             return Decision("invalid", names, [bad] * len(names))
-        self.binder.recent.remember(info)
         if req.is_group:
             return self._group_decision(info, req, names)
         # kube-scheduler calls prioritize right after filter for the same pod, with the nodes that
         # passed: answer it from the filter's outcomes while nothing in the ledger has changed.
         key, now = (info.uid or info.ref, req, ledger.generation), ledger.clock()
-        last = self._recent(key, now)
-        if last is not None:
-            # Lists compared in C, no per-node Python work: the filter's own list, or the nodes it passed
-            # (what kube-scheduler sends to prioritize).
-            if names == last.names:
-                return Decision("evaluated", names, last.outcomes, request=req, kinds=last.kinds)
-            if last.passed is not None and names == last.passed[0]:
-                return Decision("evaluated", names, last.passed[1], request=req, kinds=last.passed[2])
-            by_name = dict(zip(last.names, last.outcomes, strict=True))
-            try:
-                return Decision("evaluated", names, [by_name[n] for n in names], request=req)
-            except KeyError:
-                pass  # a node the filter did not see: evaluate afresh
+        recalled = self.ahead.recall(key, names, now)
+        if recalled is not None:
+            return Decision("evaluated", names, recalled[0], request=req, kinds=recalled[1])
         kept = names if isinstance(names, list) else list(names)  # a request's own list: no copy of thousands
         outcomes, kinds = ledger.evaluate_kinds(kept, req)
-        self._last_outcomes = _Recent(key, now, info, kept, outcomes, kinds)
+        self.ahead.keep(key, now, info, kept, outcomes, kinds)
         return Decision("evaluated", names, outcomes, request=req, kinds=kinds)
 
-    def _recent(self, key: tuple[object, ...], now: float) -> _Recent | None:
-        """The last evaluation, when it is of this pod and request at this ledger generation, and recent."""
-        last = self._last_outcomes
-        if last is not None and last.key == key and 0 <= now - last.at < self.REUSE_SECONDS:
-            return last
-        return None
-
-    def last_filter(self) -> LastFilter | None:
-        """The filter answered last, once, when it passed nodes: what kube-scheduler's next prioritize names."""
-        last, self._fresh = self._fresh, None
-        if last is None or last.passed is None:
-            return None
-        return LastFilter(last, last.info, last.names, last.passed[0], last.raw)
-
-    def answers_from(self, token: object, info: PodInfo, names: Sequence[str]) -> bool:
-        """Whether prioritize for `info` over `names` now gets the scores the evaluation `token` gave the
-        nodes it passed: the same pod and request, exactly those nodes, and `still_holds`."""
-        if not isinstance(token, _Recent) or token.passed is None or not is_gputopo_pod(info.annotations):
-            return False
-        try:
-            req = parse_pod_request(info.annotations, info.gpus, self.ledger.tier_names)
-        except AnnotationError:
-            return False
-        uid, want, _ = token.key
-        return (info.uid or info.ref, req) == (uid, want) and names == token.passed[0] and self.still_holds(token)
-
-    def still_holds(self, token: object) -> bool:
-        """Whether the scores the evaluation `token` gave the nodes its filter passed hold now: recent, and
-        none of those nodes changed since."""
-        if not isinstance(token, _Recent) or token.passed is None:
-            return False
-        generation = token.key[2]
-        return (
-            0 <= self.ledger.clock() - token.at < self.REUSE_SECONDS
-            and isinstance(generation, int)
-            and self.ledger.unchanged_since(generation, token.passed[0])
-        )
-
     def filter(self, info: PodInfo, names: Sequence[str], raw: bytes = b"") -> FilterAnswer:
-        """Which nodes pass; `raw` is the request's body, kept with the evaluation (`last_filter`)."""
-        self._fresh = None
+        """Which nodes pass; `raw` is the request's body, kept with the evaluation for the prioritize
+        that follows (`extender.ahead`)."""
         if self._preempted:
             self._catch_up_with_preemption(info)
         d = self.decide(info, names)
+        if d.request is not None:
+            self.recent.remember(info)  # the pod as its filter carried it: its bind needs no GET
         if d.kind == "pass_through":
             return FilterAnswer(list(names), {}, {}, d)
         # Nodes of one kind share one outcome: sort the kinds into passed or not once, then split the node
@@ -256,21 +228,17 @@ class Extender:
             present = set(verdicts)
             passing = {k for k, o in verdicts.items() if o.code is Code.SUCCESS}
         nodes = d.names
-        last = self._last_outcomes
-        if last is None or last.outcomes is not outcomes:
-            last = None  # not an evaluation prioritize can reuse (a group's, an invalid request's)
         if len(present) == 1:  # one kind of node (often: none fits): no per-node split at all
             if passing:
-                if last is not None:
-                    self._passed(last, last.names, outcomes, d.kinds, raw)
+                passed_all = nodes if isinstance(nodes, list) else list(nodes)
+                self.ahead.passed(outcomes, passed_all, outcomes, d.kinds, raw)
                 return FilterAnswer(list(nodes), {}, {}, d)
         else:
             selected = list(map(passing.__contains__, ids))
             passed = list(compress(nodes, selected))
-            if passed:
-                if last is not None:  # prioritize will name exactly these nodes
-                    kinds = Kinds(list(compress(ids, selected)), d.kinds.verdicts) if d.kinds is not None else None
-                    self._passed(last, passed, list(compress(outcomes, selected)), kinds, raw)
+            if passed:  # prioritize will name exactly these nodes
+                kinds = Kinds(list(compress(ids, selected)), d.kinds.verdicts) if d.kinds is not None else None
+                self.ahead.passed(outcomes, passed, list(compress(outcomes, selected)), kinds, raw)
                 # kube-scheduler reads why nodes failed only when none passed (to explain the pod and to pick
                 # preemption candidates): thousands of reasons per call would be built, sent and decoded for
                 # nothing.
@@ -293,12 +261,6 @@ class Extender:
             self._split(nodes, ids, unresolvable_ids, messages),
             d,
         )
-
-    def _passed(
-        self, last: _Recent, names: list[str], outcomes: list[Outcome], kinds: Kinds | None, raw: bytes
-    ) -> None:
-        last.passed, last.raw = (names, outcomes, kinds), raw
-        self._fresh = last
 
     def _catch_up_with_preemption(self, info: PodInfo) -> None:
         """kube-scheduler evicts the victims this extender's preempt answer named and retries the preemptor
@@ -344,19 +306,7 @@ class Extender:
             return names, [NEUTRAL_SCORE] * len(names), d
         if d.priorities is not None:
             return names, list(d.priorities), d
-        # Outcomes are shared between equivalent nodes: one engine score per kind, ranked over this
-        # request's fitting nodes (wire_scores reads names only at the best levels).
-        success = Code.SUCCESS
-        scores: dict[int, float]  # kind -> engine score, fitting kinds only
-        if d.kinds is not None:  # the ledger's kinds: ints, and which of them fit
-            ids, verdicts = d.kinds
-            fits = verdicts.passing
-            scores = {k: verdicts[k].score for k in set(ids) if k in fits}
-        else:
-            ids = list(map(id, d.outcomes))
-            distinct = dict(zip(ids, d.outcomes, strict=True))
-            scores = {k: o.score for k, o in distinct.items() if o.code is success}
-        return d.names, wire_scores(d.names, ids, scores), d
+        return d.names, ranked(d.names, d.outcomes, d.kinds), d
 
     def _group_decision(self, info: PodInfo, req: PodRequest, names: Sequence[str]) -> Decision:
         slot = self.groups.slot_for(info, req, names)

@@ -3,13 +3,16 @@
 kube-scheduler makes three calls per scheduled pod on one kept-alive connection. Measured in the throughput
 benchmark, uvicorn's per-request work (an asyncio task and the ASGI messages per request, the answer written
 as two segments, headers then body) was about a third of the extender's CPU; this protocol parses with the
-same C parser uvicorn uses (httptools) and hands the body straight to the `VerbLane`, whose worker threads
-decide while the event loop serves other connections. What it serves, on loopback only (settings refuse any
-other address):
+same C parser uvicorn uses (httptools) and hands the body straight to the one door into the verbs
+(`extender.door.Door.answer`, the same entry the unit tests call), on the door's worker threads, so the event
+loop serves other connections while a decision runs. What it serves, on loopback only (settings refuse any
+other address), is what `Door.route` names:
 
-- POST /filter, /prioritize, /bind, /preempt: `VerbLane.answer` (the same code the ASGI app runs in tests);
-- GET /healthz and /readyz: as on every listener (`extender.routers.health.readiness`);
+- POST /filter, /prioritize, /bind, /preempt on worker threads; GET (HEAD) /healthz and /readyz on the loop;
 - anything else: 404 (405 for a verb path with another method), a JSON `{"Error": ...}` body.
+
+Once a filter's answer is written the server calls `Door.after`, and before handing a prioritize to a worker
+`Door.ready`: the prioritize-ahead memory's hooks (`extender.ahead`).
 
 Bodies over `--max-request-bytes` get 413 and the connection is closed, by declared length before any of it
 is read, and by counting chunked bodies as they arrive. A request that is not HTTP/1.x gets 400 and the
@@ -18,7 +21,7 @@ request not read within `--read-timeout-seconds` 408 (a connection that sent not
 idle connection is closed after `--idle-timeout-seconds`, connections past `--max-connections` get 503.
 Requests on one connection are answered in order, refusals included (pipelined requests wait their turn;
 reading pauses while a few are queued or while the client does not read its answers). HEAD gets no body;
-`100 Continue` goes out only for a verb's body, once every earlier answer is written.
+`100 Continue` goes out only for a body the door reads, once every earlier answer is written.
 """
 
 from __future__ import annotations
@@ -35,12 +38,12 @@ import orjson
 
 from extender.bounded import TOO_MANY, HeadMeter, ListenerLimits, read_too_slow, refusal
 from extender.limits import too_large_body
-from extender.routers.health import HEALTHY
-from extender.routers.scheduler import VERBS, Answer, Verb
 
 if TYPE_CHECKING:
     import socket
-    from concurrent.futures import Future, ThreadPoolExecutor
+    from concurrent.futures import Executor, Future
+
+Answer = tuple[int, bytes]  # HTTP status, JSON body
 
 log = logging.getLogger("gputopo.extender.http")
 
@@ -58,26 +61,30 @@ class _Request:
     refusal: bytes | None = None  # a whole answer that closes the connection, sent in this request's turn
 
 
-class Lane(Protocol):
-    """What the server hands requests to: `extender.routers.scheduler.VerbLane` (or a benchmark's floor)."""
+class Entry(Protocol):
+    """What the server hands requests to: `extender.door.Door` (or a benchmark's floor)."""
 
     max_request_bytes: int
 
-    def pool_for(self, verb: str) -> ThreadPoolExecutor:
-        """The worker pool `verb` runs on."""
+    def route(self, method: bytes, path: str) -> str | Answer:
+        """The verb a request names, or the answer to a request that names none."""
         ...
 
-    def answer(self, verb: str, handler: Verb, body: bytes) -> Answer: ...
+    def reads_body(self, verb: str) -> bool: ...
+
+    def pool_for(self, verb: str) -> Executor | None:
+        """The worker pool `verb` runs on (None: on the loop)."""
+        ...
+
+    def answer(self, verb: str, body: bytes) -> Answer: ...
 
     def after(self, verb: str) -> None:
-        """Called on the loop once an answer to `verb` is written."""
+        """Called on the loop once a 200 answer to `verb` is written."""
         ...
 
     def ready(self, verb: str, body: bytes) -> Answer | None:
         """An answer the loop may send at once, without a worker (None: hand the call to a worker)."""
         ...
-
-    def readiness(self) -> tuple[int, bytes]: ...
 
 
 def _error(text: str) -> bytes:
@@ -88,9 +95,9 @@ class VerbProtocol(asyncio.Protocol):
     """One connection. httptools calls the `on_*` methods while `data_received` feeds it (through the
     `HeadMeter`, which caps the head before httptools copies it)."""
 
-    def __init__(self, lane: Lane, limits: ListenerLimits, connections: set[VerbProtocol]) -> None:
-        self.lane = lane
-        self.limit = lane.max_request_bytes
+    def __init__(self, door: Entry, limits: ListenerLimits, connections: set[VerbProtocol]) -> None:
+        self.door = door
+        self.limit = door.max_request_bytes
         self.limits = limits
         self.connections = connections
         self.transport: asyncio.Transport | None = None
@@ -179,7 +186,8 @@ class VerbProtocol(asyncio.Protocol):
             # Only a verb's body is wanted, and only from an HTTP/1.1 client; any other request is
             # answered once its body has come anyway (the client sends it after its own wait).
             path = httptools.parse_url(b"".join(self._url)).path.decode("latin-1")
-            wanted = self.parser.get_method() == b"POST" and path in VERBS
+            verb = self.door.route(self.parser.get_method(), path)
+            wanted = isinstance(verb, str) and self.door.reads_body(verb)
             self._continue = wanted and self.parser.get_http_version() == "1.1"
             self._owe_continue()
 
@@ -224,22 +232,22 @@ class VerbProtocol(asyncio.Protocol):
         if req.refusal is not None:
             self._write(req.refusal, close=True)
             return
-        verb = VERBS.get(req.path)
-        if verb is None:
-            status, data = self._direct(req)
-            self._send(req, status, data)
+        door = self.door
+        name = door.route(req.method, req.path)
+        if not isinstance(name, str):  # 404, 405
+            self._send(req, *name)
             return
-        if req.method != b"POST":
-            self._send(req, 405, _error(f"{req.path} takes POST"))
+        pool = door.pool_for(name)
+        if pool is None:  # healthz, readyz: on the loop, so they answer while every worker decides
+            self._send(req, *door.answer(name, req.body))
             return
-        name, handler = verb
-        ready = self.lane.ready(name, req.body)
+        ready = door.ready(name, req.body)
         if ready is not None:
             self._send(req, *ready)
             return
         self.busy = True
         try:
-            future = self.lane.pool_for(name).submit(self.lane.answer, name, handler, req.body)
+            future = pool.submit(door.answer, name, req.body)
         except RuntimeError:  # the pools are shut down: the server is stopping
             self.busy = False
             self._send(req, 503, _error("gputopo-extender is shutting down"))
@@ -267,15 +275,8 @@ class VerbProtocol(asyncio.Protocol):
         # run after the next request, which may be the very prioritize it prepares.
         self._send(req, status, data, after=verb if status == 200 else "")
 
-    def _direct(self, req: _Request) -> tuple[int, bytes]:
-        if req.method in (b"GET", b"HEAD") and req.path == "/healthz":
-            return 200, HEALTHY
-        if req.method in (b"GET", b"HEAD") and req.path == "/readyz":
-            return self.lane.readiness()
-        return 404, _error(f"{req.path} is not served on this listener")
-
     def _send(self, req: _Request, status: int, data: bytes, *, after: str = "") -> None:
-        """Write the answer (no body to a HEAD); then `lane.after(after)` when `after` names a verb; then
+        """Write the answer (no body to a HEAD); then `door.after(after)` when `after` names a verb; then
         the next request."""
         if self.transport is None:  # the client left: nobody to answer, nothing to prepare
             return
@@ -288,7 +289,7 @@ class VerbProtocol(asyncio.Protocol):
         )
         self._write(head if req.method == b"HEAD" else head + data, close=close)  # one write: one segment
         if after:
-            self.lane.after(after)
+            self.door.after(after)
         if not close:
             self._next()
 
@@ -387,8 +388,8 @@ class VerbProtocol(asyncio.Protocol):
 class VerbServer:
     """The verbs listener on an already bound socket, with uvicorn.Server's surface that `serve` uses."""
 
-    def __init__(self, lane: Lane, limits: ListenerLimits | None = None) -> None:
-        self.lane = lane
+    def __init__(self, door: Entry, limits: ListenerLimits | None = None) -> None:
+        self.door = door
         self.limits = limits or ListenerLimits()
         self.connections: set[VerbProtocol] = set()
         self.should_exit = False
@@ -398,7 +399,7 @@ class VerbServer:
         loop = asyncio.get_running_loop()
         servers = [
             await loop.create_server(
-                lambda: VerbProtocol(self.lane, self.limits, self.connections), sock=s, backlog=2048
+                lambda: VerbProtocol(self.door, self.limits, self.connections), sock=s, backlog=2048
             )
             for s in sockets
         ]

@@ -1,6 +1,7 @@
 """Test support for tests/extender: builders for Node, Pod and Lease objects shaped as
-the API server returns them, a fake clock, and the `env` fixture: an app wired to the in-memory FakeSource with
-the informers driven synchronously. Lives under tests/: the wheel carries no test code."""
+the API server returns them, a fake clock, and the `env` fixture: the extender's listeners wired to the in-memory
+FakeSource with the informers driven synchronously, its verbs called through the door (`Door.answer`, no HTTP).
+Lives under tests/: the wheel carries no test code."""
 
 from __future__ import annotations
 
@@ -12,21 +13,25 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import uvicorn
-from fastapi.testclient import TestClient
 
-from extender.app import VerbsApp, create_app
+from extender.app import Listeners, create_listeners
 from extender.bounded import ListenerLimits
 from extender.cache import ClusterCache
+from extender.door import Door
 from extender.kube import KINDS, Informer
 from extender.ledger import Ledger
 from extender.main import _loop_factory, listener_config
+from extender.metrics import Metrics
+from extender.service import Extender
 from extender.settings import Settings
 from extender.verbserver import VerbServer
 from gputopo.model import (
@@ -158,17 +163,50 @@ def sync(cache: ClusterCache, source: FakeSource) -> None:
         Informer(source, kind, cache).relist()
 
 
+@dataclass(frozen=True)
+class Reply:
+    """What the door answered one call: HTTP status and JSON body."""
+
+    status: int
+    body: bytes
+
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
+    @property
+    def text(self) -> str:
+        return self.body.decode()
+
+
+def call(door: Door, verb: str, json: Any = None, *, content: bytes | None = None) -> Reply:
+    """One call of `verb` through the door, its body `json` encoded (Go clients write compact JSON) or
+    `content` as it is."""
+    body = content if content is not None else b"" if json is None else orjson.dumps(json)
+    return Reply(*door.answer(verb, body))
+
+
 @dataclass
 class Env:
     source: FakeSource
     clock: FakeClock
-    client: TestClient
+    listeners: Listeners
     settings: Settings
 
     @property
+    def door(self) -> Door:
+        return self.listeners.door
+
+    @property
+    def extender(self) -> Extender:
+        return self.listeners.extender
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.listeners.prometheus
+
+    @property
     def cache(self) -> ClusterCache:
-        cache: ClusterCache = self.client.app.state.cache  # type: ignore[attr-defined]
-        return cache
+        return self.listeners.cache
 
     @property
     def ledger(self) -> Ledger:
@@ -195,15 +233,19 @@ class Env:
     def resync(self) -> None:
         sync(self.cache, self.source)
 
+    def call(self, verb: str, json: Any = None, *, content: bytes | None = None) -> Reply:
+        """One call of `verb` through the door (`call`)."""
+        return call(self.door, verb, json, content=content)
+
     def filter(self, pod: JSON, names: list[str], *, lower: bool = False) -> JSON:
-        r = self.client.post("/filter", json=args(pod, names, lower=lower))
-        assert r.status_code == 200, r.text
+        r = self.call("filter", args(pod, names, lower=lower))
+        assert r.status == 200, r.text
         out: JSON = r.json()
         return out
 
     def prioritize(self, pod: JSON, names: list[str], *, lower: bool = False) -> dict[str, int]:
-        r = self.client.post("/prioritize", json=args(pod, names, lower=lower))
-        assert r.status_code == 200, r.text
+        r = self.call("prioritize", args(pod, names, lower=lower))
+        assert r.status == 200, r.text
         body = r.json()
         assert isinstance(body, list)
         # What kube-scheduler adds per node: a node missing from the answer gets 0.
@@ -211,40 +253,45 @@ class Env:
 
     def bind(self, pod: JSON, node: str) -> str:
         meta = pod["metadata"]
-        r = self.client.post(
-            "/bind",
-            json={"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": node},
+        r = self.call(
+            "bind", {"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": node}
         )
-        assert r.status_code == 200, r.text
-        self.client.app.state.extender.flush_events()  # type: ignore[attr-defined]
+        assert r.status == 200, r.text
+        self.extender.flush_events()
         error: str = r.json()["Error"]
         return error
 
 
+@contextmanager
+def make_env(source: FakeSource, clock: FakeClock, settings: Settings) -> Iterator[Env]:
+    """An `Env` over `source` with its listeners running (listed once), stopped after."""
+    listeners = create_listeners(settings, cluster=source, clock=clock, watch=False)
+    with listeners.running():
+        e = Env(source, clock, listeners, settings)
+        e.resync()
+        yield e
+
+
 @pytest.fixture
 def env() -> Iterator[Env]:
-    source = FakeSource(NS)
-    clock = FakeClock()
     settings = Settings(namespace=NS, stale_after_seconds=120, reservation_timeout_seconds=120)
-    app = create_app(settings, cluster=source, clock=clock, watch=False)
-    with TestClient(app) as client:
-        e = Env(source, clock, client, settings)
-        e.resync()
+    with make_env(FakeSource(NS), FakeClock(), settings) as e:
         yield e
 
 
 def start_server(
     app: Any, limits: ListenerLimits | None = None, tls: tuple[Path, Path] | None = None
 ) -> tuple[uvicorn.Server | VerbServer, threading.Thread, str]:
-    """`app` served in a thread on the server production gives it (the verbs listener's own, uvicorn for the
-    others, under `limits`, over TLS with `tls` = (certificate, key)), on a free loopback port: (server,
-    thread, base URL). Stop it with `server.should_exit = True`."""
+    """`app` (the door, or the webhook's or metrics' app) served in a thread on the server production gives
+    it (the verbs listener's own, uvicorn for the others, under `limits`, over TLS with `tls` =
+    (certificate, key)), on a free loopback port: (server, thread, base URL). Stop it with
+    `server.should_exit = True`."""
     limits = limits or ListenerLimits()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     server: uvicorn.Server | VerbServer
-    if isinstance(app, VerbsApp):
-        verbs = server = VerbServer(app.lane, limits)
+    if isinstance(app, Door):
+        verbs = server = VerbServer(app, limits)
 
         def target() -> None:  # on uvloop where installed, as `gputopo-extender` runs it
             with asyncio.Runner(loop_factory=_loop_factory()) as runner:

@@ -71,7 +71,7 @@ def test_unreachable_cluster_is_status_1(monkeypatch: pytest.MonkeyPatch, capsys
 
 def _gauges(env: Env) -> dict[str, float | None]:
     """The gauges as a scrape reads them (collecting the registry is what /metrics does)."""
-    registry = env.client.app.state.extender.metrics.registry  # type: ignore[attr-defined]
+    registry = env.metrics.registry
     out: dict[str, float | None] = {
         f"free_cliques/{k}": registry.get_sample_value("gputopo_extender_free_cliques", {"size": k})
         for k in ("8", "4", "2")
@@ -101,7 +101,8 @@ def test_gauges_follow_cache_changes_at_most_every_ten_seconds(env: Env) -> None
 
 def test_filter_calls_never_compute_the_gauges(env: Env) -> None:
     env.add_nodes(node_obj("n1", "dgx-h100"))
-    tracker = env.client.app.state.extender.metrics.fragmentation  # type: ignore[attr-defined]
+    tracker = env.metrics.fragmentation
+    assert tracker is not None
     _gauges(env)
     computed = tracker.computed
     env.add_nodes(node_obj("n2", "dgx-h100"))

@@ -87,7 +87,7 @@ def test_a_version_1_list_still_counts_as_in_use_next_to_placements(env: Env) ->
 
 
 def _events(env: Env) -> list[JSON]:
-    env.client.app.state.extender.flush_events()  # type: ignore[attr-defined]
+    env.extender.flush_events()
     return [e for e in env.source.events if e["reason"] == "TopologyPlacementMismatch"]
 
 
@@ -116,7 +116,7 @@ def test_a_mismatch_posts_one_warning_event_naming_both_sets(
     assert words in event["message"]
     assert event["involvedObject"]["uid"] == UID
     assert event["involvedObject"]["name"] == "train"
-    metrics: Metrics = env.client.app.state.metrics  # type: ignore[attr-defined]
+    metrics: Metrics = env.metrics
     clique = "false" if "not a full" in words else "true"
     assert metrics.registry.get_sample_value("gputopo_extender_placement_mismatches_total", {"clique": clique}) == 1
 
@@ -157,8 +157,8 @@ def test_preempt_subtracts_what_victims_actually_hold(env: Env, victims: list[st
     node = "n2" if victims == ["uid-plain"] else "n1"
     meta = {node: {"Pods": [{"UID": v} for v in victims], "NumPDBViolations": 0}}
     body = {"Pod": gputopo_pod("high", gpus, nvlink="ignore"), "NodeNameToVictims": None, "NodeNameToMetaVictims": meta}
-    r = env.client.post("/preempt", json=body)
-    assert r.status_code == 200
+    r = env.call("preempt", body)
+    assert r.status == 200
     assert (node in r.json()["NodeNameToMetaVictims"]) is kept
 
 

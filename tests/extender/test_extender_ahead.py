@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from extender.app import Listeners, create_listeners
-from extender.routers.scheduler import prioritize
+from extender.door import prioritize
 from extender.settings import Settings
 from tests.extender.fake import FakeSource
 from tests.extender.harness import NS, FakeClock, args, gputopo_pod, lease_obj, node_obj, start_server, sync
@@ -37,20 +37,19 @@ class Server:
         return r.status, orjson.loads(r.read())
 
     def ahead(self) -> float:
-        got = self.listeners.verbs.lane.metrics.registry.get_sample_value(
+        got = self.listeners.prometheus.registry.get_sample_value(
             "gputopo_extender_decisions_total", {"verb": "prioritize", "outcome": "scored", "reason": "ahead"}
         )
         return got or 0.0
 
     def afresh(self, body: Any) -> Any:
         """What the prioritize verb answers for `body` computed now, without anything computed ahead."""
-        lane = self.listeners.verbs.lane
-        status, data = prioritize(lane.extender, lane.metrics, orjson.dumps(body))
+        status, data = prioritize(self.listeners.extender, self.listeners.prometheus, orjson.dumps(body))
         assert status == 200
         return orjson.loads(data)
 
     def sync(self) -> None:
-        sync(self.listeners.verbs.state.cache, self.source)
+        sync(self.listeners.cache, self.source)
 
 
 @pytest.fixture
@@ -60,8 +59,8 @@ def server() -> Iterator[Server]:
     for name, fixture in NODES.items():
         source.put("nodes", node_obj(name, fixture, in_use=[0, 1, 2, 3] if name == "dgx-01" else None))
         source.put("leases", lease_obj(name, clock.now))
-    sync(listeners.verbs.state.cache, source)
-    srv, thread, url = start_server(listeners.verbs)
+    sync(listeners.cache, source)
+    srv, thread, url = start_server(listeners.door)
     host, port = url.removeprefix("http://").rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=20)
     try:
@@ -70,7 +69,7 @@ def server() -> Iterator[Server]:
         conn.close()
         srv.should_exit = True
         thread.join(10)
-        listeners.verbs.lane.close()
+        listeners.door.close()
 
 
 def _nothing(s: Server) -> None:
@@ -188,5 +187,4 @@ def test_a_prioritize_differing_from_the_expected_bytes_gets_what_it_would_get_a
     server.conn.request("POST", "/prioritize", body)
     r = server.conn.getresponse()
     got = (r.status, r.read())
-    lane = server.listeners.verbs.lane
-    assert got == prioritize(lane.extender, lane.metrics, body)
+    assert got == prioritize(server.listeners.extender, server.listeners.prometheus, body)

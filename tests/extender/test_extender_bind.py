@@ -8,9 +8,8 @@ import threading
 from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
 
-from extender.app import create_app
+from extender.app import create_listeners
 from extender.settings import Settings
 from gputopo.kube import KubeError
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
@@ -138,7 +137,7 @@ def test_gpus_of_a_bind_in_flight_are_taken_for_everyone_else(cluster: Env, monk
     seen: list[JSON] = []
     binds: list[str] = []
     original = cluster.source.create_binding
-    extender = cluster.client.app.state.extender  # type: ignore[attr-defined]
+    extender = cluster.extender
 
     def observing(namespace: str, name: str, uid: str, node: str, **kw: Any) -> None:
         if name == "mine":
@@ -209,7 +208,7 @@ def test_event_failure_does_not_fail_the_bind(cluster: Env, monkeypatch: pytest.
 def test_shutdown_posts_queued_events_then_stops_their_threads() -> None:
     source = FakeSource(NS)
     settings = Settings(namespace=NS, stale_after_seconds=120, reservation_timeout_seconds=120)
-    app = create_app(settings, cluster=source, clock=FakeClock(), watch=False)
+    listeners = create_listeners(settings, cluster=source, clock=FakeClock(), watch=False)
     release = threading.Event()
     posted = source.create_event
 
@@ -218,19 +217,19 @@ def test_shutdown_posts_queued_events_then_stops_their_threads() -> None:
         posted(namespace, event)
 
     source.create_event = slow_create_event  # type: ignore[method-assign]
-    with TestClient(app) as client:
-        env = Env(source, FakeClock(), client, settings)
+    with listeners.running():
+        env = Env(source, FakeClock(), listeners, settings)
         env.add_nodes(node_obj("gpu-07"))
         env.resync()
         pod = gputopo_pod("train-0", 4)
         env.add_pods(pod)
         meta = pod["metadata"]
         bind = {"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": "gpu-07"}
-        assert client.post("/bind", json=bind).json() == {"Error": ""}
+        assert env.call("bind", bind).json() == {"Error": ""}
         assert source.events == []  # still queued behind the held post
         release.set()
     # Leaving the app: the queued Event was posted, and the posting threads are gone.
     assert [e["reason"] for e in source.events] == ["TopologyPlacement"]
-    extender = app.state.extender
+    extender = listeners.extender
     extender.events.placed(NS, "late", "uid-late", "after shutdown")
     assert [e["reason"] for e in source.events] == ["TopologyPlacement"]

@@ -86,15 +86,15 @@ def _serve(tmp: Path, limits: ListenerLimits) -> Iterator[Servers]:
     source.put("nodes", node_obj("h100-a"))
     source.put("leases", lease_obj("h100-a", clock.now))
     source.put("pods", pod_obj("p", 1))
-    sync(listeners.verbs.state.cache, source)
-    apps = {"verbs": listeners.verbs, "webhook": listeners.webhook, "metrics": listeners.metrics}
+    sync(listeners.cache, source)
+    apps = {"verbs": listeners.door, "webhook": listeners.webhook, "metrics": listeners.metrics}
     started = {name: start_server(app, limits, (crt, key) if name == "webhook" else None) for name, app in apps.items()}
     ports = {name: int(url.rsplit(":", 1)[1]) for name, (_, _, url) in started.items()}
     yield Servers(ports, ca, {name: server for name, (server, _, _) in started.items()})
     for server, thread, _ in started.values():
         server.should_exit = True
         thread.join(10)
-    listeners.verbs.lane.close()
+    listeners.door.close()
 
 
 @pytest.fixture(scope="module")
@@ -300,6 +300,45 @@ def test_a_client_that_does_not_read_its_answers_is_cut_off(servers: Servers, li
         while ours & servers.connections(listener):
             assert time.monotonic() < deadline, "a client that never reads kept its connection"
             time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------------------------------- body limit
+
+# A path on each listener whose request body is read (the metrics listener reads every body, to refuse it).
+BODY_PATHS = {"verbs": "/filter", "webhook": "/mutate", "metrics": "/metrics"}
+
+
+def _chunked(path: str, chunks: int) -> bytes:
+    piece = b" " * 16384
+    return (
+        b"POST %s HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" % path.encode()
+        + b"%x\r\n%s\r\n" % (len(piece), piece) * chunks
+    )
+
+
+@pytest.mark.parametrize("listener", LISTENERS)
+@pytest.mark.parametrize(
+    "declared", [True, False], ids=["declared length over the limit", "chunked body passing the limit"]
+)
+def test_a_body_over_the_limit_gets_413_and_the_connection_closes(
+    servers: Servers, listener: str, declared: bool
+) -> None:
+    path = BODY_PATHS[listener]
+    # Declared: refused unread (none of the body is sent). Chunked: refused once the count passes the limit,
+    # with the request's end never sent.
+    raw = (
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (path.encode(), BODY_CAP + 1)
+        if declared
+        else _chunked(path, BODY_CAP // 16384 + 2)
+    )
+    with servers.connect(listener) as conn:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError, ssl.SSLError):
+            conn.sendall(raw)
+        reader = Reader(conn)
+        status, headers, body = reader.answer()
+        assert status == 413 and headers["connection"] == "close"
+        assert "--max-request-bytes" in orjson.loads(body)["Error"]
+        assert reader.closed()
 
 
 # ---------------------------------------------------------------------------------------------- order

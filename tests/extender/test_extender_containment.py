@@ -45,7 +45,7 @@ def with_meta(**meta: Any) -> JSON:
 
 
 def bad_count(env: Env, kind: str) -> float:
-    metrics = env.client.app.state.metrics  # type: ignore[attr-defined]
+    metrics = env.metrics
     return float(metrics.registry.get_sample_value("gputopo_extender_bad_objects_total", {"kind": kind}) or 0)
 
 
@@ -126,7 +126,7 @@ def test_binds_to_10000_unknown_node_names_keep_no_state_per_name(env: Env) -> N
     pod = gputopo_pod("p", 4)
     env.add_pods(pod)
     env.filter(pod, ["n1"])  # remembered: binds need no GET
-    extender = env.client.app.state.extender  # type: ignore[attr-defined]
+    extender = env.extender
     locks_before = len(extender.binder.locks)
     for i in range(10_000):
         err = extender.bind("default", "p", "uid-default-p", f"no-such-node-{i}-" + "n" * 200)
@@ -134,7 +134,7 @@ def test_binds_to_10000_unknown_node_names_keep_no_state_per_name(env: Env) -> N
     assert len(extender.binder.locks) == locks_before
     assert list(env.ledger.nodes) == ["n1"]
     assert env.ledger.node_for("n1").in_use == frozenset()  # no claim left behind
-    assert len(extender.binder.recent) <= extender.binder.recent.MAX_PODS
+    assert len(extender.recent) <= extender.recent.MAX_PODS
 
 
 def test_reservations_are_bounded_in_count(env: Env) -> None:

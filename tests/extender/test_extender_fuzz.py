@@ -160,8 +160,8 @@ def clients() -> Iterator[dict[str, httpx.Client]]:
     for node in (node_obj("h100-a"), node_obj("l40s-a", "l40s-4")):
         source.put("nodes", node)
         source.put("leases", lease_obj(node["metadata"]["name"], clock.now))
-    sync(listeners.verbs.state.cache, source)
-    started = {name: start_server(app) for name, app in (("verbs", listeners.verbs), ("webhook", listeners.webhook))}
+    sync(listeners.cache, source)
+    started = {name: start_server(app) for name, app in (("verbs", listeners.door), ("webhook", listeners.webhook))}
     with contextlib.ExitStack() as stack:
         yield {
             name: stack.enter_context(httpx.Client(base_url=url, timeout=10)) for name, (_, _, url) in started.items()
@@ -354,7 +354,7 @@ def test_an_unexpected_error_is_a_json_500_and_the_connection_stays_open(
     def boom(*_: object, **__: object) -> None:
         raise RuntimeError("bug")
 
-    monkeypatch.setattr("extender.routers.scheduler.pod_info", boom)
+    monkeypatch.setattr("extender.door.pod_info", boom)
     r = client.post("/filter", json=args(gputopo_pod("p", 1), ["h100-a"]))
     assert r.status_code == 500
     assert r.json() == {"Error": "internal: RuntimeError: bug"}
@@ -391,6 +391,6 @@ def test_an_unusable_body_limit_is_refused(value: int) -> None:
 def test_more_candidate_nodes_than_any_cluster_has_get_400(env: Env, key: str) -> None:
     names = [f"n{i}" for i in range(MAX_CANDIDATE_NODES + 1)]
     value: Any = names if key == "NodeNames" else {"items": [{"metadata": {"name": n}} for n in names]}
-    r = env.client.post("/filter", json={"Pod": gputopo_pod("p", 1), key: value})
-    assert r.status_code == 400
+    r = env.call("filter", {"Pod": gputopo_pod("p", 1), key: value})
+    assert r.status == 400
     assert f"at most {MAX_CANDIDATE_NODES} items" in r.json()["Error"]

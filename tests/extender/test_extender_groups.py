@@ -4,11 +4,9 @@ reservation timeout, and rebuilt from the API (bound members keep their nodes) a
 from __future__ import annotations
 
 import pytest
-from fastapi.testclient import TestClient
 
-from extender.app import create_app
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
-from tests.extender.harness import JSON, NS, Env, gputopo_pod, node_obj, pod_obj, two_leaves
+from tests.extender.harness import JSON, NS, Env, gputopo_pod, make_env, node_obj, pod_obj, two_leaves
 
 NODES = ["gpu-1", "gpu-2", "gpu-3", "gpu-4"]
 ELSEWHERE = "reserved for other members of the pod's group"
@@ -98,10 +96,7 @@ def test_a_restarted_extender_rebuilds_the_plan_around_bound_members(cluster: En
     cluster.add_pods(a, b)
     node_a = planned_node(cluster, a)
     assert cluster.bind(a, node_a) == ""
-    app = create_app(cluster.settings, cluster=cluster.source, clock=cluster.clock, watch=False)
-    with TestClient(app) as client:
-        restarted = Env(cluster.source, cluster.clock, client, cluster.settings)
-        restarted.resync()
+    with make_env(cluster.source, cluster.clock, cluster.settings) as restarted:
         assert restarted.ledger.node_for(node_a).in_use == frozenset(range(8))
         node_b = planned_node(restarted, b)
         assert node_b != node_a

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from extender import nodestates
-from extender.routers.scheduler import _priorities
+from extender.door import _priorities
 from extender.wire import MAX_JSON_DEPTH, ExtenderArgs, fast_extender_args, pod_info
 from gputopo.engine.reasons import Code, Reason
 from gputopo.model import parse_pod_request
@@ -133,7 +133,7 @@ def test_kind_lookups_follow_lease_deadlines(env: Env) -> None:
 def test_filter_splits_outcomes_as_a_node_by_node_loop_would(env: Env) -> None:
     names = [*_cluster(env), "not-a-node", "n01"]
     for gpus in (1, 4, 8, 16):  # 16: no node fits, so every reason is sent
-        answer = env.client.app.state.extender.filter(pod_info(gputopo_pod(f"p{gpus}", gpus)), names)  # type: ignore[attr-defined]
+        answer = env.extender.filter(pod_info(gputopo_pod(f"p{gpus}", gpus)), names)
         passed, failed, unresolvable = [], {}, {}
         for name, o in zip(names, _plain_outcomes(env, names, gpus), strict=True):
             if o.code is Code.SUCCESS:
@@ -232,7 +232,8 @@ def test_unchanged_since_sees_every_change_of_a_named_node(
 ) -> None:
     env.add_nodes(node_obj("n01", "dgx-h100"), node_obj("n02", "dgx-h100"))
     monkeypatch.setattr(nodestates, "MOVES_KEPT", 4)
-    env.ledger._moves = collections.deque(env.ledger._moves, maxlen=4)
+    states = env.ledger.node_states
+    states._moves = collections.deque(states._moves, maxlen=4)
     generation = env.ledger.generation
     if change is not None:
         change(env, on)

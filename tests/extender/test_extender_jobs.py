@@ -88,9 +88,9 @@ def test_a_bound_member_stays_in_its_inferred_group_before_the_watch_sees_the_bi
     key = ("default", "job/train")
     for pod in pods:
         node = planned(cluster, pod)
-        assert cluster.client.post(
-            "/bind",
-            json={
+        assert cluster.call(
+            "bind",
+            {
                 "PodName": pod["metadata"]["name"],
                 "PodNamespace": "default",
                 "PodUID": pod["metadata"]["uid"],

@@ -29,8 +29,8 @@ def victim(name: str, node: str, gpus: list[int], priority: int, group: str | No
 def preempt(env: Env, offers: Mapping[str, list[str]], *, pdb: int = 0, gpus: int = 4) -> JSON:
     meta = {n: {"Pods": [{"UID": f"uid-default-{v}"} for v in vs], "NumPDBViolations": pdb} for n, vs in offers.items()}
     body = {"Pod": gputopo_pod("high", gpus, nvlink="required"), "NodeNameToMetaVictims": meta}
-    r = env.client.post("/preempt", json=body)
-    assert r.status_code == 200
+    r = env.call("preempt", body)
+    assert r.status == 200
     out: JSON = r.json()["NodeNameToMetaVictims"]
     return out
 

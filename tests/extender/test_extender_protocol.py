@@ -7,13 +7,13 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from extender.app import create_app
+from extender.app import create_listeners
+from extender.door import NOT_READY
 from extender.kube import Informer
-from extender.routers.scheduler import NOT_READY
 from extender.settings import Settings
 from gputopo.engine.reasons import summarize_failures
 from tests.extender.fake import FakeSource
-from tests.extender.harness import NS, Env, FakeClock, args, gputopo_pod, lease_obj, node_obj, pod_obj
+from tests.extender.harness import NS, Env, FakeClock, Reply, args, call, gputopo_pod, lease_obj, node_obj, pod_obj
 
 NODES = ["h100-a", "h100-b", "l40s-a"]
 
@@ -38,13 +38,13 @@ def test_filter_answers_with_go_field_names(cluster: Env, lower: bool) -> None:
 
 
 def test_filter_accepts_camel_case_nodenames_spelling(cluster: Env) -> None:
-    r = cluster.client.post("/filter", json={"Pod": gputopo_pod("t", 8), "nodeNames": ["h100-a", "h100-b"]})
+    r = cluster.call("filter", {"Pod": gputopo_pod("t", 8), "nodeNames": ["h100-a", "h100-b"]})
     assert r.json()["NodeNames"] == ["h100-a"]
 
 
 @pytest.mark.parametrize("lower", [False, True], ids=["go-cased", "lower-cased"])
 def test_prioritize_returns_a_json_array_of_host_scores(cluster: Env, lower: bool) -> None:
-    r = cluster.client.post("/prioritize", json=args(gputopo_pod("train", 4), ["h100-a", "h100-b"], lower=lower))
+    r = cluster.call("prioritize", args(gputopo_pod("train", 4), ["h100-a", "h100-b"], lower=lower))
     body = r.json()
     assert isinstance(body, list)
     assert [set(h) for h in body] == [{"Host", "Score"}] * len(body)
@@ -74,7 +74,7 @@ def test_pods_without_gputopo_annotations_pass_through(cluster: Env, pod: dict[s
     out = cluster.filter(pod, names)
     assert out["NodeNames"] == names
     assert out["FailedNodes"] == {} and out["FailedAndUnresolvableNodes"] == {}
-    assert cluster.client.post("/prioritize", json=args(pod, names)).json() == []  # no preference for any node
+    assert cluster.call("prioritize", args(pod, names)).json() == []  # no preference for any node
 
 
 def test_filter_never_returns_a_node_that_was_not_asked_about(cluster: Env) -> None:
@@ -88,8 +88,8 @@ def test_filter_never_returns_a_node_that_was_not_asked_about(cluster: Env) -> N
 
 def test_filter_with_full_node_list_echoes_surviving_node_objects(cluster: Env) -> None:
     items = [{"metadata": {"name": n, "labels": {"x": "y"}}} for n in NODES]
-    r = cluster.client.post(
-        "/filter", json={"Pod": gputopo_pod("t", 8), "Nodes": {"metadata": {}, "items": items}, "NodeNames": None}
+    r = cluster.call(
+        "filter", {"Pod": gputopo_pod("t", 8), "Nodes": {"metadata": {}, "items": items}, "NodeNames": None}
     )
     out = r.json()
     assert out["Nodes"]["items"] == [items[0]]
@@ -128,8 +128,8 @@ def test_malformed_requests_get_400_naming_the_problem(env: Env, verb: str, body
     if verb == "preempt" and needle == "NodeNames":
         # preempt has no NodeNames: the same slot carries a malformed victims map instead
         body, needle = b'{"Pod": {"metadata": {"name": "p"}}, "NodeNameToMetaVictims": "a"}', "NodeNameToMetaVictims"
-    r = env.client.post(f"/{verb}", content=body, headers={"Content-Type": "application/json"})
-    assert r.status_code == 400
+    r = env.call(verb, content=body)
+    assert r.status == 400
     assert needle in r.json()["Error"]
 
 
@@ -143,16 +143,14 @@ def test_malformed_requests_get_400_naming_the_problem(env: Env, verb: str, body
     ids=["missing Node", "missing PodName", "empty PodName"],
 )
 def test_malformed_bind_gets_400(env: Env, body: dict[str, str], needle: str) -> None:
-    r = env.client.post("/bind", json=body)
-    assert r.status_code == 400
+    r = env.call("bind", body)
+    assert r.status == 400
     assert needle in r.json()["Error"]
 
 
 def test_bind_accepts_lower_case_keys(cluster: Env) -> None:
     cluster.add_pods(gputopo_pod("t", 2))
-    r = cluster.client.post(
-        "/bind", json={"podName": "t", "podNamespace": "default", "podUID": "uid-default-t", "node": "h100-a"}
-    )
+    r = cluster.call("bind", {"podName": "t", "podNamespace": "default", "podUID": "uid-default-t", "node": "h100-a"})
     assert r.json() == {"Error": ""}
     assert cluster.source.bindings == [("default", "t", "uid-default-t", "h100-a")]
 
@@ -162,11 +160,11 @@ def test_an_unexpected_failure_is_reported_in_error_not_as_500(cluster: Env, mon
         raise RuntimeError("cache exploded")
 
     monkeypatch.setattr(cluster.ledger, "evaluate_kinds", boom)
-    r = cluster.client.post("/filter", json=args(gputopo_pod("t", 4), NODES))
-    assert r.status_code == 200
+    r = cluster.call("filter", args(gputopo_pod("t", 4), NODES))
+    assert r.status == 200
     assert "cache exploded" in r.json()["Error"]
-    r = cluster.client.post("/prioritize", json=args(gputopo_pod("t", 4), NODES))
-    assert r.status_code == 200
+    r = cluster.call("prioritize", args(gputopo_pod("t", 4), NODES))
+    assert r.status == 200
     assert r.json() == []  # neutral: the same score for every node, so no node is preferred
 
 
@@ -239,8 +237,8 @@ def test_preempt_drops_nodes_that_cannot_fit_even_without_their_victims(env: Env
             "busy": {"Pods": [{"UID": "unknown-plain-pod"}], "NumPDBViolations": 1},
         },
     }
-    r = env.client.post("/preempt", json=body)
-    assert r.status_code == 200
+    r = env.call("preempt", body)
+    assert r.status == 200
     kept = r.json()["NodeNameToMetaVictims"]
     # tiny has 4 GPUs: no victim helps. busy's victim is unknown to gputopo, so it is kept.
     assert kept == {
@@ -251,18 +249,24 @@ def test_preempt_drops_nodes_that_cannot_fit_even_without_their_victims(env: Env
 
 def test_preempt_for_a_plain_pod_returns_candidates_unchanged(cluster: Env) -> None:
     body = {"pod": pod_obj("plain", 1), "nodeNameToMetaVictims": {"l40s-a": {"pods": [{"uid": "x"}]}}}
-    r = cluster.client.post("/preempt", json=body)
+    r = cluster.call("preempt", body)
     assert r.json() == {"NodeNameToMetaVictims": {"l40s-a": {"Pods": [{"UID": "x"}], "NumPDBViolations": 0}}}
 
 
 def _sibling(env: Env, listener: str) -> TestClient:
-    """A client of another listener's app; it shares the verbs app's cache and service."""
-    return TestClient(getattr(env.client.app.state.listeners, listener))  # type: ignore[attr-defined]
+    """A client of another listener's app; it shares the door's cache and service."""
+    return TestClient(getattr(env.listeners, listener))
+
+
+def _verbs(env: Env, method: str, path: str, body: bytes = b"") -> Reply:
+    """What the verbs listener answers `method path`: the door's route, then its answer."""
+    verb = env.door.route(method.encode(), path)
+    return Reply(*verb) if isinstance(verb, tuple) else env.call(verb, content=body)
 
 
 def test_health_readiness_and_metrics(cluster: Env) -> None:
-    assert cluster.client.get("/healthz").json() == {"status": "ok"}
-    assert cluster.client.get("/readyz").status_code == 200
+    assert cluster.call("healthz").json() == {"status": "ok"}
+    assert cluster.call("readyz").json() == {"status": "ready", "nodes": 3}
     cluster.filter(gputopo_pod("t", 8), NODES)
     cluster.filter(pod_obj("plain", 8), NODES)
     text = _sibling(cluster, "metrics").get("/metrics").text
@@ -308,8 +312,11 @@ HEALTH = [("GET", "/healthz"), ("GET", "/readyz")]
 def test_each_listener_serves_only_its_own_paths(
     cluster: Env, listener: str, method: str, path: str, served: bool
 ) -> None:
-    client = cluster.client if listener == "verbs" else _sibling(cluster, listener)
-    r = client.request(method, path, content=b"{}")
+    if listener == "verbs":
+        answer = _verbs(cluster, method, path, b"{}")
+        assert (answer.status != 404) is served, (answer.status, answer.text[:200])
+        return
+    r = _sibling(cluster, listener).request(method, path, content=b"{}")
     assert (r.status_code != 404) is served, (r.status_code, r.text[:200])
 
 
@@ -324,10 +331,10 @@ def test_filter_and_bind_report_an_error_until_the_first_full_list(verb: str, bo
     # Nodes listed but no pods yet: the ledger would not know which GPUs bound pods hold.
     source = FakeSource(NS)
     source.put("nodes", node_obj("h100-a"))
-    app = create_app(Settings(namespace=NS), cluster=source, clock=FakeClock(), watch=False)
-    Informer(source, "nodes", app.state.cache).relist()
-    with TestClient(app) as client:
-        assert client.get("/readyz").status_code == 503
-        out = client.post(f"/{verb}", json=body).json()
+    listeners = create_listeners(Settings(namespace=NS), cluster=source, clock=FakeClock(), watch=False)
+    Informer(source, "nodes", listeners.cache).relist()
+    with listeners.running():
+        assert call(listeners.door, "readyz").status == 503
+        out = call(listeners.door, verb, body).json()
     assert out["Error"] == NOT_READY
     assert not out.get("NodeNames")

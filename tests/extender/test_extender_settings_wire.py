@@ -6,13 +6,12 @@ import os
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 
-from extender.app import create_app
+from extender.app import create_listeners
 from extender.main import load_settings, main
 from extender.settings import Settings
 from extender.wire import ExtenderArgs, pod_info
-from tests.extender.harness import Env, args, gputopo_pod, node_obj, pod_obj
+from tests.extender.harness import Env, args, call, gputopo_pod, node_obj, pod_obj
 
 
 @pytest.fixture
@@ -110,14 +109,14 @@ def test_every_verb_answers_with_go_field_names_whatever_the_request_casing(env:
     env.add_nodes(node_obj("gpu-1"))
     pod = gputopo_pod("p", 4)
     env.add_pods(pod)
-    filtered = env.client.post("/filter", json=args(pod, ["gpu-1", "gone"], lower=lower)).json()
+    filtered = env.call("filter", args(pod, ["gpu-1", "gone"], lower=lower)).json()
     assert set(filtered) == {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
     assert filtered["NodeNames"] == ["gpu-1"]
-    prioritized = env.client.post("/prioritize", json=args(pod, ["gpu-1", "gone"], lower=lower)).json()
+    prioritized = env.call("prioritize", args(pod, ["gpu-1", "gone"], lower=lower)).json()
     assert [set(h) for h in prioritized] == [{"Host", "Score"}]
     meta = pod["metadata"]
     bind = {"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": "gpu-1"}
-    bound = env.client.post("/bind", json={k.lower(): v for k, v in bind.items()} if lower else bind).json()
+    bound = env.call("bind", {k.lower(): v for k, v in bind.items()} if lower else bind).json()
     assert bound == {"Error": ""}
 
 
@@ -144,21 +143,22 @@ def test_snapshot_mode_serves_a_cluster_file_and_binds_in_memory(tmp_path: Path)
         "  - {name: h2, fixture: hgx-h200, gpusInUse: [0]}\n"
         "  - {name: old, fixture: dgx-a100, stale: true}\n"
     )
-    app = create_app(Settings(snapshot=f))
+    listeners = create_listeners(Settings(snapshot=f))
     pod = gputopo_pod("p", 8)
-    with TestClient(app) as c:
-        assert c.get("/readyz").json() == {"status": "ready", "nodes": 3}
-        out = c.post("/filter", json=args(pod, ["h1", "h2", "old"])).json()
+    door = listeners.door
+    with listeners.running():
+        assert call(door, "readyz").json() == {"status": "ready", "nodes": 3}
+        out = call(door, "filter", args(pod, ["h1", "h2", "old"])).json()
         assert out["NodeNames"] == ["h1"]
-        stale = c.post("/filter", json=args(pod, ["old"])).json()
+        stale = call(door, "filter", args(pod, ["old"])).json()
         assert stale["FailedAndUnresolvableNodes"] == {"old": "GPU topology stale"}
-        r = c.post("/bind", json={"PodName": "p", "PodNamespace": "default", "PodUID": "uid-default-p", "Node": "h1"})
+        r = call(door, "bind", {"PodName": "p", "PodNamespace": "default", "PodUID": "uid-default-p", "Node": "h1"})
         assert r.json() == {"Error": ""}
-        again = c.post("/filter", json=args(gputopo_pod("q", 8), ["h1"])).json()
+        again = call(door, "filter", args(gputopo_pod("q", 8), ["h1"])).json()
         assert again["FailedNodes"] == {"h1": "fewer than 8 free GPUs"}
-        plain = c.post("/bind", json={"PodName": "x", "PodNamespace": "default", "Node": "h2"})
+        plain = call(door, "bind", {"PodName": "x", "PodNamespace": "default", "Node": "h2"})
         assert plain.json() == {"Error": ""}
-        assert c.post("/filter", json=args(pod_obj("plain", 8), ["h1"])).json()["NodeNames"] == ["h1"]
+        assert call(door, "filter", args(pod_obj("plain", 8), ["h1"])).json()["NodeNames"] == ["h1"]
 
 
 def test_every_setting_is_in_the_configuration_reference() -> None:

@@ -25,12 +25,12 @@ def address() -> Iterator[tuple[str, int]]:
     )
     source.put("nodes", node_obj("h100-a"))
     source.put("leases", lease_obj("h100-a", clock.now))
-    sync(listeners.verbs.state.cache, source)
-    server, thread, url = start_server(listeners.verbs)
+    sync(listeners.cache, source)
+    server, thread, url = start_server(listeners.door)
     yield "127.0.0.1", int(url.rsplit(":", 1)[1])
     server.should_exit = True
     thread.join(10)
-    listeners.verbs.lane.close()
+    listeners.door.close()
 
 
 def _request(path: str, body: bytes, *, extra: str = "", version: str = "1.1") -> bytes:

@@ -9,12 +9,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from console import inspect
-from extender.app import create_app
 from extender.settings import Settings
 from gputopo.engine.placement import evaluate_pod, rank
 from gputopo.engine.scoring import MAX_EXTENDER_SCORE, wire_scores
@@ -22,7 +20,7 @@ from gputopo.engine.snapshot import node_state
 from gputopo.model import parse_pod_request
 from gputopo.systems import SYSTEMS, build_system
 from tests.extender.fake import FakeSource
-from tests.extender.harness import NS, Env, FakeClock, gputopo_pod, node_obj, pod_obj
+from tests.extender.harness import NS, Env, FakeClock, gputopo_pod, make_env, node_obj, pod_obj
 
 
 def _engine_order(names: list[str], kinds: list[int], scores: dict[int, float]) -> list[int]:
@@ -74,10 +72,7 @@ def test_tp4_prefers_the_fragmented_dgx1v_node_on_the_wire(env: Env) -> None:
 def _cluster() -> Iterator[Env]:
     source = FakeSource(NS)
     clock = FakeClock()
-    app = create_app(Settings(namespace=NS, stale_after_seconds=120), cluster=source, clock=clock, watch=False)
-    with TestClient(app) as client:
-        e = Env(source, clock, client, Settings(namespace=NS))
-        e.resync()
+    with make_env(source, clock, Settings(namespace=NS, stale_after_seconds=120)) as e:
         yield e
 
 

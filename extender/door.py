@@ -1,12 +1,11 @@
-"""The extender verbs kube-scheduler calls: POST /filter, /prioritize, /bind, /preempt (the verbs listener).
+"""The one door into the verbs: `Door.answer(verb, body) -> (status, JSON bytes)`.
 
-They do not go through FastAPI's stack: kube-scheduler makes three of these calls per scheduled pod, and
-the per-request cost of its middleware, routing and anyio's threadpool was a measurable share of the
-extender's CPU. `VerbLane` is a plain ASGI callable that the verbs app calls first (`extender.app`): it
-reads the body under the same limit as every listener (`limits.read_body`), then hands the whole call
-(decode, decide, encode) to a worker thread in one hop, so the event loop stays free for /healthz, the
-other listeners and the next request while a large filter call is evaluated. Anything else the verbs
-listener gets (health, other paths and methods) is FastAPI's.
+kube-scheduler's calls (filter, prioritize, bind, preempt) and the health answers (healthz, readyz) of the
+verbs listener all go through `answer`, and nothing else reaches them: the verbs server
+(`extender.verbserver`) only frames HTTP around it, and the unit tests call it directly. `route` maps an
+HTTP method and path to a verb (or to the 404 or 405 answer); `pool_for` says where a verb runs (the
+decisions' workers, the binds' workers, or the server's loop); `after` and `ready` are the
+prioritize-ahead memory's two hooks (`extender.ahead`), called by the server on its loop.
 
 Filter and prioritize bodies as kube-scheduler sends them (Go-cased keys, `NodeNames`) are decoded by
 orjson and only the fields the decision reads are checked (`wire.fast_extender_args`, `wire.pod_info`);
@@ -25,7 +24,6 @@ Two answers carry less than every node, with the same effect on kube-scheduler (
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import operator
 import time
@@ -38,10 +36,9 @@ import orjson
 from pydantic import BaseModel, ValidationError
 from pydantic_core import to_json
 
-from extender.limits import Receive, Scope, Send, read_body
+from extender.limits import DEFAULT_MAX_REQUEST_BYTES
 from extender.metrics import Metrics
-from extender.routers.health import readiness
-from extender.service import NEUTRAL_SCORE, Extender
+from extender.service import HEALTHY, NEUTRAL_SCORE, Extender
 from extender.wire import (
     ExtenderArgs,
     ExtenderBindingArgs,
@@ -139,23 +136,6 @@ def _scheduling_args(body: bytes) -> tuple[ExtenderArgs, list[str], PodInfo]:
     return args, args.candidate_names(), pod_info(args.pod)
 
 
-_NODE_NAMES = b',"NodeNames":'
-
-
-def _prioritize_body(filter_body: bytes, names: list[str], passed: list[str]) -> bytes | None:
-    """The body of the prioritize request kube-scheduler sends after the filter request `filter_body` over
-    `names` passed `passed`: the same bytes with the passed nodes as the last member, as Go encodes its
-    ExtenderArgs (Pod, Nodes, then NodeNames). None when the filter body does not end with `names` exactly
-    as orjson writes them (another client's encoding): that prioritize is then decoded.
-
-    Equal bytes mean an equal request: the filter body ends with the top-level NodeNames member (what
-    follows the prefix is one array and the closing brace), so the prefix holds the same Pod and Nodes."""
-    tail = b"%s%s}" % (_NODE_NAMES, orjson.dumps(names))
-    if not filter_body.endswith(tail):
-        return None
-    return b"%s%s%s}" % (filter_body[: len(filter_body) - len(tail)], _NODE_NAMES, orjson.dumps(passed))
-
-
 def _bad(verb: str, metrics: Metrics, err: BadRequest | WireError) -> Answer:
     text = err.message if isinstance(err, BadRequest) else str(err)
     metrics.decision(verb, "bad_request")
@@ -200,7 +180,7 @@ def filter_(extender: Extender, metrics: Metrics, body: bytes) -> Answer:
         outcome = "pass_through" if d.kind == "pass_through" else ("feasible" if answer.passed else "infeasible")
         # Why nothing fits, when nothing does (a pass over every node: not paid when a node passed).
         metrics.decision("filter", outcome, "" if answer.passed else d.reason_label())
-        if d.kind != "pass_through":
+        if d.kind != "pass_through" and log.isEnabledFor(logging.DEBUG):
             log.debug("filter", extra={"verb": "filter", "pod": info.ref, "passed": len(answer.passed), "kind": d.kind})
     except Exception as e:
         log.exception("filter failed", extra={"verb": "filter", "pod": info.ref})
@@ -260,37 +240,84 @@ def preempt(extender: Extender, metrics: Metrics, body: bytes) -> Answer:
     return 200, _json({"NodeNameToMetaVictims": {n: v.to_wire() for n, v in kept.items()}})
 
 
+def healthz(_extender: Extender) -> Answer:
+    return 200, HEALTHY
+
+
 Verb = Callable[[Extender, Metrics, bytes], Answer]
-VERBS: dict[str, tuple[str, Verb]] = {
-    "/filter": ("filter", filter_),
-    "/prioritize": ("prioritize", prioritize),
-    "/bind": ("bind", bind),
-    "/preempt": ("preempt", preempt),
-}
-_HEADERS = [(b"content-type", b"application/json")]
+# The verbs that read a request body (POST): what kube-scheduler calls, on worker threads.
+POSTED: dict[str, Verb] = {"filter": filter_, "prioritize": prioritize, "bind": bind, "preempt": preempt}
+# GET (and HEAD: the same answer, no body), answered on the server's loop: they must answer while every
+# worker is busy with a long decision.
+READ: dict[str, Callable[[Extender], Answer]] = {"healthz": healthz, "readyz": Extender.readiness}
 
 
-class VerbLane:
-    """The verbs as one ASGI callable: `matches(scope)` says whether a request is one of them.
+def _error(text: str) -> bytes:
+    return orjson.dumps({"Error": text})
 
-    Decisions and binds run on separate worker pools: binds wait on the API server (many at once, since
-    kube-scheduler binds asynchronously), and a filter must not queue behind them."""
 
-    def __init__(self, extender: Extender, metrics: Metrics, max_request_bytes: int) -> None:
+def _decode_prioritize(body: bytes) -> tuple[PodInfo, list[str]] | None:
+    """A prioritize body as the prioritize-ahead memory compares it; None when it is not readable (the
+    worker then answers it, with the 400 naming the problem)."""
+    try:
+        _, names, info = _scheduling_args(body)
+    except (BadRequest, WireError):
+        return None
+    return info, names
+
+
+class Door:
+    """The verbs of one extender (module doc). Decisions and binds run on separate worker pools: binds wait
+    on the API server (many at once, since kube-scheduler binds asynchronously), and a filter must not
+    queue behind them."""
+
+    def __init__(
+        self, extender: Extender, metrics: Metrics, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    ) -> None:
         self.extender = extender
         self.metrics = metrics
-        self.max_request_bytes = max_request_bytes
+        self.max_request_bytes = max_request_bytes  # the verbs server refuses larger bodies (413)
         self._pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
-        # see `after`: the evaluation, the prioritize request's bytes (None: not known), the answer
-        self._ahead: tuple[object, bytes | None, bytes] | None = None
+
+    def answer(self, verb: str, body: bytes) -> Answer:
+        """The answer to one call of `verb` with the request body `body` (b"" for healthz and readyz): HTTP
+        status and JSON. Runs where `pool_for(verb)` says; an unknown verb gets 404."""
+        read = READ.get(verb)
+        if read is not None:
+            return read(self.extender)
+        handler = POSTED.get(verb)
+        if handler is None:
+            return 404, _error(f"/{verb} is not served on this listener")
+        start = time.perf_counter()
+        try:
+            status, data = handler(self.extender, self.metrics, body)
+        except Exception as e:  # the verbs catch their own errors: this is the last resort
+            log.exception("unhandled error", extra={"verb": verb})
+            status, data = 500, _error(f"internal: {type(e).__name__}: {e}")
+        self._count(verb, start, body, data)
+        return status, data
 
     @staticmethod
-    def matches(scope: Scope) -> bool:
-        return scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in VERBS
+    def route(method: bytes, path: str) -> str | Answer:
+        """The verb a request names, or the answer for one that names none: 404 for an unknown path, 405
+        for a verb asked with another method (HEAD is GET without the body, the server's part)."""
+        verb = path[1:] if path.startswith("/") else ""
+        if verb in POSTED:
+            return verb if method == b"POST" else (405, _error(f"{path} takes POST"))
+        if verb in READ:
+            return verb if method in (b"GET", b"HEAD") else (405, _error(f"{path} takes GET"))
+        return 404, _error(f"{path} is not served on this listener")
 
-    def pool_for(self, verb: str) -> ThreadPoolExecutor:
-        """The worker pool `verb` runs on; the pools start on first use and again after `close` (an app
-        served twice)."""
+    @staticmethod
+    def reads_body(verb: str) -> bool:
+        """Whether `verb` wants its request's body (the server sends 100 Continue only for those)."""
+        return verb in POSTED
+
+    def pool_for(self, verb: str) -> ThreadPoolExecutor | None:
+        """The worker pool `verb` runs on, None for the loop; the pools start on first use and again after
+        `close` (an extender served twice)."""
+        if verb in READ:
+            return None
         if self._pools is None:
             self._pools = (
                 ThreadPoolExecutor(max_workers=4, thread_name_prefix="gputopo-decide"),
@@ -304,78 +331,29 @@ class VerbLane:
         for pool in pools or ():
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def readiness(self) -> tuple[int, bytes]:
-        return readiness(self.extender)
-
-    def answer(self, verb: str, handler: Verb, body: bytes) -> Answer:
-        """One call, on a worker thread: the handler, timed, with its bytes counted."""
-        start = time.perf_counter()
-        try:
-            status, data = handler(self.extender, self.metrics, body)
-        except Exception as e:  # the handlers catch their own errors: this is the last resort
-            log.exception("unhandled error", extra={"verb": verb})
-            status, data = 500, _json({"Error": f"internal: {type(e).__name__}: {e}"})
-        self._count(verb, start, body, data)
-        return status, data
-
     def _count(self, verb: str, start: float, body: bytes, data: bytes) -> None:
         m = self.metrics
         m.durations[verb].observe(time.perf_counter() - start)
         m.bytes_in[verb].inc(len(body))
         m.bytes_out[verb].inc(len(data))
 
-    # kube-scheduler's cycle for one pod is serial: filter, its own score plugins, then prioritize over the
-    # nodes filter passed. The verbs server calls `after` on its event loop once a filter answer is written,
-    # and the prioritize answer is computed while kube-scheduler scores; `ready` then answers that prioritize
-    # on the loop, with no worker-thread hop. Prioritize is not on that serial path any more.
+    # ------------------------------------------------------------------ the prioritize-ahead memory's hooks
 
     def after(self, verb: str) -> None:
-        """Once a filter answer is written: the prioritize answer for the nodes it passed, computed ahead,
-        and the bytes of the prioritize request kube-scheduler sends for them."""
-        if verb != "filter":
-            return
-        self._ahead = None
-        last = self.extender.last_filter()
-        if last is None:
-            return
-        try:
-            hosts, scores, _ = self.extender.prioritize(last.info, last.passed)
-            expect = _prioritize_body(last.raw, last.names, last.passed)
-            self._ahead = (last.token, expect, _priorities(hosts, scores))
-        except Exception:  # prioritize itself then answers (and logs) when it is asked
-            log.debug("prioritize ahead failed", exc_info=True)
+        """Called by the server on its loop once a 200 answer to `verb` is written and before it reads the
+        next request: after a filter, the prioritize answer for the nodes it passed is computed ahead."""
+        if verb == "filter":
+            self.extender.ahead.prepare(_priorities)
 
     def ready(self, verb: str, body: bytes) -> Answer | None:
-        """The answer computed ahead, when this is the prioritize it was computed for (same pod and request,
-        the nodes filter passed, none of them changed since); None sends the call to a worker."""
+        """An answer the loop sends at once, without a worker: the prioritize computed ahead, when this is
+        the request it was computed for and it still holds (None: hand the call to a worker)."""
         if verb != "prioritize":
             return None
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return None
         start = time.perf_counter()
-        token, expect, data = ahead
-        if body == expect:  # byte for byte the request it was computed for: nothing to decode
-            if not self.extender.still_holds(token):
-                return None
-        else:
-            try:
-                _, names, info = _scheduling_args(body)
-            except (BadRequest, WireError):
-                return None  # the worker answers it, with the 400 naming the problem
-            if not self.extender.answers_from(token, info, names):
-                return None
+        data = self.extender.ahead.take(body, _decode_prioritize)
+        if data is None:
+            return None
         self.metrics.decision("prioritize", "scored", "ahead")
         self._count(verb, start, body, data)
         return 200, data
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await read_body(scope, receive, send, self.max_request_bytes)
-        if body is None:
-            return  # answered (413) or the client left
-        verb, handler = VERBS[scope["path"]]
-        loop = asyncio.get_running_loop()
-        status, data = await loop.run_in_executor(self.pool_for(verb), self.answer, verb, handler, body)
-        headers = [*_HEADERS, (b"content-length", str(len(data)).encode())]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": data})
