@@ -1,5 +1,7 @@
 """The informers' side of the cache: Node, Pod and Lease objects (a full list, or one watch event) turned
-into records and handed to the ledger, which holds the state (`extender/ledger.py`).
+into records and handed to the ledger, which holds the state (`extender/ledger.py`). On DRA nodes the
+GPUs our ResourceClaims hold (per pod they are reserved for) join the agent's gpus-in-use report, so
+the ledger, the filter and the mismatch check read DRA's allocations as they read the device plugin's.
 
 An error while handling one object is contained to that object: a Node whose name is readable but
 whose contents are not stays in the cache as unschedulable for gputopo, with the reason; any other
@@ -37,6 +39,7 @@ from extender.wire import PodInfo
 from gputopo.engine.reasons import Reason
 from gputopo.engine.snapshot import NodeState
 from gputopo.model import DEFAULT_NAMESPACE, ControllerFacts, GpusInUse, JobShape
+from gputopo.model.dra import ClaimInfo, SliceInfo, in_use_by_node, parse_claim, parse_slice
 from gputopo.model.jobs import PodGroupShape
 
 log = logging.getLogger("gputopo.extender.cache")
@@ -67,6 +70,13 @@ class ClusterCache:
         # scheduling.k8s.io PodGroups by namespace and name: native gangs (size, required tier).
         self._podgroups: dict[str, dict[str, PodGroupShape]] = {}
         self._controller_facts: dict[str, ControllerFacts] = {}
+        # DRA: our ResourceSlices (by name) and the ResourceClaims holding our GPUs (by uid). On a DRA
+        # node they, not the agent's gpus-in-use, say which GPUs are taken; `_node_facts` keeps what
+        # each Node object says, so that a claim's change re-merges without the Node changing.
+        self._slices: dict[str, SliceInfo] = {}
+        self._claims: dict[str, ClaimInfo] = {}
+        self._dra_reports: dict[str, GpusInUse] = {}
+        self._node_facts: dict[str, NodeFacts] = {}
 
     @property
     def nodes(self) -> dict[str, Any]:
@@ -216,9 +226,9 @@ class ClusterCache:
                 except Exception as e:
                     self._bad(kind, obj, e)
                     continue
-                self.ledger.put_node(facts)
+                self._put_node(facts)
                 names.add(facts.name)
-            self.ledger.drop_nodes(set(self.ledger.nodes) - names)
+            self._drop_nodes(set(self.ledger.nodes) - names)
         elif kind == "pods":
             records: dict[str, PodRecord] = {}
             for obj in items:
@@ -261,6 +271,30 @@ class ClusterCache:
                 for name in gone:
                     self.ledger.release((namespace, f"podgroup/{name}"))
             self._reinfer(changed)
+        elif kind == "resourceslices":
+            slices: dict[str, SliceInfo] = {}
+            for obj in items:
+                try:
+                    ours = parse_slice(obj)
+                except Exception as e:
+                    self._bad(kind, obj, e)
+                    continue
+                if ours is not None:
+                    slices[object_name(obj)] = ours
+            self._slices = slices
+            self._redo_dra()
+        elif kind == "resourceclaims":
+            claims: dict[str, ClaimInfo] = {}
+            for obj in items:
+                try:
+                    claim = parse_claim(obj)
+                except Exception as e:
+                    self._bad(kind, obj, e)
+                    continue
+                if claim.gpus:
+                    claims[claim.uid] = claim
+            self._claims = claims
+            self._redo_dra()
         else:
             leases: dict[str, float] = {}
             for obj in items:
@@ -279,21 +313,66 @@ class ClusterCache:
         try:
             if kind == "nodes":
                 if event_type == "DELETED":
-                    self.ledger.drop_nodes([object_name(obj)])
+                    self._drop_nodes([object_name(obj)])
                 else:
-                    self.ledger.put_node(self._facts(obj))
+                    self._put_node(self._facts(obj))
             elif kind == "pods":
                 self.upsert_pod(obj, deleted=event_type == "DELETED")
             elif kind == "jobs":
                 self._apply_job(event_type, obj)
             elif kind == "podgroups":
                 self._apply_podgroup(event_type, obj)
+            elif kind == "resourceslices":
+                name = object_name(obj)
+                ours = None if event_type == "DELETED" else parse_slice(obj)
+                if ours is None:
+                    self._slices.pop(name, None)
+                else:
+                    self._slices[name] = ours
+                self._redo_dra()
+            elif kind == "resourceclaims":
+                claim = parse_claim(obj)
+                if event_type == "DELETED" or not claim.gpus:
+                    self._claims.pop(claim.uid, None)
+                else:
+                    self._claims[claim.uid] = claim
+                self._redo_dra()
             else:
                 found = lease_renewal(obj, self.lease_namespace)
                 if found is not None:
                     self.ledger.put_lease(found[0], None if event_type == "DELETED" else found[1])
         except Exception as e:
             self._bad(kind, obj, e)
+
+    def _put_node(self, facts: NodeFacts) -> None:
+        self._node_facts[facts.name] = facts
+        self.ledger.put_node(self._with_dra(facts))
+
+    def _drop_nodes(self, names: Iterable[str]) -> None:
+        names = list(names)
+        for name in names:
+            self._node_facts.pop(name, None)
+        self.ledger.drop_nodes(names)
+
+    def _with_dra(self, facts: NodeFacts) -> NodeFacts:
+        """The Node's facts with its DRA claims' GPUs added to what its agent reports."""
+        dra = self._dra_reports.get(facts.name)
+        if dra is None or (not dra.pods and not dra.other):
+            return facts
+        pods = {uid: frozenset(g) for uid, g in facts.report.pods.items()}
+        for uid, gpus in dra.pods.items():
+            pods[uid] = pods.get(uid, frozenset()) | gpus
+        return dataclasses.replace(facts, report=GpusInUse(pods=pods, other=facts.report.other | dra.other))
+
+    def _redo_dra(self) -> None:
+        """Recompute which GPUs the claims hold per node; re-put each node whose share changed."""
+        reports = in_use_by_node(self._claims.values(), self._slices.values())
+        changed = {n for n in set(reports) | set(self._dra_reports) if reports.get(n) != self._dra_reports.get(n)}
+        self._dra_reports = reports
+        for name in changed:
+            facts = self._node_facts.get(name)
+            if facts is not None:
+                self.ledger.put_node(self._with_dra(facts))
 
     def upsert_pod(self, obj: JSON, *, deleted: bool = False) -> PodRecord | None:
         """Apply a pod object (from a watch, or one the extender built after its own bind). A pending

@@ -2,12 +2,13 @@
 the project's Kubernetes layer (`gputopo.kube`), and the informers that keep the cache current.
 
 `KubeSource` lists and watches the kinds the extender reads (nodes, pods, the agents' Leases, Jobs,
-PodGroups) as raw JSON and makes its two writes (Binding, Event). `Informer` runs one list+watch loop
-per kind in a thread and hands objects to a handler (the cache, which locks): 410 Gone relists, any
-other failure reconnects with capped exponential backoff, and the cache keeps serving meanwhile. A
+PodGroups, DRA's ResourceClaims and ResourceSlices) as raw JSON and makes its two writes (Binding,
+Event). `Informer` runs one list+watch loop per kind in a thread and hands objects to a handler (the
+cache, which locks): 410 Gone relists, any other failure reconnects with capped exponential backoff, and the cache keeps serving meanwhile. A
 kind the API server may not serve (`OPTIONAL_KINDS`: PodGroups before Kubernetes 1.36 or without the
 Workload API) whose list gets 404 counts as listed empty and is looked for again only every
-`not_served_recheck_seconds`.
+`not_served_recheck_seconds`. The DRA kinds are read only where the chart grants them (with
+`agent.dra.enabled`): elsewhere their 403 counts the same way.
 """
 
 from __future__ import annotations
@@ -32,18 +33,22 @@ from gputopo.kube import (
     run_list_watch,
 )
 
-Kind = Literal["nodes", "pods", "leases", "jobs", "podgroups"]
+Kind = Literal["nodes", "pods", "leases", "jobs", "podgroups", "resourceclaims", "resourceslices"]
 # Jobs (batch/v1, read-only) give the sizes an Indexed Job's or a JobSet's pod labels do not carry;
 # PodGroups (scheduling.k8s.io/v1beta1, read-only) the gangs kube-scheduler holds pods to.
-KINDS: tuple[Kind, ...] = ("nodes", "pods", "leases", "jobs", "podgroups")
+KINDS: tuple[Kind, ...] = ("nodes", "pods", "leases", "jobs", "podgroups", "resourceclaims", "resourceslices")
 # Kinds whose API may not be served: a 404 on list means "not here", not a failure.
-OPTIONAL_KINDS: frozenset[Kind] = frozenset({"podgroups"})
+OPTIONAL_KINDS: frozenset[Kind] = frozenset({"podgroups", "resourceclaims", "resourceslices"})
+# Kinds the extender reads only where the chart grants them (agent.dra.enabled): a 403 is "not here".
+RBAC_OPTIONAL_KINDS: frozenset[Kind] = frozenset({"resourceclaims", "resourceslices"})
 NOT_SERVED_RECHECK_SECONDS = 600.0
 
 log = logging.getLogger("gputopo.extender.kube")
 
 JOBS_PATH = "/apis/batch/v1/jobs"  # every namespace's Jobs
 PODGROUPS_PATH = "/apis/scheduling.k8s.io/v1beta1/podgroups"  # every namespace's PodGroups (Kubernetes 1.37)
+RESOURCECLAIMS_PATH = "/apis/resource.k8s.io/v1/resourceclaims"  # DRA (Kubernetes >= 1.34)
+RESOURCESLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
 
 
 class ClusterSource(Protocol):
@@ -86,6 +91,10 @@ class KubeSource:
             return JOBS_PATH
         if kind == "podgroups":
             return PODGROUPS_PATH
+        if kind == "resourceclaims":
+            return RESOURCECLAIMS_PATH
+        if kind == "resourceslices":
+            return RESOURCESLICES_PATH
         return lease_path(self.namespace)
 
     def list_objects(self, kind: Kind) -> tuple[list[JSON], str]:
@@ -162,7 +171,8 @@ class Informer:
         try:
             items, rv = self.source.list_objects(self.kind)
         except KubeError as e:
-            if e.status != 404 or self.kind not in OPTIONAL_KINDS:
+            not_here = e.status == 404 or (e.status == 403 and self.kind in RBAC_OPTIONAL_KINDS)
+            if not not_here or self.kind not in OPTIONAL_KINDS:
                 raise
             self._not_served(e)
             return

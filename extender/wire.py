@@ -17,6 +17,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gputopo.model import GPU_RESOURCE, MAX_QUANTITY, parse_quantity
+from gputopo.model.dra import pod_claim_gpus
 
 JSON = dict[str, Any]
 
@@ -304,7 +305,8 @@ def pod_gpus(spec: Mapping[str, Any], where: str = "Pod.spec") -> int:
         init = max(init, _gpu_quantity(c.get("resources"), f"{where}.initContainers[{i}]"))
     if max(total, init) > MAX_QUANTITY:
         raise WireError(f"{where}: the containers ask for more than {MAX_QUANTITY} GPUs in all")
-    return max(total, init)
+    # Under DRA the webhook moved the count into a claim template of gputopo's (nvidia.com/gpu is gone).
+    return max(total, init) or pod_claim_gpus(spec)
 
 
 def _str_map(value: Any, where: str) -> dict[str, str]:

@@ -43,6 +43,7 @@ from gputopo.engine.dra import (
     partition_attribute,
     qualified,
 )
+from gputopo.model.dra import TEMPLATE_PREFIX
 from gputopo.model.request import NvlinkPolicy, PodRequest
 
 API_VERSION = "resource.k8s.io/v1"
@@ -50,7 +51,7 @@ KIND = "ResourceClaimTemplate"
 REQUEST = "gpus"  # the one device request; also the pod's claim name (extender.webhook)
 ANY_SUBREQUEST = "any"  # the unconstrained fallback of `preferred`
 CLIQUE_SUBREQUEST = "clique"  # the constrained subrequest of `preferred` with list attributes
-NAME_PREFIX = "gputopo-gpus"
+NAME_PREFIX = TEMPLATE_PREFIX
 # Labels and annotations on every template gputopo makes: who made it, and the digest of its spec (the
 # API server may add defaults to a stored spec; the digest still says which spec it was made from).
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"

@@ -15,6 +15,8 @@ from gputopo.model.inuse import GpusInUse
 
 DRIVER = "gpu.gputopo.io"  # the DRA driver name, the attribute domain and the DeviceClass's name
 DEVICE_CLASS = DRIVER
+# gputopo's ResourceClaimTemplates: `gputopo-gpus-<count>-...` (gputopo.engine.draclaims names them).
+TEMPLATE_PREFIX = "gputopo-gpus"
 
 # Upstream bounds (resource.k8s.io/v1 validation): devices per slice, results per allocation.
 MAX_SLICE_DEVICES = 128
@@ -39,6 +41,31 @@ def device_index(name: str) -> int | None:
         return None
     index = int(rest)
     return index if index < MAX_GPU_INDEX else None
+
+
+def template_gpus(name: str) -> int | None:
+    """The GPU count of one of gputopo's claim templates, read from its name; None for any other name."""
+    head, sep, rest = name.partition(TEMPLATE_PREFIX + "-")
+    if head or not sep:
+        return None
+    count = rest.split("-", 1)[0]
+    if not count.isdigit() or count[0] == "0" or len(count) > 3:
+        return None
+    return int(count)
+
+
+def pod_claim_gpus(spec: Mapping[str, Any]) -> int:
+    """The GPUs a pod asks for through gputopo's claim templates (`spec.resourceClaims`): a pod the
+    webhook converted for DRA names no nvidia.com/gpu, only the template. 0 for anything else."""
+    claims = spec.get("resourceClaims")
+    if not isinstance(claims, list):
+        return 0
+    total = 0
+    for c in claims[:MAX_ALLOCATION_RESULTS]:
+        name = c.get("resourceClaimTemplateName") if isinstance(c, Mapping) else None
+        count = template_gpus(name) if isinstance(name, str) else None
+        total += count or 0
+    return total
 
 
 def _name(obj: Mapping[str, Any]) -> str:

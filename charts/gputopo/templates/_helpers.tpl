@@ -210,6 +210,10 @@ The KubeSchedulerConfiguration of the gputopo scheduler: one profile, one extend
   "ignorable" $s.extender.ignorable
   "managedResources" $s.extender.managedResources
 }}
+{{- if .Values.agent.dra.enabled }}
+{{- /* A DRA pod names a claim, not nvidia.com/gpu: the extender must see every pod. */}}
+{{- $_ := set $ext "managedResources" (list) }}
+{{- end }}
 {{- with $s.extender.preemptVerb }}
 {{- $_ := set $ext "preemptVerb" . }}
 {{- end }}

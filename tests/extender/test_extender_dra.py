@@ -1,0 +1,139 @@
+"""The extender over DRA: ResourceSlices and ResourceClaims join a node's GPUs in use (extender/cache.py),
+and a pod converted for DRA counts the GPUs of its gputopo claim template (extender/wire.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from extender.cache import ClusterCache
+from extender.wire import pod_gpus
+from gputopo.model import TOPOLOGY_ANNOTATION, GpusInUse
+from gputopo.model.dra import DRIVER, pod_claim_gpus, template_gpus
+from gputopo.systems import build_system
+
+NODE = "dra-a"
+
+
+def _node(name: str = NODE, in_use: GpusInUse | None = None) -> dict[str, Any]:
+    ann = {TOPOLOGY_ANNOTATION: build_system("dgx-1v", name).to_annotation()}
+    if in_use is not None:
+        ann["gputopo.io/gpus-in-use"] = in_use.to_annotation()
+    return {"metadata": {"name": name, "annotations": ann, "labels": {}}}
+
+
+def _slice(node: str = NODE, driver: str = DRIVER) -> dict[str, Any]:
+    return {
+        "metadata": {"name": f"{node}-{driver}"},
+        "spec": {
+            "driver": driver,
+            "nodeName": node,
+            "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+            "devices": [{"name": f"gpu-{i}"} for i in range(8)],
+        },
+    }
+
+
+def _claim(uid: str, gpus: list[int], pod: str | None, pool: str = NODE) -> dict[str, Any]:
+    results = [{"request": "gpus", "driver": DRIVER, "pool": pool, "device": f"gpu-{i}"} for i in gpus]
+    return {
+        "metadata": {"uid": uid, "namespace": "ns", "name": f"claim-{uid}"},
+        "status": {
+            "allocation": {"devices": {"results": results}},
+            "reservedFor": [{"resource": "pods", "name": "p", "uid": pod}] if pod else [],
+        },
+    }
+
+
+def _report(cache: ClusterCache, node: str = NODE) -> GpusInUse:
+    return cache.ledger.nodes[node].report
+
+
+def test_claims_on_our_slices_join_the_agents_report_per_pod() -> None:
+    cache = ClusterCache()
+    cache.replace("nodes", [_node(in_use=GpusInUse(pods={"agent-pod": frozenset({7})}))])
+    cache.replace("resourceslices", [_slice(), _slice(driver="gpu.nvidia.com")])
+    cache.replace("resourceclaims", [_claim("c1", [0, 1], "pod-1"), _claim("c2", [5], None)])
+    assert _report(cache) == GpusInUse(
+        pods={"agent-pod": frozenset({7}), "pod-1": frozenset({0, 1})}, other=frozenset({5})
+    )
+
+
+def test_a_claims_events_change_the_node_without_the_node_changing() -> None:
+    cache = ClusterCache()
+    cache.replace("nodes", [_node()])
+    cache.replace("resourceslices", [_slice()])
+    cache.replace("resourceclaims", [])
+    assert _report(cache) == GpusInUse()
+    cache.apply("resourceclaims", "ADDED", _claim("c1", [2, 3], "pod-1"))
+    assert _report(cache).pods == {"pod-1": frozenset({2, 3})}
+    cache.apply("resourceclaims", "DELETED", _claim("c1", [2, 3], "pod-1"))
+    assert _report(cache) == GpusInUse()
+    # A slice deleted (the agent gone): its claims count for no node.
+    cache.apply("resourceclaims", "ADDED", _claim("c2", [4], "pod-2"))
+    cache.apply("resourceslices", "DELETED", _slice())
+    assert _report(cache) == GpusInUse()
+
+
+def test_a_node_update_keeps_its_claims() -> None:
+    cache = ClusterCache()
+    cache.replace("resourceslices", [_slice()])
+    cache.replace("resourceclaims", [_claim("c1", [6], "pod-1")])
+    cache.replace("nodes", [_node()])  # the Node arrives after the claims
+    assert _report(cache).pods == {"pod-1": frozenset({6})}
+    cache.apply("nodes", "MODIFIED", _node(in_use=GpusInUse(other=frozenset({0}))))
+    assert _report(cache) == GpusInUse(pods={"pod-1": frozenset({6})}, other=frozenset({0}))
+
+
+@pytest.mark.parametrize(
+    ("obj", "kind"),
+    [
+        (
+            {"metadata": {"name": "x"}, "spec": {"driver": DRIVER, "pool": {"name": "a", "generation": 1}}},
+            "resourceslices",
+        ),
+        (_claim("bad", [], None) | {"status": {"allocation": {"devices": {"results": "nope"}}}}, "resourceclaims"),
+    ],
+)
+def test_an_unreadable_dra_object_is_skipped_and_counted(obj: dict[str, Any], kind: Any) -> None:
+    seen: list[tuple[str, str]] = []
+    cache = ClusterCache()
+    cache.on_bad_object = lambda k, reason: seen.append((k, reason))
+    cache.replace("nodes", [_node()])
+    cache.replace(kind, [obj])
+    cache.apply(kind, "ADDED", obj)
+    assert [k for k, _ in seen] == [kind, kind]
+    assert _report(cache) == GpusInUse()
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus"),
+    [
+        ("gputopo-gpus-4-nvlink-1a2b3c4d", 4),
+        ("gputopo-gpus-1-0badbeef", 1),
+        ("gputopo-gpus-04-x", None),
+        ("gputopo-gpus-", None),
+        ("my-gputopo-gpus-4", None),
+        ("gputopo-gpus-9999-x", None),
+        ("other", None),
+    ],
+)
+def test_gputopo_templates_give_their_gpu_count_and_no_other_name_does(name: str, gpus: int | None) -> None:
+    assert template_gpus(name) == gpus
+
+
+def test_a_pod_converted_for_dra_asks_for_its_templates_gpus() -> None:
+    spec = {
+        "containers": [{"name": "c", "resources": {"claims": [{"name": "gpus"}]}}],
+        "resourceClaims": [
+            {"name": "gpus", "resourceClaimTemplateName": "gputopo-gpus-4-nvlink-1a2b3c4d"},
+            {"name": "other", "resourceClaimName": "someone-elses"},
+        ],
+    }
+    assert pod_claim_gpus(spec) == 4
+    assert pod_gpus(spec) == 4
+    # nvidia.com/gpu, where a pod still names it, is the count.
+    spec["containers"][0]["resources"]["limits"] = {"nvidia.com/gpu": "2"}
+    assert pod_gpus(spec) == 2
+    assert pod_claim_gpus({"resourceClaims": "junk"}) == 0
