@@ -63,23 +63,23 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
         extender_name="gputopo-extender-dra",
         dra=True,  # the chart's DRA RBAC and its DeviceClass
     )
-    s.install()
-    # The chart's scheduler profile; its extender manages nvidia.com/gpu only, so kube-scheduler never
-    # calls it for these pods (they ask for claims), and none is started.
-    s.start_scheduler()
+    # The chart's scheduler profile with agent.dra.enabled: kube-scheduler calls the extender for every
+    # pod, and the extender reads our ResourceSlices and ResourceClaims.
+    s.start()
     yield s
     control_plane.remove(s.scheduler_name)
+    control_plane.remove(s.extender_name, grace=3)
 
 
 class DraNode:
     """One test's DRA kubelet node, and the pods and claim templates it makes."""
 
-    def __init__(self, stack: Stack, test_id: str, *, list_attributes: bool = False) -> None:
+    def __init__(self, stack: Stack, test_id: str, *, list_attributes: bool = False, suffix: str = "") -> None:
         self.stack = stack
         self.kube = stack.kube
         self.test_id = test_id
         self.list_attributes = list_attributes
-        self.name = f"dra-{hashlib.sha256(test_id.encode()).hexdigest()[:8]}"
+        self.name = f"dra-{hashlib.sha256(test_id.encode()).hexdigest()[:8]}{suffix}"
         stack.add_kubelet_node(
             self.name, SYSTEM, labels={TEST_LABEL: test_id}, dra=True, dra_list_attributes=list_attributes
         )
@@ -120,14 +120,18 @@ class DraNode:
             },
         )
 
-    def pod(self, name: str, template: str) -> str:
-        """A pod on this node whose one claim comes from `template`."""
+    def pod(
+        self, name: str, template: str, *, anywhere: bool = False, annotations: dict[str, str] | None = None
+    ) -> str:
+        """A pod on this node (with `anywhere`: on any node of this test) whose one claim comes from
+        `template`."""
         full = f"{self.name}-{name}"
         m = pod_manifest(
             full,
             scheduler_name=self.stack.scheduler_name,
             labels={TEST_LABEL: self.test_id},
-            node_selector={"kubernetes.io/hostname": self.name},
+            annotations=annotations,
+            node_selector={TEST_LABEL: self.test_id} if anywhere else {"kubernetes.io/hostname": self.name},
         )
         m["spec"]["resourceClaims"] = [{"name": "gpus", "resourceClaimTemplateName": template}]
         m["spec"]["containers"][0]["resources"]["claims"] = [{"name": "gpus"}]
@@ -292,3 +296,23 @@ def test_dra_kubelet_and_agent_restarts_lose_no_prepared_claim(stack: Stack, dra
     assert uid not in n.checkpoint()
     again = n.pod("tp4b", n.tp_template(4))
     assert n.running(again) == (0, 1, 2, 3)
+
+
+def test_dra_extender_puts_a_tp2_claim_on_the_fragmented_node(stack: Stack, test_id: str) -> None:
+    """Two DRA nodes of one test: A has GPUs 0 and 5 taken, B none. Both can allocate an NVLink pair, and
+    kube-scheduler alone would spread to the empty B; the extender, reading A's claims, scores A first,
+    since a pair on B breaks a whole quad. The placement's sentence names the GPUs the claim got."""
+    a = DraNode(stack, test_id, suffix="a")
+    b = DraNode(stack, test_id, suffix="b")
+    try:
+        pins = a.pod("pins", a.pin_template([0, 5]))
+        assert a.running(pins) == (0, 5)
+        pair = a.pod("tp2", a.tp_template(2), anywhere=True, annotations={"gputopo.io/nvlink": "required"})
+        got = a.running(pair)
+        assert stack.kube.get_pod(NS, pair)["spec"]["nodeName"] == a.name
+        assert _is_clique(got)
+        event = stack.kube.wait_pod_event(NS, pair, "TopologyPlacement", timeout=60)
+        assert f"GPUs {','.join(map(str, got))}" in event.message or all(str(g) in event.message for g in got)
+    finally:
+        a.close()
+        b.close()

@@ -36,6 +36,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from .binaries import kubernetes_version
 from .controlplane import HOST, ControlPlane, ControlPlaneError, free_port
 from .kube import KubeApiError, KubeClient
 
@@ -252,6 +253,11 @@ class RealKubelet:
             pod_logs_dir=self.dir / "pod-logs",
             volume_plugin_dir=self.dir / "volume-plugins",
         )
+        if kubernetes_version(self.cp.bin_dir)[:2] < (1, 35):
+            # The 1.34 kubelet may try an in-place resize of a pod it has just started and, managing no
+            # pod cgroups here, dies on a nil pointer (kuberuntime doPodResizeAction). The gate is beta
+            # there and GA (locked on) from 1.35, whose kubelet does not do this.
+            cfg["featureGates"] = {"InPlacePodVerticalScaling": False}
         cfg_path = self.dir / "kubelet-config.json"
         cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
         kubeconfig = self.cp.write_kubeconfig(
