@@ -153,7 +153,14 @@ class Binder:
         if not outcome.fits:
             return f"node {node} no longer fits pod {info.ref}: {outcome.message}", outcome
         slot = res.slots.get(info.name) if res is not None else None
-        if slot is not None and slot.node == node and slot.gpus:
+        held = ledger.nodes[node].report.pods.get(info.uid) if info.uid and node in ledger.nodes else None
+        if held:
+            # The GPUs the pod already holds there: under DRA, kube-scheduler allocated its claim before
+            # this bind. Name those when they are an admissible choice; else the mismatch check speaks.
+            actual = outcome_on(state, req, outcome, mask_of(sorted(held)), ledger.weights)
+            if actual is not None:
+                outcome = actual
+        elif slot is not None and slot.node == node and slot.gpus:
             # The group plan chose this member's GPUs (rail-aligned with the other members); bind those
             # when they are still an admissible choice here, not the node's default set.
             planned = outcome_on(state, req, outcome, mask_of(slot.gpus), ledger.weights)
