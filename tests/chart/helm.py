@@ -52,8 +52,7 @@ def helm_or_skip() -> str:
     helm = find_helm()
     if helm is None:
         pytest.skip(
-            "helm not found: set GPUTOPO_HELM, or build the pinned binaries with "
-            "`bash localcluster/build_binaries.sh`"
+            "helm not found: set GPUTOPO_HELM, or build the pinned binaries with `bash localcluster/build_binaries.sh`"
         )
     return helm
 

@@ -124,8 +124,9 @@ def test_gputopo_templates_give_their_gpu_count_and_no_other_name_does(name: str
 
 
 def test_a_pod_converted_for_dra_asks_for_its_templates_gpus() -> None:
-    spec = {
-        "containers": [{"name": "c", "resources": {"claims": [{"name": "gpus"}]}}],
+    resources: dict[str, Any] = {"claims": [{"name": "gpus"}]}
+    spec: dict[str, Any] = {
+        "containers": [{"name": "c", "resources": resources}],
         "resourceClaims": [
             {"name": "gpus", "resourceClaimTemplateName": "gputopo-gpus-4-nvlink-1a2b3c4d"},
             {"name": "other", "resourceClaimName": "someone-elses"},
@@ -134,6 +135,6 @@ def test_a_pod_converted_for_dra_asks_for_its_templates_gpus() -> None:
     assert pod_claim_gpus(spec) == 4
     assert pod_gpus(spec) == 4
     # nvidia.com/gpu, where a pod still names it, is the count.
-    spec["containers"][0]["resources"]["limits"] = {"nvidia.com/gpu": "2"}
+    resources["limits"] = {"nvidia.com/gpu": "2"}
     assert pod_gpus(spec) == 2
     assert pod_claim_gpus({"resourceClaims": "junk"}) == 0
