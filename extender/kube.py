@@ -5,10 +5,10 @@ the project's Kubernetes layer (`gputopo.kube`), and the informers that keep the
 PodGroups, DRA's ResourceClaims and ResourceSlices) as raw JSON and makes its two writes (Binding,
 Event). `Informer` runs one list+watch loop per kind in a thread and hands objects to a handler (the
 cache, which locks): 410 Gone relists, any other failure reconnects with capped exponential backoff,
-and the cache keeps serving meanwhile. A kind the API server may not serve (`OPTIONAL_KINDS`: PodGroups before Kubernetes 1.36 or without the
-Workload API) whose list gets 404 counts as listed empty and is looked for again only every
-`not_served_recheck_seconds`. The DRA kinds are read only where the chart grants them (with
-`agent.dra.enabled`): elsewhere their 403 counts the same way.
+and the cache keeps serving meanwhile. A kind the API server may not serve (`OPTIONAL_KINDS`:
+PodGroups before Kubernetes 1.36 or without the Workload API) whose list gets 404 counts as listed
+empty and is looked for again only every `not_served_recheck_seconds`. The DRA kinds are read only
+where the chart grants them (with `agent.dra.enabled`): elsewhere their 403 counts the same way.
 """
 
 from __future__ import annotations
