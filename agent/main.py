@@ -233,17 +233,40 @@ def make_in_use(settings: AgentSettings, pods: PodLookup | None = None) -> InUse
 PodsFactory = Callable[[AgentSettings, str], KubeLocalPods | StaticLocalPods]
 
 
+class AgentKube:
+    """The agent's one Kubernetes client (one connection pool), built on first use: the publisher, the
+    node-local pod view and the DRA driver all share it. Closed last, after every part has stopped."""
+
+    def __init__(self, settings: AgentSettings) -> None:
+        self._settings = settings
+        self._kube: Kube | None = None
+
+    def get(self) -> Kube:
+        if self._kube is None:
+            self._kube = Kube(self._settings.kubeconfig or None, request_timeout=10.0)
+        return self._kube
+
+    def close(self) -> None:
+        if self._kube is not None:
+            self._kube.close()
+
+
 def make_local_pods(
-    settings: AgentSettings, node: str, once: bool, factory: PodsFactory | None = None
+    settings: AgentSettings,
+    node: str,
+    once: bool,
+    factory: PodsFactory | None = None,
+    kube: AgentKube | None = None,
 ) -> KubeLocalPods | StaticLocalPods | None:
     """The node-local pod view (list+watch of this node's pods) when something reads it: the device plugin,
-    or the per-pod attribution of the kubelet's PodResources. `--once` runs without one."""
+    or the per-pod attribution of the kubelet's PodResources. `--once` runs without one. `kube`: the
+    agent's client (None: one of its own)."""
     uses_podresources = settings.backend == "nvml" and settings.in_use_file is None
     if once or not (serves_device_plugin(settings) or uses_podresources):
         return None
     if factory is not None:
         return factory(settings, node)
-    return KubeLocalPods(node, KubePodSource(settings.kubeconfig), resource=settings.resource_name)
+    return KubeLocalPods(node, KubePodSource((kube or AgentKube(settings)).get()), resource=settings.resource_name)
 
 
 def start_device_plugin(
@@ -275,10 +298,12 @@ def start_device_plugin(
 DraFactory = Callable[[AgentSettings, DraConfig, Callable[[float], bool]], DraPlugin]
 
 
-def make_dra(settings: AgentSettings, config: DraConfig, sleep: Callable[[float], bool]) -> DraPlugin:
-    """The DRA driver on the project's Kubernetes layer (claims read and the slice written through it)."""
-    kube = Kube(settings.kubeconfig or None, request_timeout=10.0)
-    return DraPlugin(config, kube, KubeSliceApi(kube), sleep)
+def make_dra(
+    settings: AgentSettings, config: DraConfig, sleep: Callable[[float], bool], kube: AgentKube | None = None
+) -> DraPlugin:
+    """The DRA driver on the agent's client (claims read and the slice written through it)."""
+    client = (kube or AgentKube(settings)).get()
+    return DraPlugin(config, client, KubeSliceApi(client), sleep)
 
 
 def start_dra(
@@ -287,6 +312,7 @@ def start_dra(
     backend: TopologyBackend,
     sleep: Callable[[float], bool],
     factory: DraFactory | None = None,
+    kube: AgentKube | None = None,
 ) -> DraPlugin:
     """Serve, register and publish; raises BackendError (no first topology), OSError or ValueError."""
     config = DraConfig(
@@ -299,7 +325,7 @@ def start_dra(
         sysfs_root=settings.sysfs_root,
     )
     topology = backend.discover()
-    plugin = (factory or make_dra)(settings, config, sleep)
+    plugin = factory(settings, config, sleep) if factory else make_dra(settings, config, sleep, kube)
     result = plugin.start(topology)
     log.info(
         "DRA driver started",
@@ -356,8 +382,9 @@ def main(
         backend = make_backend(settings.backend, node, settings.sysfs_root, nvml_lib)
     except (BackendSpecError, NvmlUnavailableError) as e:
         return _fail(str(e))
+    kube = AgentKube(settings)
     try:
-        pods = make_local_pods(settings, node, command.once, local_pods_factory)
+        pods = make_local_pods(settings, node, command.once, local_pods_factory, kube)
     except Exception as e:
         backend.close()
         return _fail(f"cannot configure the Kubernetes client: {e}")
@@ -369,12 +396,13 @@ def main(
             except BackendError as e:
                 return _fail(str(e))
             return 0
-        return _run(settings, node, backend, in_use, command.once, node_api_factory, pods, dra_factory)
+        return _run(settings, node, backend, in_use, command.once, node_api_factory, pods, dra_factory, kube)
     finally:
         in_use.close()
         backend.close()
         if pods is not None:
             pods.close()
+        kube.close()  # last: every part above used it
 
 
 def _run(
@@ -386,10 +414,11 @@ def _run(
     node_api_factory: Callable[[AgentSettings], NodeApi] | None,
     pods: LocalPods | None = None,
     dra_factory: DraFactory | None = None,
+    kube: AgentKube | None = None,
 ) -> int:
     stop = threading.Event()
     try:
-        api = node_api_factory(settings) if node_api_factory else KubeNodeApi(settings.kubeconfig)
+        api = node_api_factory(settings) if node_api_factory else KubeNodeApi((kube or AgentKube(settings)).get())
     except Exception as e:
         return _fail(f"cannot configure the Kubernetes client: {e}")
     publisher = Publisher(
@@ -407,7 +436,7 @@ def _run(
         if settings.device_plugin:
             log.warning("--dra and --device-plugin: a node's GPUs have one owner; serving DRA only")
         try:
-            dra = start_dra(settings, node, backend, stop.wait, dra_factory)
+            dra = start_dra(settings, node, backend, stop.wait, dra_factory, kube)
         except Exception as e:  # no first topology, a socket path, the Kubernetes client's configuration
             return _fail(f"cannot start the DRA driver: {e}")
         backend = TopologyTap(backend, dra.update)  # every discovery cycle republishes on change

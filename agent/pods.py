@@ -245,10 +245,11 @@ class PodSource(Protocol):
 
 
 class KubePodSource:
-    """PodSource on the project's Kubernetes layer, as raw JSON: kubeconfig or in-cluster."""
+    """PodSource on the agent's one Kubernetes client (`gputopo.kube.Kube`, shared with the rest of
+    the agent), as raw JSON."""
 
-    def __init__(self, kubeconfig: str | None = None, request_timeout: float = 10.0) -> None:
-        self._api = Kube(kubeconfig or None, request_timeout=request_timeout)
+    def __init__(self, kube: Kube, request_timeout: float = 10.0) -> None:
+        self._api = kube
         self._timeout = request_timeout
 
     def list_pods(self, node: str) -> tuple[list[JSON], str]:
@@ -262,7 +263,9 @@ class KubePodSource:
             yield ev.type, ev.object
 
     def close(self) -> None:
-        self._api.close()  # also ends a watch blocked in a read, so the thread that runs it can stop now
+        # Ends a watch blocked in a read, so the thread that runs it can stop now; the client (and its
+        # pool) belongs to the agent, which closes it last.
+        self._api.abort_watches()
 
 
 def _rv(obj: Mapping[str, Any]) -> int | None:

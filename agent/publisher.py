@@ -222,10 +222,10 @@ class Publisher:
 
 
 class KubeNodeApi:
-    """NodeApi on the project's Kubernetes layer (in-cluster config unless a kubeconfig is given)."""
+    """NodeApi on the agent's one Kubernetes client (`gputopo.kube.Kube`, shared with the rest of the agent)."""
 
-    def __init__(self, kubeconfig: str | None = None, timeout_s: float = 10.0) -> None:
-        self._api = Kube(kubeconfig or None, request_timeout=timeout_s)
+    def __init__(self, kube: Kube) -> None:
+        self._api = kube
 
     def read_node_meta(self, name: str) -> NodeMeta:
         meta = self._api.get(node_path(name)).get("metadata") or {}

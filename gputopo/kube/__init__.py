@@ -9,8 +9,9 @@ agent, the local control plane's client and the benchmarks. Importers take every
 - `paths`: where the project's resources live, and their JSON and MicroTime formats;
 - `watch`: a watch stream decoded line by line into `WatchEvent`s;
 - `backoff`: the one capped exponential backoff, `retry`, and the list+watch thread body;
-- `transport`: ordinary requests over kept-alive connections (watches stay on the `kubernetes` client);
-- `client`: `Kube`, the requests, paged lists, watches and typed writes.
+- `transport`: every request and watch over one pool of kept-alive connections;
+- `client`: `Kube` (one per process, shared by its parts), the requests, paged lists, watches and
+  typed writes.
 """
 
 from gputopo.kube.backoff import Backoff, is_retryable, retry, run_list_watch, short_error

@@ -1,13 +1,11 @@
 """The client: raw-JSON requests by path, paged lists, watches, and the project's typed writes.
 
-Ordinary requests go over the layer's own lean transport (`transport`): kept-alive connections, one
-write per request, orjson bodies; through the `kubernetes` ApiClient the same small POST costs
-three to four times the client CPU, and the extender makes two per scheduled pod. The maintained
-`kubernetes` package still loads the configuration (kubeconfig or in-cluster, token refresh, exec
-plugins), carries watches (a streamed answer that `close()` aborts), and carries every request when
-the configuration names a proxy. Bodies and results stay plain JSON dicts, as the API server speaks
-them, so no typed model objects are built (a 5,000-node list stays cheap) and one error type covers
-every call.
+Every request, watches included, goes over the layer's own lean transport (`transport`: one pool of
+kept-alive connections, one write per request, orjson bodies); the `kubernetes` package loads the
+configuration (kubeconfig or in-cluster, token refresh, exec plugins) and carries every request only
+when the configuration names a proxy (then its urllib3 pool is the one pool). Bodies and results
+stay plain JSON dicts, as the API server speaks them, so no typed model objects are built (a
+5,000-node list stays cheap) and one error type covers every call.
 """
 
 from __future__ import annotations
@@ -25,12 +23,49 @@ import orjson
 from gputopo.kube.config import client_configuration
 from gputopo.kube.errors import KubeError, status_error
 from gputopo.kube.paths import JSON, events_path, lease_path, micro_time, node_path, pod_path
-from gputopo.kube.transport import Transport, unsupported_reason
+from gputopo.kube.transport import MAX_BODY_BYTES, Stream, Transport, unsupported_reason
 from gputopo.kube.watch import MAX_LINE_BYTES, WatchEvent, decode_event, iter_lines
 
 Query = Mapping[str, object] | Sequence[tuple[str, str]]
 
 LIST_PAGE_SIZE = 500
+# A watch refused with an error answer: its Status is small; more is not read.
+ERROR_BODY_BYTES = 1024 * 1024
+USER_AGENT = "gputopo"
+
+
+class _ApiClientStream:
+    """A watch through the ApiClient (a proxy is configured): its urllib3 response, as a `Stream`."""
+
+    def __init__(self, resp: Any, path: str) -> None:
+        self.raw = resp.response  # the urllib3 response, not yet read
+        self.status = int(resp.status)
+        self.path = path
+
+    def _failed(self, e: Exception) -> KubeError:
+        return KubeError(0, f"{type(e).__name__}: {e}", method="GET", path=self.path)
+
+    def chunks(self) -> Iterator[bytes]:
+        try:
+            yield from self.raw.stream(65536, decode_content=True)
+        except Exception as e:  # the stream broke (or close() aborted it)
+            raise self._failed(e) from None
+
+    def read(self, limit: int) -> bytes:
+        try:
+            return bytes(self.raw.read(limit) or b"")
+        except Exception as e:
+            raise self._failed(e) from None
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            getattr(self.raw, "shutdown", self.raw.close)()
+
+    def close(self, finished: bool) -> None:
+        if not finished:
+            with contextlib.suppress(Exception):
+                self.raw.close()
+        self.raw.release_conn()
 
 
 def _pairs(query: Query | None) -> list[tuple[str, str]]:
@@ -46,8 +81,8 @@ class Kube:
 
     `kubeconfig` None means in-cluster configuration (`find_kubeconfig` does the usual lookup first).
     `request_timeout` applies to calls that name none (None: wait as long as it takes). `pool_size`
-    bounds the idle connections each pool keeps (the lean transport's and the ApiClient's).
-    `transport` carries every request but watches; None where the ApiClient carries them all."""
+    bounds the idle connections its one pool keeps; `max_body_bytes` an answer read whole.
+    One `Kube` per process: its parts share it (and so its pool)."""
 
     def __init__(
         self,
@@ -56,22 +91,26 @@ class Kube:
         request_timeout: float | None = 10.0,
         pool_size: int = 64,
         max_line_bytes: int = MAX_LINE_BYTES,
+        max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
-        from kubernetes import client as k8s_client
-
         self.configuration: Any = client_configuration(kubeconfig, pool_size=pool_size)
-        self.api_client: Any = k8s_client.ApiClient(configuration=self.configuration)
-        self._api_exception: type[Exception] = k8s_client.ApiException
         # None for a proxy or another scheme: the ApiClient's urllib3 pool tunnels; `unsupported_reason`.
         self.transport: Transport | None = None
-        if not unsupported_reason(self.configuration):
+        self.api_client: Any = None
+        if unsupported_reason(self.configuration):
+            from kubernetes import client as k8s_client
+
+            self.api_client = k8s_client.ApiClient(configuration=self.configuration)
+            self._api_exception: type[Exception] = k8s_client.ApiException
+        else:
             self.transport = Transport(
-                self.configuration, pool_size=pool_size, user_agent=str(self.api_client.user_agent)
+                self.configuration, pool_size=pool_size, user_agent=USER_AGENT, max_body_bytes=max_body_bytes
             )
         self.request_timeout = request_timeout
         self.max_line_bytes = max_line_bytes
+        self.max_body_bytes = max_body_bytes
         self._streams_lock = threading.Lock()
-        self._streams: set[Any] = set()
+        self._streams: set[Any] = set()  # `Stream`s, or the ApiClient's urllib3 responses
 
     # ------------------------------------------------------------------ raw requests
 
@@ -132,7 +171,12 @@ class Kube:
             raise status_error(status, data, method=method, path=path)
         if not data:
             return {}
-        out: JSON = orjson.loads(data)
+        try:
+            out = orjson.loads(data)
+        except orjson.JSONDecodeError as e:
+            raise KubeError(status, f"the answer is not JSON: {e}", method=method, path=path) from None
+        if not isinstance(out, dict):
+            raise KubeError(status, f"the answer is JSON {type(out).__name__}, not an object", method=method, path=path)
         return out
 
     def get(self, path: str, *, query: Query | None = None) -> JSON:
@@ -189,44 +233,45 @@ class Kube:
         query += [("allowWatchBookmarks", "true")] if bookmarks else []
         query += [("labelSelector", label_selector)] if label_selector else []
         query += [("fieldSelector", field_selector)] if field_selector else []
-        resp = self._send("GET", path, None, query, "application/json", (10.0, timeout_seconds + 30.0))
-        raw = resp.response  # the urllib3 response, not yet read
+        timeout = (10.0, timeout_seconds + 30.0)
+        stream: Stream | _ApiClientStream
+        if self.transport is not None:
+            stream = self.transport.stream("GET", path, query, timeout)
+        else:
+            stream = _ApiClientStream(self._send("GET", path, None, query, "application/json", timeout), path)
         with self._streams_lock:
-            self._streams.add(raw)
+            self._streams.add(stream)
         finished = False
         try:
-            if not 200 <= int(resp.status) <= 299:
-                raise status_error(int(resp.status), resp.read() or b"", method="GET", path=path)
-            try:
-                for line in iter_lines(raw.stream(65536, decode_content=True), self.max_line_bytes):
-                    event = decode_event(line)
-                    if event is not None:
-                        yield event
-            except KubeError:
-                raise
-            except Exception as e:  # the stream broke (or close() aborted it)
-                raise KubeError(0, f"{type(e).__name__}: {e}", method="GET", path=path) from None
+            if not 200 <= stream.status <= 299:
+                raise status_error(stream.status, stream.read(ERROR_BODY_BYTES), method="GET", path=path)
+            for line in iter_lines(stream.chunks(), self.max_line_bytes):
+                event = decode_event(line)
+                if event is not None:
+                    yield event
             finished = True
         finally:
             with self._streams_lock:
-                self._streams.discard(raw)
-            if not finished:
-                # Left mid-stream (the caller stopped, or an error): the connection still carries the
-                # rest of the watch, so it must not go back to the pool for another request.
-                with contextlib.suppress(Exception):
-                    raw.close()
-            raw.release_conn()
+                self._streams.discard(stream)
+            # Left mid-stream (the caller stopped, or an error): the connection still carries the
+            # rest of the watch, so it must not go back to the pool for another request.
+            stream.close(finished)
 
-    def close(self) -> None:
-        """Abort watches in progress (a thread blocked reading one wakes with an error) and close both pools."""
+    def abort_watches(self) -> None:
+        """Abort watches in progress: a thread blocked reading one wakes with `KubeError` status 0.
+        The pool stays open for other requests."""
         with self._streams_lock:
             streams = list(self._streams)
-        for raw in streams:
-            with contextlib.suppress(Exception):
-                getattr(raw, "shutdown", raw.close)()
+        for stream in streams:
+            stream.abort()
+
+    def close(self) -> None:
+        """Abort watches in progress and close the pool."""
+        self.abort_watches()
         if self.transport is not None:
             self.transport.close()
-        self.api_client.close()
+        if self.api_client is not None:
+            self.api_client.close()
 
     # ------------------------------------------------------------------ the project's writes
 

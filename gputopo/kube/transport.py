@@ -1,20 +1,23 @@
-"""The lean transport: ordinary (non-streaming) requests over kept-alive HTTP/1.1 connections.
+"""The lean transport: every request to one API server, watches included, over kept-alive HTTP/1.1
+connections: one pool per `Kube`.
 
-Through the `kubernetes` ApiClient one small POST costs 0.5-0.8 ms of client CPU (parameter
-sanitising, urllib3's pool, retry and response layers); the extender writes twice per scheduled pod
-(a Binding and an Event) from worker threads, so that overhead was most of its client cost per pod.
-Here a request is one pre-formatted head and body written with one `sendall` on a pooled socket,
-and the answer is framed by `read_answer` and read whole: 0.15-0.2 ms for the same POST.
-`http.client.HTTPResponse` was measured in its place: 0.1 ms more per answer (it parses headers
-with the email package), and `HTTPConnection` writes a request's head and body separately.
+A request is one pre-formatted head and body written with one `sendall` on a pooled socket; an
+ordinary answer is framed by `read_answer` and read whole (at most `max_body_bytes`), a watch's is
+handed out as it arrives (`Stream`). Kept over a library by measurement:
+one Event or Binding POST to kube-apiserver costs 0.19-0.26 ms of client CPU here, 0.57-0.70 ms
+through urllib3's pool, 1.0-1.2 ms through httpx and 0.75-0.91 ms through the `kubernetes`
+ApiClient (`bench/kube_writes.py`); the extender makes two per scheduled pod, and its CPU per pod
+in `bench/scheduler_throughput.py` went from 4.3 ms (median of 9 rounds) to 5.4 ms on urllib3
+(11 rounds, +26%) and 7.6 ms on httpx (3 rounds).
+`http.client` parses headers with the email package and writes a request's head and body apart.
 
 What stays the same as through the ApiClient: the configuration's host (with any path prefix), its
 TLS settings (CA file or data, client certificate, verify_ssl, tls_server_name, assert_hostname),
 the Authorization header taken per request from `configuration.auth_settings()` (which runs the
 kubeconfig's or in-cluster loader's refresh hook, so rotated tokens and exec plugins keep working;
-a few microseconds, so not cached), the query encoding, the User-Agent and the bound on idle
-connections. `unsupported_reason` names the configurations this does not carry (a proxy, another
-scheme); those keep going through the ApiClient.
+a few microseconds, so not cached), the query encoding and the bound on idle connections (the
+User-Agent is `gputopo`). `unsupported_reason` names the configurations this does not carry (a proxy, another
+scheme); those go through the ApiClient instead, every request and watch (still one pool).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import select
 import socket
 import ssl
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 from urllib.parse import quote, urlsplit
 
@@ -42,6 +45,18 @@ _TARGET_SAFE = "/:@!$&'()*+,;=-._~%?"
 # Failures that mean a kept-alive connection was already dead when this request reached it (the
 # server closed it while idle, or a middlebox reset it): nothing of an answer arrived.
 _DROPPED = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError, ssl.SSLEOFError, ssl.SSLZeroReturnError)
+
+# One recv(2) asks for up to this much (a TLS socket hands back at most one 16 KiB record per call);
+# each call allocates this much first, so it stays under malloc's mmap threshold.
+RECV_BYTES = 65536
+# A status line and headers longer than this are no API server's answer.
+MAX_HEAD_BYTES = 64 * 1024
+# One answer read whole is at most this: a page of 500 objects is a few MiB; more is no API server's.
+MAX_BODY_BYTES = 256 * 1024 * 1024
+
+
+class TooLong(http.client.HTTPException):
+    """An answer's body over the limit of the bytes read whole."""
 
 
 def _header_value(value: str) -> str:
@@ -139,7 +154,8 @@ class _Conn:
 
 
 class Transport:
-    """Ordinary requests to one API server over a thread-safe pool of kept-alive connections.
+    """Every request to one API server, watches included, over one thread-safe pool of kept-alive
+    connections: ordinary answers are read whole (`request`), watches streamed (`stream`).
 
     A request takes an idle connection (the most recent first) or opens one; afterwards the
     connection goes back unless the server said it closes, at most `pool_size` stay idle and the
@@ -149,8 +165,11 @@ class Transport:
     server that read the request and then died unanswered would see it twice). Once an answer has
     begun nothing is retried."""
 
-    def __init__(self, configuration: Any, *, pool_size: int, user_agent: str) -> None:
+    def __init__(
+        self, configuration: Any, *, pool_size: int, user_agent: str, max_body_bytes: int = MAX_BODY_BYTES
+    ) -> None:
         self.configuration = configuration
+        self.max_body_bytes = max_body_bytes
         parts = urlsplit(str(configuration.host))
         self.tls = parts.scheme == "https"
         self.hostname = parts.hostname or "localhost"
@@ -230,6 +249,51 @@ class Transport:
         lines.append("\r\n")
         return "".join(lines).encode("latin-1")
 
+    def _target(self, method: str, path: str, query: Sequence[tuple[str, str]], body: bytes | None, ct: str) -> bytes:
+        try:
+            target = self.prefix + path + (f"?{query_string(query)}" if query else "")
+            if _UNSAFE_TARGET.search(target):
+                target = quote(target, safe=_TARGET_SAFE)
+            data = self._head(method, target, body, ct)
+        except (ValueError, UnicodeError) as e:
+            raise KubeError(0, f"{type(e).__name__}: {e}", method=method, path=path) from None
+        return data + body if body else data
+
+    def _begin(self, method: str, path: str, data: bytes, timeout: Timeout) -> tuple[_Conn, bytearray]:
+        """Send the request; the connection and the answer's first bytes. A reused connection that
+        the server closed before any byte of an answer is replaced once; raises `KubeError` status 0."""
+        connect_timeout, read_timeout = _split(timeout)
+        retried = False
+        while True:
+            conn = None if retried else self._checkout()
+            reused = conn is not None
+            try:
+                if conn is None:
+                    conn = self._connect(connect_timeout)
+                conn.set_timeout(read_timeout)
+                try:
+                    conn.sock.sendall(data)
+                    first = conn.sock.recv(RECV_BYTES)
+                except _DROPPED as e:
+                    raise _Dropped() from e
+                if not first:
+                    raise _Dropped() from http.client.RemoteDisconnected(
+                        "Remote end closed connection without response"
+                    )
+                return conn, bytearray(first)
+            except _Dropped as e:
+                if conn is not None:
+                    conn.close()
+                if reused and not retried:
+                    retried = True
+                    continue
+                cause = e.__cause__ or e
+                raise KubeError(0, f"{type(cause).__name__}: {cause}", method=method, path=path) from None
+            except (OSError, ValueError) as e:
+                if conn is not None:
+                    conn.close()
+                raise KubeError(0, f"{type(e).__name__}: {e}", method=method, path=path) from None
+
     def request(
         self,
         method: str,
@@ -240,66 +304,108 @@ class Transport:
         timeout: Timeout,
     ) -> tuple[int, bytes]:
         """One request: the answer's status and whole body. Raises `KubeError` status 0 when no
-        answer came (refused, TLS, timeout, a connection that broke)."""
-        try:
-            target = self.prefix + path + (f"?{query_string(query)}" if query else "")
-            if _UNSAFE_TARGET.search(target):
-                target = quote(target, safe=_TARGET_SAFE)
-            data = self._head(method, target, body, content_type)
-            if body:
-                data += body
-        except (ValueError, UnicodeError) as e:
-            raise KubeError(0, f"{type(e).__name__}: {e}", method=method, path=path) from None
-        connect_timeout, read_timeout = _split(timeout)
-        retried = False
-        while True:
-            conn = None if retried else self._checkout()
-            reused = conn is not None
-            try:
-                if conn is None:
-                    conn = self._connect(connect_timeout)
-                return self._exchange(conn, method, data, read_timeout)
-            except _Dropped as e:
-                if reused and not retried:
-                    retried = True
-                    continue
-                cause = e.__cause__ or e
-                raise KubeError(0, f"{type(cause).__name__}: {cause}", method=method, path=path) from None
-            except (OSError, http.client.HTTPException, ValueError) as e:
-                raise KubeError(0, f"{type(e).__name__}: {e}", method=method, path=path) from None
-
-    def _exchange(self, conn: _Conn, method: str, data: bytes, timeout: float | None) -> tuple[int, bytes]:
-        """Send on `conn` and read the answer whole; the connection goes back to the pool after a
-        complete answer that keeps it open, and is closed on any failure."""
+        answer came (refused, TLS, timeout, a connection that broke, a body over `max_body_bytes`).
+        Once an answer has begun nothing is retried."""
+        conn, buf = self._begin(method, path, self._target(method, path, query, body, content_type), timeout)
         done = False
         try:
-            conn.set_timeout(timeout)
-            recv = conn.sock.recv
-            try:
-                conn.sock.sendall(data)
-                first = recv(RECV_BYTES)
-            except _DROPPED as e:
-                raise _Dropped() from e
-            if not first:
-                raise _Dropped() from http.client.RemoteDisconnected("Remote end closed connection without response")
-            # The answer has begun: from here on a failure is final, never retried.
-            answer = read_answer(recv, method, bytearray(first))
+            answer = read_answer(conn.sock.recv, method, buf, self.max_body_bytes)
             done = answer.keep_alive
             return answer.status, answer.body
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            raise KubeError(0, f"{type(e).__name__}: {e}", method=method, path=path) from None
         finally:
             if done:
                 self._checkin(conn)
             else:
                 conn.close()
 
+    def stream(self, method: str, path: str, query: Sequence[tuple[str, str]], timeout: Timeout) -> Stream:
+        """A request whose answer's body is read as it arrives (a watch), on a pooled connection."""
+        conn, buf = self._begin(method, path, self._target(method, path, query, None, ""), timeout)
+        try:
+            while True:
+                status, version, headers = _read_head(conn.sock.recv, buf)
+                if not 100 <= status <= 199:
+                    break
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            conn.close()
+            raise KubeError(0, f"{type(e).__name__}: {e}", method=method, path=path) from None
+        return Stream(self, conn, buf, status, _keep_alive(version, headers), headers, method, path)
+
+
+class Stream:
+    """A streamed answer (a watch): its status, its body as it arrives, and `abort()` from any thread."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        conn: _Conn,
+        buf: bytearray,
+        status: int,
+        keep_alive: bool,
+        headers: dict[str, str],
+        method: str,
+        path: str,
+    ) -> None:
+        self._transport, self._conn, self._buf = transport, conn, buf
+        self.status, self._keep_alive, self._headers = status, keep_alive, headers
+        self.method, self.path = method, path
+        self._ended = False  # the body was read to its end: the connection may carry another request
+
+    def chunks(self) -> Iterator[bytes]:
+        """The body as it arrives, in pieces of at most RECV_BYTES; raises `KubeError` status 0 when
+        the stream breaks or `abort()` ends it."""
+        recv, buf = self._conn.sock.recv, self._buf
+        try:
+            encoding = self._headers.get("transfer-encoding", "").lower()
+            if encoding.rsplit(",", 1)[-1].strip() == "chunked":
+                while size := _chunk_size(_read_line(recv, buf)):
+                    yield from _pieces(recv, buf, size)
+                    if _read_exactly(recv, buf, 2) != b"\r\n":
+                        raise http.client.HTTPException("a chunk does not end with CRLF")
+                while _read_line(recv, buf):  # trailer fields, up to the blank line
+                    pass
+            elif not encoding and self._headers.get("content-length", "").isdigit():
+                yield from _pieces(recv, buf, int(self._headers["content-length"]))
+            else:  # the body runs to the close
+                self._keep_alive = False
+                if buf:
+                    yield bytes(buf)
+                    buf.clear()
+                while chunk := recv(RECV_BYTES):
+                    yield chunk
+            self._ended = not buf
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            raise KubeError(0, f"{type(e).__name__}: {e}", method=self.method, path=self.path) from None
+
+    def read(self, limit: int) -> bytes:
+        """At most `limit` bytes of the body (an error answer's Status)."""
+        out = bytearray()
+        for piece in self.chunks():
+            out += piece
+            if len(out) >= limit:
+                self._ended = False
+                return bytes(out[:limit])
+        return bytes(out)
+
+    def abort(self) -> None:
+        """Wake a thread blocked reading this stream (it then raises `KubeError` status 0)."""
+        # The plain socket's shutdown, under TLS too: it wakes a recv blocked in another thread.
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(self._conn.sock, socket.SHUT_RDWR)
+
+    def close(self, finished: bool) -> None:
+        """Give the connection back when the answer was read to its end and keeps it open; close it
+        otherwise (a watch left mid-stream still carries the rest of its answer)."""
+        if finished and self._ended and self._keep_alive:
+            self._transport._checkin(self._conn)
+        else:
+            self._conn.close()
+
 
 # ---------------------------------------------------------------------------------- answers
 
-# One recv(2) asks for up to this much (a TLS socket hands back at most one 16 KiB record per call);
-# each call allocates this much first, so it stays under malloc's mmap threshold.
-RECV_BYTES = 65536
-# A status line and headers longer than this are no API server's answer.
-MAX_HEAD_BYTES = 64 * 1024
 _NO_BODY_STATUSES = frozenset({204, 304})
 
 
@@ -309,34 +415,41 @@ class Answer(NamedTuple):
     keep_alive: bool  # the connection may carry another request
 
 
-def read_answer(recv: Callable[[int], bytes], method: str, buf: bytearray) -> Answer:
+def _keep_alive(version: str, headers: dict[str, str]) -> bool:
+    tokens = {t.strip() for t in headers.get("connection", "").lower().split(",")}
+    return "close" not in tokens if version == "HTTP/1.1" else "keep-alive" in tokens
+
+
+def read_answer(recv: Callable[[int], bytes], method: str, buf: bytearray, max_body: int = MAX_BODY_BYTES) -> Answer:
     """One HTTP/1.x answer from a connection: `buf` holds what was already received, `recv(n)` gives
     more (b"" at the end of the stream). The body is framed as RFC 9112 section 6.3 says (none for
-    HEAD, 1xx, 204 and 304; chunked; Content-Length; else up to the close) and read whole; interim
-    1xx answers are skipped. Raises an `http.client.HTTPException` for a malformed or cut-off answer.
+    HEAD, 1xx, 204 and 304; chunked; Content-Length; else up to the close) and read whole, at most
+    `max_body` bytes; interim 1xx answers are skipped. Raises an `http.client.HTTPException` for a
+    malformed, cut-off or overlong answer.
 
     `http.client.HTTPResponse` does the same at 0.1 ms more per answer, a third of a small write's CPU."""
     while True:
         status, version, headers = _read_head(recv, buf)
         if not 100 <= status <= 199:
             break
-    tokens = {t.strip() for t in headers.get("connection", "").lower().split(",")}
-    keep_alive = "close" not in tokens if version == "HTTP/1.1" else "keep-alive" in tokens
+    keep_alive = _keep_alive(version, headers)
     encoding = headers.get("transfer-encoding", "").lower()
     if method == "HEAD" or status in _NO_BODY_STATUSES:
         body = b""
     elif encoding:
         if encoding.rsplit(",", 1)[-1].strip() != "chunked":
             # Not chunked at the end: the body runs to the close (RFC 9112 6.3, item 4).
-            return Answer(status, _read_to_close(recv, buf), False)
-        body = _read_chunked(recv, buf)
+            return Answer(status, _read_to_close(recv, buf, max_body), False)
+        body = _read_chunked(recv, buf, max_body)
     elif "content-length" in headers:
         length = headers["content-length"]
         if not length.isdigit():
             raise http.client.HTTPException(f"bad Content-Length {length!r}")
+        if int(length) > max_body:
+            raise TooLong(f"an answer of {length} bytes is over the limit of {max_body}")
         body = _read_exactly(recv, buf, int(length))
     else:
-        return Answer(status, _read_to_close(recv, buf), False)
+        return Answer(status, _read_to_close(recv, buf, max_body), False)
     # Bytes beyond the answer (no request was pipelined) mean the framing went wrong: do not reuse.
     return Answer(status, body, keep_alive and not buf)
 
@@ -406,18 +519,33 @@ def _read_line(recv: Callable[[int], bytes], buf: bytearray) -> bytes:
     return line
 
 
-def _read_chunked(recv: Callable[[int], bytes], buf: bytearray) -> bytes:
+def _chunk_size(line: bytes) -> int:
+    size_text = line.split(b";", 1)[0].strip()
+    try:
+        size = int(size_text, 16)
+    except ValueError:
+        raise http.client.HTTPException(f"bad chunk size {size_text[:40]!r}") from None
+    if size < 0:
+        raise http.client.HTTPException(f"bad chunk size {size_text[:40]!r}")
+    return size
+
+
+def _pieces(recv: Callable[[int], bytes], buf: bytearray, n: int) -> Iterator[bytes]:
+    """The next `n` bytes as they arrive (a streamed body never waits for more than is there)."""
+    while n > 0:
+        if not buf:
+            _more(recv, buf)
+        take = min(n, len(buf))
+        yield bytes(buf[:take])
+        del buf[:take]
+        n -= take
+
+
+def _read_chunked(recv: Callable[[int], bytes], buf: bytearray, max_body: int) -> bytes:
     out = bytearray()
-    while True:
-        size_text = _read_line(recv, buf).split(b";", 1)[0].strip()
-        try:
-            size = int(size_text, 16)
-        except ValueError:
-            raise http.client.HTTPException(f"bad chunk size {size_text[:40]!r}") from None
-        if size < 0:
-            raise http.client.HTTPException(f"bad chunk size {size_text[:40]!r}")
-        if size == 0:
-            break
+    while size := _chunk_size(_read_line(recv, buf)):
+        if len(out) + size > max_body:
+            raise TooLong(f"an answer over the limit of {max_body} bytes")
         out += _read_exactly(recv, buf, size)
         if _read_exactly(recv, buf, 2) != b"\r\n":
             raise http.client.HTTPException("a chunk does not end with CRLF")
@@ -426,9 +554,11 @@ def _read_chunked(recv: Callable[[int], bytes], buf: bytearray) -> bytes:
     return bytes(out)
 
 
-def _read_to_close(recv: Callable[[int], bytes], buf: bytearray) -> bytes:
+def _read_to_close(recv: Callable[[int], bytes], buf: bytearray, max_body: int) -> bytes:
     while chunk := recv(RECV_BYTES):
         buf += chunk
+        if len(buf) > max_body:
+            raise TooLong(f"an answer over the limit of {max_body} bytes")
     out = bytes(buf)
     buf.clear()
     return out

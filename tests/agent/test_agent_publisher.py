@@ -17,7 +17,7 @@ from agent.publisher import (
     desired_metadata,
     metadata_changes,
 )
-from gputopo.kube import Backoff, KubeError, is_retryable
+from gputopo.kube import Backoff, Kube, KubeError, is_retryable
 from gputopo.kube import retry as call_with_retry
 from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,
@@ -327,7 +327,7 @@ def test_kube_node_api_deletes_the_lease_only_at_the_version_it_read(
             "spec": {"renewTime": stored_renew},
         }
         server.replies = [Reply(200, lease), Reply(200, {"kind": "Status", "status": "Success"})]
-        api = KubeNodeApi(str(write_kubeconfig(tmp_path / "kubeconfig", server.url)))
+        api = KubeNodeApi(Kube(write_kubeconfig(tmp_path / "kubeconfig", server.url)))
         when = datetime(2026, 1, 2, 3, 4, 5, 678900, tzinfo=UTC)
         if expected == ["GET"]:
             with pytest.raises(KubeError) as err:

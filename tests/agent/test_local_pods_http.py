@@ -15,7 +15,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 
 from agent.pods import KubeLocalPods, KubePodSource
-from gputopo.kube import Gone
+from gputopo.kube import Gone, Kube
 from tests.agent.dp_harness import NODE, pod_object, wait_for
 
 
@@ -88,9 +88,11 @@ def source(api: FakeApi, tmp_path: Path) -> Iterator[KubePodSource]:
             }
         )
     )
-    src = KubePodSource(str(kubeconfig))
+    kube = Kube(kubeconfig)
+    src = KubePodSource(kube)
     yield src
     src.close()
+    kube.close()
 
 
 def _event(kind: str, obj: dict[str, Any]) -> str:

@@ -3,8 +3,11 @@
 are reused, one that the server closed while idle costs no call, nothing is retried once an answer
 began, status answers become the one error type, tokens are taken fresh per request (a rotating
 refresh hook, an exec plugin), client certificates authenticate, timeouts and refused connections
-are status 0, idle connections stay bounded, and 8 threads never see each other's answers. The
-answer framing and the query encoding are checked on their own, table-driven and by hypothesis."""
+are status 0, idle connections stay bounded, and 8 threads never see each other's answers. Against
+a raw loopback socket that answers scripted bytes: the error mapping (table-driven), bounded bodies,
+watches that give their connection back, and (hypothesis) no malformed answer raises anything but
+`KubeError`. The answer framing and the query encoding are checked on their own, table-driven and
+by hypothesis."""
 
 from __future__ import annotations
 
@@ -513,6 +516,216 @@ def test_which_configurations_stay_on_the_api_client(settings_: JSON, reason: st
     for key, value in settings_.items():
         setattr(cfg, key, value)
     assert unsupported_reason(cfg) == reason
+
+
+# ----------------------------------------------------------------------------------- raw answers
+
+
+class RawServer:
+    """A loopback socket that answers each connection's first request with scripted bytes, then closes
+    (or, for `b""`, closes without answering; `None`: reads and never answers)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.answers: deque[bytes | None] = deque()
+        self.stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            # The answer is taken in accept order; each connection then runs on its own thread, so
+            # one that never answers holds up no other.
+            answer = self.answers.popleft() if self.answers else b""
+            threading.Thread(target=self._answer, args=(conn, answer), daemon=True).start()
+
+    def _answer(self, conn: socket.socket, answer: bytes | None) -> None:
+        with conn:
+            conn.settimeout(WAIT_S)
+            data = b""
+            with contextlib.suppress(OSError):
+                while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
+                    data += chunk
+            if answer is None:
+                self.stop.wait(WAIT_S)
+                return
+            with contextlib.suppress(OSError):
+                conn.sendall(answer)
+                conn.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def raw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RawServer, Kube]]:
+    """One server and client for the module: each request takes the next scripted answer, which
+    leaves nothing behind for the next (the server closes every connection)."""
+    tmp_path = tmp_path_factory.mktemp("raw")
+    srv = RawServer()
+    doc = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {"server": srv.url}}],
+        "users": [{"name": "u", "user": {}}],
+        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+        "current-context": "x",
+    }
+    (tmp_path / "raw-kubeconfig").write_text(json.dumps(doc))
+    kube = Kube(tmp_path / "raw-kubeconfig", request_timeout=1.0, max_body_bytes=1000)
+    yield srv, kube
+    kube.close()
+    srv.close()
+
+
+def answer(status: str, body: bytes, *headers: str) -> bytes:
+    head = "".join(f"{h}\r\n" for h in headers)
+    return f"HTTP/1.1 {status}\r\n{head}\r\n".encode() + body
+
+
+def framed(status: str, body: bytes) -> bytes:
+    return answer(status, body, f"Content-Length: {len(body)}", "Connection: close")
+
+
+STATUS_404 = json.dumps(status(404, "NotFound", 'nodes "n" not found')).encode()
+STATUS_410 = json.dumps(status(410, "Expired", "too old")).encode()
+CHUNKED_BIG = answer("200 OK", b"%x\r\n%s\r\n0\r\n\r\n" % (1500, b"x" * 1500), "Transfer-Encoding: chunked")
+
+
+@pytest.mark.parametrize(
+    ("script", "error", "status_code", "reason", "message"),
+    [
+        pytest.param(
+            [framed("404 Not Found", STATUS_404)], KubeError, 404, "NotFound", 'nodes "n" not found', id="404"
+        ),
+        pytest.param([framed("410 Gone", STATUS_410)], Gone, 410, "Expired", "too old", id="410-is-gone"),
+        pytest.param([framed("503 Unavailable", b"etcd is down")], KubeError, 503, "", "etcd is down", id="plain-503"),
+        pytest.param([framed("200 OK", b"{nope")], KubeError, 200, "", "the answer is not JSON", id="not-json"),
+        pytest.param([framed("200 OK", b"[1, 2]")], KubeError, 200, "", "the answer is JSON list", id="not-an-object"),
+        pytest.param([b""], KubeError, 0, "", "RemoteDisconnected", id="closed-unanswered"),
+        pytest.param([b"SPDY/3 200 OK\r\n\r\n"], KubeError, 0, "", "BadStatusLine", id="not-http"),
+        pytest.param(
+            [answer("200 OK", b"{}", "Content-Length: 10")], KubeError, 0, "", "IncompleteRead", id="body-cut-short"
+        ),
+        pytest.param(
+            [answer("200 OK", b"", "Content-Length: 5000")],
+            KubeError,
+            0,
+            "",
+            "TooLong: an answer of 5000 bytes",
+            id="too-long",
+        ),
+        pytest.param([CHUNKED_BIG], KubeError, 0, "", "TooLong: an answer over the limit", id="chunked-too-long"),
+        pytest.param([None], KubeError, 0, "", "TimeoutError", id="no-answer-in-time"),
+    ],
+)
+def test_each_failure_maps_to_the_one_error_type(
+    raw: tuple[RawServer, Kube],
+    script: list[bytes | None],
+    error: type[KubeError],
+    status_code: int,
+    reason: str,
+    message: str,
+) -> None:
+    srv, kube = raw
+    srv.answers.extend(script)
+    with pytest.raises(KubeError) as err:
+        kube.get("/api/v1/nodes/n")
+    assert (type(err.value), err.value.status, err.value.reason) == (error, status_code, reason)
+    assert err.value.message.startswith(message)
+    assert (err.value.method, err.value.path) == ("GET", "/api/v1/nodes/n")
+
+
+def test_a_watch_refused_or_cut_raises_the_one_error_type(raw: tuple[RawServer, Kube]) -> None:
+    srv, kube = raw
+    srv.answers.extend([framed("410 Gone", STATUS_410), answer("200 OK", b"ff\r\n{", "Transfer-Encoding: chunked")])
+    with pytest.raises(Gone):
+        list(kube.watch("/api/v1/pods", "1", timeout_seconds=5))
+    with pytest.raises(KubeError) as err:
+        list(kube.watch("/api/v1/pods", "1", timeout_seconds=5))
+    assert err.value.status == 0
+
+
+HEADS = st.sampled_from(
+    [
+        "HTTP/1.1 200 OK",
+        "HTTP/1.1 404 Not Found",
+        "HTTP/1.0 500 x",
+        "HTTP/1.1 100 Continue",
+        "HTTP/1.1 2xx",
+        "HTTP/9 200 OK",
+        "",
+    ]
+)
+HEADERS = st.lists(
+    st.sampled_from(
+        [
+            "Content-Length: 2",
+            "Content-Length: -1",
+            "Content-Length: 999999",
+            "Content-Length: x",
+            "Transfer-Encoding: chunked",
+            "Transfer-Encoding: gzip",
+            "Content-Encoding: gzip",
+            "Connection: close",
+            "no colon",
+            " folded",
+        ]
+    ),
+    max_size=4,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(head=HEADS, headers=HEADERS, body=st.binary(max_size=300), noise=st.binary(max_size=40))
+def test_no_malformed_answer_raises_anything_but_kube_error(
+    raw: tuple[RawServer, Kube], head: str, headers: list[str], body: bytes, noise: bytes
+) -> None:
+    srv, kube = raw
+    srv.answers.append(("\r\n".join([head, *headers]) + "\r\n\r\n").encode() + body + noise)
+    try:
+        doc = kube.get("/api/v1/nodes/n")
+    except KubeError:
+        return
+    assert isinstance(doc, dict)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.binary(max_size=400))
+def test_no_stream_of_bytes_raises_anything_but_kube_error(raw: tuple[RawServer, Kube], data: bytes) -> None:
+    srv, kube = raw
+    srv.answers.append(data)
+    with contextlib.suppress(KubeError):
+        kube.get("/api/v1/nodes/n")
+
+
+# ----------------------------------------------------------------------------------- watches
+
+
+def test_a_watch_read_to_its_end_gives_its_connection_back(raw: tuple[RawServer, Kube]) -> None:
+    srv, kube = raw
+    line = json.dumps({"type": "ADDED", "object": {"metadata": {"name": "a"}}}).encode() + b"\n"
+    body = b"%x\r\n%s\r\n0\r\n\r\n" % (len(line), line)
+    srv.answers.extend(
+        [
+            answer("200 OK", body, "Transfer-Encoding: chunked"),
+            answer("200 OK", body[:-5], "Transfer-Encoding: chunked"),
+        ]
+    )
+    events = list(kube.watch("/api/v1/pods", "1", timeout_seconds=5))
+    assert [e.object["metadata"]["name"] for e in events] == ["a"]
+    assert kube.transport is not None and len(kube.transport._idle) == 1  # the one pool carries the next call
+    with pytest.raises(KubeError) as err:  # cut before the last chunk: status 0, and the connection is dropped
+        list(kube.watch("/api/v1/pods", "1", timeout_seconds=5))
+    assert err.value.status == 0 and err.value.message.startswith("IncompleteRead")
 
 
 # ----------------------------------------------------------------------------------- framing and encoding
