@@ -15,6 +15,7 @@ kubelet and fakecri binaries; skipped otherwise.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import time
@@ -320,3 +321,77 @@ def test_dra_extender_puts_a_tp2_claim_on_the_fragmented_node(stack: Stack, test
     finally:
         a.close()
         b.close()
+
+
+def test_dra_webhook_turns_an_opted_in_gpu_pod_into_a_clique_claim(
+    stack: Stack, control_plane: ControlPlane, kube: KubeClient, namespace: str, test_id: str
+) -> None:
+    """The webhook in DRA mode (the chart's agent.dra.enabled): a pod written for the device plugin,
+    `nvidia.com/gpu: 2` and `gputopo.io/nvlink: required`, is given gputopo's claim template instead
+    (created in its namespace), and the real allocator gives it an NVLink pair of at least the HBM
+    the pod asks for."""
+    node = DraNode(stack, test_id)
+    hook = Stack(control_plane, kube, extender_name="gputopo-extender-dra-webhook", webhook=True, dra=True)
+    hook.start_extender()
+    assert hook.ca_file is not None
+    name = f"gputopo-e2e-{test_id}"[:63]
+    kube.apply(
+        [
+            {
+                "apiVersion": "admissionregistration.k8s.io/v1",
+                "kind": "MutatingWebhookConfiguration",
+                "metadata": {"name": name},
+                "webhooks": [
+                    {
+                        "name": "pods.gputopo.io",
+                        "clientConfig": {
+                            "url": f"{hook.webhook_url}/mutate",
+                            "caBundle": base64.b64encode(hook.ca_file.read_bytes()).decode(),
+                        },
+                        "rules": [
+                            {"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"]}
+                        ],
+                        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+                        "sideEffects": "NoneOnDryRun",
+                        "admissionReviewVersions": ["v1"],
+                        "failurePolicy": "Fail",
+                        "timeoutSeconds": 10,
+                    }
+                ],
+            }
+        ]
+    )
+    try:
+        pins = node.pod("pins", node.pin_template([0, 5]))
+        assert node.running(pins) == (0, 5)
+        pod = pod_manifest(
+            "tp2",
+            namespace=namespace,
+            gpus=2,
+            annotations={"gputopo.io/nvlink": "required", "gputopo.io/min-gpu-memory": "16Gi"},
+            node_selector={TEST_LABEL: test_id},
+        )  # schedulerName: default-scheduler, as a user would leave it
+        deadline = time.monotonic() + 30
+        while True:  # a new webhook configuration takes a moment to reach the admission chain
+            created = kube.create_pod(pod)
+            if created["spec"].get("resourceClaims"):
+                break
+            kube.delete_pod(namespace, "tp2")
+            assert time.monotonic() < deadline, "the webhook never became active"
+            time.sleep(0.5)
+        spec = created["spec"]
+        assert spec["schedulerName"] == stack.scheduler_name
+        assert "nvidia.com/gpu" not in spec["containers"][0]["resources"].get("limits", {})
+        template = spec["resourceClaims"][0]["resourceClaimTemplateName"]
+        assert template.startswith("gputopo-gpus-2-nvlink-16gi-")
+        kube.wait_pod_condition(namespace, "tp2", "Ready", status="True", timeout=90)
+        statuses = kube.get_pod(namespace, "tp2")["status"]["resourceClaimStatuses"]
+        claim_name = statuses[0]["resourceClaimName"]
+        claim = json.loads(kube.kubectl("get", "resourceclaim", "-n", namespace, claim_name, "-o", "json"))
+        gpus = sorted(device_index(r["device"]) or 0 for r in claim["status"]["allocation"]["devices"]["results"])
+        assert len(gpus) == 2 and _is_clique(gpus) and not {0, 5} & set(gpus)
+    finally:
+        kube.request("DELETE", f"/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/{name}")
+        control_plane.remove(hook.extender_name, grace=3)  # not hook.stop(): the scheduler is the module's
+        kube.delete_pod(namespace, "tp2")
+        node.close()
