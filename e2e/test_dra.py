@@ -15,7 +15,6 @@ kubelet and fakecri binaries; skipped otherwise.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import time
@@ -34,6 +33,7 @@ from gputopo.model.dra import DEVICE_CLASS, DRIVER, device_index
 from gputopo.systems import build_system
 from localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from localcluster.kubelet import kubelet_unavailable
+from localcluster.manifests import pod_webhook_manifest
 from localcluster.stack import Stack
 
 pytestmark = pytest.mark.e2e
@@ -335,32 +335,11 @@ def test_dra_webhook_turns_an_opted_in_gpu_pod_into_a_clique_claim(
     hook.start_extender()
     assert hook.ca_file is not None
     name = f"gputopo-e2e-{test_id}"[:63]
-    kube.apply(
-        [
-            {
-                "apiVersion": "admissionregistration.k8s.io/v1",
-                "kind": "MutatingWebhookConfiguration",
-                "metadata": {"name": name},
-                "webhooks": [
-                    {
-                        "name": "pods.gputopo.io",
-                        "clientConfig": {
-                            "url": f"{hook.webhook_url}/mutate",
-                            "caBundle": base64.b64encode(hook.ca_file.read_bytes()).decode(),
-                        },
-                        "rules": [
-                            {"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"]}
-                        ],
-                        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
-                        "sideEffects": "NoneOnDryRun",
-                        "admissionReviewVersions": ["v1"],
-                        "failurePolicy": "Fail",
-                        "timeoutSeconds": 10,
-                    }
-                ],
-            }
-        ]
+    ca = hook.ca_file.read_bytes()
+    hook_config = pod_webhook_manifest(
+        name, hook.webhook_url, ca, namespace, side_effects="NoneOnDryRun", timeout_seconds=10
     )
+    kube.apply([hook_config])
     try:
         pins = node.pod("pins", node.pin_template([0, 5]))
         assert node.running(pins) == (0, 5)

@@ -25,6 +25,7 @@ from gputopo.model import (
 from gputopo.systems import build_system
 from localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from localcluster.kube import KubeApiError, WaitTimeout
+from localcluster.manifests import pod_webhook_manifest
 from localcluster.stack import GpuNode, Stack
 
 pytestmark = pytest.mark.e2e
@@ -379,35 +380,13 @@ def test_the_scheduler_runs_the_charts_configuration_with_only_the_local_rewrite
 def test_mutating_webhook_lets_the_annotation_alone_opt_a_pod_in(
     kube: KubeClient, control_plane: ControlPlane, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
-    import base64
-
     (node,) = nodes.add(GpuNode("h100", "dgx-h100"))
     # The webhook is the extender's own HTTPS listener (the apiserver calls webhooks only over TLS).
     hook = Stack(control_plane, kube, extender_name="gputopo-extender-webhook", webhook=True)
     hook.start_extender()
     assert hook.ca_file is not None and hook.webhook_url.startswith("https://127.0.0.1:")
     name = f"gputopo-e2e-{test_id}"[:63]
-    config = {
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": "MutatingWebhookConfiguration",
-        "metadata": {"name": name},
-        "webhooks": [
-            {
-                "name": "pods.gputopo.io",
-                "clientConfig": {
-                    "url": f"{hook.webhook_url}/mutate",
-                    "caBundle": base64.b64encode(hook.ca_file.read_bytes()).decode(),
-                },
-                "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"]}],
-                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
-                "sideEffects": "None",
-                "admissionReviewVersions": ["v1"],
-                "failurePolicy": "Fail",
-                "timeoutSeconds": 5,
-            }
-        ],
-    }
-    kube.apply([config])
+    kube.apply([pod_webhook_manifest(name, hook.webhook_url, hook.ca_file.read_bytes(), namespace)])
     try:
         annotated = pod_manifest(
             "opted-in",

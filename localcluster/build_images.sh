@@ -83,7 +83,7 @@ sha() { sha256sum | cut -c1-16; }
 
 # What the Dockerfile's COPY lines take (and .dockerignore leaves out), as a sorted list of files.
 context_files() {
-  (cd "$SRC" && find Dockerfile .dockerignore pyproject.toml README.md gputopo extender agent \
+  (cd "$SRC" && find Dockerfile .dockerignore pyproject.toml README.md gputopo extender agent console \
     \( -name __pycache__ -o -name '*.egg-info' \) -prune -o -type f ! -name '*.pyc' -print | LC_ALL=C sort)
 }
 

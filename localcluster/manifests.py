@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,3 +148,28 @@ class PodEvent:
     message: str
     source: str  # reporting component, e.g. default-scheduler / gputopo-scheduler
     count: int
+
+
+def pod_webhook_manifest(
+    name: str, url: str, ca_pem: bytes, namespace: str, *, side_effects: str = "None", timeout_seconds: int = 5
+) -> JSON:
+    """A MutatingWebhookConfiguration that sends pod CREATEs in `namespace` to the extender's webhook
+    at `url` (HTTPS, trusted through `ca_pem`), failing closed: what the chart's webhook is, for one
+    test's namespace."""
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": name},
+        "webhooks": [
+            {
+                "name": "pods.gputopo.io",
+                "clientConfig": {"url": f"{url}/mutate", "caBundle": base64.b64encode(ca_pem).decode()},
+                "rules": [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"], "resources": ["pods"]}],
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+                "sideEffects": side_effects,
+                "admissionReviewVersions": ["v1"],
+                "failurePolicy": "Fail",
+                "timeoutSeconds": timeout_seconds,
+            }
+        ],
+    }
