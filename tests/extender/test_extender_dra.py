@@ -8,10 +8,13 @@ from typing import Any
 import pytest
 
 from extender.cache import ClusterCache
+from extender.kube import Informer
 from extender.wire import pod_gpus
+from gputopo.kube import KubeError
 from gputopo.model import TOPOLOGY_ANNOTATION, GpusInUse
 from gputopo.model.dra import DRIVER, pod_claim_gpus, template_gpus
 from gputopo.systems import build_system
+from tests.extender.fake import FakeSource
 
 NODE = "dra-a"
 
@@ -138,3 +141,32 @@ def test_a_pod_converted_for_dra_asks_for_its_templates_gpus() -> None:
     resources["limits"] = {"nvidia.com/gpu": "2"}
     assert pod_gpus(spec) == 2
     assert pod_claim_gpus({"resourceClaims": "junk"}) == 0
+
+
+@pytest.mark.parametrize(
+    ("kind", "status", "not_here"),
+    [
+        ("resourceclaims", 403, True),
+        ("resourceslices", 403, True),
+        ("resourceslices", 404, True),
+        ("podgroups", 403, False),  # a PodGroup the chart always grants: a 403 is a real error
+        ("pods", 403, False),
+    ],
+)
+def test_the_dra_kinds_forbidden_count_as_not_here(kind: Any, status: int, not_here: bool) -> None:
+    """Without the chart's DRA RBAC the extender's list of claims and slices gets 403: listed empty,
+    looked for again later, never a crash loop; any other kind's 403 is an error."""
+    source = FakeSource()
+
+    def refuse(_kind: Any) -> tuple[list[Any], str]:
+        raise KubeError(status, "forbidden", "Forbidden")
+
+    source.list_objects = refuse  # type: ignore[method-assign,assignment]
+    cache = ClusterCache()
+    inf = Informer(source, kind, cache, not_served_recheck_seconds=0)
+    if not_here:
+        inf.relist()
+        assert not inf.served and kind in cache.synced
+    else:
+        with pytest.raises(KubeError):
+            inf.relist()
