@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import yaml
 
 from extender.settings import Settings
 from gputopo.engine.dra import DEVICE_CLASS, DRIVER
@@ -128,3 +129,15 @@ def test_dra_before_kubernetes_134_fails_naming_the_version() -> None:
     proc = run_helm(args, check=False)
     assert proc.returncode != 0
     assert "agent.dra.enabled needs Kubernetes 1.34 or later" in proc.stderr
+
+
+def _extender_config(docs: list[Doc]) -> dict[str, Any]:
+    cm = one(docs, "ConfigMap", component="scheduler")
+    (ext,) = yaml.safe_load(cm["data"]["config.yaml"])["extenders"]
+    return dict(ext)
+
+
+def test_with_dra_kube_scheduler_sends_the_extender_every_pod() -> None:
+    """A DRA pod names a claim, not nvidia.com/gpu: with managedResources the extender would never see it."""
+    assert _extender_config(render(**DRA))["managedResources"] == []
+    assert [r["name"] for r in _extender_config(render())["managedResources"]] == ["nvidia.com/gpu"]
