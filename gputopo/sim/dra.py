@@ -32,10 +32,10 @@ kubernetes/kubernetes#134711: the first node by name among those that meet the e
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
-from typing import Literal
+from typing import Any, Literal
 
 from gputopo.clusterfile import JobSpec
 from gputopo.engine.cliques import popcount
@@ -51,6 +51,7 @@ from gputopo.engine.dra import (
     partition_cover,
     qualified,
 )
+from gputopo.engine.draclaims import ClaimShape, claim_shape, device_claim
 from gputopo.engine.explain import gpu_ranges
 from gputopo.engine.groups import GroupFailure, Member, plan_group
 from gputopo.engine.placement import evaluate_pod, rank
@@ -138,43 +139,57 @@ class Claim:
             raise ValueError(f"claim subrequest names repeat: {', '.join(names)}")
 
 
+def claim_from_spec(devices: Mapping[str, Any], min_memory_mib: int = 0) -> Claim:
+    """The Claim a ResourceClaim's `spec.devices` asks for (one request: `exactly`, or `firstAvailable`
+    subrequests tried in order; `matchAttribute` constraints naming the request or a subrequest).
+    `min_memory_mib` stands for the builder's CEL memory selector, which this emulation does not parse."""
+    (request,) = devices["requests"]
+    constraints = {tuple(c["requests"]): c["matchAttribute"] for c in devices.get("constraints", [])}
+    name = request["name"]
+    if "exactly" in request:
+        return Claim((Subrequest(name, request["exactly"]["count"], min_memory_mib, constraints.get((name,))),))
+    return Claim(
+        tuple(
+            Subrequest(s["name"], s["count"], min_memory_mib, constraints.get((f"{name}/{s['name']}",)))
+            for s in request["firstAvailable"]
+        )
+    )
+
+
+def _built(count: int, nvlink: NvlinkPolicy, min_memory_mib: int, *, list_attributes: bool) -> Claim:
+    """The claim gputopo's claim builder (the webhook's) makes for this shape."""
+    shape = ClaimShape(count, nvlink, min_memory_mib or None, list_attributes)
+    return claim_from_spec(device_claim(shape), min_memory_mib)
+
+
 def unconstrained_claim(count: int, min_memory_mib: int = 0) -> Claim:
     """`count` GPUs, no constraint: what KEP-5004's `nvidia.com/gpu: N` becomes (with no memory selector)."""
-    return Claim((Subrequest("gpus", count, min_memory_mib),))
+    return _built(count, NvlinkPolicy.IGNORE, min_memory_mib, list_attributes=False)
 
 
 def list_claim(count: int, min_memory_mib: int = 0, *, fallback: bool = False) -> Claim:
     """`count` GPUs that share a maximal NVLink clique (the list attribute); `fallback`: then any GPUs."""
-    if not fallback:  # a plain request, named as the claim builder names it
-        return Claim((Subrequest("gpus", count, min_memory_mib, qualified(ATTR_CLIQUES)),))
-    clique = Subrequest("clique", count, min_memory_mib, qualified(ATTR_CLIQUES))
-    return Claim((clique, Subrequest("any", count, min_memory_mib)))
+    nvlink = NvlinkPolicy.PREFERRED if fallback else NvlinkPolicy.REQUIRED
+    return _built(count, nvlink, min_memory_mib, list_attributes=True)
 
 
 def partition_claim(count: int, min_memory_mib: int = 0, *, fallback: bool = False) -> Claim:
     """`count` GPUs in one block of scalar partition 0, else of partition 1, ...; `fallback`: then any."""
-    subs = [Subrequest(f"p{p}", count, min_memory_mib, qualified(partition_attribute(p))) for p in range(PARTITIONS)]
-    if fallback:
-        subs.append(Subrequest("any", count, min_memory_mib))
-    return Claim(tuple(subs))
+    nvlink = NvlinkPolicy.PREFERRED if fallback else NvlinkPolicy.REQUIRED
+    return _built(count, nvlink, min_memory_mib, list_attributes=False)
 
 
 def claim_for(request: PodRequest, encoding_: Encoding, *, opted_in: bool = True) -> Claim:
     """The claim a pod gets. `none`: KEP-5004's count alone, whatever the pod's annotations. Otherwise
-    the webhook's claim: min HBM as a selector, and for an NVLink-wanting multi-GPU pod the clique
-    constraint (`preferred` adds an unconstrained last subrequest). A plain pod keeps KEP-5004's."""
-    n = request.gpus
+    the claim builder's (the webhook's): min HBM as a selector, and for an NVLink-wanting multi-GPU
+    pod the clique constraint (`preferred` adds an unconstrained last subrequest). A plain pod keeps
+    KEP-5004's."""
     if encoding_ not in ENCODINGS:
         raise ValueError(f"unknown encoding {encoding_!r}; known: {', '.join(ENCODINGS)}")
     if encoding_ == "none" or not opted_in:
-        return unconstrained_claim(n)
-    mem = request.min_gpu_memory_mib or 0
-    if n < 2 or request.nvlink is NvlinkPolicy.IGNORE:
-        return unconstrained_claim(n, mem)
-    fallback = request.nvlink is NvlinkPolicy.PREFERRED
-    if encoding_ == "list":
-        return list_claim(n, mem, fallback=fallback)
-    return partition_claim(n, mem, fallback=fallback)
+        return unconstrained_claim(request.gpus)
+    shape = claim_shape(request, list_attributes=encoding_ == "list")
+    return claim_from_spec(device_claim(shape), shape.min_memory_mib or 0)
 
 
 # --------------------------------------------------------------------------------------------------
