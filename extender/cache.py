@@ -75,6 +75,8 @@ class ClusterCache:
         # each Node object says, so that a claim's change re-merges without the Node changing.
         self._slices: dict[str, SliceInfo] = {}
         self._claims: dict[str, ClaimInfo] = {}
+        self._pool_claims: dict[str, set[str]] = {}  # pool -> uids of the claims holding its GPUs
+        self._pool_slice: dict[str, SliceInfo] = {}  # pool -> its slice (rebuilt on a slice's change)
         self._dra_reports: dict[str, GpusInUse] = {}
         self._node_facts: dict[str, NodeFacts] = {}
 
@@ -294,6 +296,10 @@ class ClusterCache:
                 if claim.gpus:
                     claims[claim.uid] = claim
             self._claims = claims
+            self._pool_claims = {}
+            for claim in claims.values():
+                if claim.pool is not None:
+                    self._pool_claims.setdefault(claim.pool, set()).add(claim.uid)
             self._redo_dra()
         else:
             leases: dict[str, float] = {}
@@ -332,11 +338,14 @@ class ClusterCache:
                 self._redo_dra()
             elif kind == "resourceclaims":
                 claim = parse_claim(obj)
-                if event_type == "DELETED" or not claim.gpus:
-                    self._claims.pop(claim.uid, None)
-                else:
+                before = self._claims.pop(claim.uid, None)
+                if before is not None and before.pool is not None:
+                    self._pool_claims.get(before.pool, set()).discard(claim.uid)
+                if event_type != "DELETED" and claim.gpus and claim.pool is not None:
                     self._claims[claim.uid] = claim
-                self._redo_dra()
+                    self._pool_claims.setdefault(claim.pool, set()).add(claim.uid)
+                # One claim changes only its pools' nodes: no walk over every claim per event.
+                self._redo_dra({p for p in (before.pool if before else None, claim.pool) if p is not None})
             else:
                 found = lease_renewal(obj, self.lease_namespace)
                 if found is not None:
@@ -364,8 +373,23 @@ class ClusterCache:
             pods[uid] = pods.get(uid, frozenset()) | gpus
         return dataclasses.replace(facts, report=GpusInUse(pods=pods, other=facts.report.other | dra.other))
 
-    def _redo_dra(self) -> None:
-        """Recompute which GPUs the claims hold per node; re-put each node whose share changed."""
+    def _redo_dra(self, pools: set[str] | None = None) -> None:
+        """Recompute which GPUs the claims hold per node (only `pools`' nodes when given: a pool is one
+        node's, as gputopo's agent publishes it); re-put each node whose share changed."""
+        if pools is not None:
+            for pool in pools:
+                found = self._pool_slice.get(pool)
+                if found is None:
+                    continue
+                claims = [self._claims[u] for u in self._pool_claims.get(pool, ())]
+                report = in_use_by_node(claims, [found])[found.node]
+                if report != self._dra_reports.get(found.node):
+                    self._dra_reports[found.node] = report
+                    facts = self._node_facts.get(found.node)
+                    if facts is not None:
+                        self.ledger.put_node(self._with_dra(facts))
+            return
+        self._pool_slice = {sl.pool: sl for sl in self._slices.values()}
         reports = in_use_by_node(self._claims.values(), self._slices.values())
         changed = {n for n in set(reports) | set(self._dra_reports) if reports.get(n) != self._dra_reports.get(n)}
         self._dra_reports = reports
