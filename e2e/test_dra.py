@@ -30,6 +30,7 @@ from gputopo.engine.explain import gpu_ranges
 from gputopo.engine.snapshot import shape_of
 from gputopo.model import PLACEMENT_ANNOTATION, NvlinkPolicy, PodRequest, parse_placement
 from gputopo.model.dra import DEVICE_CLASS, DRIVER, device_index
+from gputopo.model.topology import Health
 from gputopo.systems import build_system
 from localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from localcluster.kubelet import kubelet_unavailable
@@ -212,6 +213,24 @@ def test_dra_slice_lists_every_gpu_with_its_clique_partitions(stack: Stack, dra_
     version = slices[0]["metadata"]["resourceVersion"]
     time.sleep(3 * stack.interval_seconds)
     assert stack.resource_slices(dra_node.name)[0]["metadata"]["resourceVersion"] == version
+
+
+def test_dra_slice_follows_a_gpu_failing_and_recovering(stack: Stack, dra_node: DraNode) -> None:
+    """A GPU that fails leaves the slice (no device taints here) and its cliques; the quad it was in is
+    no longer a TP-4 choice. When it recovers, the agent republishes the whole node."""
+    n = dra_node
+    healthy = build_system(SYSTEM, n.name)
+    gpus = list(healthy.gpus)
+    gpus[3] = gpus[3].model_copy(update={"health": Health.FAILED})
+    stack.set_topology(n.name, healthy.model_copy(update={"gpus": tuple(gpus)}))
+    devices = {d["name"]: d for d in stack.wait_resource_slice(n.name, 7)["spec"]["devices"]}
+    assert "gpu-3" not in devices
+    assert devices["gpu-0"]["attributes"]["nvlinkPartition0"] == {"string": "0-2"}
+    tp4 = n.pod("tp4", n.tp_template(4))
+    assert n.running(tp4) == (4, 5, 6, 7)
+    stack.set_topology(n.name, healthy)
+    devices = {d["name"]: d for d in stack.wait_resource_slice(n.name, 8)["spec"]["devices"]}
+    assert devices["gpu-0"]["attributes"]["nvlinkPartition0"] == {"string": "0-3"}
 
 
 def test_dra_tp4_waits_for_a_full_quad_and_tp2_gets_only_nvlink_pairs(dra_node: DraNode) -> None:

@@ -102,6 +102,17 @@ class NodeAgents:
         for n in nodes:
             self.start_agent(n.name)
 
+    def set_topology(self, node: str, topology: NodeTopology) -> None:
+        """What `node`'s GPUs now are (a GPU failing, a link going down): its agent reads the file each
+        interval. A kubelet node's agent, started on its fixture, is restarted once onto the file."""
+        n = self.nodes[node]
+        self._node_files(node)[0].write_text(topology.to_annotation())
+        on_fixture = n.fixture is not None and n.topology is None
+        n.topology = topology
+        if on_fixture and self.agent_component(node) in self.cp.components():
+            self.cp.remove(self.agent_component(node), grace=3)
+            self.start_agent(node)
+
     def agent_component(self, node: str) -> str:
         return f"agent-{node}"
 
