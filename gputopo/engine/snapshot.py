@@ -8,6 +8,7 @@ decision over thousands of nodes evaluates each distinct kind once.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -38,14 +39,23 @@ class Shape:
 
 _SHAPES: dict[tuple[object, ...], Shape] = {}
 _KEYS: dict[tuple[object, ...], int] = {}
+# Keys come from a counter that never repeats, not from the table's size: the decision threads and the
+# node-state cache intern concurrently, and `len + 1` could hand two kinds one key (the verdict memo would
+# then answer one kind with the other's verdict). `next()` on a count and `dict.setdefault` are each
+# atomic under the GIL, so racing callers agree on one key per tuple.
+_NEXT_KEY = itertools.count(1)
+# Kinds change with GPUs in use and health: the tables are cleared past this many entries. A key is never
+# reused after a clear, so a memo entry under an old key only misses, never answers for another kind.
+MAX_INTERNED = 1 << 16
 
 
 def _intern_key(parts: tuple[object, ...]) -> int:
     """A small int per distinct equivalence tuple: hashing an int per lookup, not a nested tuple."""
     key = _KEYS.get(parts)
     if key is None:
-        key = len(_KEYS) + 1
-        _KEYS[parts] = key
+        if len(_KEYS) >= MAX_INTERNED:
+            _KEYS.clear()
+        key = _KEYS.setdefault(parts, next(_NEXT_KEY))
     return key
 
 
@@ -73,7 +83,9 @@ def shape_of(topology: NodeTopology) -> Shape:
         shape = Shape(
             n, links, adj, topology.nvlink.nvswitch, topology.nvlink.generation, topology.nvlink.gbps_per_link, numa
         )
-        _SHAPES[key] = shape
+        if len(_SHAPES) >= MAX_INTERNED:
+            _SHAPES.clear()
+        shape = _SHAPES.setdefault(key, shape)
     return shape
 
 
