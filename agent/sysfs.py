@@ -36,12 +36,12 @@ class PciPath:
 def parse_pci_path(real_path: str, numa_node: int | None = None) -> PciPath | None:
     """Split a sysfs device realpath (`…/devices/pci0000:17/0000:17:01.0/0000:18:00.0`) into a PciPath."""
     parts = [p for p in real_path.lower().split("/") if p]
-    roots = [i for i, p in enumerate(parts) if _ROOT_COMPLEX.match(p)]
+    roots = [i for i, p in enumerate(parts) if _ROOT_COMPLEX.fullmatch(p)]
     if not roots:
         return None
     start = roots[-1]
-    chain = [p for p in parts[start + 1 :] if _BDF.match(p)]
-    if not chain or not _BDF.match(parts[-1]):
+    chain = [p for p in parts[start + 1 :] if _BDF.fullmatch(p)]
+    if not chain or not _BDF.fullmatch(parts[-1]):
         return None
     return PciPath(root=parts[start], bridges=tuple(chain[:-1]), device=chain[-1], numa_node=numa_node)
 
@@ -117,12 +117,14 @@ def pci_path(sysfs_root: Path, bus_id: str) -> PciPath | None:
 
 
 def _natural(name: str) -> tuple[str, int]:
-    m = re.match(r"^(.*?)(\d+)$", name)
+    m = re.fullmatch(r"(.*?)([0-9]+)", name)  # ASCII digits: int() of '²' raises
     return (m.group(1), int(m.group(2))) if m else (name, -1)
 
 
 def _pick_port(dev: Path) -> Path | None:
-    ports = sorted((p for p in (dev / "ports").glob("*") if p.name.isdigit()), key=lambda p: int(p.name))
+    ports = sorted(
+        (p for p in (dev / "ports").glob("*") if p.name.isascii() and p.name.isdigit()), key=lambda p: int(p.name)
+    )
     for port in ports:
         if parse_port_state(_read(port / "state") or "") == "ACTIVE":
             return port

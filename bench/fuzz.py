@@ -20,7 +20,10 @@ door, in process (`extender.door.Door.answer`, what the verbs server calls for e
 so 100,000 cases take seconds; bodies over the limit are handed over whole (the limit is the server's).
 It prints the answers by status, 5xx and non-JSON answers, failed probes, and exits 1 on any.
 
-    .venv/bin/python bench/fuzz.py [--cases 100000] [--time-limit 1200] [--seed 1] [--door]
+With `--dra` it fuzzes the agent's DRA driver instead, over its real gRPC unix socket (`bench/fuzz_dra.py`
+says what and how; `--cases` there defaults to 5,000 and `--time-limit` to 300 s).
+
+    .venv/bin/python bench/fuzz.py [--cases 100000] [--time-limit 1200] [--seed 1] [--door | --dra]
 """
 
 from __future__ import annotations
@@ -232,7 +235,14 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=1200.0, help="stop after this many seconds")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--door", action="store_true", help="the verbs' cases through the door, in process")
+    ap.add_argument("--dra", action="store_true", help="fuzz the agent's DRA driver over its unix socket")
     opts = ap.parse_args()
+    if opts.dra:
+        from fuzz_dra import fuzz_dra  # bench/, the script's directory, is on sys.path
+
+        explicit = {a.split("=")[0] for a in sys.argv[1:]}
+        cases = opts.cases if "--cases" in explicit else 5_000
+        return fuzz_dra(cases, opts.time_limit if "--time-limit" in explicit else 300.0, opts.seed)
     rng = random.Random(opts.seed)
     with tempfile.TemporaryDirectory(prefix="gputopo-fuzz-") as tmp:
         cluster, log_path = Path(tmp) / "cluster.yaml", Path(tmp) / "server.log"

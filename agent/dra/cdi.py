@@ -14,13 +14,17 @@ files in the CDI directory (default /var/run/cdi). Two kinds:
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
 from agent.dra.checkpoint import atomic_write
 from gputopo.model import NodeTopology
+
+log = logging.getLogger(__name__)
 
 CDI_VERSION = "0.5.0"  # env and deviceNodes need no newer one; containerd 1.7 and CRI-O read it
 VENDOR = "gputopo.io"
@@ -31,9 +35,11 @@ CLAIM_KIND = f"{VENDOR}/{CLAIM_CLASS}"
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
-# CDI's device-name rule: a letter or digit, then letters, digits, '_', '-', '.' or ':'.
-_CDI_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
-_MINOR = re.compile(r"^Device Minor:\s*(\d+)\s*$", re.MULTILINE)
+# CDI's device-name rule: a letter or digit, then letters, digits, '_', '-', '.' or ':'. Always
+# fullmatch: `$` also matches before a trailing newline, and a claim uid names a file.
+_CDI_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*")
+_MINOR = re.compile(r"^Device Minor:[ \t]*([0-9]{1,9})[ \t]*$", re.MULTILINE)
+_CLAIM_PREFIX = f"{VENDOR}-{CLAIM_CLASS}_"
 
 
 class CdiNameError(ValueError):
@@ -41,7 +47,7 @@ class CdiNameError(ValueError):
 
 
 def cdi_name(name: str) -> str:
-    if not _CDI_NAME.match(name) or len(name) > 253:
+    if len(name) > 253 or not _CDI_NAME.fullmatch(name):
         raise CdiNameError(f"{name!r} is not a valid CDI device name")
     return name
 
@@ -60,7 +66,7 @@ def node_spec_path(cdi_dir: Path) -> Path:
 
 
 def claim_spec_path(cdi_dir: Path, claim_uid: str) -> Path:
-    return cdi_dir / f"{VENDOR}-{CLAIM_CLASS}_{cdi_name(claim_uid)}.json"
+    return cdi_dir / f"{_CLAIM_PREFIX}{cdi_name(claim_uid)}.json"
 
 
 def _sysfs_bus_id(bus_id: str) -> str:
@@ -143,3 +149,30 @@ class CdiWriter:
         except CdiNameError:
             return  # never written: Prepare refuses such a uid
         path.unlink(missing_ok=True)
+
+    def remove_orphans(self, keep: Collection[str]) -> list[str]:
+        """Remove the claim specs (and our temporary files) of claims not in `keep`: what a crash
+        between writing a claim's spec and checkpointing it left. Returns the claim uids removed."""
+        removed: list[str] = []
+        try:
+            entries = list(os.scandir(self.cdi_dir))
+        except FileNotFoundError:
+            return removed
+        for e in entries:
+            name = e.name
+            if name.startswith(f".{_CLAIM_PREFIX}") and name.endswith(".tmp"):
+                uid = ""  # atomic_write's temporary file, left by a crash mid-write
+            elif name.startswith(_CLAIM_PREFIX) and name.endswith(".json"):
+                uid = name[len(_CLAIM_PREFIX) : -len(".json")]
+                if uid in keep:
+                    continue
+            else:
+                continue
+            try:
+                Path(e.path).unlink(missing_ok=True)
+            except OSError as err:  # a directory by that name is not ours to remove: leave it, go on
+                log.warning("cannot remove a stale CDI claim spec", extra={"path": e.path, "error": str(err)})
+                continue
+            if uid:
+                removed.append(uid)
+        return removed

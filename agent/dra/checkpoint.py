@@ -13,6 +13,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import shutil
+import stat
 import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -25,6 +28,9 @@ CHECKPOINT_VERSION = 1
 CHECKPOINT_NAME = "checkpoint.json"
 # Thousands of claims fit in well under this; a larger file is not one we wrote.
 MAX_CHECKPOINT_BYTES = 8 * 1024 * 1024
+# A claim uid as Prepare accepts it: it names a CDI device and a file, so CDI's device-name rule, and
+# at most 128 characters (a Kubernetes uid is a 36-character UUID). Always fullmatch.
+CLAIM_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 
 
 class CheckpointError(ValueError):
@@ -94,6 +100,8 @@ def decode(data: bytes) -> dict[str, PreparedClaim]:
         raise CheckpointError(f"{len(data)} bytes is over the {MAX_CHECKPOINT_BYTES}-byte limit")
     try:
         doc = json.loads(data)
+    except RecursionError:  # nesting thousands deep: not a file we wrote
+        raise CheckpointError("not JSON we wrote: nested too deeply") from None
     except ValueError as e:
         raise CheckpointError(f"not JSON: {e}") from None
     if not isinstance(doc, dict):
@@ -105,6 +113,8 @@ def decode(data: bytes) -> dict[str, PreparedClaim]:
         raise CheckpointError("claims is not an object")
     out: dict[str, PreparedClaim] = {}
     for uid, c in raw.items():
+        if not CLAIM_UID.fullmatch(uid):
+            raise CheckpointError(f"claim uid {uid[:140]!r} is not one a Prepare accepts")
         if not isinstance(c, dict):
             raise CheckpointError(f"claim {uid!r} is not an object")
         devices = c.get("devices")
@@ -117,6 +127,43 @@ def decode(data: bytes) -> dict[str, PreparedClaim]:
             devices=tuple(PreparedDevice.from_json(d) for d in devices),
         )
     return out
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """Up to `limit` bytes of the regular file `path`. Opened without following a symlink and without
+    blocking (a FIFO would hang a plain open); anything but a regular file raises CheckpointError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)})")
+        chunks: list[bytes] = []
+        size = 0
+        while size < limit:
+            chunk = os.read(fd, min(1 << 20, limit - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _replace_aside(path: Path, aside: Path) -> None:
+    """Move `path` (whatever it is) to `aside`. An earlier `aside` that `os.replace` cannot replace (a
+    directory, or a file where a directory goes) is removed first: only the latest is kept."""
+    try:
+        os.replace(path, aside)
+        return
+    except OSError:
+        if not os.path.lexists(aside):
+            raise
+    if aside.is_dir() and not aside.is_symlink():
+        shutil.rmtree(aside)
+    else:
+        aside.unlink()
+    os.replace(path, aside)
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
@@ -149,23 +196,38 @@ class Checkpoint:
         self._claims: dict[str, PreparedClaim] = self._load()
 
     def _load(self) -> dict[str, PreparedClaim]:
+        """The checkpoint's claims; anything at the path that is not a checkpoint we can read (a
+        directory, a FIFO, a symlink, bad JSON) is moved aside, so the driver starts either way."""
         try:
-            with self.path.open("rb") as f:
-                data = f.read(MAX_CHECKPOINT_BYTES + 1)
+            data = read_regular(self.path, MAX_CHECKPOINT_BYTES + 1)
         except FileNotFoundError:
+            return {}
+        except (OSError, CheckpointError) as e:
+            self._move_aside(str(e))
             return {}
         try:
             claims = decode(data)
         except CheckpointError as e:
-            aside = self.path.with_name(self.path.name + ".unreadable")
-            os.replace(self.path, aside)
-            log.error(
-                "the DRA checkpoint is unreadable; moved aside, prepared claims will be read again from the API",
-                extra={"path": str(self.path), "moved_to": str(aside), "error": str(e)},
-            )
+            self._move_aside(str(e))
             return {}
         log.info("DRA checkpoint loaded", extra={"path": str(self.path), "claims": len(claims)})
         return claims
+
+    def _move_aside(self, error: str) -> None:
+        aside = self.path.with_name(self.path.name + ".unreadable")
+        try:
+            _replace_aside(self.path, aside)
+        except OSError as e:
+            # Then writes fail too (each Prepare says so) but the driver still serves Unprepare.
+            log.error(
+                "the DRA checkpoint is unreadable and cannot be moved aside",
+                extra={"path": str(self.path), "error": error, "move_error": str(e)},
+            )
+            return
+        log.error(
+            "the DRA checkpoint is unreadable; moved aside, prepared claims will be read again from the API",
+            extra={"path": str(self.path), "moved_to": str(aside), "error": error},
+        )
 
     def get(self, uid: str) -> PreparedClaim | None:
         return self._claims.get(uid)

@@ -34,7 +34,9 @@ DRA_SOCKET = "dra.sock"
 MAX_RECEIVE_BYTES = 4 * 1024 * 1024  # a Prepare of hundreds of claims is a few KiB
 MAX_SEND_BYTES = 16 * 1024 * 1024
 MAX_CONCURRENT_RPCS = 16  # the kubelet calls per pod; more waiting callers get RESOURCE_EXHAUSTED
-_WORKERS = 4
+# One worker per admitted RPC: a call never queues for a thread behind Prepares blocked on the API
+# server (the driver caps those at MAX_API_READS, below this).
+_WORKERS = MAX_CONCURRENT_RPCS
 
 
 def plugin_dir(plugins_dir: Path, driver: str) -> Path:

@@ -15,12 +15,24 @@ turn "fully NVLink-connected" into that:
 
 Unused partitions repeat partition 0, so every device carries every attribute: a device without the
 attribute a constraint names can never be chosen.
+
+**The cap.** Maximal cliques can be exponentially many (32 GPUs each linked to all but one partner:
+2^16 of them), so enumeration stops past `MAX_CLIQUES` cliques or `MAX_CLIQUE_STEPS` steps. A capped
+encoding publishes a greedy cover of the GPUs by disjoint cliques plus the first maximal cliques
+found, at most `MAX_CLIQUES` in all: every published block is still fully connected, so no constraint
+ever matches a set that is not a clique; what is lost is some fully connected sets (those in no
+published clique) that can no longer be allocated together, and `nvlinkCliqueSize` is then the
+largest published clique, not the largest there is. `Encoding.capped` says so. An encoding is
+memoised on the adjacency and the healthy GPUs, so an unchanged topology costs no enumeration.
+A clique id longer than an attribute value may be (64) is its GPU mask in hex, never truncated:
+truncation could give two different cliques one value.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from gputopo.engine.cliques import bits, popcount
 from gputopo.model.base import LabelError
@@ -32,6 +44,11 @@ from gputopo.model.rails import gpu_rail_masks, nic_rails
 from gputopo.model.topology import Health, NodeTopology
 
 PARTITIONS = 4  # scalar partitions every device carries: enough for DGX-1V (2) with room to spare
+# Real systems have a handful of maximal cliques (DGX-1V: 6, NVSwitch: 1); a node past these is
+# adversarial or broken, and its encoding is capped (see the module's docstring).
+MAX_CLIQUES = 64
+MAX_CLIQUE_STEPS = 20_000  # Bron-Kerbosch calls, about 60 ms: bounds the work between two cliques found
+MAX_ID_CHARS = 64  # DeviceAttributeMaxValueLength: a longer clique id would be truncated
 
 # Attribute names, unqualified: DRA qualifies them with the driver's domain.
 ATTR_INDEX = "index"
@@ -61,13 +78,33 @@ def partition_attribute(p: int) -> str:
     return f"{ATTR_PARTITION}{p}"
 
 
+class _Capped(Exception):
+    pass
+
+
 def maximal_cliques(adj: Sequence[int], usable: int) -> list[int]:
     """Every maximal fully connected set inside `usable` (masks), largest first, then lowest mask.
-    Bron-Kerbosch with pivoting: a node has at most a few dozen GPUs."""
+    Unbounded: for a node's own topology use `capped_cliques`."""
+    out, _ = capped_cliques(adj, usable, max_cliques=None, max_steps=None)
+    return out
+
+
+def capped_cliques(
+    adj: Sequence[int], usable: int, max_cliques: int | None = MAX_CLIQUES, max_steps: int | None = MAX_CLIQUE_STEPS
+) -> tuple[list[int], bool]:
+    """Maximal cliques inside `usable`, largest first, then lowest mask, and whether a cap stopped the
+    enumeration (then the list holds the first `max_cliques` found, not all). Bron-Kerbosch with pivoting."""
     out: list[int] = []
+    steps = 0
 
     def expand(r: int, p: int, x: int) -> None:
+        nonlocal steps
+        steps += 1
+        if max_steps is not None and steps > max_steps:
+            raise _Capped
         if not p and not x:
+            if max_cliques is not None and len(out) >= max_cliques:
+                raise _Capped
             out.append(r)
             return
         pivot = max(bits(p | x), key=lambda u: popcount(p & adj[u]))
@@ -77,9 +114,30 @@ def maximal_cliques(adj: Sequence[int], usable: int) -> list[int]:
             p &= ~bit
             x |= bit
 
+    capped = False
     if usable:
-        expand(0, usable, 0)
+        try:
+            expand(0, usable, 0)
+        except _Capped:
+            capped = True
     out.sort(key=lambda m: (-popcount(m), m))
+    return out, capped
+
+
+def greedy_cover(adj: Sequence[int], usable: int) -> list[int]:
+    """Disjoint cliques covering `usable`: from the lowest GPU left, add each GPU left linked to all so
+    far. Linear work; the capped encoding's guarantee that every GPU is in some published block."""
+    out: list[int] = []
+    left = usable
+    while left:
+        v = (left & -left).bit_length() - 1
+        block, cand = 1 << v, left & adj[v]
+        while cand:
+            u = (cand & -cand).bit_length() - 1
+            block |= 1 << u
+            cand &= adj[u]
+        out.append(block)
+        left &= ~block
     return out
 
 
@@ -114,7 +172,8 @@ def partition_cover(
 
 
 def block_id(mask: int) -> str:
-    """A clique's id as its GPU indices in ranges: '0-3', '0,4', '7'."""
+    """A clique's id as its GPU indices in ranges: '0-3', '0,4', '7'; past 64 characters the mask in
+    hex ('mask-5555'), unique and short, as a truncated list would not be."""
     idx = bits(mask)
     runs: list[str] = []
     start = prev = idx[0]
@@ -124,7 +183,8 @@ def block_id(mask: int) -> str:
             continue
         runs.append(str(start) if start == prev else f"{start}-{prev}")
         start = prev = i
-    return ",".join(runs)
+    text = ",".join(runs)
+    return text if len(text) <= MAX_ID_CHARS else f"mask-{mask:x}"
 
 
 @dataclass(frozen=True)
@@ -145,6 +205,7 @@ class Encoding:
     cliques: tuple[int, ...]
     partitions: tuple[tuple[int, ...], ...]
     left_out: tuple[int, ...]
+    capped: bool = False  # the enumeration hit a cap: `cliques` are some of the maximal ones (docstring)
 
 
 def _adjacency(topology: NodeTopology) -> tuple[int, ...]:
@@ -154,12 +215,22 @@ def _adjacency(topology: NodeTopology) -> tuple[int, ...]:
 
 
 def encoding(topology: NodeTopology) -> Encoding:
-    """The clique encodings of a node's healthy GPUs: a failed GPU is in no clique."""
-    n = len(topology.gpus)
+    """The clique encodings of a node's healthy GPUs: a failed GPU is in no clique. Memoised on the
+    topology's content (adjacency and healthy GPUs): every discovery cycle asks again."""
     usable = sum(1 << g.index for g in topology.gpus if g.health is not Health.FAILED)
-    cliques = maximal_cliques(_adjacency(topology), usable)
+    return encode(len(topology.gpus), _adjacency(topology), usable)
+
+
+@lru_cache(maxsize=16)
+def encode(n: int, adj: tuple[int, ...], usable: int) -> Encoding:
+    """The encodings of `n` GPUs with adjacency masks `adj`, cliques inside `usable`; capped (docstring)."""
+    cliques, capped = capped_cliques(adj, usable, MAX_CLIQUES, MAX_CLIQUE_STEPS)
+    if capped:
+        cover = greedy_cover(adj, usable)
+        extra = [c for c in cliques if c not in cover][: max(0, MAX_CLIQUES - len(cover))]
+        cliques = sorted({*cover, *extra}, key=lambda m: (-popcount(m), m))
     parts, left = partition_cover(n, cliques)
-    return Encoding(tuple(cliques), parts, tuple(left))
+    return Encoding(tuple(cliques), parts, tuple(left), capped)
 
 
 def devices(

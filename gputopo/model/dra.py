@@ -7,6 +7,7 @@ Pure parsing of resource.k8s.io/v1 objects as JSON-shaped mappings. A malformed 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,9 @@ MAX_SLICE_DEVICES = 128
 MAX_ALLOCATION_RESULTS = 32
 MAX_RESERVED_FOR = 256
 MAX_GPU_INDEX = 4096
+# ASCII digits only: str.isdigit() and int() also take '٣' or '²', which no name of ours holds.
+_INDEX = re.compile(r"0|[1-9][0-9]{0,3}")
+_COUNT = re.compile(r"[1-9][0-9]{0,2}")
 
 
 class DraObjectError(ValueError):
@@ -37,7 +41,7 @@ def device_name(index: int) -> str:
 def device_index(name: str) -> int | None:
     """The GPU index a device name stands for, or None when it is not one of ours."""
     prefix, _, rest = name.partition("-")
-    if prefix != "gpu" or not rest.isdigit() or (len(rest) > 1 and rest[0] == "0"):
+    if prefix != "gpu" or not _INDEX.fullmatch(rest):
         return None
     index = int(rest)
     return index if index < MAX_GPU_INDEX else None
@@ -49,7 +53,7 @@ def template_gpus(name: str) -> int | None:
     if head or not sep:
         return None
     count = rest.split("-", 1)[0]
-    if not count.isdigit() or count[0] == "0" or len(count) > 3:
+    if not _COUNT.fullmatch(count):
         return None
     return int(count)
 

@@ -203,13 +203,13 @@ def _label(labels: Mapping[str, str], key: str, *, required: bool = True) -> str
         if required:
             raise LabelError(key, "", "missing; the pod's controller sets it")
         return None
-    if not _LABEL_VALUE.match(v):
+    if not _LABEL_VALUE.fullmatch(v):
         raise LabelError(key, v, "must be a label value (letters, digits, - _ ., at most 63)")
     return v
 
 
 def _index(key: str, value: str, *, annotation: bool = False) -> int:
-    if not _INDEX.match(value):
+    if not _INDEX.fullmatch(value):
         err = AnnotationError if annotation else LabelError
         raise err(key, value, "must be a non-negative integer")
     return int(value)
@@ -262,7 +262,7 @@ def _podgroup(name: str, facts: ControllerFacts) -> InferredGroup | None:
     """A native PodGroup member: size minCount, a free rank in name order (a PodGroup orders no pods),
     the tier of its topology key required. None for a `basic` PodGroup (no gang: the pods are placed
     one by one, as kube-scheduler does)."""
-    if len(name) > 253 or not _SUBDOMAIN.match(name):
+    if len(name) > 253 or not _SUBDOMAIN.fullmatch(name):
         raise PodGroupError(name, "spec.schedulingGroup.podGroupName", name, "must be a DNS-1123 subdomain")
     group = f"podgroup/{name}"
     shape = facts.podgroups.get(name)
@@ -439,17 +439,17 @@ def group_identity(labels: Mapping[str, str] | None, pod_group: str = "") -> str
     group, so that every member learns why the group cannot be placed."""
     lab = labels or {}
     if pod_group:
-        return f"podgroup/{pod_group}" if len(pod_group) <= 253 and _SUBDOMAIN.match(pod_group) else None
+        return f"podgroup/{pod_group}" if len(pod_group) <= 253 and _SUBDOMAIN.fullmatch(pod_group) else None
 
     def ok(key: str) -> str | None:
         v = lab.get(key)
-        return v if v is not None and _LABEL_VALUE.match(v) else None
+        return v if v is not None and _LABEL_VALUE.fullmatch(v) else None
 
     if KUEUE_POD_GROUP in lab:
         return f"kueue/{ok(KUEUE_POD_GROUP)}" if ok(KUEUE_POD_GROUP) else None
     if LWS_NAME in lab:
         name, group = ok(LWS_NAME), ok(LWS_GROUP_INDEX)
-        return f"lws/{name}/{group}" if name and group and _INDEX.match(group) else None
+        return f"lws/{name}/{group}" if name and group and _INDEX.fullmatch(group) else None
     if JOBSET_NAME in lab:
         return f"jobset/{ok(JOBSET_NAME)}" if ok(JOBSET_NAME) else None
     if KUBEFLOW_JOB_NAME in lab:

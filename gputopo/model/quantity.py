@@ -21,7 +21,7 @@ def parse_quantity(text: str) -> Decimal:
     if len(text) > MAX_QUANTITY_CHARS:
         raise ValueError(f"not a Kubernetes quantity: longer than {MAX_QUANTITY_CHARS} characters")
     stripped = text.strip()
-    if not _QUANTITY.match(stripped):
+    if not _QUANTITY.fullmatch(stripped):
         raise ValueError("not a Kubernetes quantity such as 2, 500m or 80Gi")
     # Imported here: the client package takes ~0.2 s to import, and most CLI commands never parse one.
     from kubernetes.utils.quantity import parse_quantity as parse_k8s_quantity

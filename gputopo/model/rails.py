@@ -28,7 +28,7 @@ def parse_rails_label(value: str, nic_names: tuple[str, ...] | list[str]) -> tup
         raise LabelError(LABEL_RAILS, value, f"empty; give each NIC's rail in NIC order, dot-separated, e.g. {example}")
     entries = value.strip().split(".")
     for i, entry in enumerate(entries):
-        if not _RAIL_ENTRY.match(entry) or int(entry) > MAX_RAIL:
+        if not _RAIL_ENTRY.fullmatch(entry) or int(entry) > MAX_RAIL:
             where = f"NIC {nic_names[i]}" if i < len(nic_names) else f"entry {i}"
             raise LabelError(LABEL_RAILS, value, f"{where}: {entry!r} is not a rail number 0..{MAX_RAIL}")
     if len(entries) != len(nic_names):

@@ -170,7 +170,7 @@ def parse_pod_request(
         fields["required_tier"] = inferred.required_tier  # a PodGroup's topology constraint
     if ANN_GROUP in ann:
         g = ann[ANN_GROUP].strip()
-        if not _NAME.match(g):
+        if not _NAME.fullmatch(g):
             raise AnnotationError(ANN_GROUP, ann[ANN_GROUP], "must be a DNS-1123 name (lower case, digits, - . _)")
         fields["group"] = g
         if ANN_GROUP_SIZE not in ann and (inferred is None or inferred.size is None):

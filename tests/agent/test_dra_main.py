@@ -134,3 +134,44 @@ def test_a_dra_start_failure_exits_1_naming_it(capsys: pytest.CaptureFixture[str
     argv = ["--backend", "fixture:dgx-1v", "--node-name", NODE, "--metrics-port", "0", "--dra"]
     assert main(argv, node_api_factory=lambda _s: InMemoryNodeApi(NODE), dra_factory=factory) == 1
     assert "cannot start the DRA driver: no kubeconfig" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)  # today's driver hangs opening the FIFO
+def test_the_agent_starts_over_a_junk_checkpoint_and_a_full_cdi_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from agent.dra import cdi
+
+    def full(path: Path, _data: bytes, _mode: int = 0o644) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(cdi, "atomic_write", full)
+    checkpoint = tmp_path / "plugins" / DRIVER / "checkpoint.json"
+    checkpoint.parent.mkdir(parents=True)
+    os.mkfifo(checkpoint)  # a plain open() of it would never return
+    topo_file = tmp_path / "topo.json"
+    topo_file.write_text(topology().to_annotation())
+    reg_socket = tmp_path / "registry" / f"{DRIVER}-reg.sock"
+
+    def factory(_s: AgentSettings, config: DraConfig, sleep: Callable[[float], bool]) -> DraPlugin:
+        return DraPlugin(config, FakeClaims(), FakeSlices(), sleep)
+
+    def check() -> str:
+        import grpc
+
+        with grpc.insecure_channel(f"unix://{reg_socket}") as ch:
+            info = pluginregistration_pb2_grpc.RegistrationStub(ch).GetInfo(
+                pluginregistration_pb2.InfoRequest(), timeout=10
+            )
+        return str(info.name)
+
+    api = StopAfterPatch(NODE, check)
+    argv = ["--backend", f"file:{topo_file}", "--node-name", NODE, "--metrics-port", "0", "--sysfs-root", str(tmp_path)]
+    argv += ["--dra", "--dra-plugins-dir", str(tmp_path / "plugins"), "--dra-registry-dir", str(tmp_path / "registry")]
+    argv += ["--cdi-dir", str(tmp_path / "cdi")]
+    assert main(argv, node_api_factory=lambda _s: api, dra_factory=factory) == 0
+    assert api.seen == DRIVER
+    assert (tmp_path / "plugins" / DRIVER / "checkpoint.json.unreadable").exists()
+    assert not (tmp_path / "cdi" / "gputopo.io-gpu.json").exists()  # still full: retried every cycle

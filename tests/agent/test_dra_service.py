@@ -86,12 +86,11 @@ def test_prepare_answers_cdi_names_and_writes_the_claims_visible_devices(tmp_pat
         assert [d["name"] for d in node_spec["devices"]] == [g.uuid for g in topo.gpus]
 
 
-def test_prepare_takes_only_our_driver_and_this_nodes_pool(tmp_path: Path) -> None:
+def test_prepare_takes_only_our_drivers_devices(tmp_path: Path) -> None:
     claims = FakeClaims()
     claim = claims.add(claim_object("u1", ["gpu-1"]))
     results = claim["status"]["allocation"]["devices"]["results"]
-    results.append({"request": "nic", "driver": "nic.example.com", "pool": NODE, "device": "eth0"})
-    results.append({"request": "gpus", "driver": DRIVER, "pool": "other-node", "device": "gpu-7"})
+    results.append({"request": "nic", "driver": "nic.example.com", "pool": "other-node", "device": "eth0"})
     with running_dra(tmp_path, topology(), claims) as h:
         got = _prepare(h, "v1", "u1").claims["u1"]
     assert got.error == "" and [d.device_name for d in got.devices] == ["gpu-1"]

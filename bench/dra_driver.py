@@ -1,0 +1,166 @@
+"""The DRA driver's two costs an attacker on the node could raise (docs/benchmarks.md, "The DRA driver").
+
+- cliques: a 32-GPU "full mesh minus a perfect matching" NVLink graph has 2^16 maximal cliques. Prints
+  the CPU seconds and the ResourceSlice spec's size (JSON bytes) for the scalar and the list encoding,
+  and the CPU seconds of a second publish of the same topology (the memo).
+- unprepare: six Prepares whose ResourceClaim reads the API server answers only after `--api-s`
+  seconds, then one Unprepare (which needs no API read) over the real unix socket; prints how long
+  the Unprepare took.
+
+    .venv/bin/python bench/dra_driver.py [--api-s 2.5] [--skip cliques|unprepare]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gputopo.model import NodeTopology
+from gputopo.systems import build_system
+
+NODE = "bench-node"
+
+
+def mesh_minus_matching(n: int = 32) -> NodeTopology:
+    """`n` GPUs, each NVLinked to every other but its partner (2k, 2k+1): 2^(n/2) maximal cliques."""
+    base = build_system("dgx-h100", NODE)
+    gpu = base.gpus[0]
+    gpus = tuple(gpu.model_copy(update={"index": i, "uuid": f"GPU-bench-{i:04d}", "pci_bus_id": ""}) for i in range(n))
+    links = tuple(tuple(0 if j == i or j == i ^ 1 else 2 for j in range(n)) for i in range(n))
+    nvlink = base.nvlink.model_copy(update={"links": links})
+    return base.model_copy(update={"gpus": gpus, "nvlink": nvlink, "nics": (), "degraded_links": ()})
+
+
+def cliques() -> None:
+    from agent.dra.slices import desired_spec
+    from gputopo.engine import dra
+
+    topo = mesh_minus_matching()
+    for list_attributes in (False, True):
+        for attempt in ("first", "again"):
+            if attempt == "first" and hasattr(dra, "encode"):
+                dra.encode.cache_clear()  # a cold memo: the enumeration is measured too
+            t0 = time.process_time()
+            spec = desired_spec(NODE, topo, list_attributes=list_attributes, device_taints=False)
+            cpu = time.process_time() - t0
+            size = len(json.dumps(spec).encode())
+            kind = "list" if list_attributes else "scalar"
+            print(f"cliques {kind:6} {attempt}: {cpu:.3f} s CPU, slice spec {size / 1024:.1f} KiB")
+
+
+class SlowClaims:
+    """A ClaimReader whose every read takes `delay_s`."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.reads = 0
+        self._lock = threading.Lock()
+
+    def get_resource_claim(self, namespace: str, name: str) -> Mapping[str, Any]:
+        with self._lock:
+            self.reads += 1
+        time.sleep(self.delay_s)
+        uid = name.removeprefix("claim-")
+        results = [{"request": "gpus", "driver": "gpu.gputopo.io", "pool": NODE, "device": "gpu-0"}]
+        return {
+            "metadata": {"uid": uid, "namespace": namespace, "name": name},
+            "status": {"allocation": {"devices": {"results": results}}},
+        }
+
+
+class NoSlices:
+    def node_uid(self, node: str) -> str:
+        return "uid"
+
+    def get_slice(self, name: str) -> Any:
+        return None
+
+    def list_slice_names(self, node: str, driver: str) -> list[str]:
+        return []
+
+    def create_slice(self, body: Any) -> Any:
+        return body
+
+    def replace_slice(self, name: str, body: Any) -> Any:
+        return body
+
+    def delete_slice(self, name: str) -> None:
+        return None
+
+
+def unprepare(api_s: float) -> None:
+    import grpc
+
+    from agent.dra.api import dra_v1_pb2, dra_v1_pb2_grpc
+    from agent.dra.plugin import DraConfig, DraPlugin
+
+    with tempfile.TemporaryDirectory(prefix="gputopo-dra-bench-") as tmp:
+        root = Path(tmp)
+        config = DraConfig(
+            node=NODE,
+            plugins_dir=root / "plugins",
+            registry_dir=root / "registry",
+            cdi_dir=root / "cdi",
+            sysfs_root=None,
+            dev_root=root,
+            poll_s=0.5,
+        )
+        reader = SlowClaims(api_s)
+        plugin = DraPlugin(config, reader, NoSlices(), sleep=lambda _s: True)
+        plugin.start(build_system("dgx-h100", NODE))
+        assert plugin.server is not None
+        channel = grpc.insecure_channel(f"unix://{plugin.server.dra_socket.absolute()}")
+        stub: Any = dra_v1_pb2_grpc.DRAPluginStub(channel)
+        pool = futures.ThreadPoolExecutor(6)
+        try:
+
+            def claim(u: str) -> Any:
+                return dra_v1_pb2.Claim(uid=u, namespace="default", name=f"claim-{u}")
+
+            prepares = [
+                pool.submit(
+                    stub.NodePrepareResources,
+                    dra_v1_pb2.NodePrepareResourcesRequest(claims=[claim(f"p{i}")]),
+                    timeout=60,
+                )
+                for i in range(6)
+            ]
+            deadline = time.monotonic() + 5
+            while reader.reads < 4 and time.monotonic() < deadline:  # the old driver's 4 workers are busy
+                time.sleep(0.01)
+            time.sleep(0.1)
+            t0 = time.monotonic()
+            stub.NodeUnprepareResources(dra_v1_pb2.NodeUnprepareResourcesRequest(claims=[claim("gone")]), timeout=60)
+            took = time.monotonic() - t0
+            errors = sum(1 for f in prepares for r in f.result().claims.values() if r.error)
+            print(f"unprepare behind 6 prepares reading a {api_s} s API: {took:.3f} s (prepare errors: {errors})")
+        finally:
+            pool.shutdown()
+            channel.close()
+            plugin.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--api-s", type=float, default=2.5)
+    ap.add_argument("--skip", action="append", default=[], choices=["cliques", "unprepare"])
+    opts = ap.parse_args()
+    if "cliques" not in opts.skip:
+        cliques()
+    if "unprepare" not in opts.skip:
+        unprepare(opts.api_s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
