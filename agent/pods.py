@@ -1,7 +1,9 @@
 """A node-local view of the pods bound to this node: what the device plugin and per-pod reporting read.
 
 `KubeLocalPods` lists and watches pods with `fieldSelector=spec.nodeName=<node>` in a daemon thread
-(410 Gone relists, other errors back off), and `refresh()` does one direct LIST for callers that
+(`gputopo.kube.run_list_watch`, the informer core the extender's informers share: 410 Gone relists,
+other errors reconnect, both after client-go's reflector's backoff, and a watch that ends at once
+waits too), and `refresh()` does one direct LIST for callers that
 suspect the watch lags. `StaticLocalPods` holds a fixed list for tests and `--once`. A malformed pod
 object is skipped with one log line; the watch thread never dies of one.
 """
@@ -10,12 +12,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, Protocol
 
-from gputopo.kube import Backoff, Gone, Kube, pods_path, run_list_watch
+from gputopo.kube import Kube, Pacing, parse_time, pods_path, run_list_watch
 from gputopo.model import GPU_RESOURCE, PLACEMENT_ANNOTATION, AnnotationError, Placement, parse_placement
 
 log = logging.getLogger(__name__)
@@ -100,10 +102,10 @@ def _container_gpus(containers: object, resource: str, where: str) -> list[tuple
 def _epoch(text: object) -> float:
     if text is None or text == "":
         return 0.0
-    try:
-        return datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        raise MalformedPodError(f"metadata.creationTimestamp is not RFC 3339: {text!r}") from None
+    epoch = parse_time(text)
+    if epoch is None:
+        raise MalformedPodError(f"metadata.creationTimestamp is not RFC 3339: {text!r}")
+    return epoch
 
 
 def parse_local_pod(
@@ -271,11 +273,13 @@ class KubePodSource:
 def _rv(obj: Mapping[str, Any]) -> int | None:
     meta = obj.get("metadata")
     text = meta.get("resourceVersion") if isinstance(meta, Mapping) else None
-    return int(text) if isinstance(text, str) and text.isdigit() else None
+    return int(text) if isinstance(text, str) and text.isascii() and text.isdigit() else None
 
 
 class KubeLocalPods:
-    """LocalPods kept current by a list+watch thread; `close()` stops the thread."""
+    """LocalPods kept current by a list+watch thread; `close()` stops the thread. `pacing` says how
+    long it waits after a failed round (`gputopo.kube.Pacing`: client-go's reflector's figures unless a
+    test passes others)."""
 
     def __init__(
         self,
@@ -284,15 +288,14 @@ class KubeLocalPods:
         *,
         resource: str = GPU_RESOURCE,
         watch_timeout_s: int = 300,
-        backoff_initial_s: float = 0.5,
-        backoff_max_s: float = 30.0,
+        pacing: Pacing | None = None,
         start: bool = True,
     ) -> None:
         self.node = node
         self._source = source
         self._store = _Store(node, resource)
         self._watch_timeout = watch_timeout_s
-        self._backoff = Backoff(base_s=backoff_initial_s, cap_s=backoff_max_s)
+        self._pacing = pacing or Pacing()
         self._rv = ""
         self._list_rv: int | None = None  # events older than the latest LIST are stale (see refresh)
         self._list_lock = threading.Lock()
@@ -324,26 +327,23 @@ class KubeLocalPods:
         with self._list_lock:
             self._store.replace(items)
             self._rv = rv
-            self._list_rv = int(rv) if rv.isdigit() else None
+            self._list_rv = int(rv) if rv.isascii() and rv.isdigit() else None
             self.relists += 1
         self.synced.set()
 
     def _watch_once(self) -> None:
-        try:
-            for etype, obj in self._source.watch_pods(self.node, self._rv, self._watch_timeout):
-                if self._stop.is_set():
-                    return
-                with self._list_lock:
-                    rv = _rv(obj)
-                    # A refresh() from another thread may have listed past this event already.
-                    stale = rv is not None and self._list_rv is not None and rv <= self._list_rv
-                    if etype in ("ADDED", "MODIFIED", "DELETED") and not stale:
-                        self._store.apply(etype, obj)
-                    if rv is not None and not stale:
-                        self._rv = str(rv)
-        except Gone:
-            log.info("pod watch expired (410 Gone); relisting", extra={"node": self.node})
-            self._relist()
+        """Consume one watch until it ends; raises `Gone` on 410 (the loop relists after its wait)."""
+        for etype, obj in self._source.watch_pods(self.node, self._rv, self._watch_timeout):
+            if self._stop.is_set():
+                return
+            with self._list_lock:
+                rv = _rv(obj)
+                # A refresh() from another thread may have listed past this event already.
+                stale = rv is not None and self._list_rv is not None and rv <= self._list_rv
+                if etype in ("ADDED", "MODIFIED", "DELETED") and not stale:
+                    self._store.apply(etype, obj)
+                if rv is not None and not stale:
+                    self._rv = str(rv)
 
     def _run(self) -> None:
         run_list_watch(
@@ -351,14 +351,16 @@ class KubeLocalPods:
             needs_list=lambda: not self.synced.is_set() or not self._rv,
             relist=self._relist,
             watch_once=self._watch_once,
-            backoff=self._backoff,
             context={"node": self.node},
-            # A watch the server ends at once would otherwise turn into a busy loop of requests.
-            min_watch_s=1.0,
+            pacing=self._pacing,
         )
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
-        self._source.close()  # aborts a watch in progress
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
+        # Aborts a watch in progress. A watch whose request is sent but whose stream is not yet
+        # registered misses one abort, so abort again until the thread has ended (bounded).
+        deadline = time.monotonic() + timeout_s
+        self._source.close()
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            self._thread.join(0.05)
+            self._source.close()

@@ -65,7 +65,7 @@ def _source(args: argparse.Namespace) -> Any:
 
 
 def _lease_age(source: Any, node: str) -> float | None:
-    from extender.objects import parse_time
+    from gputopo.kube.paths import parse_time
 
     try:
         lease = source.get_lease(agent_lease_name(node))

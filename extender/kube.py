@@ -3,9 +3,11 @@ the project's Kubernetes layer (`gputopo.kube`), and the informers that keep the
 
 `KubeSource` lists and watches the kinds the extender reads (nodes, pods, the agents' Leases, Jobs,
 PodGroups, DRA's ResourceClaims and ResourceSlices) as raw JSON and makes its two writes (Binding,
-Event). `Informer` runs one list+watch loop per kind in a thread and hands objects to a handler (the
-cache, which locks): 410 Gone relists, any other failure reconnects with capped exponential backoff,
-and the cache keeps serving meanwhile. A kind the API server may not serve (`OPTIONAL_KINDS`:
+Event). `Informer` runs one list+watch loop per kind in a thread (`gputopo.kube.run_list_watch`, the
+informer core the agent's pod view shares) and hands objects to a handler (the cache, which locks):
+410 Gone relists, any other failure reconnects, both after a jittered, capped exponential backoff as
+client-go's reflector waits (a watch that ends at once counts as a failure too), and the cache keeps
+serving meanwhile. A kind the API server may not serve (`OPTIONAL_KINDS`:
 PodGroups before Kubernetes 1.36 or without the Workload API) whose list gets 404 counts as listed
 empty and is looked for again only every `not_served_recheck_seconds`. The DRA kinds are read only
 where the chart grants them (with `agent.dra.enabled`): elsewhere their 403 counts the same way.
@@ -15,16 +17,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from gputopo.kube import JSON as JSON
 from gputopo.kube import (
-    Backoff,
     Gone,
     Kube,
     KubeError,
+    Pacing,
     WatchEvent,
     lease_path,
     node_path,
@@ -142,7 +144,11 @@ class WatchHandler(Protocol):
 
 
 class Informer:
-    """One kind's list+watch loop. `run()` is the thread body; `relist()`/`watch_once()` are its steps."""
+    """One kind's list+watch loop. `run()` is the thread body; `relist()`/`watch_once()` are its steps.
+
+    `pacing` says how long it waits after a failed round (`gputopo.kube.Pacing`: client-go's reflector's
+    figures unless a test passes others); `on_relist(kind)` is called as each list is asked for (the
+    relist counter)."""
 
     def __init__(
         self,
@@ -151,15 +157,16 @@ class Informer:
         handler: WatchHandler,
         *,
         watch_timeout_seconds: int = 300,
-        backoff_initial: float = 0.5,
-        backoff_max: float = 30.0,
+        pacing: Pacing | None = None,
         not_served_recheck_seconds: float = NOT_SERVED_RECHECK_SECONDS,
+        on_relist: Callable[[Kind], None] | None = None,
     ) -> None:
         self.source = source
         self.kind = kind
         self.handler = handler
         self.watch_timeout_seconds = watch_timeout_seconds
-        self.backoff = Backoff(base_s=backoff_initial, cap_s=backoff_max)
+        self.pacing = pacing or Pacing()
+        self.on_relist = on_relist
         self.resource_version = ""
         self.relists = 0
         self.synced = threading.Event()
@@ -168,6 +175,8 @@ class Informer:
         self.served = True  # False while an optional kind's list answers 404
 
     def relist(self) -> None:
+        if self.on_relist is not None:
+            self.on_relist(self.kind)
         try:
             items, rv = self.source.list_objects(self.kind)
         except KubeError as e:
@@ -200,33 +209,39 @@ class Informer:
         self.stop.wait(self.not_served_recheck_seconds)
 
     def watch_once(self, timeout_seconds: int | None = None) -> None:
-        """Consume one watch until it ends; a 410 Gone relists (the next watch starts from there)."""
-        if not self.served:
-            return  # relist waited and will look again
+        """Consume one watch until it ends; a 410 Gone relists at once (the next watch starts from
+        there). A step for callers that drive the informer themselves: `run()` waits before that relist."""
         try:
-            timeout = self.watch_timeout_seconds if timeout_seconds is None else timeout_seconds
-            for ev in self.source.watch(self.kind, self.resource_version, timeout_seconds=timeout):
-                if self.stop.is_set():
-                    return
-                meta = ev.object.get("metadata") if isinstance(ev.object, dict) else None
-                rv = str(meta.get("resourceVersion") or "") if isinstance(meta, dict) else ""
-                if ev.type != "BOOKMARK":
-                    self.handler.apply(self.kind, ev.type, ev.object)
-                self.handler.heard_from_api()
-                if rv:
-                    self.resource_version = rv
+            self._watch(timeout_seconds)
         except Gone:
             log.info("watch expired (410 Gone); relisting", extra={"kind": self.kind})
             self.relist()
+
+    def _watch(self, timeout_seconds: int | None = None) -> bool:
+        """Consume one watch until it ends (False: nothing to watch); raises `Gone` on 410."""
+        if not self.served:
+            return False  # relist waited and will look again
+        timeout = self.watch_timeout_seconds if timeout_seconds is None else timeout_seconds
+        for ev in self.source.watch(self.kind, self.resource_version, timeout_seconds=timeout):
+            if self.stop.is_set():
+                break
+            meta = ev.object.get("metadata") if isinstance(ev.object, dict) else None
+            rv = str(meta.get("resourceVersion") or "") if isinstance(meta, dict) else ""
+            if ev.type != "BOOKMARK":
+                self.handler.apply(self.kind, ev.type, ev.object)
+            self.handler.heard_from_api()
+            if rv:
+                self.resource_version = rv
+        return True
 
     def run(self) -> None:
         run_list_watch(
             stop=self.stop,
             needs_list=lambda: not self.synced.is_set() or not self.resource_version,
             relist=self.relist,
-            watch_once=self.watch_once,
-            backoff=self.backoff,
+            watch_once=self._watch,
             context={"kind": self.kind},
+            pacing=self.pacing,
         )
 
 

@@ -16,6 +16,7 @@ from gputopo.engine.fragmentation import DEFAULT_SIZES, Figures, cluster_figures
 from gputopo.engine.snapshot import NodeState
 
 KINDS = ("nodes", "pods", "leases", "jobs", "podgroups")  # extender.kube.KINDS, without importing the API client here
+INFORMER_KINDS = (*KINDS, "resourceclaims", "resourceslices")  # every kind an informer lists
 VERBS = ("filter", "prioritize", "bind", "preempt", "mutate")
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -74,13 +75,26 @@ class Metrics:
             "Free healthy GPUs that no packing of free NVLink cliques of gputopo defrag's default pod sizes covers.",
             registry=self.registry,
         )
+        self.relists = Counter(
+            "gputopo_extender_relists",
+            "Full LISTs the informers asked the API server for, by kind: one at start, then one after each "
+            "410 Gone, failed list, or recheck of a kind the API server did not serve.",
+            ["kind"],
+            registry=self.registry,
+        )
         self.fragmentation: FragmentationTracker | None = None  # track_fragmentation sets it
         for kind in KINDS:
             self.bad_objects.labels(kind)
+        for kind in INFORMER_KINDS:
+            self.relists.labels(kind)
         # Each call records its duration and bytes: the children are looked up once, here.
         self.durations = {verb: self.duration.labels(verb) for verb in VERBS}
         self.bytes_in = {verb: self.wire_bytes.labels(verb, "in") for verb in VERBS}
         self.bytes_out = {verb: self.wire_bytes.labels(verb, "out") for verb in VERBS}
+
+    def relisted(self, kind: str) -> None:
+        """An informer asked for a full LIST of `kind` (its `on_relist`)."""
+        self.relists.labels(kind).inc()
 
     def decision(self, verb: str, outcome: str, reason: str = "") -> None:
         self.decisions.labels(verb, outcome, reason).inc()

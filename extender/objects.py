@@ -11,12 +11,12 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 from extender.wire import PodInfo, WireError, pod_info
 from gputopo.engine.reasons import Reason
 from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.kube import parse_time
 from gputopo.model import (
     AGENT_LEASE_PREFIX,
     ANN_GROUP,
@@ -65,14 +65,6 @@ class BadObject(ValueError):
 
 def short(text: str, limit: int = MAX_DETAIL) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def parse_time(text: str) -> float | None:
-    """RFC 3339 (Lease renewTime: 2026-01-01T00:00:00.000000Z) to epoch seconds."""
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except (ValueError, AttributeError):
-        return None
 
 
 def object_name(obj: Any) -> str:
@@ -347,7 +339,7 @@ def job_shape(obj: Any) -> tuple[str, JobShape, str | None]:
 
     def index(key: str) -> int | None:
         v = labels.get(key)
-        return int(v) if v is not None and v.isdigit() and len(v) <= 9 else None
+        return int(v) if v is not None and v.isascii() and v.isdigit() and len(v) <= 9 else None
 
     shape = JobShape(
         name,

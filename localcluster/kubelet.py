@@ -32,9 +32,10 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from gputopo.kube import parse_time
 
 from .binaries import kubernetes_version
 from .controlplane import HOST, ControlPlane, ControlPlaneError, free_port
@@ -144,7 +145,7 @@ def _ready_heartbeat(node: Mapping[str, Any]) -> float | None:
     for c in node.get("status", {}).get("conditions", []):
         if c.get("type") == "Ready" and c.get("status") == "True":
             stamp = str(c.get("lastHeartbeatTime") or "")
-            return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() if stamp else 0.0
+            return (parse_time(stamp) or 0.0) if stamp else 0.0
     return None
 
 

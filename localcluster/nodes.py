@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gputopo.kube import parse_time
 from gputopo.model import (
     AGENT_COMPONENT,
     GPU_RESOURCE,
@@ -277,8 +278,6 @@ class NodeAgents:
 
     def wait_heartbeat(self, node: str, *, after: float, timeout: float = 30.0) -> None:
         """Until the agent's Lease was renewed later than `after` (epoch seconds)."""
-        from datetime import datetime
-
         path = f"/apis/coordination.k8s.io/v1/namespaces/{self.namespace}/leases/{agent_lease_name(node)}"
         deadline = time.monotonic() + timeout
         renewed = ""
@@ -287,7 +286,7 @@ class NodeAgents:
                 renewed = str(self.kube.request("GET", path).get("spec", {}).get("renewTime") or "")
             except KubeApiError:
                 renewed = ""
-            if renewed and datetime.fromisoformat(renewed.replace("Z", "+00:00")).timestamp() > after:
+            if renewed and (parse_time(renewed) or 0.0) > after:
                 return
             time.sleep(0.3)
         raise TimeoutError(f"agent of {node} did not renew its Lease within {timeout:.0f}s; last renewTime {renewed!r}")

@@ -8,14 +8,25 @@ agent, the local control plane's client and the benchmarks. Importers take every
 - `config`: which kubeconfig, and the `kubernetes` client configuration built from it;
 - `paths`: where the project's resources live, and their JSON and MicroTime formats;
 - `watch`: a watch stream decoded line by line into `WatchEvent`s;
-- `backoff`: the one capped exponential backoff, `retry`, and the list+watch thread body;
+- `backoff`: the one capped exponential backoff, `retry`, and the list+watch thread body (the
+  informer core, paced as client-go's reflector: `Pacing`, `REFLECTOR_BACKOFF`);
 - `transport`: every request and watch over one pool of kept-alive connections;
 - `client`: `Kube` (one per process, shared by its parts), the requests, paged lists, watches and
   typed writes.
 """
 
-from gputopo.kube.backoff import Backoff, is_retryable, retry, run_list_watch, short_error
-from gputopo.kube.client import LIST_PAGE_SIZE, Kube, Query
+from gputopo.kube.backoff import (
+    MIN_WATCH_S,
+    REFLECTOR_BACKOFF,
+    RESET_AFTER_S,
+    Backoff,
+    Pacing,
+    is_retryable,
+    retry,
+    run_list_watch,
+    short_error,
+)
+from gputopo.kube.client import LIST_PAGE_SIZE, MAX_LIST_PAGES, Kube, Query
 from gputopo.kube.config import client_configuration, find_kubeconfig
 from gputopo.kube.errors import Gone, KubeError, status_error
 from gputopo.kube.paths import (
@@ -25,24 +36,31 @@ from gputopo.kube.paths import (
     lease_path,
     micro_time,
     node_path,
+    parse_time,
     pod_path,
     pods_path,
 )
-from gputopo.kube.watch import MAX_LINE_BYTES, WatchEvent, decode_event, iter_lines
+from gputopo.kube.watch import MAX_LINE_BYTES, WatchEvent, decode_event, error_event, iter_lines
 
 __all__ = [
     "JSON",
     "LIST_PAGE_SIZE",
     "MAX_LINE_BYTES",
+    "MAX_LIST_PAGES",
     "MICROTIME",
+    "MIN_WATCH_S",
+    "REFLECTOR_BACKOFF",
+    "RESET_AFTER_S",
     "Backoff",
     "Gone",
     "Kube",
     "KubeError",
+    "Pacing",
     "Query",
     "WatchEvent",
     "client_configuration",
     "decode_event",
+    "error_event",
     "events_path",
     "find_kubeconfig",
     "is_retryable",
@@ -50,6 +68,7 @@ __all__ = [
     "lease_path",
     "micro_time",
     "node_path",
+    "parse_time",
     "pod_path",
     "pods_path",
     "retry",

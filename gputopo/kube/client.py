@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -23,12 +24,30 @@ import orjson
 from gputopo.kube.config import client_configuration
 from gputopo.kube.errors import KubeError, status_error
 from gputopo.kube.paths import JSON, events_path, lease_path, micro_time, node_path, pod_path
-from gputopo.kube.transport import MAX_BODY_BYTES, Stream, Transport, unsupported_reason
+from gputopo.kube.transport import (
+    MAX_BODY_BYTES,
+    RECV_BYTES,
+    Stream,
+    TooLong,
+    Transport,
+    past_deadline,
+    total_seconds,
+    unsupported_reason,
+)
 from gputopo.kube.watch import MAX_LINE_BYTES, WatchEvent, decode_event, iter_lines
 
 Query = Mapping[str, object] | Sequence[tuple[str, str]]
 
 LIST_PAGE_SIZE = 500
+# A list follows continue tokens for at most this many pages (500,000 objects at LIST_PAGE_SIZE, over
+# three times the 150,000 pods Kubernetes supports in one cluster), and keeps at most that many
+# objects however the server pages: a server that never stops answering a continue token would
+# otherwise be asked for ever, and every page kept.
+MAX_LIST_PAGES = 1000
+# A watch connects within WATCH_CONNECT_S and asks the server to end it after timeoutSeconds; one
+# still streaming WATCH_GRACE_S later is broken (each read on time, the whole not), and is cut.
+WATCH_CONNECT_S = 10.0
+WATCH_GRACE_S = 30.0
 # A watch refused with an error answer: its Status is small; more is not read.
 ERROR_BODY_BYTES = 1024 * 1024
 USER_AGENT = "gputopo"
@@ -37,17 +56,22 @@ USER_AGENT = "gputopo"
 class _ApiClientStream:
     """A watch through the ApiClient (a proxy is configured): its urllib3 response, as a `Stream`."""
 
-    def __init__(self, resp: Any, path: str) -> None:
+    def __init__(self, resp: Any, path: str, total_s: float) -> None:
         self.raw = resp.response  # the urllib3 response, not yet read
         self.status = int(resp.status)
         self.path = path
+        self.total_s = total_s
+        self.deadline = time.monotonic() + total_s
 
     def _failed(self, e: Exception) -> KubeError:
         return KubeError(0, f"{type(e).__name__}: {e}", method="GET", path=self.path)
 
     def chunks(self) -> Iterator[bytes]:
         try:
-            yield from self.raw.stream(65536, decode_content=True)
+            for chunk in self.raw.stream(65536, decode_content=True):
+                if time.monotonic() >= self.deadline:  # checked between reads; each read has its timeout
+                    raise past_deadline(self.total_s)
+                yield chunk
         except Exception as e:  # the stream broke (or close() aborted it)
             raise self._failed(e) from None
 
@@ -80,9 +104,11 @@ class Kube:
     """One API server: raw-JSON requests by path, paged lists, watches, and the project's typed writes.
 
     `kubeconfig` None means in-cluster configuration (`find_kubeconfig` does the usual lookup first).
-    `request_timeout` applies to calls that name none (None: wait as long as it takes). `pool_size`
-    bounds the idle connections its one pool keeps; `max_body_bytes` an answer read whole.
-    One `Kube` per process: its parts share it (and so its pool)."""
+    `request_timeout` applies to calls that name none (None: wait as long as it takes): a call's
+    timeout bounds it whole, from connecting to the answer's last byte. `pool_size` bounds the idle
+    connections its one pool keeps; `max_body_bytes` an answer read whole; `max_list_pages` the
+    pages one list follows (`MAX_LIST_PAGES`). One `Kube` per process: its parts share it (and so
+    its pool)."""
 
     def __init__(
         self,
@@ -92,6 +118,7 @@ class Kube:
         pool_size: int = 64,
         max_line_bytes: int = MAX_LINE_BYTES,
         max_body_bytes: int = MAX_BODY_BYTES,
+        max_list_pages: int = MAX_LIST_PAGES,
     ) -> None:
         self.configuration: Any = client_configuration(kubeconfig, pool_size=pool_size)
         # None for a proxy or another scheme: the ApiClient's urllib3 pool tunnels; `unsupported_reason`.
@@ -109,6 +136,7 @@ class Kube:
         self.request_timeout = request_timeout
         self.max_line_bytes = max_line_bytes
         self.max_body_bytes = max_body_bytes
+        self.max_list_pages = max_list_pages
         self._streams_lock = threading.Lock()
         self._streams: set[Any] = set()  # `Stream`s, or the ApiClient's urllib3 responses
 
@@ -155,17 +183,17 @@ class Kube:
         content_type: str = "application/json",
         timeout: float | tuple[float, float] | None = None,
     ) -> JSON:
-        """One call; the decoded JSON answer ({} when empty). Raises `KubeError` (`Gone` for 410)."""
+        """One call, done within `timeout` (else `request_timeout`) from connecting to the answer's
+        last byte; the decoded JSON answer ({} when empty). Raises `KubeError` (`Gone` for 410)."""
         timeout = timeout or self.request_timeout
         if self.transport is not None:
             payload = orjson.dumps(dict(body)) if body is not None else None
             status, data = self.transport.request(method, path, _pairs(query), payload, content_type, timeout)
         else:
+            seconds = total_seconds(timeout)
+            deadline = None if seconds is None else time.monotonic() + seconds
             resp = self._send(method, path, dict(body) if body is not None else None, query, content_type, timeout)
-            try:
-                data = resp.read() or b""
-            except Exception as e:  # the connection broke while the body streamed in
-                raise KubeError(0, f"{type(e).__name__}: {e}", method=method, path=path) from None
+            data = self._read_body(resp.response, deadline, seconds, method, path)
             status = int(resp.status)
         if not 200 <= status <= 299:
             raise status_error(status, data, method=method, path=path)
@@ -178,6 +206,29 @@ class Kube:
         if not isinstance(out, dict):
             raise KubeError(status, f"the answer is JSON {type(out).__name__}, not an object", method=method, path=path)
         return out
+
+    def _read_body(self, raw: Any, deadline: float | None, seconds: float | None, method: str, path: str) -> bytes:
+        """An ApiClient answer's body (its urllib3 response), read as it arrives: at most
+        `max_body_bytes`, and no read begun after `deadline` (urllib3's timeouts bound each read)."""
+        out = bytearray()
+        read = getattr(raw, "read1", None) or raw.read  # read1 (urllib3 2): what has arrived, not `n` bytes
+        try:
+            while True:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise past_deadline(seconds)
+                chunk = read(RECV_BYTES)
+                if not chunk:
+                    break
+                out += chunk
+                if len(out) > self.max_body_bytes:
+                    raise TooLong(f"an answer over the limit of {self.max_body_bytes} bytes")
+        except Exception as e:  # the connection broke while the body streamed in, or ran too long
+            with contextlib.suppress(Exception):
+                raw.close()
+            raise KubeError(0, f"{type(e).__name__}: {e}", method=method, path=path) from None
+        with contextlib.suppress(Exception):
+            raw.release_conn()
+        return bytes(out)
 
     def get(self, path: str, *, query: Query | None = None) -> JSON:
         return self.request("GET", path, query=query)
@@ -200,10 +251,13 @@ class Kube:
         field_selector: str = "",
         timeout: float | None = 60.0,
     ) -> tuple[list[JSON], str]:
-        """Every item at a collection path, in pages, and the list's resourceVersion (to watch from)."""
+        """Every item at a collection path, in pages, and the list's resourceVersion (to watch from).
+        `timeout` bounds each page. A list still unfinished after `max_list_pages` pages (or with
+        more items than those pages hold) raises `KubeError` status 0, naming the path and the cap."""
         items: list[JSON] = []
         cont, rv = "", ""
-        while True:
+        cap = self.max_list_pages
+        for _page in range(cap):
             query = [("limit", str(LIST_PAGE_SIZE))]
             query += [("labelSelector", label_selector)] if label_selector else []
             query += [("fieldSelector", field_selector)] if field_selector else []
@@ -213,8 +267,17 @@ class Kube:
             meta = doc.get("metadata") or {}
             rv = str(meta.get("resourceVersion") or rv)
             cont = str(meta.get("continue") or "")
+            if len(items) > cap * LIST_PAGE_SIZE:
+                break
             if not cont:
                 return items, rv
+        raise KubeError(
+            0,
+            f"the list did not end within {cap} pages of {LIST_PAGE_SIZE} objects ({len(items)} so far); "
+            "stopped following its continue tokens",
+            method="GET",
+            path=path,
+        )
 
     def watch(
         self,
@@ -233,12 +296,16 @@ class Kube:
         query += [("allowWatchBookmarks", "true")] if bookmarks else []
         query += [("labelSelector", label_selector)] if label_selector else []
         query += [("fieldSelector", field_selector)] if field_selector else []
-        timeout = (10.0, timeout_seconds + 30.0)
+        # Each read waits at most past the server's own end of the watch (a stalled stream); the
+        # whole stream at most WATCH_GRACE_S past it (one that never stops dripping).
+        timeout = (WATCH_CONNECT_S, timeout_seconds + WATCH_GRACE_S)
+        total_s = WATCH_CONNECT_S + timeout_seconds + WATCH_GRACE_S
         stream: Stream | _ApiClientStream
         if self.transport is not None:
-            stream = self.transport.stream("GET", path, query, timeout)
+            stream = self.transport.stream("GET", path, query, timeout, total_s)
         else:
-            stream = _ApiClientStream(self._send("GET", path, None, query, "application/json", timeout), path)
+            resp = self._send("GET", path, None, query, "application/json", timeout)
+            stream = _ApiClientStream(resp, path, total_s)
         with self._streams_lock:
             self._streams.add(stream)
         finished = False

@@ -29,6 +29,7 @@ import select
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 from urllib.parse import quote, urlsplit
@@ -49,6 +50,10 @@ _DROPPED = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError, ssl.S
 # One recv(2) asks for up to this much (a TLS socket hands back at most one 16 KiB record per call);
 # each call allocates this much first, so it stays under malloc's mmap threshold.
 RECV_BYTES = 65536
+# A socket's timeout is cut to what is left of a request's deadline only once that is this much
+# shorter: a quick request changes no timeout (a system call each), and a deadline is overrun by at
+# most this much.
+DEADLINE_SLACK_S = 0.01
 # A status line and headers longer than this are no API server's answer.
 MAX_HEAD_BYTES = 64 * 1024
 # One answer read whole is at most this: a page of 500 objects is a few MiB; more is no API server's.
@@ -57,6 +62,11 @@ MAX_BODY_BYTES = 256 * 1024 * 1024
 
 class TooLong(http.client.HTTPException):
     """An answer's body over the limit of the bytes read whole."""
+
+
+def _ascii_digits(text: str) -> bool:
+    # str.isdigit() alone also takes '²' (int() then raises ValueError) and '٣' (read as 3).
+    return text.isascii() and text.isdigit()
 
 
 def _header_value(value: str) -> str:
@@ -127,6 +137,18 @@ def _split(timeout: Timeout) -> tuple[float | None, float | None]:
     return timeout, timeout
 
 
+def total_seconds(timeout: Timeout) -> float | None:
+    """How long a whole request may take: the number, or connect + read for a pair (None: no bound)."""
+    if isinstance(timeout, tuple):
+        return None if timeout[0] is None or timeout[1] is None else timeout[0] + timeout[1]
+    return timeout
+
+
+def past_deadline(seconds: float | None) -> TimeoutError:
+    """A request, or a stream, ran past its whole deadline (however timely each read was)."""
+    return TimeoutError(f"not done within {seconds:g} s, its whole deadline")
+
+
 class _Conn:
     """One kept-alive connection: its socket, and a poller that tells whether it died while idle."""
 
@@ -142,6 +164,29 @@ class _Conn:
         if timeout != self.timeout:
             self.sock.settimeout(timeout)
             self.timeout = timeout
+
+    def receiver(self, deadline: float | None, seconds: float | None) -> Callable[[int], bytes]:
+        """`recv` bounded by `deadline` (time.monotonic) as a whole: each call waits at most what is
+        left, so a body dripped a byte at a time cannot outlast it (one number per socket operation
+        would let it run for ever)."""
+        if deadline is None:
+            return self.sock.recv
+        recv = self.sock.recv
+
+        def bounded(n: int) -> bytes:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise past_deadline(seconds)
+            if self.timeout is None or left < self.timeout - DEADLINE_SLACK_S:
+                self.set_timeout(left)
+            try:
+                return recv(n)
+            except TimeoutError:
+                if time.monotonic() >= deadline:  # the wait was cut to what was left: say so
+                    raise past_deadline(seconds) from None
+                raise
+
+        return bounded
 
     def idle_closed(self) -> bool:
         # An idle connection has nothing to read: readable means EOF (the server closed it) or a
@@ -259,9 +304,13 @@ class Transport:
             raise KubeError(0, f"{type(e).__name__}: {e}", method=method, path=path) from None
         return data + body if body else data
 
-    def _begin(self, method: str, path: str, data: bytes, timeout: Timeout) -> tuple[_Conn, bytearray]:
-        """Send the request; the connection and the answer's first bytes. A reused connection that
-        the server closed before any byte of an answer is replaced once; raises `KubeError` status 0."""
+    def _begin(
+        self, method: str, path: str, data: bytes, timeout: Timeout, deadline: float | None, seconds: float | None
+    ) -> tuple[_Conn, bytearray, Callable[[int], bytes]]:
+        """Send the request; the connection, the answer's first bytes and the `recv` for the rest, all
+        before `deadline` (when one is given: `seconds` after the request began). A reused connection
+        that the server closed before any byte of an answer is replaced once; raises `KubeError`
+        status 0."""
         connect_timeout, read_timeout = _split(timeout)
         retried = False
         while True:
@@ -269,18 +318,19 @@ class Transport:
             reused = conn is not None
             try:
                 if conn is None:
-                    conn = self._connect(connect_timeout)
-                conn.set_timeout(read_timeout)
+                    conn = self._connect(_within(connect_timeout, deadline, seconds))
+                conn.set_timeout(_within(read_timeout, deadline, seconds))
+                recv = conn.receiver(deadline, seconds)
                 try:
-                    conn.sock.sendall(data)
-                    first = conn.sock.recv(RECV_BYTES)
+                    conn.sock.sendall(data)  # one timeout for the whole send (Python >= 3.5)
+                    first = recv(RECV_BYTES)
                 except _DROPPED as e:
                     raise _Dropped() from e
                 if not first:
                     raise _Dropped() from http.client.RemoteDisconnected(
                         "Remote end closed connection without response"
                     )
-                return conn, bytearray(first)
+                return conn, bytearray(first), recv
             except _Dropped as e:
                 if conn is not None:
                     conn.close()
@@ -303,13 +353,17 @@ class Transport:
         content_type: str,
         timeout: Timeout,
     ) -> tuple[int, bytes]:
-        """One request: the answer's status and whole body. Raises `KubeError` status 0 when no
-        answer came (refused, TLS, timeout, a connection that broke, a body over `max_body_bytes`).
+        """One request: the answer's status and whole body, within `total_seconds(timeout)` from
+        connecting to the body's last byte. Raises `KubeError` status 0 when no answer came in time
+        (refused, TLS, timeout, a connection that broke, a body over `max_body_bytes`).
         Once an answer has begun nothing is retried."""
-        conn, buf = self._begin(method, path, self._target(method, path, query, body, content_type), timeout)
+        seconds = total_seconds(timeout)
+        deadline = None if seconds is None else time.monotonic() + seconds
+        data = self._target(method, path, query, body, content_type)
+        conn, buf, recv = self._begin(method, path, data, timeout, deadline, seconds)
         done = False
         try:
-            answer = read_answer(conn.sock.recv, method, buf, self.max_body_bytes)
+            answer = read_answer(recv, method, buf, self.max_body_bytes)
             done = answer.keep_alive
             return answer.status, answer.body
         except (OSError, http.client.HTTPException, ValueError) as e:
@@ -320,18 +374,34 @@ class Transport:
             else:
                 conn.close()
 
-    def stream(self, method: str, path: str, query: Sequence[tuple[str, str]], timeout: Timeout) -> Stream:
-        """A request whose answer's body is read as it arrives (a watch), on a pooled connection."""
-        conn, buf = self._begin(method, path, self._target(method, path, query, None, ""), timeout)
+    def stream(
+        self, method: str, path: str, query: Sequence[tuple[str, str]], timeout: Timeout, total_s: float | None = None
+    ) -> Stream:
+        """A request whose answer's body is read as it arrives (a watch), on a pooled connection:
+        `timeout` bounds each socket operation (a stalled stream) and `total_s`, when given, the
+        whole stream (one that never stops dripping)."""
+        deadline = None if total_s is None else time.monotonic() + total_s
+        data = self._target(method, path, query, None, "")
+        conn, buf, recv = self._begin(method, path, data, timeout, deadline, total_s)
         try:
             while True:
-                status, version, headers = _read_head(conn.sock.recv, buf)
+                status, version, headers = _read_head(recv, buf)
                 if not 100 <= status <= 199:
                     break
         except (OSError, http.client.HTTPException, ValueError) as e:
             conn.close()
             raise KubeError(0, f"{type(e).__name__}: {e}", method=method, path=path) from None
-        return Stream(self, conn, buf, status, _keep_alive(version, headers), headers, method, path)
+        return Stream(self, conn, buf, status, _keep_alive(version, headers), headers, method, path, recv)
+
+
+def _within(timeout: float | None, deadline: float | None, seconds: float | None) -> float | None:
+    """A socket operation's timeout, no later than the deadline; a TimeoutError when it has passed."""
+    if deadline is None:
+        return timeout
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise past_deadline(seconds)
+    return left if timeout is None or left < timeout - DEADLINE_SLACK_S else timeout
 
 
 class Stream:
@@ -347,16 +417,18 @@ class Stream:
         headers: dict[str, str],
         method: str,
         path: str,
+        recv: Callable[[int], bytes] | None = None,
     ) -> None:
         self._transport, self._conn, self._buf = transport, conn, buf
         self.status, self._keep_alive, self._headers = status, keep_alive, headers
         self.method, self.path = method, path
         self._ended = False  # the body was read to its end: the connection may carry another request
+        self._recv = recv or conn.sock.recv  # bounded by the stream's deadline when it has one
 
     def chunks(self) -> Iterator[bytes]:
         """The body as it arrives, in pieces of at most RECV_BYTES; raises `KubeError` status 0 when
         the stream breaks or `abort()` ends it."""
-        recv, buf = self._conn.sock.recv, self._buf
+        recv, buf = self._recv, self._buf
         try:
             encoding = self._headers.get("transfer-encoding", "").lower()
             if encoding.rsplit(",", 1)[-1].strip() == "chunked":
@@ -366,7 +438,7 @@ class Stream:
                         raise http.client.HTTPException("a chunk does not end with CRLF")
                 while _read_line(recv, buf):  # trailer fields, up to the blank line
                     pass
-            elif not encoding and self._headers.get("content-length", "").isdigit():
+            elif not encoding and _ascii_digits(self._headers.get("content-length", "")):
                 yield from _pieces(recv, buf, int(self._headers["content-length"]))
             else:  # the body runs to the close
                 self._keep_alive = False
@@ -443,7 +515,7 @@ def read_answer(recv: Callable[[int], bytes], method: str, buf: bytearray, max_b
         body = _read_chunked(recv, buf, max_body)
     elif "content-length" in headers:
         length = headers["content-length"]
-        if not length.isdigit():
+        if not _ascii_digits(length):
             raise http.client.HTTPException(f"bad Content-Length {length!r}")
         if int(length) > max_body:
             raise TooLong(f"an answer of {length} bytes is over the limit of {max_body}")
@@ -468,7 +540,7 @@ def _read_head(recv: Callable[[int], bytes], buf: bytearray) -> tuple[int, str, 
     del buf[: end + 4]
     version, _, rest = lines[0].partition(" ")
     code = rest[:3]
-    if not version.startswith("HTTP/1.") or not (code.isdigit() and len(code) == 3) or rest[3:4] not in ("", " "):
+    if not version.startswith("HTTP/1.") or not (_ascii_digits(code) and len(code) == 3) or rest[3:4] not in ("", " "):
         raise http.client.BadStatusLine(lines[0])
     headers: dict[str, str] = {}
     name = ""

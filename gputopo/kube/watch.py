@@ -63,7 +63,7 @@ def iter_lines(chunks: Iterable[bytes], max_line_bytes: int = MAX_LINE_BYTES) ->
 def decode_event(line: bytes) -> WatchEvent | None:
     """The line's event; None for a line that is not a JSON object (skipped and logged: raising would
     reconnect from the same resourceVersion and meet the same line again). An ERROR event raises its
-    Status as `KubeError` (`Gone` for 410)."""
+    Status as `KubeError` (`Gone` for 410; `error_event`)."""
     try:
         doc = orjson.loads(line)
     except orjson.JSONDecodeError as e:  # a ValueError, as json's; invalid UTF-8 lands here too
@@ -72,11 +72,32 @@ def decode_event(line: bytes) -> WatchEvent | None:
     if not isinstance(doc, dict):
         log.warning("skipped a watch line that is not a JSON object")
         return None
-    etype = str(doc.get("type", ""))
+    etype = doc.get("type", "")
+    if not isinstance(etype, str):
+        log.warning("skipped a watch line whose type is not a string")
+        return None
     obj = doc.get("object")
     obj = obj if isinstance(obj, dict) else {}
     if etype == "ERROR":
-        code = int(obj.get("code", 0) or 0)
-        cls = Gone if code == 410 else KubeError
-        raise cls(code, str(obj.get("message", "")), str(obj.get("reason", "") or ""))
+        raise error_event(obj)
     return WatchEvent(etype, obj)
+
+
+def error_event(status: JSON) -> KubeError:
+    """The error an ERROR event's Status stands for: `Gone` for code 410, `KubeError` for any other,
+    and `KubeError` status 0 when the code is missing or not a number (a malformed Status is still a
+    failed watch, never a crash of the thread that reads it)."""
+    code = status.get("code")
+    message, reason = _text(status.get("message", "")), _text(status.get("reason", "") or "")
+    if isinstance(code, str) and code.isascii() and code.isdigit() and len(code) <= 3:
+        code = int(code)
+    if not isinstance(code, int) or isinstance(code, bool):
+        return KubeError(0, f"a watch ERROR event whose Status code is {_text(code)[:40]!r}: {message}", reason)
+    return (Gone if code == 410 else KubeError)(code, message, reason)
+
+
+def _text(value: object) -> str:
+    # A Status field that is no scalar is named by its type: str() of a deeply nested value recurses.
+    if value is None or isinstance(value, str | int | float | bool):
+        return str(value)
+    return f"<{type(value).__name__}>"

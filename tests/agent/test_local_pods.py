@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from agent.pods import KubeLocalPods, StaticLocalPods, parse_local_pod
-from gputopo.kube import Gone
+from gputopo.kube import Backoff, Gone, Pacing
 from gputopo.model import PLACEMENT_ANNOTATION
 from tests.agent.dp_harness import NODE, pod_object, wait_for
 
@@ -197,7 +197,7 @@ def source() -> FakeSource:
 
 
 def _view(source: FakeSource) -> KubeLocalPods:
-    view = KubeLocalPods(NODE, source, backoff_initial_s=0.01, backoff_max_s=0.05)
+    view = KubeLocalPods(NODE, source, pacing=Pacing(backoff=Backoff(base_s=0.01, cap_s=0.05)))
     wait_for(view.synced.is_set, what="first list")
     return view
 

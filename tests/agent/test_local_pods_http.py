@@ -15,7 +15,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 
 from agent.pods import KubeLocalPods, KubePodSource
-from gputopo.kube import Gone, Kube
+from gputopo.kube import Backoff, Gone, Kube, Pacing
 from tests.agent.dp_harness import NODE, pod_object, wait_for
 
 
@@ -134,7 +134,7 @@ def test_gone_is_reported_for_a_relist(api: FakeApi, source: KubePodSource, line
 def test_view_follows_the_api_server(api: FakeApi, source: KubePodSource) -> None:
     api.items = [pod_object("a", [0, 1])]
     api.watch_lines = [_event("ADDED", pod_object("b", [2]))]
-    view = KubeLocalPods(NODE, source, watch_timeout_s=1, backoff_initial_s=0.01)
+    view = KubeLocalPods(NODE, source, watch_timeout_s=1, pacing=Pacing(backoff=Backoff(base_s=0.01, cap_s=30.0)))
     try:
         wait_for(lambda: sorted(p.name for p in view.pods()) == ["a", "b"], what="listed and watched pods")
         pod = view.get("default", "a")

@@ -11,6 +11,7 @@ import pytest
 from extender.cache import ClusterCache
 from extender.kube import Informer, start_informers
 from gputopo.engine.reasons import Reason
+from gputopo.kube import Backoff, Pacing
 from gputopo.model import PLACEMENT_ANNOTATION, parse_pod_request
 from tests.extender.fake import FakeSource
 from tests.extender.harness import JSON, NS, Env, FakeClock, gputopo_pod, lease_obj, node_obj, pod_obj, sync
@@ -55,7 +56,8 @@ def test_informer_threads_sync_reconnect_and_keep_serving_when_the_api_is_down()
     source.put("nodes", node_obj("n1"))
     source.put("leases", lease_obj("n1", clock.now))
     cache = ClusterCache(clock=clock, lease_namespace=NS)
-    started = start_informers(source, cache, watch_timeout_seconds=1, backoff_initial=0.01, backoff_max=0.05)
+    fast = Pacing(backoff=Backoff(base_s=0.01, cap_s=0.05))
+    started = start_informers(source, cache, watch_timeout_seconds=1, pacing=fast)
     try:
         for inf, _ in started:
             assert inf.synced.wait(10)

@@ -23,6 +23,7 @@ from gputopo.kube import (
     Gone,
     Kube,
     KubeError,
+    Pacing,
     WatchEvent,
     find_kubeconfig,
     iter_lines,
@@ -410,8 +411,8 @@ def test_list_watch_relists_on_gone_and_backs_off_on_failure(server: FakeApiServ
         needs_list=lambda: not state["rv"],
         relist=relist,
         watch_once=watch_once,
-        backoff=Backoff(base_s=0.01, cap_s=0.02),
         context={"kind": "pods"},
+        pacing=Pacing(backoff=Backoff(base_s=0.01, cap_s=0.02)),
     )
     assert (state["lists"], state["names"], state["rv"]) == (2, {"b", "c"}, "8")
     watches = [s.query["resourceVersion"][0] for s in server.seen if "watch" in s.query]
