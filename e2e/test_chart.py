@@ -205,6 +205,10 @@ def test_helm_upgrade_keeps_the_generated_webhook_certificate_and_the_webhook_tr
         # match no namespace, so that other tests' pods never reach this endpoint-less webhook
         "--set",
         f"webhook.namespaceSelector.matchLabels.gputopo-e2e-webhook={release.name}",
+        # the local API server publishes no endpoints for default/kubernetes (it listens on loopback),
+        # so the chart cannot look its address up and would refuse to open the port to anyone
+        "--set",
+        "networkPolicy.webhook.apiServerCIDRs={127.0.0.1/32}",
     ]
     _helm(control_plane, "upgrade", release.name, str(CHART), "--namespace", release.namespace, *webhook)
     before = kube.request("GET", path)["data"]

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import ssl
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator, Sequence
 from itertools import combinations
 from typing import Any
@@ -347,10 +350,12 @@ def test_dra_extender_puts_a_tp2_claim_on_the_fragmented_node(stack: Stack, test
 def test_dra_webhook_turns_an_opted_in_gpu_pod_into_a_clique_claim(
     stack: Stack, control_plane: ControlPlane, kube: KubeClient, namespace: str, test_id: str
 ) -> None:
-    """The webhook in DRA mode (the chart's agent.dra.enabled): a pod written for the device plugin,
-    `nvidia.com/gpu: 2` and `gputopo.io/nvlink: required`, is given gputopo's claim template instead
-    (created in its namespace), and the real allocator gives it an NVLink pair of at least the HBM
-    the pod asks for."""
+    """The webhook in DRA mode (the chart's agent.dra.enabled), answering only kube-apiserver's client
+    certificate (the control plane's admission configuration presents it): a pod written for the device
+    plugin, `nvidia.com/gpu: 2` and `gputopo.io/nvlink: required`, is given gputopo's claim template
+    instead, which the extender creates in its namespace once the pod exists, and the real allocator
+    gives it an NVLink pair of at least the HBM the pod asks for. A forged review from anyone else (no
+    client certificate) is refused with 401 and creates nothing."""
     node = DraNode(stack, test_id)
     hook = Stack(control_plane, kube, extender_name="gputopo-extender-dra-webhook", webhook=True, dra=True)
     hook.start_extender()
@@ -383,8 +388,14 @@ def test_dra_webhook_turns_an_opted_in_gpu_pod_into_a_clique_claim(
         assert spec["schedulerName"] == stack.scheduler_name
         assert "nvidia.com/gpu" not in spec["containers"][0]["resources"].get("limits", {})
         template = spec["resourceClaims"][0]["resourceClaimTemplateName"]
-        assert template.startswith("gputopo-gpus-2-nvlink-16gi-")
+        # 16Gi rounds up to the smallest memory class, the RTX 4090's 24564 MiB (the V100s have 32510)
+        assert template.startswith("gputopo-gpus-2-nvlink-24564mi-")
         kube.wait_pod_condition(namespace, "tp2", "Ready", status="True", timeout=90)
+        forged = _forged_review(namespace="kube-system", gpus=8)
+        status, answer = _post_without_client_certificate(hook.webhook_url + "/mutate", ca, forged)
+        assert status == 401 and "client certificate" in answer["Error"]
+        made = kube.request("GET", "/apis/resource.k8s.io/v1/namespaces/kube-system/resourceclaimtemplates")
+        assert not [t for t in made["items"] if t["metadata"]["name"].startswith("gputopo-gpus-8-")]
         statuses = kube.get_pod(namespace, "tp2")["status"]["resourceClaimStatuses"]
         claim_name = statuses[0]["resourceClaimName"]
         claim = json.loads(kube.kubectl("get", "resourceclaim", "-n", namespace, claim_name, "-o", "json"))
@@ -395,3 +406,32 @@ def test_dra_webhook_turns_an_opted_in_gpu_pod_into_a_clique_claim(
         control_plane.remove(hook.extender_name, grace=3)  # not hook.stop(): the scheduler is the module's
         kube.delete_pod(namespace, "tp2")
         node.close()
+
+
+def _forged_review(*, namespace: str, gpus: int) -> dict[str, Any]:
+    pod = pod_manifest("forged", namespace=namespace, gpus=gpus, annotations={"gputopo.io/nvlink": "required"})
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "forged-1",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": namespace,
+            "operation": "CREATE",
+            "object": pod,
+        },
+    }
+
+
+def _post_without_client_certificate(url: str, ca: bytes, review: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """What anyone who reaches the webhook's port can send: a review over TLS, no client certificate."""
+    context = ssl.create_default_context(cadata=ca.decode())
+    request = urllib.request.Request(
+        url, data=json.dumps(review).encode(), headers={"content-type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, context=context, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

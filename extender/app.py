@@ -31,6 +31,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
 
 from extender.cache import ClusterCache
+from extender.claimtemplates import TemplateKeeper
 from extender.door import Door
 from extender.kube import ClusterSource, Informer, KubeSource, start_informers
 from extender.limits import RequestGuard
@@ -57,6 +58,7 @@ class Listeners:
     watch: bool = True
     watch_timeout_seconds: int = 300
     informers: list[Informer] = field(default_factory=list)
+    keeper: TemplateKeeper | None = None  # --dra: the claim templates real pods name (extender/claimtemplates.py)
 
     @contextmanager
     def running(self) -> Iterator[None]:
@@ -67,9 +69,30 @@ class Listeners:
         if settings.snapshot is None:
             if extender.source is None:
                 owned = extender.source = KubeSource(settings.kubeconfig, settings.namespace)
+            if settings.dra and self.keeper is None and isinstance(extender.source, KubeSource):
+                cache = self.cache
+                self.keeper = TemplateKeeper(
+                    extender.source.api,
+                    list_attributes=settings.dra_list_attributes,
+                    memory_classes=settings.memory_classes,
+                    ready=lambda: "pods" in cache.synced,
+                )
+            if self.keeper is not None:
+                self.cache.pod_hook = self.keeper
+                self.keeper.start()
             if self.watch:
-                started = start_informers(extender.source, self.cache, watch_timeout_seconds=self.watch_timeout_seconds)
+                started = start_informers(
+                    extender.source,
+                    self.cache,
+                    watch_timeout_seconds=self.watch_timeout_seconds,
+                    on_relist=self.prometheus.relisted,
+                )
                 self.informers = [inf for inf, _ in started]
+        if settings.webhook_port and settings.webhook_client_ca_file is None:
+            log.warning(
+                "the webhook is unauthenticated: /mutate answers any caller that reaches its port "
+                "(set --webhook-client-ca-file and --webhook-client-names to answer only the API server)"
+            )
         log.info(
             "gputopo-extender started",
             extra={
@@ -83,6 +106,8 @@ class Listeners:
         finally:
             for inf in self.informers:
                 inf.stop.set()
+            if self.keeper is not None:
+                self.keeper.close()
             self.door.close()
             extender.close()
             if owned is not None:

@@ -17,7 +17,7 @@ import gc
 import logging
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, Unpack
+from typing import Any, Protocol, Unpack
 
 from extender.kube import JSON, Kind
 from extender.ledger import Ledger, LedgerOptions
@@ -53,6 +53,14 @@ def _freeze() -> None:
     gc.freeze()
 
 
+class PodHook(Protocol):
+    """Told of every pod the informer hands over (the claim templates' keeper, extender/claimtemplates.py)."""
+
+    def pods_replaced(self, items: Iterable[Any]) -> None: ...
+
+    def pod_changed(self, obj: Any, *, deleted: bool = False) -> None: ...
+
+
 class ClusterCache:
     """The informers' handler (`replace`/`apply`), or a static cluster (`load_static`), over one ledger."""
 
@@ -64,6 +72,7 @@ class ClusterCache:
         self.synced: set[Kind] = set()
         self.last_heard = 0.0
         self.on_bad_object: Callable[[Kind, str], None] | None = None
+        self.pod_hook: PodHook | None = None  # sees the pods as the API server holds them, nothing else
         # batch/v1 Jobs by namespace and name (with the JobSet each belongs to): the sizes that pod
         # labels do not carry (gputopo.model.jobs). Replaced whole per namespace, never mutated.
         self._jobs: dict[str, dict[str, tuple[JobShape, str | None]]] = {}
@@ -242,6 +251,8 @@ class ClusterCache:
                 if rec is not None:
                     records[rec.uid] = rec
             self.ledger.replace_pods(records)
+            if self.pod_hook is not None:
+                self.pod_hook.pods_replaced(items)
         elif kind == "jobs":
             by_ns: dict[str, dict[str, tuple[JobShape, str | None]]] = {}
             for obj in items:
@@ -324,6 +335,8 @@ class ClusterCache:
                     self._put_node(self._facts(obj))
             elif kind == "pods":
                 self.upsert_pod(obj, deleted=event_type == "DELETED")
+                if self.pod_hook is not None:
+                    self.pod_hook.pod_changed(obj, deleted=event_type == "DELETED")
             elif kind == "jobs":
                 self._apply_job(event_type, obj)
             elif kind == "podgroups":

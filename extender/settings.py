@@ -8,16 +8,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliSuppress
 
 from extender.bounded import (
+    DEFAULT_HANDSHAKE_TIMEOUT_S,
+    DEFAULT_HANDSHAKES_PER_PEER_PER_S,
     DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_READ_TIMEOUT_S,
 )
 from extender.limits import DEFAULT_MAX_REQUEST_BYTES
+from gputopo.engine import draclaims
 from gputopo.engine.scoring import ScoreWeights
 from gputopo.model import DEFAULT_NAMESPACE, EXTENDER_COMPONENT
 from gputopo.settingsconfig import ENV_PREFIX, command_settings
@@ -52,6 +55,13 @@ class Settings(BaseSettings):
     webhook_port: int = Field(0, ge=0, le=65535, description="HTTPS port of /mutate, /healthz, /readyz (0 = off)")
     tls_cert_file: Path | None = Field(None, description="the webhook's serving certificate (PEM)")
     tls_key_file: Path | None = Field(None, description="private key of --tls-cert-file")
+    # Who may call /mutate (extender/clientauth.py): the API server, by its client certificate.
+    webhook_client_ca_file: Path | None = Field(
+        None, description="CA (PEM) of the API server's webhook client certificate; /mutate refuses other callers"
+    )
+    webhook_client_names: str = Field(
+        "", description="comma-separated names (CN or subjectAltName) of --webhook-client-ca-file's allowed clients"
+    )
     # Prometheus: scraped from outside the pod, so it listens on every address by default.
     metrics_host: str = Field("0.0.0.0", description="listen address of /metrics")
     metrics_port: int = Field(9402, ge=0, le=65535, description="port of /metrics, /healthz, /readyz (0 = off)")
@@ -78,16 +88,48 @@ class Settings(BaseSettings):
     max_connections: int = Field(
         DEFAULT_MAX_CONNECTIONS, ge=1, le=65536, description="open connections per listener; more get HTTP 503"
     )
+    max_connections_per_peer: int | None = Field(
+        None,
+        ge=1,
+        le=65536,
+        description="open connections of one client address on the webhook and metrics listeners "
+        "(unset: a quarter of --max-connections)",
+    )
+    handshake_timeout_seconds: float = Field(
+        DEFAULT_HANDSHAKE_TIMEOUT_S, gt=0, le=3600, description="the webhook's TLS handshake must end within this"
+    )
+    handshakes_per_peer_per_second: float = Field(
+        DEFAULT_HANDSHAKES_PER_PEER_PER_S,
+        ge=0,
+        le=1_000_000,
+        description="TLS handshakes one client address starts per second on the webhook (and as a burst); 0: no pace",
+    )
     # DRA (docs/annotations.md, "Claims under DRA"): the nodes' GPUs are gputopo's DRA devices, so the webhook
     # turns an opted-in pod's nvidia.com/gpu into a ResourceClaim that asks for an NVLink clique.
     dra: bool = Field(False, description="the webhook gives opted-in pods a ResourceClaim asking for a GPU clique")
     dra_list_attributes: bool = Field(
         False, description="with --dra: claims match the nvlinkCliques list attribute (DRAListTypeAttributes)"
     )
+    dra_memory_classes: str = Field(
+        "",
+        description="with --dra: comma-separated GPU memory figures (MiB, as NVML reports them) a claim's minimum "
+        "HBM may round up to, beside the named systems'",
+    )
     # Environment only (JSON): GPUTOPO_SCORE_WEIGHTS, and GPUTOPO_TIERS as the chart passes it. Hidden from
     # --help because a JSON object per flag invites quoting mistakes; the environment is the documented way.
     score_weights: CliSuppress[ScoreWeights] = ScoreWeights()
     tiers: CliSuppress[TierConfig] = DEFAULT_TIERS
+
+    @field_validator("dra_memory_classes")
+    @classmethod
+    def _mib_figures(cls, value: str) -> str:
+        for part in (p.strip() for p in value.split(",")):
+            if part and not (part.isascii() and part.isdigit() and 0 < int(part) <= 16 * 1024**2):
+                raise ValueError(
+                    f"{part!r} is not a GPU memory figure: give whole MiB, 1 to 16777216, comma-separated "
+                    "(e.g. 40960,95830)"
+                )
+        return value
 
     @model_validator(mode="after")
     def _listeners(self) -> Settings:
@@ -108,6 +150,17 @@ class Settings(BaseSettings):
                 "--tls-cert-file and --tls-key-file serve only the webhook listener: set --webhook-port "
                 "(the scheduling verbs are plain HTTP on loopback)"
             )
+        if self.webhook_client_ca_file is not None and not self.webhook_port:
+            raise ValueError("--webhook-client-ca-file authenticates the webhook's callers: set --webhook-port")
+        if self.webhook_client_ca_file is not None and not self.client_names:
+            raise ValueError(
+                "--webhook-client-ca-file needs --webhook-client-names: the names (CN or subjectAltName) of "
+                "the API server's client certificate, so that no other certificate of that CA is let in"
+            )
+        if self.client_names and self.webhook_client_ca_file is None:
+            raise ValueError("--webhook-client-names needs --webhook-client-ca-file, the CA that signed them")
+        if self.dra_memory_classes.strip() and not self.dra:
+            raise ValueError("--dra-memory-classes shapes the claims of --dra: set --dra as well")
         if self.dra_list_attributes and not self.dra:
             raise ValueError("--dra-list-attributes shapes the claims of --dra: set --dra as well")
         ports = {"--port": self.port, "--webhook-port": self.webhook_port, "--metrics-port": self.metrics_port}
@@ -117,6 +170,17 @@ class Settings(BaseSettings):
                 if p == q:
                     raise ValueError(f"{flag} and {other} are both {p}: each listener needs its own port")
         return self
+
+    @property
+    def memory_classes(self) -> tuple[int, ...]:
+        """--dra-memory-classes added to the named systems' figures (gputopo.engine.draclaims)."""
+        extra = tuple(int(m) for m in self.dra_memory_classes.split(",") if m.strip())
+        return draclaims.memory_classes(extra)
+
+    @property
+    def client_names(self) -> frozenset[str]:
+        """--webhook-client-names as a set (blanks around the commas ignored)."""
+        return frozenset(n.strip() for n in self.webhook_client_names.split(",") if n.strip())
 
 
 def flag_of(field: str) -> str:

@@ -26,11 +26,13 @@ an opted-in pod (a ``gputopo.io/`` annotation under no scheduler of its own or u
 known controller's group labels under gputopo's scheduler) with a patch that removes the containers'
 ``nvidia.com/gpu`` limits and requests, gives those containers ``resources.claims: [{name: gpus}]`` and
 the pod ``spec.resourceClaims: [{name: gpus, resourceClaimTemplateName: <name>}]``, and says which
-template (gputopo.engine.draclaims) the caller must ensure in the pod's namespace before answering
-(not on a dry run). A pod that already has claims keeps them as they are. Here the webhook may deny: a
-request no claim can express (a bad ``gputopo.io/nvlink`` or ``min-gpu-memory``, more GPUs than a claim
-holds, an unreadable ``nvidia.com/gpu``) is refused with the reason, since admitted unchanged it would
-ask for a resource no DRA node serves.
+template (gputopo.engine.draclaims) that is. The webhook writes nothing: the caller only checks that no
+other spec sits under that name, and the extender creates the template once the pod exists
+(extender/claimtemplates.py), so a review that no real pod follows leaves nothing behind. A pod that
+already has claims keeps them as they are. Here the webhook may deny: a request no claim can express (a
+bad ``gputopo.io/nvlink`` or ``min-gpu-memory``, a ``min-gpu-memory`` above the largest memory class,
+more GPUs than a claim holds, an unreadable ``nvidia.com/gpu``) is refused with the reason, since
+admitted unchanged it would ask for a resource no DRA node serves.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from typing import Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from extender.wire import WireError, pod_gpus
-from gputopo.engine.draclaims import REQUEST, ClaimError, ClaimTemplate, claim_template
+from gputopo.engine.draclaims import MEMORY_CLASSES_MIB, REQUEST, ClaimError, ClaimTemplate, claim_template
 from gputopo.model import ANN_MIN_GPU_MEMORY, ANN_NVLINK, GPU_RESOURCE, PREFIX, SCHEDULER_NAME, AnnotationError
 from gputopo.model.jobs import group_identity
 from gputopo.model.request import parse_pod_request
@@ -165,15 +167,17 @@ def scheduler_name_patch(scheduler_name: str = SCHEDULER_NAME) -> list[dict[str,
 
 @dataclass(frozen=True)
 class DraMode:
-    """The webhook's DRA settings: `list_attributes` when the devices carry `nvlinkCliques`."""
+    """The webhook's DRA settings: `list_attributes` when the devices carry `nvlinkCliques`;
+    `memory_classes` what a minimum HBM rounds up to (gputopo.engine.draclaims)."""
 
     list_attributes: bool = False
+    memory_classes: tuple[int, ...] = MEMORY_CLASSES_MIB
 
 
 @dataclass(frozen=True)
 class Admission:
-    """An answer to one review, and (DRA mode) the template to ensure in `namespace` before sending it;
-    `dry_run`: the API server will not persist the pod, so nothing may be created for it."""
+    """An answer to one review, and (DRA mode) the template its patch names in `namespace`; `dry_run`:
+    the API server will not persist the pod."""
 
     answer: dict[str, Any]
     uid: str
@@ -294,7 +298,7 @@ def _claim(pod: Mapping[str, Any], dra: DraMode) -> ClaimTemplate | None:
             wanted[key] = value
     # Only what a claim carries is read here: the extender reads (and reports) the rest of the request.
     request = parse_pod_request(wanted, gpus)
-    return claim_template(request, list_attributes=dra.list_attributes)
+    return claim_template(request, list_attributes=dra.list_attributes, memory_classes=dra.memory_classes)
 
 
 def claim_patch(pod: Mapping[str, Any], template_name: str) -> list[dict[str, Any]]:

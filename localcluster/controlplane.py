@@ -37,7 +37,14 @@ from gputopo.model import SCHEDULER_NAME
 
 from .binaries import find_binaries
 from .featureflags import feature_gates_arg, runtime_config_arg
-from .pki import generate_sa_keys, kubeconfig_text, write_private
+from .pki import (
+    admission_configuration,
+    generate_client_certificate,
+    generate_sa_keys,
+    kubeconfig_text,
+    webhook_client_kubeconfig,
+    write_private,
+)
 
 # The process supervision, the credential files and the scheduler configuration live in their own
 # modules; these names stay importable from here, where callers have always found them.
@@ -59,6 +66,7 @@ __all__ = [
     "PLAIN_PROFILE",
     "SA_ISSUER",
     "SERVICE_CIDR",
+    "WEBHOOK_CLIENT_NAME",
     "ControlPlane",
     "ControlPlaneError",
     "ExtenderConfig",
@@ -74,6 +82,9 @@ PLAIN_PROFILE = "plain-scheduler"
 ADMIN_USER = "gputopo-admin"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 SERVICE_CIDR = "10.0.0.0/24"
+# The CN of the client certificate kube-apiserver presents to every admission webhook (a webhook that
+# asks for one, like gputopo's with --webhook-client-ca-file, can tell the API server from anyone else).
+WEBHOOK_CLIENT_NAME = "gputopo-local-kube-apiserver"
 CONTROLLER_MANAGER = "kube-controller-manager"
 # The identity the bootstrap RBAC binds to the system:kube-controller-manager ClusterRole.
 CONTROLLER_MANAGER_USER = "system:kube-controller-manager"
@@ -161,6 +172,8 @@ class ControlPlane(Supervisor):
         self.server = f"https://{HOST}:{self.apiserver_port}"
         self.kubeconfig = self.dir / "admin.kubeconfig"
         self.ca_file: Path | None = None
+        # The CA of the client certificate kube-apiserver presents to admission webhooks (CN WEBHOOK_CLIENT_NAME).
+        self.webhook_client_ca: Path = self.dir / "webhook-client" / "ca.crt"
         self._components: dict[str, Component] = {}
         self._scheduler_ports: dict[str, int] = {}
         self._removed_pids: list[int] = []
@@ -407,6 +420,11 @@ class ControlPlane(Supervisor):
     def _prepare_files(self) -> None:
         (self.dir / "pki").mkdir(mode=0o700)
         generate_sa_keys(self.dir / "sa.key", self.dir / "sa.pub")
+        client = self.dir / "webhook-client"
+        client.mkdir(mode=0o700)
+        self.webhook_client_ca, crt, key = generate_client_certificate(client, WEBHOOK_CLIENT_NAME)
+        (client / "webhooks.kubeconfig").write_text(webhook_client_kubeconfig(crt, key))
+        (self.dir / "admission.json").write_text(admission_configuration(client / "webhooks.kubeconfig"))
         write_private(
             self.dir / "tokens.csv",
             f'{self.admin_token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n'
@@ -456,6 +474,8 @@ class ControlPlane(Supervisor):
             + ("" if self.service_account_admission else "ServiceAccount,")
             + "TaintNodesByCondition",
             "--enable-admission-plugins=NodeRestriction,ValidatingAdmissionPolicy",
+            # Webhooks are called with a client certificate (what a real cluster can be set up to do).
+            f"--admission-control-config-file={self.dir / 'admission.json'}",
             "--allow-privileged=true",
             # The `kubernetes` Service cannot point at a loopback address; skip it.
             "--endpoint-reconciler-type=none",

@@ -1,4 +1,5 @@
-"""Credential files of the local control plane: service-account signing keys and kubeconfigs."""
+"""Credential files of the local control plane: service-account signing keys, kubeconfigs, and the client
+certificate kube-apiserver presents to admission webhooks (with the admission configuration naming it)."""
 
 from __future__ import annotations
 
@@ -62,5 +63,56 @@ def kubeconfig_text(server: str, *, token: str, user: str, ca_file: Path | None,
         "contexts": [{"name": f"{user}@{cluster}", "context": {"cluster": cluster, "user": user}}],
         "current-context": f"{user}@{cluster}",
         "preferences": {},
+    }
+    return json.dumps(doc, indent=2) + "\n"
+
+
+def generate_client_certificate(directory: Path, common_name: str) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a client certificate (CN `common_name`, clientAuth) it signed, in `directory`:
+    (ca.crt, client.crt, client.key). Needs the openssl command."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise ControlPlaneError("need the openssl command to create the API server's webhook client certificate")
+    ca_key, ca, key, csr, crt, ext = (
+        directory / n for n in ("ca.key", "ca.crt", "client.key", "client.csr", "client.crt", "client.ext")
+    )
+    ext.write_text("extendedKeyUsage=clientAuth\n")
+    steps = [
+        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=gputopo-local-webhook-client-ca",
+         "-keyout", ca_key, "-out", ca],
+        ["req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={common_name}", "-keyout", key, "-out", csr],
+        ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-days", "2", "-out", crt,
+         "-extfile", ext],
+    ]  # fmt: skip
+    for argv in steps:
+        subprocess.run([openssl, *map(str, argv)], check=True, capture_output=True)
+    for private in (ca_key, key):
+        private.chmod(0o600)
+    return ca, crt, key
+
+
+def admission_configuration(webhook_kubeconfig: Path) -> str:
+    """kube-apiserver's --admission-control-config-file: both webhook admission plugins call webhooks with
+    the credentials of `webhook_kubeconfig`. The kind is WebhookAdmissionConfiguration: kube-apiserver
+    (1.34) refuses the `WebhookAdmission` that the config-API reference names."""
+    webhook = {"apiVersion": "apiserver.config.k8s.io/v1", "kind": "WebhookAdmissionConfiguration",
+               "kubeConfigFile": str(webhook_kubeconfig)}  # fmt: skip
+    doc = {
+        "apiVersion": "apiserver.config.k8s.io/v1",
+        "kind": "AdmissionConfiguration",
+        "plugins": [
+            {"name": "ValidatingAdmissionWebhook", "configuration": webhook},
+            {"name": "MutatingAdmissionWebhook", "configuration": webhook},
+        ],
+    }
+    return json.dumps(doc, indent=2) + "\n"
+
+
+def webhook_client_kubeconfig(crt: Path, key: Path) -> str:
+    """The kubeconfig whose user `*` (every webhook) carries the client certificate kube-apiserver presents."""
+    doc = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "users": [{"name": "*", "user": {"client-certificate": str(crt), "client-key": str(key)}}],
     }
     return json.dumps(doc, indent=2) + "\n"

@@ -31,7 +31,7 @@ from localcluster.chart import (
     local_values,
     render,
 )
-from localcluster.controlplane import ControlPlane, free_port
+from localcluster.controlplane import WEBHOOK_CLIENT_NAME, ControlPlane, free_port
 from localcluster.kube import KubeApiError, KubeClient
 from localcluster.kubelet import RealKubelet
 from localcluster.nodes import GpuNode, NodeAgents
@@ -81,7 +81,8 @@ class Stack(NodeAgents):
     chart's leader election). ``scheduler_name`` is the profile pods name in ``schedulerName`` and the
     component name of replica 0's kube-scheduler; ``extender_name`` that of replica 0's extender
     (replica i > 0 adds ``-<i>`` to both). ``webhook`` also serves the mutating webhook over HTTPS
-    (``webhook_url``, trusted through ``ca_file``). ``dra`` renders the chart with the agents as DRA
+    (``webhook_url``, trusted through ``ca_file``), answering only kube-apiserver's client certificate
+    unless ``webhook_client_auth`` is False. ``dra`` renders the chart with the agents as DRA
     drivers (their RBAC and the DeviceClass; `add_kubelet_node(dra=True)` starts such an agent)."""
 
     def __init__(
@@ -100,6 +101,7 @@ class Stack(NodeAgents):
         replicas: int = 1,
         lease_name: str = "gputopo-scheduler",
         webhook: bool = False,
+        webhook_client_auth: bool = True,
         dra: bool = False,
         progress: Callable[[str], None] | None = None,
     ) -> None:
@@ -118,6 +120,7 @@ class Stack(NodeAgents):
         self.replicas = replicas
         self.lease_name = lease_name
         self.webhook = webhook
+        self.webhook_client_auth = webhook_client_auth
         self.dra = dra
         self.ca_file: Path | None = None
         self.webhook_url = ""
@@ -241,6 +244,11 @@ class Stack(NodeAgents):
                 f"--tls-cert-file={crt}",
                 f"--tls-key-file={key}",
             ]
+            if self.webhook_client_auth:  # only kube-apiserver, by the client certificate it presents
+                webhook_args += [
+                    f"--webhook-client-ca-file={self.cp.webhook_client_ca}",
+                    f"--webhook-client-names={WEBHOOK_CLIENT_NAME}",
+                ]
         argv = [
             self._exe(EXTENDER_COMPONENT),
             *local_extender_args(

@@ -23,6 +23,12 @@ at most 32 devices allocated per claim (`AllocationResultsMaxSize`), 8 subreques
 A template's name comes from the request's shape (`gputopo-gpus-4-nvlink-80gi-<digest>`): pods of the
 same shape in a namespace share one template, and the digest of the spec keeps a template that an
 older or differently configured gputopo made under the same shape from being taken for this one.
+
+The minimum HBM rounds up to a memory class (`MEMORY_CLASSES_MIB`: the per-GPU memory of every named
+system, as NVML reports it), so the shapes, and with them the templates of a namespace, are a bounded
+set (a pod could otherwise name a new template per MiB). Rounding up never gives less than asked, and
+among the named systems' GPUs a request selects exactly those its class selects; a request above the
+largest class is refused, naming both.
 """
 
 from __future__ import annotations
@@ -43,8 +49,9 @@ from gputopo.engine.dra import (
     partition_attribute,
     qualified,
 )
-from gputopo.model.dra import TEMPLATE_PREFIX
+from gputopo.model.dra import TEMPLATE_PREFIX, template_gpus
 from gputopo.model.request import NvlinkPolicy, PodRequest
+from gputopo.systems import SYSTEMS
 
 API_VERSION = "resource.k8s.io/v1"
 KIND = "ResourceClaimTemplate"
@@ -69,6 +76,14 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _DIGEST_CHARS = 8
 
 
+def _system_memory_classes() -> tuple[int, ...]:
+    return tuple(sorted({g.memory_mib for build in SYSTEMS.values() for g in build("class").gpus if g.memory_mib}))
+
+
+# The minimum-HBM classes a claim asks for, in MiB (docs/annotations.md, "Claims under DRA").
+MEMORY_CLASSES_MIB: tuple[int, ...] = _system_memory_classes()
+
+
 class ClaimError(ValueError):
     """A request that no ResourceClaim can express; the message names the request's field."""
 
@@ -88,8 +103,24 @@ class ClaimShape:
         return self.gpus >= 2 and self.nvlink is not NvlinkPolicy.IGNORE
 
 
-def claim_shape(request: PodRequest, *, list_attributes: bool) -> ClaimShape:
-    """The claim's shape of `request`; ClaimError when its GPU count is 0 or over a claim's limit."""
+def memory_class(mib: int, classes: tuple[int, ...] = MEMORY_CLASSES_MIB) -> int:
+    """The smallest class of at least `mib` MiB; ClaimError naming the value and the largest class when
+    there is none."""
+    for c in classes:
+        if c >= mib:
+            return c
+    largest = memory_quantity(classes[-1]) if classes else "none"
+    raise ClaimError(
+        f"gputopo.io/min-gpu-memory: {memory_quantity(mib)} is above the largest GPU memory class "
+        f"({largest}): no known GPU has that much"
+    )
+
+
+def claim_shape(
+    request: PodRequest, *, list_attributes: bool, memory_classes: tuple[int, ...] = MEMORY_CLASSES_MIB
+) -> ClaimShape:
+    """The claim's shape of `request`, its minimum HBM rounded up to one of `memory_classes`; ClaimError
+    when its GPU count is 0 or over a claim's limit, or its HBM above every class."""
     n = request.gpus
     if n < 1:
         raise ClaimError(f"nvidia.com/gpu: {n}: a claim asks for at least 1 GPU")
@@ -101,6 +132,8 @@ def claim_shape(request: PodRequest, *, list_attributes: bool) -> ClaimShape:
     memory = request.min_gpu_memory_mib
     if memory is not None and memory < 1:
         memory = None  # "at least 0 bytes" asks for nothing
+    if memory is not None:
+        memory = memory_class(memory, memory_classes)
     # One GPU is always "connected": every policy gives the same claim, so they share one template.
     nvlink = request.nvlink if n >= 2 else NvlinkPolicy.IGNORE
     return ClaimShape(n, nvlink, memory, list_attributes)
@@ -198,14 +231,40 @@ class ClaimTemplate:
         }
 
 
-def claim_template(request: PodRequest, *, list_attributes: bool) -> ClaimTemplate:
+def memory_classes(extra: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The memory classes, with `extra` figures (MiB, the cluster's other GPUs as NVML reports them)."""
+    return tuple(sorted(set(MEMORY_CLASSES_MIB) | {m for m in extra if m > 0}))
+
+
+def claim_template(
+    request: PodRequest, *, list_attributes: bool, memory_classes: tuple[int, ...] = MEMORY_CLASSES_MIB
+) -> ClaimTemplate:
     """The template a pod with `request` gets its claim from. `list_attributes`: the cluster's devices
     carry `nvlinkCliques` (the `DRAListTypeAttributes` gate); else the scalar partitions are used.
-    Raises ClaimError (naming the field) for a request no claim can express."""
-    shape = claim_shape(request, list_attributes=list_attributes)
+    `memory_classes`: what the minimum HBM rounds up to. Raises ClaimError (naming the field) for a
+    request no claim can express."""
+    shape = claim_shape(request, list_attributes=list_attributes, memory_classes=memory_classes)
     devices = device_claim(shape)
     check_spec(devices)
     return ClaimTemplate(template_name(shape), _digest(devices), devices)
+
+
+def template_named(
+    name: str, *, list_attributes: bool, memory_classes: tuple[int, ...] = MEMORY_CLASSES_MIB
+) -> ClaimTemplate | None:
+    """The template this module makes under `name`, or None when it makes none of that name (another
+    encoding, another version's digest, a name someone made up). The candidates are few: the count is in
+    the name, then 3 policies times the memory classes."""
+    gpus = template_gpus(name)
+    if gpus is None or not 1 <= gpus <= MAX_DEVICES_PER_CLAIM:
+        return None
+    for nvlink in NvlinkPolicy:
+        for mib in (None, *memory_classes):
+            request = PodRequest(gpus=gpus, nvlink=nvlink, min_gpu_memory_mib=mib)
+            template = claim_template(request, list_attributes=list_attributes, memory_classes=memory_classes)
+            if template.name == name:
+                return template
+    return None
 
 
 def _attribute_names(devices: Mapping[str, Any]) -> Iterator[str]:
@@ -222,7 +281,7 @@ def check_spec(devices: Mapping[str, Any]) -> None:
         raise ClaimError(f"{len(constraints)} constraints: resource/v1 allows {MAX_CONSTRAINTS}")
     names: set[str] = set()
     for r in requests:
-        if not _DNS_LABEL.match(r["name"]):
+        if not _DNS_LABEL.fullmatch(r["name"]):
             raise ClaimError(f"request name {r['name']!r} is not a DNS label")
         subs = r.get("firstAvailable")
         if subs is None:
@@ -233,7 +292,7 @@ def check_spec(devices: Mapping[str, Any]) -> None:
             raise ClaimError(f"request {r['name']}: {len(subs)} subrequests; resource/v1 allows 1..{MAX_SUBREQUESTS}")
         names.add(r["name"])
         for s in subs:
-            if not _DNS_LABEL.match(s["name"]):
+            if not _DNS_LABEL.fullmatch(s["name"]):
                 raise ClaimError(f"subrequest name {s['name']!r} is not a DNS label")
             _check_devices(s, f"{r['name']}/{s['name']}")
             names.add(f"{r['name']}/{s['name']}")

@@ -80,7 +80,8 @@ def test_the_device_class_selects_our_driver_only_and_only_with_dra() -> None:
         ("extender", "resourceclaims", {"get", "list", "watch"}),
         ("extender", "resourceslices", {"get", "list", "watch"}),
         ("extender", "deviceclasses", {"get", "list", "watch"}),
-        ("extender", "resourceclaimtemplates", {"create", "get"}),
+        # create for the pods it sees, list and delete for the ones no pod names any more (the collector)
+        ("extender", "resourceclaimtemplates", {"create", "get", "list", "delete"}),
     ],
 )
 def test_dra_rbac_is_what_each_side_uses(component: str, resource: str, verbs: set[str]) -> None:
@@ -98,7 +99,7 @@ def test_the_webhook_makes_claims_with_the_agents_encoding_and_sees_pods_under_o
     )
     assert settings.dra and settings.dra_list_attributes
     [hook] = one(docs, "MutatingWebhookConfiguration")["webhooks"]
-    assert hook["sideEffects"] == "NoneOnDryRun"  # templates are created, never on a dry run
+    assert hook["sideEffects"] == "None"  # the webhook writes nothing: templates follow pods that exist
     conditions: dict[str, Any] = {c["name"]: c["expression"] for c in hook["matchConditions"]}
     assert "startsWith('gputopo.io/')" in conditions["gputopo-pod"]
     assert "object.spec.schedulerName == 'gputopo-scheduler'" in conditions["gputopo-pod"]

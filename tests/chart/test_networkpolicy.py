@@ -175,7 +175,11 @@ def test_no_metrics_peer_admits_nobody_rather_than_everybody(tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("values", "expected_from"),
     [
-        pytest.param({"webhook": {"enabled": True}}, None, id="no API server ranges: from anywhere"),
+        pytest.param(
+            {"webhook": {"enabled": True}, "networkPolicy": {"webhook": {"allowFromAnywhere": True}}},
+            None,
+            id="opted out: from anywhere",
+        ),
         pytest.param(
             {
                 "webhook": {"enabled": True, "port": 9443},
@@ -195,7 +199,7 @@ def test_no_metrics_peer_admits_nobody_rather_than_everybody(tmp_path: Path) -> 
         ),
     ],
 )
-def test_webhook_port_admits_the_api_server_ranges_or_anyone_without_them(
+def test_webhook_port_admits_the_api_server_ranges_or_anyone_when_opted_out(
     tmp_path: Path, values: Doc, expected_from: list[Doc] | None
 ) -> None:
     docs = _render_values(tmp_path, values)
@@ -206,6 +210,38 @@ def test_webhook_port_admits_the_api_server_ranges_or_anyone_without_them(
     assert rule.get("from") == expected_from
     extender_ports = container(one(docs, "Deployment"), "extender")["ports"]
     assert {"name": "webhook", "containerPort": port, "protocol": "TCP"} in extender_ports
+
+
+@pytest.mark.parametrize(
+    ("sets", "words"),
+    [
+        pytest.param(
+            {"webhook__enabled": "true"},
+            ["networkPolicy.webhook.apiServerCIDRs", "networkPolicy.webhook.allowFromAnywhere=true", "open to anyone"],
+            id="webhook on, no ranges and none to look up: fails naming both ways out",
+        ),
+        pytest.param(
+            {
+                "webhook__enabled": "true",
+                "networkPolicy__webhook__allowFromAnywhere": "true",
+                "networkPolicy__webhook__apiServerCIDRs": "{10.0.0.0/24}",
+            },
+            ["exclusive"],
+            id="ranges and from anywhere at once",
+        ),
+    ],
+)
+def test_the_webhook_port_is_never_opened_to_anyone_silently(sets: dict[str, str], words: list[str]) -> None:
+    """H1: an empty range list used to render a rule that admits everyone. helm template has no cluster to
+    look the API server up in, which is the case here; with one, its addresses are admitted."""
+    err = render_fails(**sets)
+    for w in words:
+        assert w in err
+
+
+def test_without_the_network_policy_the_webhook_needs_no_ranges() -> None:
+    docs = render(webhook__enabled="true", networkPolicy__enabled="false")
+    assert by_kind(docs, "MutatingWebhookConfiguration") and not by_kind(docs, "NetworkPolicy")
 
 
 @pytest.mark.parametrize(

@@ -17,10 +17,12 @@ from gputopo.engine.draclaims import (
     MAX_DEVICES_PER_CLAIM,
     MAX_NAME_LENGTH,
     MAX_SUBREQUESTS,
+    MEMORY_CLASSES_MIB,
     ClaimError,
     check_spec,
     claim_template,
     memory_selector,
+    template_named,
 )
 from gputopo.model.request import NvlinkPolicy, PodRequest
 
@@ -123,7 +125,7 @@ def test_claim_spec_per_policy_and_encoding(
     [
         (_req(4, "required", 81920), False, "gputopo-gpus-4-nvlink-80gi-"),
         (_req(2, "preferred"), True, "gputopo-gpus-2-nvlink-preferred-"),
-        (_req(8, "ignore", 40000), False, "gputopo-gpus-8-40000mi-"),
+        (_req(8, "ignore", 40000), False, "gputopo-gpus-8-46068mi-"),  # rounded up to the L40S's class
         (_req(1, "preferred"), False, "gputopo-gpus-1-"),
     ],
 )
@@ -189,7 +191,7 @@ OUR_ATTRIBUTES = {dra.qualified(dra.ATTR_CLIQUES)} | {
 @given(
     gpus=st.integers(1, MAX_DEVICES_PER_CLAIM),
     nvlink=st.sampled_from(list(NvlinkPolicy)),
-    mib=st.none() | st.integers(0, 2**43),
+    mib=st.none() | st.integers(0, MEMORY_CLASSES_MIB[-1]),
     list_attributes=st.booleans(),
 )
 def test_every_valid_request_gives_a_spec_within_api_limits(
@@ -223,3 +225,29 @@ def test_the_claims_docs_show_what_the_builder_makes() -> None:
     tp4 = PodRequest(gpus=4, min_gpu_memory_mib=80 * 1024)
     for doc, lists in zip(blocks[:2], (True, False), strict=True):
         assert doc["spec"]["spec"]["devices"] == claim_template(tp4, list_attributes=lists).devices
+
+
+def test_a_min_gpu_memory_above_every_class_is_refused_naming_the_value_and_the_largest() -> None:
+    with pytest.raises(ClaimError, match=r"gputopo.io/min-gpu-memory: 2048Gi .*189471Mi"):
+        claim_template(_req(4, "required", 2 * 1024 * 1024), list_attributes=False)
+
+
+@given(
+    gpus=st.integers(1, MAX_DEVICES_PER_CLAIM),
+    nvlink=st.sampled_from(list(NvlinkPolicy)),
+    mib=st.none() | st.integers(0, MEMORY_CLASSES_MIB[-1]),
+    list_attributes=st.booleans(),
+)
+def test_a_template_is_found_again_by_its_name_in_its_encoding_only(
+    gpus: int, nvlink: NvlinkPolicy, mib: int | None, list_attributes: bool
+) -> None:
+    tpl = claim_template(PodRequest(gpus=gpus, nvlink=nvlink, min_gpu_memory_mib=mib), list_attributes=list_attributes)
+    assert template_named(tpl.name, list_attributes=list_attributes) == tpl
+    constrained = gpus >= 2 and nvlink is not NvlinkPolicy.IGNORE
+    if constrained:  # the other encoding builds another spec, so another digest
+        assert template_named(tpl.name, list_attributes=not list_attributes) is None
+
+
+@pytest.mark.parametrize("name", ["gputopo-gpus-4-nvlink-0123abcd", "gputopo-gpus-99-x", "my-template", ""])
+def test_a_name_the_builder_never_makes_finds_nothing(name: str) -> None:
+    assert template_named(name, list_attributes=False) is None

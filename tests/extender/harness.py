@@ -29,7 +29,7 @@ from extender.cache import ClusterCache
 from extender.door import Door
 from extender.kube import KINDS, Informer
 from extender.ledger import Ledger
-from extender.main import _loop_factory, listener_config
+from extender.main import ListenerServer, _loop_factory, listener_config
 from extender.metrics import Metrics
 from extender.service import Extender
 from extender.settings import Settings
@@ -298,7 +298,7 @@ def start_server(
                 runner.run(verbs.serve([sock]))
 
     else:
-        uv = server = uvicorn.Server(listener_config(app, limits, tls))
+        uv = server = ListenerServer(listener_config(app, limits, tls), limits)
 
         def target() -> None:
             uv.run(sockets=[sock])

@@ -5,10 +5,13 @@ metrics. Small limits (a 8 KiB head, 1 s timeouts) keep the waits short; every w
 from __future__ import annotations
 
 import contextlib
+import os
+import resource
 import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,7 +26,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from extender.app import Listeners, create_listeners
-from extender.bounded import HeadMeter, ListenerLimits
+from extender.bounded import HandshakePace, HeadMeter, ListenerLimits
+from extender.main import ListenerServer, listener_config
 from extender.settings import Settings, describe_error, load_settings
 from extender.verbserver import VerbServer
 from tests.extender.fake import FakeSource
@@ -42,7 +46,9 @@ from tests.extender.harness import (
 
 HEAD_CAP = 8 * 1024
 BODY_CAP = 64 * 1024
-LIMITS = ListenerLimits(max_header_bytes=HEAD_CAP, read_timeout_s=1.0, idle_timeout_s=1.0, max_connections=64)
+LIMITS = ListenerLimits(
+    max_header_bytes=HEAD_CAP, read_timeout_s=1.0, idle_timeout_s=1.0, max_connections=64, handshake_timeout_s=1.0
+)
 LISTENERS = ("verbs", "webhook", "metrics")
 FILTER = orjson.dumps(args(gputopo_pod("p", 1), ["h100-a"]))
 BIND = orjson.dumps({"PodName": "p", "PodNamespace": "default", "PodUID": "uid-default-p", "Node": "h100-a"})
@@ -70,12 +76,22 @@ class Servers:
         held: set[Any] = server.connections if isinstance(server, VerbServer) else server.server_state.connections
         return set(held)
 
-    def connect(self, listener: str) -> socket.socket:
-        conn = socket.create_connection(("127.0.0.1", self.ports[listener]), timeout=WAIT_S)
+    def connect(self, listener: str, source: str = "127.0.0.1") -> socket.socket:
+        """A connection from `source` (any loopback address: a peer of its own), TLS on the webhook."""
+        conn = self.raw(listener, source)
         if listener == "webhook":
             context = ssl.create_default_context(cafile=str(self.ca))
             conn = context.wrap_socket(conn, server_hostname="127.0.0.1")
         return conn
+
+    def raw(self, listener: str, source: str = "127.0.0.1") -> socket.socket:
+        """A plain TCP connection, no TLS even on the webhook."""
+        address = ("127.0.0.1", self.ports[listener])
+        return socket.create_connection(address, timeout=WAIT_S, source_address=(source, 0))
+
+    def slots(self, listener: str) -> int:
+        """The connections the listener counts against its cap (from their accept)."""
+        return int(self.servers[listener].slots.total)
 
 
 def _serve(tmp: Path, limits: ListenerLimits) -> Iterator[Servers]:
@@ -105,7 +121,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
 @pytest.fixture(scope="module")
 def two_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     """Two connections per listener at most, kept alive long enough to hold both."""
-    limits = ListenerLimits(max_header_bytes=HEAD_CAP, read_timeout_s=WAIT_S, idle_timeout_s=60, max_connections=2)
+    limits = ListenerLimits(
+        max_header_bytes=HEAD_CAP, read_timeout_s=WAIT_S, idle_timeout_s=60, max_connections=2, handshake_timeout_s=60
+    )
     yield from _serve(tmp_path_factory.mktemp("two"), limits)
 
 
@@ -241,30 +259,341 @@ def test_an_idle_kept_alive_connection_is_closed(servers: Servers, listener: str
 # ---------------------------------------------------------------------------------------------- connections
 
 
+def refused(servers: Servers, listener: str, flag: str, source: str = "127.0.0.1") -> bool:
+    """Whether a new connection from `source` is refused at once: over plain TCP a 503 naming `flag`, then
+    the close; on the webhook the close before the handshake (its handshake fails)."""
+    if listener == "webhook":
+        try:
+            with servers.connect(listener, source):
+                return False
+        except (ssl.SSLError, OSError):
+            return True
+    with servers.connect(listener, source) as conn:
+        reader = Reader(conn)
+        status, headers, body = reader.answer()
+        return status == 503 and headers["connection"] == "close" and flag in orjson.loads(body)["Error"]
+
+
+def served(servers: Servers, listener: str, source: str = "127.0.0.1") -> socket.socket | None:
+    """A new connection from `source` that /healthz was answered on (kept alive), or None."""
+    try:
+        conn = servers.connect(listener, source)
+    except (ssl.SSLError, OSError):
+        return None
+    conn.sendall(HEALTHZ)
+    try:
+        if Reader(conn).answer()[0] == 200:
+            return conn
+    except (AssertionError, OSError):
+        pass
+    conn.close()
+    return None
+
+
+def eventually_served(servers: Servers, listener: str) -> None:
+    """The server counts a close when it sees it: poll for a new connection being served, bounded."""
+    deadline = time.monotonic() + WAIT_S
+    while (conn := served(servers, listener)) is None:
+        assert time.monotonic() < deadline, "a closed connection's slot was never freed"
+        time.sleep(0.05)
+    conn.close()
+
+
 @pytest.mark.parametrize("listener", LISTENERS)
-def test_connections_past_the_cap_get_503_until_one_closes(two_only: Servers, listener: str) -> None:
+def test_connections_past_the_cap_are_refused_until_one_closes(two_only: Servers, listener: str) -> None:
     held = [two_only.connect(listener) for _ in range(2)]
     try:
         for conn in held:  # both accepted and counted: each has answered
             conn.sendall(HEALTHZ)
             assert Reader(conn).answer()[0] == 200
-        with two_only.connect(listener) as extra:
-            reader = Reader(extra)
-            status, headers, body = reader.answer()
-            assert status == 503 and headers["connection"] == "close"
-            assert "--max-connections" in orjson.loads(body)["Error"]
-            assert reader.closed()
+        assert refused(two_only, listener, "--max-connections")
         held.pop().close()
-        deadline = time.monotonic() + WAIT_S
-        while True:  # the server counts the close when it sees it: poll, bounded
-            with two_only.connect(listener) as again:
-                again.sendall(HEALTHZ)
-                if Reader(again).answer()[0] == 200:
-                    break
-            assert time.monotonic() < deadline, "a closed connection's slot was never freed"
+        eventually_served(two_only, listener)
     finally:
         for conn in held:
             conn.close()
+
+
+def client_hello(conn: socket.socket) -> None:
+    """Send a TLS ClientHello on `conn` and go no further with the handshake."""
+    context = ssl.create_default_context()
+    tls = context.wrap_bio(ssl.MemoryBIO(), outgoing := ssl.MemoryBIO(), server_hostname="127.0.0.1")
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    conn.sendall(outgoing.read())
+
+
+UNFINISHED = {"silent": lambda conn: None, "client hello only": client_hello}
+
+
+@pytest.mark.parametrize("kind", UNFINISHED)
+def test_connections_count_against_the_cap_before_their_handshake(two_only: Servers, kind: str) -> None:
+    held = [two_only.raw("webhook") for _ in range(2)]
+    try:
+        for conn in held:
+            UNFINISHED[kind](conn)
+        assert refused(two_only, "webhook", "--max-connections")
+        held.pop().close()
+        eventually_served(two_only, "webhook")
+    finally:
+        for conn in held:
+            conn.close()
+
+
+@pytest.mark.parametrize("kind", UNFINISHED)
+def test_a_connection_that_never_finishes_its_handshake_is_closed(servers: Servers, kind: str) -> None:
+    with servers.raw("webhook") as conn:
+        UNFINISHED[kind](conn)
+        with contextlib.suppress(ConnectionResetError):  # the server's hello, if any, then the close
+            while conn.recv(65536):
+                pass
+    deadline = time.monotonic() + WAIT_S
+    while servers.slots("webhook"):  # its slot is free again
+        assert time.monotonic() < deadline, "the slot of a closed handshake was never freed"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def two_per_peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    """Two connections per client address, eight per listener, kept alive long enough to hold them."""
+    limits = ListenerLimits(
+        max_header_bytes=HEAD_CAP,
+        read_timeout_s=WAIT_S,
+        idle_timeout_s=60,
+        max_connections=8,
+        max_connections_per_peer=2,
+        handshake_timeout_s=60,
+    )
+    yield from _serve(tmp_path_factory.mktemp("per-peer"), limits)
+
+
+@pytest.mark.parametrize(
+    ("listener", "hold"),
+    [(listener, hold) for listener in ("webhook", "metrics") for hold in ("served", "silent", "dripping")],
+)
+def test_one_peer_is_refused_past_its_share_while_another_is_served(
+    two_per_peer: Servers, listener: str, hold: str
+) -> None:
+    held: list[socket.socket] = []
+    try:
+        for _ in range(2):
+            if hold == "served":
+                conn = served(two_per_peer, listener)
+            elif hold == "silent":
+                conn = two_per_peer.raw(listener)
+            else:  # a request head begun and never finished
+                conn = two_per_peer.connect(listener)
+                conn.sendall(b"GET /healthz HTTP/1.1\r\nX-Drip: x\r\n")
+            assert conn is not None
+            held.append(conn)
+        assert refused(two_per_peer, listener, "--max-connections-per-peer")
+        other = served(two_per_peer, listener, source="127.0.0.2")
+        assert other is not None, "another address was not served"
+        other.close()
+    finally:
+        for conn in held:
+            conn.close()
+
+
+@pytest.fixture(scope="module")
+def paced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    """One TLS handshake per address, then the next only after 100 s: past the handshake timeout."""
+    limits = ListenerLimits(
+        max_header_bytes=HEAD_CAP,
+        read_timeout_s=WAIT_S,
+        idle_timeout_s=60,
+        handshake_timeout_s=WAIT_S,
+        handshakes_per_peer_per_s=0.01,
+    )
+    yield from _serve(tmp_path_factory.mktemp("paced"), limits)
+
+
+def test_an_address_past_its_handshake_pace_is_closed_before_the_handshake_while_another_is_served(
+    paced: Servers,
+) -> None:
+    first = served(paced, "webhook")
+    assert first is not None, "the first handshake of an address starts at once"
+    try:
+        assert refused(paced, "webhook", "")  # its next turn comes after the handshake timeout
+        other = served(paced, "webhook", source="127.0.0.2")
+        assert other is not None, "another address's handshake waited for the first's pace"
+        other.close()
+    finally:
+        first.close()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(
+    ("rate", "within_s", "steps", "expected"),
+    [
+        pytest.param(2.0, 10.0, [(0, "a"), (0, "a"), (0, "a")], [0.0, 0.0, 0.5], id="a-burst-of-rate-then-waits"),
+        pytest.param(2.0, 10.0, [(0, "a"), (0, "a"), (0, "b")], [0.0, 0.0, 0.0], id="addresses-are-paced-apart"),
+        pytest.param(2.0, 10.0, [(0, "a"), (0, "a"), (1, "a")], [0.0, 0.0, 0.0], id="a-second-refills-the-rate"),
+        pytest.param(1.0, 1.5, [(0, "a"), (0, "a"), (0, "a")], [0.0, 1.0, None], id="past-the-timeout-is-refused"),
+        pytest.param(0.01, 10.0, [(0, "a"), (0, "a")], [0.0, None], id="below-one-a-second-still-one-at-once"),
+        pytest.param(0.0, 10.0, [(0, "a")] * 3, [0.0, 0.0, 0.0], id="zero-turns-the-pace-off"),
+    ],
+)
+def test_the_handshake_pace_is_a_token_bucket_per_address(
+    rate: float, within_s: float, steps: list[tuple[float, str]], expected: list[float | None]
+) -> None:
+    clock = _Clock()
+    pace = HandshakePace(rate, within_s, clock)
+    got = []
+    for advance, peer in steps:
+        clock.now += advance
+        got.append(pace.delay(peer))
+    assert got == expected
+
+
+def test_a_refused_start_reserves_nothing() -> None:
+    clock = _Clock()
+    pace = HandshakePace(1.0, 1.5, clock)
+    assert [pace.delay("a") for _ in range(4)] == [0.0, 1.0, None, None]
+    clock.now += 1.0
+    assert pace.delay("a") == 1.0  # two reservations stand (the refused ones took none)
+
+
+def test_a_dripped_head_over_tls_is_cut_at_the_read_deadline_from_its_first_byte(servers: Servers) -> None:
+    """One header line at a time, each well within the read timeout: the deadline runs from the head's
+    first byte, not from the last line."""
+    with servers.connect("webhook") as conn:
+        conn.sendall(b"GET /healthz HTTP/1.1\r\n")
+        answer = b""
+        deadline = time.monotonic() + WAIT_S
+        line = 0
+        conn.settimeout(0.2)
+        while not answer:
+            assert time.monotonic() < deadline, "a dripped head was never cut"
+            with contextlib.suppress(ssl.SSLError, OSError):
+                conn.sendall(b"X-Drip-%d: x\r\n" % line)
+            line += 1
+            with contextlib.suppress(TimeoutError):
+                answer = conn.recv(4096)
+        conn.settimeout(WAIT_S)
+        with contextlib.suppress(ssl.SSLError, ConnectionResetError):  # the rest of the answer, then the close
+            while chunk := conn.recv(4096):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408 ")
+
+
+CLUSTER = "nodes:\n  - {name: h1, fixture: dgx-h100}\n"
+NOFILE = 128  # the extender's open-files limit below: fewer than the connections thrown at its webhook
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _healthz(port: int) -> int:
+    """The status of /healthz on a new connection to the verbs listener (0: no answer)."""
+    with contextlib.suppress(OSError, AssertionError), socket.create_connection(("127.0.0.1", port), WAIT_S) as c:
+        c.sendall(HEALTHZ)
+        return Reader(c).answer()[0]
+    return 0
+
+
+def test_the_verbs_answer_while_the_webhook_is_held_full_before_any_handshake(tmp_path: Path) -> None:
+    """The real process, its open files limited: more silent connections than it may open files are thrown
+    at the webhook, and a new connection to the verbs is still answered."""
+    _, crt, key = certificate(tmp_path)
+    (tmp_path / "cluster.yaml").write_text(CLUSTER)
+    verbs, webhook = _free_port(), _free_port()
+    cmd = [sys.executable, "-m", "extender.main", "--snapshot", str(tmp_path / "cluster.yaml"), "--port", str(verbs)]
+    cmd += ["--webhook-host", "127.0.0.1", "--webhook-port", str(webhook), "--metrics-port", "0"]
+    cmd += ["--tls-cert-file", str(crt), "--tls-key-file", str(key), "--log-level", "critical"]
+    # The webhook's whole cap open to one address, and no handshake timeout before the test is done.
+    env = {"GPUTOPO_MAX_CONNECTIONS": "16", "GPUTOPO_MAX_CONNECTIONS_PER_PEER": "16"}
+    env["GPUTOPO_HANDSHAKE_TIMEOUT_SECONDS"] = "600"
+
+    def nofile() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=root,
+        env={**os.environ, **env, "PYTHONPATH": str(root)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=nofile,
+    )
+    held: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 60
+        while _healthz(verbs) != 200:
+            assert proc.poll() is None and time.monotonic() < deadline, "the extender did not start"
+            time.sleep(0.1)
+        for _ in range(2 * NOFILE):
+            held.append(socket.create_connection(("127.0.0.1", webhook), timeout=WAIT_S))
+        assert _healthz(verbs) == 200
+    finally:
+        for conn in held:
+            conn.close()
+        proc.terminate()
+        proc.wait(WAIT_S)
+
+
+def _client_certificate(tmp: Path) -> tuple[Path, Path, Path]:
+    """A CA for client certificates, and a client's certificate and key signed by it."""
+    ca_key, ca, key, csr, crt, ext = (tmp / n for n in ("cca.key", "cca.crt", "c.key", "c.csr", "c.crt", "c.ext"))
+    ext.write_text("extendedKeyUsage=clientAuth\n")
+    for step in (
+        f"req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=client-ca -keyout {ca_key} -out {ca}",
+        f"req -newkey rsa:2048 -nodes -subj /CN=kube-apiserver -keyout {key} -out {csr}",
+        f"x509 -req -in {csr} -CA {ca} -CAkey {ca_key} -CAcreateserial -days 1 -out {crt} -extfile {ext}",
+    ):
+        subprocess.run(["openssl", *step.split()], check=True, capture_output=True)
+    return ca, crt, key
+
+
+@pytest.mark.parametrize("presents", [True, False], ids=["with a client certificate", "without one"])
+def test_the_webhook_app_sees_the_client_certificate_in_the_asgi_tls_extension(tmp_path: Path, presents: bool) -> None:
+    ca, crt, key = certificate(tmp_path)
+    client_ca, client_crt, client_key = _client_certificate(tmp_path)
+    seen: list[Any] = []
+
+    async def app(scope: Any, _receive: Any, send: Any) -> None:
+        seen.append(scope.get("extensions", {}).get("tls", {}).get("client_cert_chain"))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    limits = ListenerLimits(read_timeout_s=WAIT_S, handshake_timeout_s=WAIT_S)
+    server = ListenerServer(listener_config(app, limits, (crt, key), client_ca), limits)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        context = ssl.create_default_context(cafile=str(ca))
+        if presents:
+            context.load_cert_chain(client_crt, client_key)
+        raw = socket.create_connection(sock.getsockname(), timeout=WAIT_S)
+        with context.wrap_socket(raw, server_hostname="127.0.0.1") as conn:
+            conn.sendall(HEALTHZ)
+            assert Reader(conn).answer()[0] == 200
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_S)
+    chain = seen[0]
+    if presents:
+        assert len(chain) == 1
+        assert ssl.PEM_cert_to_DER_cert(chain[0]) == ssl.PEM_cert_to_DER_cert(client_crt.read_text())
+    else:
+        assert chain == []
 
 
 @pytest.mark.parametrize("listener", LISTENERS)
@@ -453,6 +782,8 @@ def test_the_head_meter_stops_feeding_one_byte_past_the_limit(chunks: list[bytes
         ("--read-timeout-seconds", "0"),
         ("--idle-timeout-seconds", "-1"),
         ("--max-connections", "0"),
+        ("--max-connections-per-peer", "0"),
+        ("--handshake-timeout-seconds", "0"),
     ],
 )
 def test_a_bad_listener_limit_is_refused_naming_its_flag(flag: str, value: str) -> None:
@@ -466,6 +797,21 @@ def test_the_limits_come_from_the_settings() -> None:
     limits = ListenerLimits.of(settings)
     assert (limits.max_header_bytes, limits.read_timeout_s) == (8192, 2.5)
     assert (limits.idle_timeout_s, limits.max_connections) == (120.0, 256)
+    assert (limits.handshake_timeout_s, limits.max_connections_per_peer) == (10.0, 64)
+    assert limits.handshakes_per_peer_per_s == 20.0
+
+
+@pytest.mark.parametrize(
+    ("flags", "per_peer"),
+    [
+        ([], 64),
+        (["--max-connections", "1000"], 250),
+        (["--max-connections", "2"], 1),
+        (["--max-connections", "1000", "--max-connections-per-peer", "900"], 900),
+    ],
+)
+def test_one_address_gets_a_quarter_of_the_connections_unless_set(flags: list[str], per_peer: int) -> None:
+    assert ListenerLimits.of(load_settings(flags)).max_connections_per_peer == per_peer
 
 
 def test_the_soft_open_files_limit_is_raised_to_the_hard_one() -> None:

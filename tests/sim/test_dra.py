@@ -254,14 +254,14 @@ CLAIM_CASES = [
         PodRequest(gpus=4, min_gpu_memory_mib=80000),
         "list",
         True,
-        list_claim(4, 80000),
+        list_claim(4, 81559),  # rounded up to the memory class of the H100 (81559 MiB), the next GPU
         id="min HBM becomes the selector",
     ),
     pytest.param(
         PodRequest(gpus=4, nvlink=NvlinkPolicy.IGNORE, min_gpu_memory_mib=100),
         "list",
         True,
-        unconstrained_claim(4, 100),
+        unconstrained_claim(4, 24564),  # rounded up to the smallest memory class (the RTX 4090's)
         id="ignore: no constraint, selector kept",
     ),
     pytest.param(PodRequest(gpus=1), "partitions", True, unconstrained_claim(1), id="one GPU: no constraint"),

@@ -189,6 +189,12 @@ Fail fast on value combinations that cannot work.
 {{- if and (or .Values.agent.dra.listAttributes .Values.agent.dra.deviceTaints) (not .Values.agent.dra.enabled) }}
 {{- fail "\n\nagent.dra.listAttributes and agent.dra.deviceTaints shape the agent's DRA devices: set agent.dra.enabled too." }}
 {{- end }}
+{{- if and .Values.webhook.clientAuth.caBundle (not .Values.webhook.clientAuth.names) }}
+{{- fail "\n\nwebhook.clientAuth.caBundle needs webhook.clientAuth.names: the names (subject CN or a\nsubjectAltName) of the API server's webhook client certificate, so that no other certificate\nthat CA signed is let in." }}
+{{- end }}
+{{- if and .Values.webhook.clientAuth.names (not .Values.webhook.clientAuth.caBundle) }}
+{{- fail "\n\nwebhook.clientAuth.names needs webhook.clientAuth.caBundle, the CA that signed the API server's\nwebhook client certificate." }}
+{{- end }}
 {{- if and .Values.webhook.enabled (not .Values.scheduler.enabled) }}
 {{- fail "\n\nwebhook.enabled needs scheduler.enabled: the webhook is served by the extender, which runs in the\nscheduler pod, and it sets spec.schedulerName to that scheduler." }}
 {{- end }}

@@ -31,3 +31,28 @@ be seen from a template, so the plain manifests keep this peer; no such pod exis
     matchLabels:
       {{- include "gputopo.componentSelectorLabels" (dict "ctx" . "component" "test") | nindent 6 }}
 {{- end }}
+
+{{/*
+The ranges the webhook port admits, as a JSON list: networkPolicy.webhook.apiServerCIDRs, or else the
+API server's own addresses (each a /32 or /128) from the EndpointSlices of the default/kubernetes
+Service, looked up at install or upgrade. Empty when neither gives any (helm template has no cluster).
+*/}}
+{{- define "gputopo.networkPolicy.apiServerCIDRs" -}}
+{{- $cidrs := list }}
+{{- if .Values.networkPolicy.webhook.apiServerCIDRs }}
+{{- $cidrs = .Values.networkPolicy.webhook.apiServerCIDRs }}
+{{- else }}
+{{- $slices := lookup "discovery.k8s.io/v1" "EndpointSlice" "default" "" }}
+{{- range (default (list) (get (default (dict) $slices) "items")) }}
+{{- $labels := default (dict) .metadata.labels }}
+{{- if eq (get $labels "kubernetes.io/service-name") "kubernetes" }}
+{{- range (default (list) .endpoints) }}
+{{- range (default (list) .addresses) }}
+{{- $cidrs = append $cidrs (ternary (printf "%s/128" .) (printf "%s/32" .) (contains ":" .)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- toJson (sortAlpha (uniq $cidrs)) }}
+{{- end }}
