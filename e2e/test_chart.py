@@ -176,6 +176,76 @@ def test_every_rendered_object_passes_a_server_side_dry_run(
     assert len(accepted) == len(checked), out
 
 
+def _api_server_slice(address: str) -> dict[str, Any]:
+    """An EndpointSlice of the default/kubernetes Service as a real API server publishes it (the local
+    one runs with --endpoint-reconciler-type=none, so it publishes none and this one stays)."""
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": "kubernetes",
+            "namespace": "default",
+            "labels": {"kubernetes.io/service-name": "kubernetes"},
+        },
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [address]}],
+        "ports": [{"name": "https", "port": 6443, "protocol": "TCP"}],
+    }
+
+
+def _webhook_sources(manifest: str) -> list[dict[str, Any]]:
+    """The peers the scheduler's NetworkPolicy admits to the webhook port, from `helm install --dry-run`."""
+    for doc in yaml.safe_load_all(manifest):
+        if doc and doc.get("kind") == "NetworkPolicy" and doc["metadata"]["name"].endswith("-scheduler"):
+            for rule in doc["spec"]["ingress"]:
+                if any(p.get("port") == 8443 for p in rule.get("ports", [])):
+                    return [peer for peer in rule["from"] if "ipBlock" in peer]
+    raise AssertionError("no NetworkPolicy rule for the webhook port")
+
+
+@pytest.mark.parametrize(
+    ("published", "expected"),
+    [
+        # A documentation address (RFC 5737): only data in an object, nothing is sent to it.
+        pytest.param("198.51.100.7", [{"ipBlock": {"cidr": "198.51.100.7/32"}}], id="the-api-servers-address"),
+        pytest.param(None, None, id="nothing-published-fails-naming-the-value"),
+    ],
+)
+def test_the_webhook_network_policy_is_derived_from_the_api_servers_endpoints_or_the_render_fails(
+    control_plane: ControlPlane, kube: KubeClient, namespace: str, published: str | None, expected: Any
+) -> None:
+    """With the webhook on and no apiServerCIDRs, `helm install` (a server dry run: lookups reach the
+    real API server) admits the webhook port only from the addresses of default/kubernetes, and with none
+    to find refuses to render rather than open the port to anyone."""
+    path = "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices/kubernetes"
+    if published is not None:
+        kube.request(
+            "POST", "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices", _api_server_slice(published)
+        )
+    try:
+        proc = _helm(
+            control_plane,
+            "install",
+            "lookup",
+            str(CHART),
+            "--namespace",
+            namespace,
+            "--dry-run=server",
+            "--set",
+            "webhook.enabled=true",
+            check=expected is not None,
+        )
+        if expected is None:
+            assert proc.returncode != 0
+            assert "networkPolicy.webhook.apiServerCIDRs" in proc.stderr, proc.stderr
+            assert "networkPolicy.webhook.allowFromAnywhere" in proc.stderr, proc.stderr
+        else:
+            assert _webhook_sources(proc.stdout) == expected
+    finally:
+        if published is not None:
+            kube.request("DELETE", path)
+
+
 # --- install and upgrade -----------------------------------------------------------------
 
 
