@@ -18,7 +18,6 @@ agent, the local control plane's client and the benchmarks. Importers take every
 from gputopo.kube.backoff import (
     MIN_WATCH_S,
     REFLECTOR_BACKOFF,
-    RESET_AFTER_S,
     Backoff,
     Pacing,
     is_retryable,
@@ -50,7 +49,6 @@ __all__ = [
     "MICROTIME",
     "MIN_WATCH_S",
     "REFLECTOR_BACKOFF",
-    "RESET_AFTER_S",
     "Backoff",
     "Gone",
     "Kube",

@@ -53,24 +53,21 @@ class Backoff:
 
 
 # client-go's reflector: 800 ms doubling to 30 s, each wait jittered by up to its own length (so
-# [30 s, 60 s) at the cap), a watch that ends in under a second counts as a failure, and two minutes
-# without one start the backoff afresh.
+# [30 s, 60 s) at the cap), and a watch that ends in under a second counts as a failure.
 REFLECTOR_BACKOFF = Backoff(base_s=0.8, factor=2.0, cap_s=30.0, jitter=1.0)
 MIN_WATCH_S = 1.0
-RESET_AFTER_S = 120.0
 
 
 @dataclass(frozen=True)
 class Pacing:
     """How a list+watch loop waits between rounds: `backoff` (jittered) after each failed one, where a
-    watch that ends in under `min_watch_s` has failed too; a watch that runs longer and ends without
-    an error, or fails only after `reset_after_s`, starts the backoff afresh. `sleep(s)` waits and
+    watch that ends in under `min_watch_s` has failed too; a watch that runs longer, however it ends,
+    starts the backoff afresh. `sleep(s)` waits and
     returns True when told to stop (None: the loop's stop event); `clock` and `rand` (in [0, 1)) are
     there for tests."""
 
     backoff: Backoff = REFLECTOR_BACKOFF
     min_watch_s: float = MIN_WATCH_S
-    reset_after_s: float = RESET_AFTER_S
     sleep: Callable[[float], bool] | None = None
     clock: Callable[[], float] = time.monotonic
     rand: Callable[[], float] = random.random
@@ -130,11 +127,12 @@ def run_list_watch(
     nothing to watch (its relist already waited). A round fails when its list or watch fails, on
     410 Gone, or when its watch ends in under `pacing.min_watch_s`; each failure waits the jittered
     backoff, growing with consecutive failures, before the next round (so a 410 waits before its
-    relist, as client-go's reflector does). A watch that runs at least `min_watch_s` and ends without
-    an error is healthy and the backoff starts afresh; so it does after a watch that failed only after
-    `reset_after_s` (a server that fails every watch after a few seconds still meets a growing
-    backoff). The failures
-    are logged; the caller keeps serving what it last saw."""
+    relist, as client-go's reflector does). A watch that ran at least `min_watch_s` was a healthy
+    one, however it ended (a 410 or a broken stream after a while, an API server restarted after
+    hours): the backoff starts afresh, so an earlier outage does not lengthen the wait after this
+    one, and the extender is not blind for long after a blip. What floods an API server (watches
+    that fail or end at once, a 410 at every watch) still meets a growing backoff. The failures are
+    logged; the caller keeps serving what it last saw."""
     pacing = pacing or Pacing()
     sleep = pacing.sleep or stop.wait
     failures = 0
@@ -159,8 +157,8 @@ def run_list_watch(
             level, what, error = logging.WARNING, "list/watch failed; serving what was last seen, retrying", str(e)
         if stop.is_set():
             return
-        if started is not None and pacing.clock() - started >= pacing.reset_after_s:
-            failures = 0  # a watch that ran minutes before it failed: not one failure in a row
+        if started is not None and pacing.clock() - started >= pacing.min_watch_s:
+            failures = 0  # a watch that ran a while before it failed: not one failure in a row
         wait = pacing.backoff.jittered(failures, pacing.rand())
         failures = min(failures + 1, _MAX_FAILURES)
         log.log(level, what, extra={**context, "error": error, "failures": failures, "retry_in_s": round(wait, 2)})

@@ -199,8 +199,14 @@ GONE_AFTER_B = events("b", then=(line("ERROR", status(410)),))
         pytest.param(
             [GONE_STATUS, GONE_STATUS, GONE_AFTER_B, GONE_STATUS],
             5.0,
+            [0.8, 1.6, 0.8, 1.6],
+            id="a-watch-that-got-410-after-seconds-resets",
+        ),
+        pytest.param(
+            [GONE_STATUS, GONE_STATUS, GONE_AFTER_B, GONE_STATUS],
+            0.5,
             [0.8, 1.6, 3.2, 6.4],
-            id="a-watch-that-got-410-after-seconds-does-not",
+            id="a-watch-that-got-410-within-a-second-does-not",
         ),
     ],
 )
