@@ -25,6 +25,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from fuzz_dra import NoSlices  # bench/, the script's directory, is on sys.path
+
 from gputopo.model import NodeTopology
 from gputopo.systems import build_system
 
@@ -76,14 +78,6 @@ class SlowClaims:
             "metadata": {"uid": uid, "namespace": namespace, "name": name},
             "status": {"allocation": {"devices": {"results": results}}},
         }
-
-
-class NoSlices:
-    def node_uid(self, node: str) -> str:
-        return "uid"
-
-    def get_slice(self, name: str) -> Any:
-        return None
 
     def list_slice_names(self, node: str, driver: str) -> list[str]:
         return []
