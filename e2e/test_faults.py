@@ -144,6 +144,11 @@ def test_watch_expired_after_compaction_the_extender_relists_and_keeps_placing(
     control_plane: ControlPlane, kube: KubeClient, stack: Stack, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
     (node,) = nodes.add(*[GpuNode(f"f{i}", "dgx-h100") for i in range(1)])
+    # The extender may still be relisting after the previous test's API server restart (with its backoff);
+    # a pod it refused meanwhile would wait for kube-scheduler's next cluster event, which a quiet test
+    # cluster does not make.
+    url = stack.extender_url
+    wait_until(lambda: filter_verdict(url, node, namespace) == "", "the extender to know the new node", 60)
     kube.create_pod(gpu_pod(namespace, test_id, "before", 4))
     kube.wait_pod_bound(namespace, "before", timeout=60)
     # Writes the extender does not watch move etcd's revision past the last one it saw; compacting
