@@ -79,18 +79,6 @@ class SlowClaims:
             "status": {"allocation": {"devices": {"results": results}}},
         }
 
-    def list_slice_names(self, node: str, driver: str) -> list[str]:
-        return []
-
-    def create_slice(self, body: Any) -> Any:
-        return body
-
-    def replace_slice(self, name: str, body: Any) -> Any:
-        return body
-
-    def delete_slice(self, name: str) -> None:
-        return None
-
 
 def unprepare(api_s: float) -> None:
     import grpc
