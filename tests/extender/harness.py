@@ -12,7 +12,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -29,7 +29,7 @@ from extender.cache import ClusterCache
 from extender.door import Door
 from extender.kube import KINDS, Informer
 from extender.ledger import Ledger
-from extender.main import ListenerServer, _loop_factory, listener_config
+from extender.main import ListenerServer, _loop_factory, listener_config, serve
 from extender.metrics import Metrics
 from extender.service import Extender
 from extender.settings import Settings
@@ -328,3 +328,37 @@ def certificate(tmp: Path) -> tuple[Path, Path, Path]:
     for step in steps:
         subprocess.run([openssl, *step.split()], check=True, capture_output=True)
     return ca, crt, key
+
+
+@contextmanager
+def serving(settings: Settings, ready: Callable[[], bool], what: str) -> Iterator[None]:
+    """`gputopo-extender`'s own `serve` for `settings` in a thread, entered once `ready()` is true (polled,
+    not a fixed wait; `ready` may raise OSError while nothing answers yet); stopped on exit."""
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            loop.run_until_complete(serve(create_listeners(settings), settings, stop))
+        except BaseException as e:  # reported by the readiness wait below
+            failure.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    for _ in range(400):
+        assert not failure, failure
+        try:
+            if ready():
+                break
+        except OSError:
+            pass
+        threading.Event().wait(0.05)
+    else:
+        pytest.fail(f"{what} did not become ready")
+    try:
+        yield
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(20)
+        assert not thread.is_alive()

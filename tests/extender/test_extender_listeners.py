@@ -20,7 +20,7 @@ from extender.app import create_listeners
 from extender.main import ListenError, serve
 from extender.settings import Settings
 from gputopo.engine.placement import evaluate_node
-from tests.extender.harness import args, certificate, gputopo_pod
+from tests.extender.harness import args, certificate, gputopo_pod, serving
 
 CLUSTER = "nodes:\n  - {name: h1, fixture: dgx-h100}\n  - {name: h2, fixture: hgx-h200}\n"
 REVIEW = {
@@ -64,39 +64,25 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
         metrics_port=ports["metrics"],
         log_level="critical",
     )
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            loop.run_until_complete(serve(create_listeners(settings), settings, stop))
-        except BaseException as e:  # reported by the readiness wait below
-            failure.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
     urls = {
         "verbs": f"http://127.0.0.1:{ports['verbs']}",
         "webhook": f"https://127.0.0.1:{ports['webhook']}",
         "metrics": f"http://127.0.0.1:{ports['metrics']}",
     }
     r = Running(urls, ca)
-    for listener in urls:  # wait for each listener to answer, not for a fixed time
-        with r.client(listener) as c:
-            for _ in range(400):
-                assert not failure, failure
+
+    def ready() -> bool:
+        for listener in urls:
+            with r.client(listener) as c:
                 try:
-                    if c.get("/readyz").status_code == 200:
-                        break
+                    if c.get("/readyz").status_code != 200:
+                        return False
                 except httpx.TransportError:
-                    threading.Event().wait(0.05)
-            else:
-                pytest.fail(f"the {listener} listener did not become ready")
-    yield r
-    loop.call_soon_threadsafe(stop.set)
-    thread.join(20)
-    assert not thread.is_alive()
+                    return False
+        return True
+
+    with serving(settings, ready, "every listener"):
+        yield r
 
 
 @pytest.mark.parametrize(

@@ -5,13 +5,11 @@ the kubelet's probes, which carry no certificate."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import socket
 import ssl
 import subprocess
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +21,8 @@ from hypothesis import strategies as st
 
 from extender.app import create_listeners
 from extender.clientauth import ClientAuth, certificate_names
-from extender.main import serve
 from extender.settings import Settings
-from tests.extender.harness import certificate, gputopo_pod
+from tests.extender.harness import certificate, gputopo_pod, serving
 
 CLUSTER = "nodes:\n  - {name: h1, fixture: dgx-h100}\n"
 REVIEW = {
@@ -101,32 +98,9 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
         metrics_port=0,
         log_level="critical",
     )
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            loop.run_until_complete(serve(create_listeners(settings), settings, stop))
-        except BaseException as e:  # reported by the readiness wait below
-            failure.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
     r = Running(port, server_ca, certs)
-    for _ in range(400):  # wait for the listener to answer, not for a fixed time
-        assert not failure, failure
-        try:
-            if _call(r, "GET", "/healthz")[0] == 200:
-                break
-        except OSError:
-            threading.Event().wait(0.05)
-    else:
-        pytest.fail("the webhook listener did not become ready")
-    yield r
-    loop.call_soon_threadsafe(stop.set)
-    thread.join(20)
-    assert not thread.is_alive()
+    with serving(settings, lambda: _call(r, "GET", "/healthz")[0] == 200, "the webhook listener"):
+        yield r
 
 
 def _call(r: Running, method: str, path: str, cert: str | None = None) -> tuple[int, dict[str, Any]]:
