@@ -11,9 +11,6 @@ WORKDIR /src
 RUN python -m venv /opt/gputopo
 COPY pyproject.toml README.md* ./
 COPY gputopo ./gputopo
-COPY extender ./extender
-COPY agent ./agent
-COPY console ./console
 RUN python -m pip wheel --no-deps --wheel-dir /wheels . \
  && /opt/gputopo/bin/pip install /wheels/gputopo-*.whl
 

@@ -32,14 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import grpc
 
-from agent.backends import FixtureBackend, InUseSource, NoneInUse
-from agent.deviceplugin import api_pb2, api_pb2_grpc
-from agent.deviceplugin.plugin import DevicePlugin, PluginConfig
-from agent.metrics import AgentMetrics
-from agent.podresources import api_pb2 as pr_pb2
-from agent.pods import StaticLocalPods
-from agent.publisher import Publisher
-from agent.runner import Agent
+from gputopo.agent.backends import FixtureBackend, InUseSource, NoneInUse
+from gputopo.agent.deviceplugin import api_pb2, api_pb2_grpc
+from gputopo.agent.deviceplugin.plugin import DevicePlugin, PluginConfig
+from gputopo.agent.metrics import AgentMetrics
+from gputopo.agent.podresources import api_pb2 as pr_pb2
+from gputopo.agent.pods import StaticLocalPods
+from gputopo.agent.publisher import Publisher
+from gputopo.agent.runner import Agent
 from gputopo.model import (
     DEFAULT_NAMESPACE,
     GPU_RESOURCE,

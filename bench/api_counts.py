@@ -16,8 +16,8 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from localcluster import ControlPlane
-from localcluster.promstats import http_get
+from gputopo.localcluster import ControlPlane
+from gputopo.localcluster.promstats import http_get
 
 # Calls the runs make for setup or measurement only (lists and watches of the benchmark itself are
 # counted too, alike in both runs); LIST/WATCH are shown, since the extender's informers add watches.

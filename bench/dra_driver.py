@@ -44,7 +44,7 @@ def mesh_minus_matching(n: int = 32) -> NodeTopology:
 
 
 def cliques() -> None:
-    from agent.dra.slices import desired_spec
+    from gputopo.agent.dra.slices import desired_spec
     from gputopo.engine import dra
 
     topo = mesh_minus_matching()
@@ -83,8 +83,8 @@ class SlowClaims:
 def unprepare(api_s: float) -> None:
     import grpc
 
-    from agent.dra.api import dra_v1_pb2, dra_v1_pb2_grpc
-    from agent.dra.plugin import DraConfig, DraPlugin
+    from gputopo.agent.dra.api import dra_v1_pb2, dra_v1_pb2_grpc
+    from gputopo.agent.dra.plugin import DraConfig, DraPlugin
 
     with tempfile.TemporaryDirectory(prefix="gputopo-dra-bench-") as tmp:
         root = Path(tmp)

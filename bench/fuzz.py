@@ -16,7 +16,7 @@ the cases or `--time-limit` seconds, and prints:
 Exit status 1 when any 5xx, non-JSON answer, drop or hang was seen.
 
 With `--door` the same cases for the verbs (not /mutate, which is the webhook's) go straight into the one
-door, in process (`extender.door.Door.answer`, what the verbs server calls for every request): no socket,
+door, in process (`gputopo.extender.door.Door.answer`, what the verbs server calls for every request): no socket,
 so 100,000 cases take seconds; bodies over the limit are handed over whole (the limit is the server's).
 It prints the answers by status, 5xx and non-JSON answers, failed probes, and exits 1 on any.
 
@@ -251,7 +251,7 @@ def main() -> int:
             return through_door(opts, rng, cluster)
         ca, crt, key = certificate(Path(tmp))
         port, webhook_port = free_port(), free_port()
-        cmd = [sys.executable, "-m", "extender.main", "--snapshot", str(cluster), "--host", "127.0.0.1"]
+        cmd = [sys.executable, "-m", "gputopo.extender.main", "--snapshot", str(cluster), "--host", "127.0.0.1"]
         cmd += ["--port", str(port), "--max-request-bytes", str(LIMIT), "--log-level", "error", "--metrics-port", "0"]
         cmd += ["--webhook-host", "127.0.0.1", "--webhook-port", str(webhook_port)]
         cmd += ["--tls-cert-file", str(crt), "--tls-key-file", str(key)]
@@ -276,8 +276,8 @@ def main() -> int:
 def through_door(opts: argparse.Namespace, rng: random.Random, cluster: Path) -> int:
     """The verbs' cases straight into `Door.answer`, in process, over the snapshot `cluster`."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from extender.app import create_listeners
-    from extender.settings import Settings
+    from gputopo.extender.app import create_listeners
+    from gputopo.extender.settings import Settings
 
     logging.disable(logging.WARNING)  # each malformed case is logged as a warning: not what is measured
     listeners = create_listeners(Settings(snapshot=cluster, max_request_bytes=LIMIT))

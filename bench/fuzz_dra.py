@@ -1,6 +1,6 @@
 """Fuzz the DRA driver over its real gRPC unix socket (`bench/fuzz.py --dra`).
 
-Serves the driver (`agent.dra.plugin.DraPlugin`) in process on sockets in a temporary directory, with a
+Serves the driver (`gputopo.agent.dra.plugin.DraPlugin`) in process on sockets in a temporary directory, with a
 stand-in API server whose ResourceClaims are drawn at random: valid allocations, another node's pool,
 another driver's devices, a claim split over two nodes, unknown or non-ASCII-digit device names,
 malformed JSON shapes, a changed uid, 404s and API failures. Then `--cases` calls (Prepare on v1 and
@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import grpc
 
-from agent.dra.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
-from agent.dra.checkpoint import CHECKPOINT_NAME, Checkpoint
-from agent.dra.plugin import DraConfig, DraPlugin
+from gputopo.agent.dra.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
+from gputopo.agent.dra.checkpoint import CHECKPOINT_NAME, Checkpoint
+from gputopo.agent.dra.plugin import DraConfig, DraPlugin
 from gputopo.engine.dra import DRIVER
 from gputopo.kube import KubeError
 from gputopo.systems import build_system
@@ -167,9 +167,9 @@ def allowed(root: Path, path: Path, cdi_dir: Path) -> bool:
 def fuzz_dra(cases: int, time_limit: float, seed: int) -> int:
     rng = random.Random(seed)
     bug_log = BugLog()
-    logging.getLogger("agent.dra").addHandler(bug_log)
-    logging.getLogger("agent.dra").setLevel(logging.ERROR)
-    logging.getLogger("agent.dra").propagate = False  # every refused claim logs a warning: not measured
+    logging.getLogger("gputopo.agent.dra").addHandler(bug_log)
+    logging.getLogger("gputopo.agent.dra").setLevel(logging.ERROR)
+    logging.getLogger("gputopo.agent.dra").propagate = False  # every refused claim logs a warning: not measured
     with tempfile.TemporaryDirectory(prefix="gputopo-fuzz-dra-") as tmp:
         root = Path(tmp)
         (root / "dev").mkdir()

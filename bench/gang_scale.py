@@ -33,10 +33,8 @@ from typing import Any
 from scheduler_throughput import create_leases, wait_scheduler_ready
 from throughput_run import Deadline, say
 
-from agent.labels import node_labels
-from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION
-from gputopo.systems import build_system
-from localcluster import (
+from gputopo.agent.labels import node_labels
+from gputopo.localcluster import (
     GPUTOPO_PROFILE,
     ControlPlane,
     ControlPlaneError,
@@ -47,8 +45,10 @@ from localcluster import (
     network_labels,
     pod_manifest,
 )
-from localcluster.procstats import cpu_snapshot
-from localcluster.stack import Stack
+from gputopo.localcluster.procstats import cpu_snapshot
+from gputopo.localcluster.stack import Stack
+from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION
+from gputopo.systems import build_system
 
 GPUS = 8
 TARGET_S = 30.0
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     deadline = Deadline(args.deadline)
     bin_dir = find_binaries()
     if bin_dir is None:
-        print("control-plane binaries are not built: run localcluster/build_binaries.sh", file=sys.stderr)
+        print("control-plane binaries are not built: run gputopo/localcluster/build_binaries.sh", file=sys.stderr)
         return 2
     via = args.via
     has_kcm = (bin_dir / "kube-controller-manager").is_file()

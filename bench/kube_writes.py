@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from gputopo.kube import Kube, iter_lines
 from gputopo.kube.transport import query_string
-from localcluster import ControlPlane, find_binaries, pod_manifest
+from gputopo.localcluster import ControlPlane, find_binaries, pod_manifest
 
 NAMESPACE = "kube-writes"
 MAX_CALLS = 5000
@@ -288,7 +288,7 @@ def watch_cpu(kube: Kube, u3: Urllib3Path, hx: HttpxPath, admin: Any, events: in
 def run(args: argparse.Namespace) -> int:
     bin_dir = find_binaries()
     if bin_dir is None:
-        print("control-plane binaries are not built: run localcluster/build_binaries.sh first", file=sys.stderr)
+        print("control-plane binaries are not built: run gputopo/localcluster/build_binaries.sh first", file=sys.stderr)
         return 2
     with ControlPlane(bin_dir) as cp:
         say(f"control plane up in {cp.dir}")

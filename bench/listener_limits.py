@@ -345,7 +345,7 @@ def drip(port: int, conns: int, newcomer: str, budget_s: float) -> tuple[int, st
 def flood_run(a: argparse.Namespace, tmp: Path, crt: Path, key: Path) -> None:
     """The floods against an extender with its default limits and an open-files limit of FLOOD_NOFILE."""
     ports = {name: free_port() for name in LISTENERS}
-    cmd = [sys.executable, "-m", "extender.main", "--snapshot", str(tmp / "cluster.yaml")]
+    cmd = [sys.executable, "-m", "gputopo.extender.main", "--snapshot", str(tmp / "cluster.yaml")]
     cmd += ["--port", str(ports["verbs"]), "--metrics-host", "127.0.0.1", "--metrics-port", str(ports["metrics"])]
     cmd += ["--webhook-host", "127.0.0.1", "--webhook-port", str(ports["webhook"])]
     cmd += ["--tls-cert-file", str(crt), "--tls-key-file", str(key), "--log-level", "critical"]
@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.part == "floods":
             return 0
         ports = {name: free_port() for name in LISTENERS}
-        cmd = [sys.executable, "-m", "extender.main", "--snapshot", str(tmp / "cluster.yaml")]
+        cmd = [sys.executable, "-m", "gputopo.extender.main", "--snapshot", str(tmp / "cluster.yaml")]
         cmd += ["--port", str(ports["verbs"]), "--metrics-host", "127.0.0.1", "--metrics-port", str(ports["metrics"])]
         cmd += ["--webhook-host", "127.0.0.1", "--webhook-port", str(ports["webhook"])]
         cmd += ["--tls-cert-file", str(crt), "--tls-key-file", str(key), "--log-level", "error"]

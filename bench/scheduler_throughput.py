@@ -56,10 +56,8 @@ from api_counts import (
 )
 from throughput_run import GPUS_PER_POD, Deadline, RunResult, delete_pods, measure_run, say
 
-from agent.labels import node_labels
-from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION, agent_lease_name
-from gputopo.systems import build_system
-from localcluster import (
+from gputopo.agent.labels import node_labels
+from gputopo.localcluster import (
     GPUTOPO_PROFILE,
     PLAIN_PROFILE,
     ControlPlane,
@@ -71,8 +69,10 @@ from localcluster import (
     find_binaries,
     network_labels,
 )
-from localcluster.promstats import HistSum, diff, extender_metrics, http_get, scheduler_metrics
-from localcluster.stack import Stack
+from gputopo.localcluster.promstats import HistSum, diff, extender_metrics, http_get, scheduler_metrics
+from gputopo.localcluster.stack import Stack
+from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION, agent_lease_name
+from gputopo.systems import build_system
 
 TARGET_RATIO = 0.5
 # A realistic 8-GPU training fleet: mostly Hopper NVSwitch systems, some A100s.
@@ -383,7 +383,7 @@ def run(args: argparse.Namespace) -> int:
     deadline = Deadline(args.deadline)
     bin_dir = find_binaries()
     if bin_dir is None:
-        print("control-plane binaries are not built: run localcluster/build_binaries.sh first", file=sys.stderr)
+        print("control-plane binaries are not built: run gputopo/localcluster/build_binaries.sh first", file=sys.stderr)
         return 2
     rounds: list[Round] = []
     progress: Callable[[str], None] | None = say if args.verbose else None

@@ -3,7 +3,7 @@
 Starts etcd, kube-apiserver, the real gputopo-extender and kube-scheduler with the chart's
 KubeSchedulerConfiguration (`localcluster.Stack`), then per mix creates the mix's nodes as
 simulated Nodes (the agent's annotations and a Lease each, CPU and memory in proportion to the GPUs)
-and feeds its jobs one at a time, in order (`localcluster.replay`). Before each job the engine
+and feeds its jobs one at a time, in order (`gputopo.localcluster.replay`). Before each job the engine
 says what it would do in the state the real placements so far left (`gputopo.sim.fidelity.Follower`);
 a pod agrees when it went to the engine's node or to one the engine scores equal, or when neither
 places it. `gputopo simulate` also runs over each mix on its own, for its quality figures beside the
@@ -39,12 +39,12 @@ import placement_quality as pq  # noqa: E402  (beside this script)
 
 from gputopo.clusterfile import JobSpec, cluster_states, load_cluster, load_jobs  # noqa: E402
 from gputopo.engine.snapshot import NodeState  # noqa: E402
+from gputopo.localcluster import ControlPlane, ControlPlaneError, KubeApiError, find_binaries  # noqa: E402
+from gputopo.localcluster.replay import MixRun, Replay  # noqa: E402
+from gputopo.localcluster.stack import Stack  # noqa: E402
 from gputopo.sim import SimResult, Summary, simulate  # noqa: E402
 from gputopo.sim.fidelity import follow_engine  # noqa: E402
 from gputopo.tiers import DEFAULT_TIERS  # noqa: E402
-from localcluster import ControlPlane, ControlPlaneError, KubeApiError, find_binaries  # noqa: E402
-from localcluster.replay import MixRun, Replay  # noqa: E402
-from localcluster.stack import Stack  # noqa: E402
 
 MIXES = ("examples", "llm", "alibaba")
 
@@ -171,7 +171,7 @@ def code_origin(cp: ControlPlane, component: str) -> str:
     except OSError as e:
         return f"unknown ({e})"
     env = dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
-    probe = "import extender, gputopo.engine.scoring as s; print(extender.__file__, s.__file__)"
+    probe = "import gputopo.extender as e, gputopo.engine.scoring as s; print(e.__file__, s.__file__)"
     out = subprocess.run([exe, "-c", probe], env=env, cwd=cwd, capture_output=True, text=True, timeout=60, check=False)
     return f"pid {pid}, PYTHONPATH={env.get('PYTHONPATH', '')!r}: {out.stdout.strip() or out.stderr.strip()[-200:]}"
 
@@ -179,7 +179,7 @@ def code_origin(cp: ControlPlane, component: str) -> str:
 def run(args: argparse.Namespace) -> int:
     bin_dir = find_binaries()
     if bin_dir is None:
-        print("control-plane binaries are not built: run localcluster/build_binaries.sh first", file=sys.stderr)
+        print("control-plane binaries are not built: run gputopo/localcluster/build_binaries.sh first", file=sys.stderr)
         return 2
     mixes = MIXES if args.mix == "all" else (args.mix,)
     builders: dict[str, Callable[[], tuple[list[NodeState], list[JobSpec], str]]] = {

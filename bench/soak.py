@@ -8,7 +8,7 @@ writes the per-pod truth (each bound pod's placed GPUs under its UID) for the no
 so the extender accounts from reported truth, as on a real node. With ``--kubelet`` (root only) one
 node is run by a real kubelet instead, whose agent reports what the kubelet actually allocated.
 
-A checker thread runs ``localcluster.checks.check_gpus`` continuously over every live pod and
+A checker thread runs ``gputopo.localcluster.checks.check_gpus`` continuously over every live pod and
 node: no GPU held by two live pods, and every placement matches what its node reports for the pod.
 Both counts should be 0. Prints progress, then a table: placements, placements/s, CPU per placement.
 
@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gputopo.localcluster import ControlPlane, ControlPlaneError, KubeApiError, KubeClient, pod_manifest
+from gputopo.localcluster.checks import check_gpus, per_pod_truth
+from gputopo.localcluster.kubelet import kubelet_unavailable
+from gputopo.localcluster.stack import GpuNode, Stack
 from gputopo.model import PLACEMENT_ANNOTATION, SCHEDULER_NAME
-from localcluster import ControlPlane, ControlPlaneError, KubeApiError, KubeClient, pod_manifest
-from localcluster.checks import check_gpus, per_pod_truth
-from localcluster.kubelet import kubelet_unavailable
-from localcluster.stack import GpuNode, Stack
 
 NAMESPACE = "soak"
 LABEL = "gputopo.io/soak"

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gputopo.kube import WatchEvent
-from localcluster import ControlPlane, KubeApiError, KubeClient, pod_manifest
-from localcluster.procstats import cpu_snapshot
+from gputopo.localcluster import ControlPlane, KubeApiError, KubeClient, pod_manifest
+from gputopo.localcluster.procstats import cpu_snapshot
 
 GPUS_PER_POD = 8
 

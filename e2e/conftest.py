@@ -1,6 +1,6 @@
 """Shared fixtures of the end-to-end suite: one real local control plane per test session.
 
-The upstream binaries must already be built (``localcluster/build_binaries.sh``, once per
+The upstream binaries must already be built (``gputopo/localcluster/build_binaries.sh``, once per
 machine); without them every e2e test fails with instructions. ``GPUTOPO_E2E_BUILD=1`` builds them
 here instead (tens of minutes the first time). ``GPUTOPO_E2E_KEEP=1`` keeps the control plane's
 directory (logs, kubeconfig) after the session. ``GPUTOPO_E2E_FEATURE_GATES=Name=true,Other=false``
@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import pytest
 
-from localcluster import (
+from gputopo.localcluster import (
     TEST_LABEL,
     ControlPlane,
     FlagError,
@@ -38,8 +38,8 @@ from localcluster import (
     find_binaries,
     parse_flag_map,
 )
-from localcluster.binaries import kubernetes_version
-from localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.binaries import kubernetes_version
+from gputopo.localcluster.stack import GpuNode, Stack
 
 MakeNodes = Callable[[Sequence[SimNode]], list[str]]
 
@@ -53,7 +53,7 @@ def _bin_dir() -> Path:
     pytest.fail(
         "e2e: the upstream control-plane binaries are not built (expected in "
         f"{expected_bin_dir()}). Build them once per machine with "
-        "`bash localcluster/build_binaries.sh` (needs Go; tens of minutes the first time), "
+        "`bash gputopo/localcluster/build_binaries.sh` (needs Go; tens of minutes the first time), "
         "or set GPUTOPO_E2E_BUILD=1 to build from pytest, or GPUTOPO_BIN_DIR to a ready directory.",
         pytrace=False,
     )

@@ -27,9 +27,9 @@ from typing import Any
 import pytest
 import yaml
 
+from gputopo.localcluster import ControlPlane, KubeApiError, KubeClient, SimNode
+from gputopo.localcluster.chart import run_helm
 from gputopo.model import agent_lease_name
-from localcluster import ControlPlane, KubeApiError, KubeClient, SimNode
-from localcluster.chart import run_helm
 
 pytestmark = pytest.mark.e2e
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from localcluster import (
+from gputopo.localcluster import (
     CONTROLLER_MANAGER,
     GPU_RESOURCE,
     NODE_NAME_EXTRA,
@@ -26,9 +26,9 @@ from localcluster import (
     network_labels,
     pod_manifest,
 )
-from localcluster.binaries import kubernetes_version
-from localcluster.chart import helm_binary, local_scheduler_config, local_values, render
-from localcluster.procs import insecure_ctx
+from gputopo.localcluster.binaries import kubernetes_version
+from gputopo.localcluster.chart import helm_binary, local_scheduler_config, local_values, render
+from gputopo.localcluster.procs import insecure_ctx
 
 MakeNodes = Callable[[Sequence[SimNode]], list[str]]
 

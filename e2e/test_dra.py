@@ -31,14 +31,14 @@ from gputopo.engine.cliques import mask_of
 from gputopo.engine.draclaims import claim_template
 from gputopo.engine.explain import gpu_ranges
 from gputopo.engine.snapshot import shape_of
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster.kubelet import kubelet_unavailable
+from gputopo.localcluster.manifests import pod_webhook_manifest
+from gputopo.localcluster.stack import Stack
 from gputopo.model import PLACEMENT_ANNOTATION, NvlinkPolicy, PodRequest, parse_placement
 from gputopo.model.dra import DEVICE_CLASS, DRIVER, device_index
 from gputopo.model.topology import Health
 from gputopo.systems import build_system
-from localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from localcluster.kubelet import kubelet_unavailable
-from localcluster.manifests import pod_webhook_manifest
-from localcluster.stack import Stack
 
 pytestmark = pytest.mark.e2e
 

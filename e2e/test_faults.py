@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 
 from conftest import StackNodes
+from gputopo.localcluster import APISERVER, TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster.checks import check_gpus
+from gputopo.localcluster.kube import KubeApiError
+from gputopo.localcluster.stack import GpuNode, SchedulerPod, Stack
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
-from localcluster import APISERVER, TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from localcluster.checks import check_gpus
-from localcluster.kube import KubeApiError
-from localcluster.stack import GpuNode, SchedulerPod, Stack
 
 pytestmark = pytest.mark.e2e
 

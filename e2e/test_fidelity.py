@@ -1,6 +1,6 @@
 """The simulator against the real kube-scheduler (the chart's configuration) and gputopo-extender.
 
-Simulated nodes with the agent's annotations and Leases (`localcluster.replay`); pods carry CPU
+Simulated nodes with the agent's annotations and Leases (`gputopo.localcluster.replay`); pods carry CPU
 and memory requests, so kube-scheduler's own LeastAllocated and BalancedAllocation scores take part.
 Each pod's real placement is judged against what the engine decides in the state the real placements
 left (`gputopo.sim.fidelity.Follower`): the engine's node, or one it scores equal.
@@ -14,11 +14,11 @@ import pytest
 
 from gputopo.clusterfile import JobSpec
 from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.localcluster import ControlPlane, KubeClient
+from gputopo.localcluster.replay import MixRun, Replay
+from gputopo.localcluster.stack import Stack
 from gputopo.model import LABEL_NETWORK_LEAF, LABEL_NETWORK_SPINE
 from gputopo.systems import build_system
-from localcluster import ControlPlane, KubeClient
-from localcluster.replay import MixRun, Replay
-from localcluster.stack import Stack
 
 pytestmark = pytest.mark.e2e
 

@@ -24,6 +24,9 @@ from typing import Any
 
 import pytest
 
+from gputopo.localcluster import ControlPlane, find_binaries
+from gputopo.localcluster.containerd import containerd_unavailable
+from gputopo.localcluster.installed import GPUS, Installed, Tp4, eventually, install, start_control_plane
 from gputopo.model import (
     GPU_RESOURCE,
     GPUS_IN_USE_ANNOTATION,
@@ -33,9 +36,6 @@ from gputopo.model import (
     parse_gpus_in_use_report,
     parse_placement,
 )
-from localcluster import ControlPlane, find_binaries
-from localcluster.containerd import containerd_unavailable
-from localcluster.installed import GPUS, Installed, Tp4, eventually, install, start_control_plane
 
 pytestmark = pytest.mark.e2e
 

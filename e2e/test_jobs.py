@@ -13,6 +13,8 @@ import pytest
 import workloads as wl
 
 from conftest import StackNodes, serve
+from gputopo.localcluster import CONTROLLER_MANAGER, TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster.stack import GpuNode, Stack
 from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,
     LABEL_NETWORK_LEAF,
@@ -21,8 +23,6 @@ from gputopo.model import (
     parse_gpus_in_use,
     parse_placement,
 )
-from localcluster import CONTROLLER_MANAGER, TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from localcluster.stack import GpuNode, Stack
 
 pytestmark = pytest.mark.e2e
 

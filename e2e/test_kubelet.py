@@ -19,10 +19,13 @@ from typing import Any
 
 import pytest
 
-from agent.podresources.client import PodResourcesClient, PodResourcesError
+from gputopo.agent.podresources.client import PodResourcesClient, PodResourcesError
 from gputopo.engine.besteffort import best_effort
 from gputopo.engine.placement import evaluate_node
 from gputopo.engine.snapshot import node_state
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster.kubelet import RealKubelet, kubelet_unavailable
+from gputopo.localcluster.stack import Stack
 from gputopo.model import (
     GPU_RESOURCE,
     GPUS_IN_USE_ANNOTATION,
@@ -33,9 +36,6 @@ from gputopo.model import (
     parse_placement,
 )
 from gputopo.systems import build_system
-from localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from localcluster.kubelet import RealKubelet, kubelet_unavailable
-from localcluster.stack import Stack
 
 pytestmark = pytest.mark.e2e
 

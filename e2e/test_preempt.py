@@ -18,12 +18,12 @@ from collections.abc import Callable, Iterator, Mapping
 import pytest
 
 from conftest import serve
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster.binaries import kubernetes_version
+from gputopo.localcluster.chart import RenderedChart, helm_binary, local_values, render
+from gputopo.localcluster.kube import KubeApiError
+from gputopo.localcluster.stack import GpuNode, Stack
 from gputopo.model import GPUS_IN_USE_ANNOTATION, PLACEMENT_ANNOTATION, parse_gpus_in_use, parse_placement
-from localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from localcluster.binaries import kubernetes_version
-from localcluster.chart import RenderedChart, helm_binary, local_values, render
-from localcluster.kube import KubeApiError
-from localcluster.stack import GpuNode, Stack
 
 pytestmark = pytest.mark.e2e
 

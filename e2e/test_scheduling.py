@@ -15,6 +15,10 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import StackNodes
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster.kube import KubeApiError, WaitTimeout
+from gputopo.localcluster.manifests import pod_webhook_manifest
+from gputopo.localcluster.stack import GpuNode, Stack
 from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,
     PLACEMENT_ANNOTATION,
@@ -23,10 +27,6 @@ from gputopo.model import (
     parse_topology,
 )
 from gputopo.systems import build_system
-from localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from localcluster.kube import KubeApiError, WaitTimeout
-from localcluster.manifests import pod_webhook_manifest
-from localcluster.stack import GpuNode, Stack
 
 pytestmark = pytest.mark.e2e
 

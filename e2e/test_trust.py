@@ -15,10 +15,10 @@ import pytest
 from workloads import create, events_about, indexed_job, live_pods, pod_template
 
 from conftest import serve
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster.kube import KubeApiError
+from gputopo.localcluster.stack import GpuNode, Stack
 from gputopo.model import PLACEMENT_ANNOTATION, Placement, parse_placement
-from localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from localcluster.kube import KubeApiError
-from localcluster.stack import GpuNode, Stack
 
 pytestmark = pytest.mark.e2e
 
@@ -127,7 +127,7 @@ def test_patching_a_placement_onto_an_existing_pod_is_refused_even_for_cluster_a
 def test_a_binding_carrying_a_placement_from_another_identity_is_refused(
     kube: KubeClient, user: KubeClient, make_nodes: Any, namespace: str, test_id: str
 ) -> None:
-    from localcluster import SimNode
+    from gputopo.localcluster import SimNode
 
     (node,) = make_nodes([SimNode(f"{test_id}-n", gpus=8)])
     user.create_pod(_pending_pod(namespace, "unbound"))

@@ -12,7 +12,7 @@ import workloads as wl
 from hypothesis import given
 from hypothesis import strategies as st
 
-from localcluster import pod_manifest
+from gputopo.localcluster import pod_manifest
 
 UID = "0b9f3c1e-0000-4000-8000-000000000001"
 JOBSET_KEYS = {

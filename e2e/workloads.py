@@ -36,7 +36,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from localcluster import KubeClient
+from gputopo.localcluster import KubeClient
 
 JSON = dict[str, Any]
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Regenerate the Python stubs of the vendored kubelet APIs: PodResources v1 (agent/podresources),
-# the device plugin v1beta1 (agent/deviceplugin), and for the DRA driver the DRA plugin API v1 and
-# v1beta1 plus the plugin registration API v1 (agent/dra/api).
+# Regenerate the Python stubs of the vendored kubelet APIs: PodResources v1 (gputopo/agent/podresources),
+# the device plugin v1beta1 (gputopo/agent/deviceplugin), and for the DRA driver the DRA plugin API v1 and
+# v1beta1 plus the plugin registration API v1 (gputopo/agent/dra/api).
 #
 #   scripts/gen_protos.sh            # uses .venv/bin/python
 #   PYTHON=python3 scripts/gen_protos.sh
@@ -9,18 +9,18 @@
 # Needs grpcio-tools (the project's `dev` extra). The generated files are committed; rerun this after
 # changing a vendored .proto or the grpcio-tools version, and commit the result. Running it from the
 # repository root with `-I.` makes each generated grpc module import its messages as a package import
-# (`agent.<api>.api_pb2`, `agent.dra.api.dra_v1_pb2`), so no post-editing is needed.
+# (`gputopo.agent.<api>.api_pb2`, `gputopo.agent.dra.api.dra_v1_pb2`), so no post-editing is needed.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
 
 PROTOS=(
-  agent/podresources/api.proto
-  agent/deviceplugin/api.proto
-  agent/dra/api/dra_v1.proto
-  agent/dra/api/dra_v1beta1.proto
-  agent/dra/api/pluginregistration.proto
+  gputopo/agent/podresources/api.proto
+  gputopo/agent/deviceplugin/api.proto
+  gputopo/agent/dra/api/dra_v1.proto
+  gputopo/agent/dra/api/dra_v1beta1.proto
+  gputopo/agent/dra/api/pluginregistration.proto
 )
 for proto in "${PROTOS[@]}"; do
   "$PYTHON" -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. "$proto"

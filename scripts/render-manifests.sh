@@ -9,7 +9,7 @@
 #   scripts/render-manifests.sh --stdout  print the rendering instead
 #
 # helm: $GPUTOPO_HELM, else $GPUTOPO_BIN_DIR/helm, else the pinned build
-# (localcluster/build_binaries.sh --check), else helm on PATH.
+# (gputopo/localcluster/build_binaries.sh --check), else helm on PATH.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -19,7 +19,7 @@ done
 
 # As root, the images e2e/test_installed.py runs on a containerd node (cached like the binaries; the
 # script also installs the Debian packages it and that node need). Without root those tests skip.
-if [[ $(id -u) -eq 0 ]]; then echo "== images"; bash localcluster/build_images.sh "${BINS[@]}" >/dev/null; fi
+if [[ $(id -u) -eq 0 ]]; then echo "== images"; bash gputopo/localcluster/build_images.sh "${BINS[@]}" >/dev/null; fi
 
 echo "== ruff"
 .venv/bin/ruff check .
@@ -27,7 +27,7 @@ echo "== ruff"
 echo "== import contracts (layers, no I/O in the engine, one Kubernetes layer)"
 .venv/bin/lint-imports
 echo "== mypy --strict"
-.venv/bin/mypy gputopo extender agent console localcluster tests e2e bench
+.venv/bin/mypy gputopo tests e2e bench
 .venv/bin/mypy conftest.py  # alone: it shares its module name with e2e/conftest.py
 # Unit tests once; the e2e suite once per version, each against its own binaries. Exit status 5
 # (nothing collected, e.g. a -k that matches only one layer) fails only when every run had it.

@@ -14,13 +14,13 @@ from typing import Any, TypeVar
 
 import grpc
 
-from agent.deviceplugin import api_pb2, api_pb2_grpc
-from agent.deviceplugin.devices import DeviceListStrategy
-from agent.deviceplugin.plugin import DevicePlugin, PluginConfig
-from agent.deviceplugin.preferred import PreferredAllocation
-from agent.podresources import api_pb2 as pr_pb2
-from agent.podresources import api_pb2_grpc as pr_grpc
-from agent.pods import StaticLocalPods
+from gputopo.agent.deviceplugin import api_pb2, api_pb2_grpc
+from gputopo.agent.deviceplugin.devices import DeviceListStrategy
+from gputopo.agent.deviceplugin.plugin import DevicePlugin, PluginConfig
+from gputopo.agent.deviceplugin.preferred import PreferredAllocation
+from gputopo.agent.podresources import api_pb2 as pr_pb2
+from gputopo.agent.podresources import api_pb2_grpc as pr_grpc
+from gputopo.agent.pods import StaticLocalPods
 from gputopo.model import PLACEMENT_ANNOTATION, NodeTopology, Placement
 from gputopo.systems import build_system
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import grpc
 
-from agent.dra.api import dra_v1_pb2_grpc, dra_v1beta1_pb2_grpc, pluginregistration_pb2_grpc
-from agent.dra.plugin import DraConfig, DraPlugin
+from gputopo.agent.dra.api import dra_v1_pb2_grpc, dra_v1beta1_pb2_grpc, pluginregistration_pb2_grpc
+from gputopo.agent.dra.plugin import DraConfig, DraPlugin
 from gputopo.engine.dra import DRIVER
 from gputopo.kube import KubeError
 from gputopo.model import NodeTopology

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.backends import FileBackend, InUseFile
-from agent.metrics import AgentMetrics
-from agent.publisher import Publisher
-from agent.runner import Agent
+from gputopo.agent.backends import FileBackend, InUseFile
+from gputopo.agent.metrics import AgentMetrics
+from gputopo.agent.publisher import Publisher
+from gputopo.agent.runner import Agent
 from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,
     TOPOLOGY_ANNOTATION,

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from agent.nvml_backend import NvmlAdapter, NvmlUnavailableError
-from agent.nvml_health import Baseline, HealthTracker, LinkCounters, LinkVerdict, assess_link_errors
-from agent.nvml_topology import fabric_clique, normalize_bus_id, nvlink_generation
+from gputopo.agent.nvml_backend import NvmlAdapter, NvmlUnavailableError
+from gputopo.agent.nvml_health import Baseline, HealthTracker, LinkCounters, LinkVerdict, assess_link_errors
+from gputopo.agent.nvml_topology import fabric_clique, normalize_bus_id, nvlink_generation
 from gputopo.model import MAX_REASONS, DegradedLink, Health, LinkState, NodeTopology
 from gputopo.systems import GB200_CLIQUE, NVLINK_GBPS_PER_LINK, build_system
 from tests.agent.fake_pynvml import (

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.main import AgentKube, load_settings, make_local_pods
-from agent.pods import KubeLocalPods
-from agent.publisher import KubeNodeApi
+from gputopo.agent.main import AgentKube, load_settings, make_local_pods
+from gputopo.agent.pods import KubeLocalPods
+from gputopo.agent.publisher import KubeNodeApi
 from tests.kube.test_kube_layer import FakeApiServer, Reply, write_kubeconfig
 
 

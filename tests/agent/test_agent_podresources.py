@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from agent.backends import InUseError, InUseFile, NoneInUse, PodResourcesInUse
-from agent.main import AgentSettings, make_in_use
-from agent.podresources import api_pb2
-from agent.podresources.client import (
+from gputopo.agent.backends import InUseError, InUseFile, NoneInUse, PodResourcesInUse
+from gputopo.agent.main import AgentSettings, make_in_use
+from gputopo.agent.podresources import api_pb2
+from gputopo.agent.podresources.client import (
     GpuAllocation,
     PodResourcesClient,
     PodResourcesError,

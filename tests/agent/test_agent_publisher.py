@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.labels import node_labels
-from agent.publisher import (
+from gputopo.agent.labels import node_labels
+from gputopo.agent.publisher import (
     LeaseSpec,
     Publisher,
     PublishResult,
@@ -170,7 +170,7 @@ def test_same_json_with_other_spacing_is_not_a_change() -> None:
 
 
 def test_metadata_changes_ignores_foreign_labels() -> None:
-    from agent.publisher import NodeMeta
+    from gputopo.agent.publisher import NodeMeta
 
     current = NodeMeta(annotations={}, labels={"gputopo.io/network-spine": "a"})
     ann, lab = metadata_changes(current, {}, {"gputopo.io/network-spine": "b", LABEL_RDMA: "none"})
@@ -316,7 +316,7 @@ def test_release_lease_failure_is_reported_not_raised(stopping: bool, calls: int
 def test_kube_node_api_deletes_the_lease_only_at_the_version_it_read(
     tmp_path: Path, stored_renew: str, expected: list[str]
 ) -> None:
-    from agent.publisher import KubeNodeApi
+    from gputopo.agent.publisher import KubeNodeApi
     from tests.kube.test_kube_layer import FakeApiServer, Reply, write_kubeconfig
 
     server = FakeApiServer()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.sysfs import (
+from gputopo.agent.sysfs import (
     PciPath,
     parse_pci_path,
     parse_port_state,

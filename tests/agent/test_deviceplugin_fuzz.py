@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.deviceplugin.preferred import PreferredAllocation
+from gputopo.agent.deviceplugin.preferred import PreferredAllocation
 from tests.agent.dp_harness import Harness, pod_object, running_plugin, topology
 
 TOPO = topology()

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from agent.deviceplugin import api_pb2
-from agent.deviceplugin.devices import DeviceListStrategy
-from agent.deviceplugin.plugin import TopologyTap
-from agent.deviceplugin.preferred import PreferredAllocation
-from agent.main import load_settings, main, make_local_pods
-from agent.nvml_backend import MIG_REASON
-from agent.pods import StaticLocalPods
+from gputopo.agent.deviceplugin import api_pb2
+from gputopo.agent.deviceplugin.devices import DeviceListStrategy
+from gputopo.agent.deviceplugin.plugin import TopologyTap
+from gputopo.agent.deviceplugin.preferred import PreferredAllocation
+from gputopo.agent.main import load_settings, main, make_local_pods
+from gputopo.agent.nvml_backend import MIG_REASON
+from gputopo.agent.pods import StaticLocalPods
 from gputopo.model import Health, NodeTopology
 from tests.agent.dp_harness import FakeKubelet, pod_object, topology, with_gpu
 from tests.agent.memory_api import InMemoryNodeApi
@@ -150,7 +150,7 @@ def test_agent_serves_the_plugin_while_it_runs(tmp_path: Path) -> None:
     def check() -> tuple[int, list[str]]:
         import grpc
 
-        from agent.deviceplugin import api_pb2_grpc
+        from gputopo.agent.deviceplugin import api_pb2_grpc
 
         with grpc.insecure_channel(f"unix://{dp / 'gputopo-gpu.sock'}") as ch:
             first = next(api_pb2_grpc.DevicePluginStub(ch).ListAndWatch(api_pb2.Empty(), timeout=10))

@@ -10,13 +10,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from agent.deviceplugin import api_pb2
-from agent.deviceplugin.devices import DeviceListStrategy, MigModeError
-from agent.deviceplugin.plugin import DevicePlugin, PluginConfig
-from agent.deviceplugin.preferred import PreferredAllocation, Preferrer
-from agent.deviceplugin.servicer import DevicePluginServicer
-from agent.nvml_backend import MIG_REASON, NvmlAdapter
-from agent.pods import StaticLocalPods
+from gputopo.agent.deviceplugin import api_pb2
+from gputopo.agent.deviceplugin.devices import DeviceListStrategy, MigModeError
+from gputopo.agent.deviceplugin.plugin import DevicePlugin, PluginConfig
+from gputopo.agent.deviceplugin.preferred import PreferredAllocation, Preferrer
+from gputopo.agent.deviceplugin.servicer import DevicePluginServicer
+from gputopo.agent.nvml_backend import MIG_REASON, NvmlAdapter
+from gputopo.agent.pods import StaticLocalPods
 from gputopo.engine.besteffort import best_effort
 from gputopo.model import Health
 from tests.agent.dp_harness import NODE, running_plugin, topology, wait_for, with_gpu
@@ -189,7 +189,7 @@ def test_registers_again_and_serves_after(tmp_path: Path, event: Callable[[objec
         assert (h.plugin.server.serves > serves) is reserved
         # The kubelet dials the endpoint it was given: it must answer there.
         with grpc.insecure_channel(f"unix://{h.socket}") as ch:
-            from agent.deviceplugin import api_pb2_grpc
+            from gputopo.agent.deviceplugin import api_pb2_grpc
 
             opts = api_pb2_grpc.DevicePluginStub(ch).GetDevicePluginOptions(api_pb2.Empty(), timeout=10)
         assert opts.get_preferred_allocation_available

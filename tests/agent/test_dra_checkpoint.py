@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.dra.api import dra_v1_pb2
-from agent.dra.cdi import CdiWriter
-from agent.dra.checkpoint import (
+from gputopo.agent.dra.api import dra_v1_pb2
+from gputopo.agent.dra.cdi import CdiWriter
+from gputopo.agent.dra.checkpoint import (
     MAX_CHECKPOINT_BYTES,
     Checkpoint,
     CheckpointError,
@@ -23,8 +23,8 @@ from agent.dra.checkpoint import (
     decode,
     encode,
 )
-from agent.dra.driver import DraDriver
-from agent.dra.service import DraPluginServicer
+from gputopo.agent.dra.driver import DraDriver
+from gputopo.agent.dra.service import DraPluginServicer
 from gputopo.engine.dra import DRIVER
 from tests.agent.dp_harness import NODE, topology
 from tests.agent.dra_harness import FakeClaims
@@ -69,7 +69,7 @@ def test_an_unreadable_checkpoint_names_why_and_is_moved_aside(tmp_path: Path, c
 def test_a_checkpoint_over_the_bound_is_refused_and_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cp = Checkpoint(tmp_path / "checkpoint.json")
     cp.add(_claim("u1"))
-    monkeypatch.setattr("agent.dra.checkpoint.MAX_CHECKPOINT_BYTES", len(encode([_claim("u1")])) + 10)
+    monkeypatch.setattr("gputopo.agent.dra.checkpoint.MAX_CHECKPOINT_BYTES", len(encode([_claim("u1")])) + 10)
     with pytest.raises(CheckpointError, match="over"):
         cp.add(_claim("u2"))
     assert list(Checkpoint(tmp_path / "checkpoint.json").claims()) == ["u1"]

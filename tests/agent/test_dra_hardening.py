@@ -18,13 +18,13 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from agent.dra import cdi as cdi_module
-from agent.dra import checkpoint as checkpoint_module
-from agent.dra.api import dra_v1_pb2, pluginregistration_pb2
-from agent.dra.cdi import CdiWriter, claim_spec_path, node_spec_path
-from agent.dra.checkpoint import CHECKPOINT_NAME, Checkpoint, PreparedClaim, PreparedDevice, encode
-from agent.dra.driver import MAX_API_READS, DraDriver
-from agent.dra.service import DraPluginServicer
+from gputopo.agent.dra import cdi as cdi_module
+from gputopo.agent.dra import checkpoint as checkpoint_module
+from gputopo.agent.dra.api import dra_v1_pb2, pluginregistration_pb2
+from gputopo.agent.dra.cdi import CdiWriter, claim_spec_path, node_spec_path
+from gputopo.agent.dra.checkpoint import CHECKPOINT_NAME, Checkpoint, PreparedClaim, PreparedDevice, encode
+from gputopo.agent.dra.driver import MAX_API_READS, DraDriver
+from gputopo.agent.dra.service import DraPluginServicer
 from gputopo.engine.dra import DRIVER
 from gputopo.model.dra import device_index, template_gpus
 from tests.agent.dp_harness import NODE, topology, wait_for

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from agent.dra.api import pluginregistration_pb2, pluginregistration_pb2_grpc
-from agent.dra.plugin import DraConfig, DraPlugin
-from agent.dra.slices import slice_name
-from agent.main import AgentSettings, load_settings, main
+from gputopo.agent.dra.api import pluginregistration_pb2, pluginregistration_pb2_grpc
+from gputopo.agent.dra.plugin import DraConfig, DraPlugin
+from gputopo.agent.dra.slices import slice_name
+from gputopo.agent.main import AgentSettings, load_settings, main
 from gputopo.engine.dra import DRIVER
 from tests.agent.dp_harness import NODE, topology
 from tests.agent.dra_harness import FakeClaims, FakeSlices
@@ -142,7 +142,7 @@ def test_the_agent_starts_over_a_junk_checkpoint_and_a_full_cdi_directory(
 ) -> None:
     import errno
 
-    from agent.dra import cdi
+    from gputopo.agent.dra import cdi
 
     def full(path: Path, _data: bytes, _mode: int = 0o644) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(path))

@@ -10,8 +10,8 @@ from typing import Any
 import grpc
 import pytest
 
-from agent.dra.api import dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_pb2
-from agent.dra.cdi import claim_spec_path, node_spec_path
+from gputopo.agent.dra.api import dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_pb2
+from gputopo.agent.dra.cdi import claim_spec_path, node_spec_path
 from gputopo.engine.dra import DRIVER
 from gputopo.kube import KubeError
 from gputopo.model import Health
@@ -203,7 +203,7 @@ def test_removed_sockets_are_served_again(tmp_path: Path) -> None:
         wait_for(lambda: server.serves == (2, 2), what="both sockets served again")
         wait_for(lambda: server.dra_socket.exists() and server.registration_socket.exists(), what="socket files")
         with grpc.insecure_channel(f"unix://{server.registration_socket.absolute()}") as ch:
-            from agent.dra.api import pluginregistration_pb2_grpc
+            from gputopo.agent.dra.api import pluginregistration_pb2_grpc
 
             info = pluginregistration_pb2_grpc.RegistrationStub(ch).GetInfo(
                 pluginregistration_pb2.InfoRequest(), timeout=10

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from agent.pods import KubeLocalPods, StaticLocalPods, parse_local_pod
+from gputopo.agent.pods import KubeLocalPods, StaticLocalPods, parse_local_pod
 from gputopo.kube import Backoff, Gone, Pacing
 from gputopo.model import PLACEMENT_ANNOTATION
 from tests.agent.dp_harness import NODE, pod_object, wait_for
@@ -99,7 +99,7 @@ MALFORMED = [
 
 @pytest.mark.parametrize("bad", MALFORMED)
 def test_malformed_pod_is_skipped_with_one_log_line(bad: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="agent.pods"):
+    with caplog.at_level(logging.WARNING, logger="gputopo.agent.pods"):
         view = StaticLocalPods(NODE, [bad, pod_object("good", [3])])
         view.set_objects([bad, pod_object("good", [3])])
     assert [p.name for p in view.pods()] == ["good"]
@@ -109,7 +109,7 @@ def test_malformed_pod_is_skipped_with_one_log_line(bad: dict[str, Any], caplog:
 def test_unreadable_placement_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     obj = _pod()
     obj["metadata"]["annotations"][PLACEMENT_ANNOTATION] = "{bad"
-    with caplog.at_level(logging.WARNING, logger="agent.pods"):
+    with caplog.at_level(logging.WARNING, logger="gputopo.agent.pods"):
         view = StaticLocalPods(NODE, [obj])
         view.set_objects([obj])
     (pod,) = view.pods()

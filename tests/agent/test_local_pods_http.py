@@ -14,7 +14,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from agent.pods import KubeLocalPods, KubePodSource
+from gputopo.agent.pods import KubeLocalPods, KubePodSource
 from gputopo.kube import Backoff, Gone, Kube, Pacing
 from tests.agent.dp_harness import NODE, pod_object, wait_for
 

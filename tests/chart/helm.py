@@ -1,7 +1,7 @@
 """Run helm against charts/gputopo and parse what it renders (shared by the chart tests).
 
 helm is found, in order: ``$GPUTOPO_HELM``; ``$GPUTOPO_BIN_DIR/helm``; the pinned build of
-``localcluster/build_binaries.sh`` (checked, never started here); ``helm`` on PATH. Tests
+``gputopo/localcluster/build_binaries.sh`` (checked, never started here); ``helm`` on PATH. Tests
 that need helm skip with that explanation when none is found.
 """
 
@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
+from gputopo.localcluster.binaries import find_binaries
 from gputopo.model import DEFAULT_NAMESPACE
-from localcluster.binaries import find_binaries
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "gputopo"
@@ -52,7 +52,8 @@ def helm_or_skip() -> str:
     helm = find_helm()
     if helm is None:
         pytest.skip(
-            "helm not found: set GPUTOPO_HELM, or build the pinned binaries with `bash localcluster/build_binaries.sh`"
+            "helm not found: set GPUTOPO_HELM, or build the pinned binaries with "
+            "`bash gputopo/localcluster/build_binaries.sh`"
         )
     return helm
 

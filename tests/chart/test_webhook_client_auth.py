@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from extender.settings import Settings
+from gputopo.extender.settings import Settings
 from tests.chart.helm import by_kind, container, one, render, render_fails
 
 CA_PEM = "-----BEGIN CERTIFICATE-----\nMIIBfake\n-----END CERTIFICATE-----\n"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from console.calibrate import CalibrationError, fit, parse, ranks_of, settings_for
-from console.cli import main
+from gputopo.console.calibrate import CalibrationError, fit, parse, ranks_of, settings_for
+from gputopo.console.cli import main
 
 FIXTURES = Path(__file__).parent / "fixtures"
 H200 = FIXTURES / "all_reduce_h200_8gpu.txt"  # 13 columns, Rank lines, NCCL INFO lines between rows

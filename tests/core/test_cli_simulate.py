@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from console.cli import main
+from gputopo.console.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "examples" / "cluster.yaml"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from console.cli import main
+from gputopo.console.cli import main
 from gputopo.engine import fragmentation as defrag_engine
 from gputopo.engine.defrag import PlacedPod, plan
 from gputopo.engine.fragmentation import class_figures, node_figures

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.labels import node_labels
+from gputopo.agent.labels import node_labels
 from gputopo.engine.placement import evaluate_node
 from gputopo.engine.reasons import Code, Reason
 from gputopo.engine.snapshot import node_state

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from console.cli import main
-from console.uninstall import cleanup, leases_to_delete
+from gputopo.console.cli import main
+from gputopo.console.uninstall import cleanup, leases_to_delete
 from gputopo.kube import Kube
 from tests.kube.test_kube_layer import FakeApiServer, Reply, status, write_kubeconfig
 

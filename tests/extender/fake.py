@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from extender.kube import JSON, KINDS, Kind
+from gputopo.extender.kube import JSON, KINDS, Kind
 from gputopo.kube import Gone, KubeError, WatchEvent
 from gputopo.model import DEFAULT_NAMESPACE
 

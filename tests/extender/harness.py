@@ -23,17 +23,17 @@ import orjson
 import pytest
 import uvicorn
 
-from extender.app import Listeners, create_listeners
-from extender.bounded import ListenerLimits
-from extender.cache import ClusterCache
-from extender.door import Door
-from extender.kube import KINDS, Informer
-from extender.ledger import Ledger
-from extender.main import ListenerServer, _loop_factory, listener_config, serve
-from extender.metrics import Metrics
-from extender.service import Extender
-from extender.settings import Settings
-from extender.verbserver import VerbServer
+from gputopo.extender.app import Listeners, create_listeners
+from gputopo.extender.bounded import ListenerLimits
+from gputopo.extender.cache import ClusterCache
+from gputopo.extender.door import Door
+from gputopo.extender.kube import KINDS, Informer
+from gputopo.extender.ledger import Ledger
+from gputopo.extender.main import ListenerServer, _loop_factory, listener_config, serve
+from gputopo.extender.metrics import Metrics
+from gputopo.extender.service import Extender
+from gputopo.extender.settings import Settings
+from gputopo.extender.verbserver import VerbServer
 from gputopo.model import (
     DEFAULT_NAMESPACE,
     GPU_RESOURCE,

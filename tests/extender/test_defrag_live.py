@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from console import defrag
-from console.cli import main
+from gputopo.console import defrag
+from gputopo.console.cli import main
 from gputopo.model import PLACEMENT_ANNOTATION, Placement
 from tests.extender.fake import FakeSource
 from tests.extender.harness import NS, Env, gputopo_pod, lease_obj, node_obj, pod_obj

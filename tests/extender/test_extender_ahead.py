@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extender.app import Listeners, create_listeners
-from extender.door import prioritize
-from extender.settings import Settings
+from gputopo.extender.app import Listeners, create_listeners
+from gputopo.extender.door import prioritize
+from gputopo.extender.settings import Settings
 from tests.extender.fake import FakeSource
 from tests.extender.harness import NS, FakeClock, args, gputopo_pod, lease_obj, node_obj, start_server, sync
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from extender.app import create_listeners
-from extender.settings import Settings
+from gputopo.extender.app import create_listeners
+from gputopo.extender.settings import Settings
 from gputopo.kube import KubeError
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
 from tests.extender.fake import FakeSource

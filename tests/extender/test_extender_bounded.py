@@ -1,4 +1,4 @@
-"""The limits every listener holds to (extender/bounded.py), over raw sockets against each of the three
+"""The limits every listener holds to (gputopo/extender/bounded.py), over raw sockets against each of the three
 listeners on the server production gives it: the verbs' own server, uvicorn for the webhook (TLS) and the
 metrics. Small limits (a 8 KiB head, 1 s timeouts) keep the waits short; every wait is bounded."""
 
@@ -25,11 +25,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from extender.app import Listeners, create_listeners
-from extender.bounded import HandshakePace, HeadMeter, ListenerLimits
-from extender.main import ListenerServer, listener_config
-from extender.settings import Settings, describe_error, load_settings
-from extender.verbserver import VerbServer
+from gputopo.extender.app import Listeners, create_listeners
+from gputopo.extender.bounded import HandshakePace, HeadMeter, ListenerLimits
+from gputopo.extender.main import ListenerServer, listener_config
+from gputopo.extender.settings import Settings, describe_error, load_settings
+from gputopo.extender.verbserver import VerbServer
 from tests.extender.fake import FakeSource
 from tests.extender.harness import (
     NS,
@@ -508,7 +508,15 @@ def test_the_verbs_answer_while_the_webhook_is_held_full_before_any_handshake(tm
     _, crt, key = certificate(tmp_path)
     (tmp_path / "cluster.yaml").write_text(CLUSTER)
     verbs, webhook = _free_port(), _free_port()
-    cmd = [sys.executable, "-m", "extender.main", "--snapshot", str(tmp_path / "cluster.yaml"), "--port", str(verbs)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gputopo.extender.main",
+        "--snapshot",
+        str(tmp_path / "cluster.yaml"),
+        "--port",
+        str(verbs),
+    ]
     cmd += ["--webhook-host", "127.0.0.1", "--webhook-port", str(webhook), "--metrics-port", "0"]
     cmd += ["--tls-cert-file", str(crt), "--tls-key-file", str(key), "--log-level", "critical"]
     # The webhook's whole cap open to one address, and no handshake timeout before the test is done.
@@ -817,7 +825,7 @@ def test_one_address_gets_a_quarter_of_the_connections_unless_set(flags: list[st
 def test_the_soft_open_files_limit_is_raised_to_the_hard_one() -> None:
     # In a child process: the test run's own limit stays as it is.
     code = (
-        "import json, resource; from extender.main import raise_nofile_limit; "
+        "import json, resource; from gputopo.extender.main import raise_nofile_limit; "
         "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE); "
         "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard)); "
         "print(json.dumps([raise_nofile_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)]))"

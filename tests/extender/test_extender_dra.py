@@ -1,5 +1,5 @@
-"""The extender over DRA: ResourceSlices and ResourceClaims join a node's GPUs in use (extender/cache.py),
-and a pod converted for DRA counts the GPUs of its gputopo claim template (extender/wire.py)."""
+"""The extender over DRA: ResourceSlices and ResourceClaims join a node's GPUs in use (gputopo/extender/cache.py),
+and a pod converted for DRA counts the GPUs of its gputopo claim template (gputopo/extender/wire.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from extender.cache import ClusterCache
-from extender.kube import Informer
-from extender.wire import pod_gpus
+from gputopo.extender.cache import ClusterCache
+from gputopo.extender.kube import Informer
+from gputopo.extender.wire import pod_gpus
 from gputopo.kube import KubeError
 from gputopo.model import TOPOLOGY_ANNOTATION, GpusInUse
 from gputopo.model.dra import DRIVER, pod_claim_gpus, template_gpus

@@ -18,10 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extender.app import create_listeners
-from extender.main import load_settings
-from extender.settings import Settings
-from extender.wire import MAX_CANDIDATE_NODES
+from gputopo.extender.app import create_listeners
+from gputopo.extender.main import load_settings
+from gputopo.extender.settings import Settings
+from gputopo.extender.wire import MAX_CANDIDATE_NODES
 from tests.extender.fake import FakeSource
 from tests.extender.harness import NS, Env, FakeClock, args, gputopo_pod, lease_obj, node_obj, start_server, sync
 
@@ -354,7 +354,7 @@ def test_an_unexpected_error_is_a_json_500_and_the_connection_stays_open(
     def boom(*_: object, **__: object) -> None:
         raise RuntimeError("bug")
 
-    monkeypatch.setattr("extender.door.pod_info", boom)
+    monkeypatch.setattr("gputopo.extender.door.pod_info", boom)
     r = client.post("/filter", json=args(gputopo_pod("p", 1), ["h100-a"]))
     assert r.status_code == 500
     assert r.json() == {"Error": "internal: RuntimeError: bug"}

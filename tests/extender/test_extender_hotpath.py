@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extender import nodestates
-from extender.door import _priorities
-from extender.wire import MAX_JSON_DEPTH, ExtenderArgs, fast_extender_args, pod_info
 from gputopo.engine.reasons import Code, Reason
+from gputopo.extender import nodestates
+from gputopo.extender.door import _priorities
+from gputopo.extender.wire import MAX_JSON_DEPTH, ExtenderArgs, fast_extender_args, pod_info
 from gputopo.model import parse_pod_request
 from tests.extender.harness import Env, gputopo_pod, node_obj, pod_obj
 

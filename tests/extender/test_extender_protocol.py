@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from extender.app import create_listeners
-from extender.door import NOT_READY
-from extender.kube import Informer
-from extender.settings import Settings
 from gputopo.engine.reasons import summarize_failures
+from gputopo.extender.app import create_listeners
+from gputopo.extender.door import NOT_READY
+from gputopo.extender.kube import Informer
+from gputopo.extender.settings import Settings
 from tests.extender.fake import FakeSource
 from tests.extender.harness import NS, Env, FakeClock, Reply, args, call, gputopo_pod, lease_obj, node_obj, pod_obj
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from extender.app import create_listeners
-from extender.main import load_settings, main
-from extender.settings import Settings
-from extender.wire import ExtenderArgs, pod_info
+from gputopo.extender.app import create_listeners
+from gputopo.extender.main import load_settings, main
+from gputopo.extender.settings import Settings
+from gputopo.extender.wire import ExtenderArgs, pod_info
 from tests.extender.harness import Env, args, call, gputopo_pod, node_obj, pod_obj
 
 

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
-from extender.app import create_listeners
-from extender.settings import Settings
+from gputopo.extender.app import create_listeners
+from gputopo.extender.settings import Settings
 from tests.extender.fake import FakeSource
 from tests.extender.harness import NS, FakeClock, args, gputopo_pod, lease_obj, node_obj, start_server, sync
 

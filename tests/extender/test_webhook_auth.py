@@ -19,9 +19,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extender.app import create_listeners
-from extender.clientauth import ClientAuth, certificate_names
-from extender.settings import Settings
+from gputopo.extender.app import create_listeners
+from gputopo.extender.clientauth import ClientAuth, certificate_names
+from gputopo.extender.settings import Settings
 from tests.extender.harness import certificate, gputopo_pod, serving
 
 CLUSTER = "nodes:\n  - {name: h1, fixture: dgx-h100}\n"

@@ -15,10 +15,6 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extender.app import create_listeners
-from extender.claimtemplates import ClaimTemplates, TemplateConflict, TemplateKeeper, templates_path
-from extender.settings import Settings
-from extender.webhook import Admission, DraMode, admit_pod
 from gputopo.engine.draclaims import (
     MEMORY_CLASSES_MIB,
     SPEC_DIGEST_ANNOTATION,
@@ -27,6 +23,10 @@ from gputopo.engine.draclaims import (
     memory_class,
     memory_quantity,
 )
+from gputopo.extender.app import create_listeners
+from gputopo.extender.claimtemplates import ClaimTemplates, TemplateConflict, TemplateKeeper, templates_path
+from gputopo.extender.settings import Settings
+from gputopo.extender.webhook import Admission, DraMode, admit_pod
 from gputopo.kube import KubeError
 from gputopo.model import GPU_RESOURCE, SCHEDULER_NAME
 from gputopo.model.jobs import JOB_COMPLETION_INDEX, JOB_NAME, JOBSET_NAME

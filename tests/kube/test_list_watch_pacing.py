@@ -16,11 +16,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.pods import KubeLocalPods, KubePodSource
-from extender.app import create_listeners
-from extender.kube import KINDS, Informer, Kind, KubeSource
-from extender.metrics import Metrics
-from extender.settings import Settings
+from gputopo.agent.pods import KubeLocalPods, KubePodSource
+from gputopo.extender.app import create_listeners
+from gputopo.extender.kube import KINDS, Informer, Kind, KubeSource
+from gputopo.extender.metrics import Metrics
+from gputopo.extender.settings import Settings
 from gputopo.kube import REFLECTOR_BACKOFF, Backoff, Kube, Pacing
 from tests.extender.fake import FakeSource
 from tests.kube.scripted import (

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from localcluster import APISERVER, CONTROLLERS, ControlPlane, FlagError, parse_flag_map
-from localcluster.binaries import BUILD_SCRIPT, REQUIRED_BINARIES
-from localcluster.controlplane import CONTROLLER_MANAGER, CONTROLLER_MANAGER_USER
-from localcluster.featureflags import feature_gates_arg, runtime_config_arg
+from gputopo.localcluster import APISERVER, CONTROLLERS, ControlPlane, FlagError, parse_flag_map
+from gputopo.localcluster.binaries import BUILD_SCRIPT, REQUIRED_BINARIES
+from gputopo.localcluster.controlplane import CONTROLLER_MANAGER, CONTROLLER_MANAGER_USER
+from gputopo.localcluster.featureflags import feature_gates_arg, runtime_config_arg
 
 BINARIES = ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "kubectl")
 

@@ -3,7 +3,7 @@
 The chart runs the gputopo image as UID 65532 with a read-only root filesystem and commands
 ``gputopo-extender`` / ``gputopo-agent`` found on the image's PATH; the kube-scheduler image is
 the chart's ``kube-scheduler`` command; pause is the sandbox's entrypoint. Skipped where the images
-are not built (``bash localcluster/build_images.sh`` as root builds them).
+are not built (``bash gputopo/localcluster/build_images.sh`` as root builds them).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from localcluster import find_binaries
-from localcluster.images import Image, ImageSet, find_images
+from gputopo.localcluster import find_binaries
+from gputopo.localcluster.images import Image, ImageSet, find_images
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def images() -> ImageSet:
     bin_dir = find_binaries()
     found = find_images([bin_dir] if bin_dir is not None else [])
     if found is None:
-        pytest.skip("the images are not built (bash localcluster/build_images.sh, as root)")
+        pytest.skip("the images are not built (bash gputopo/localcluster/build_images.sh, as root)")
     return found
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from localcluster.binaries import BUILD_SCRIPT
-from localcluster.kubelet import kubelet_configuration, kubelet_unavailable
+from gputopo.localcluster.binaries import BUILD_SCRIPT
+from gputopo.localcluster.kubelet import kubelet_configuration, kubelet_unavailable
 
 ALL_BINARIES = (
     "kube-apiserver",

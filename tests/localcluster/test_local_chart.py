@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from localcluster.binaries import find_binaries
-from localcluster.chart import (
+from gputopo.localcluster.binaries import find_binaries
+from gputopo.localcluster.chart import (
     ACCESS_KINDS,
     RenderedChart,
     helm_binary,
@@ -24,7 +24,7 @@ from localcluster.chart import (
 def helm() -> Path:
     bin_dir = find_binaries()
     if bin_dir is None or not (bin_dir / "helm").is_file():
-        pytest.skip("the pinned helm is not built (localcluster/build_binaries.sh)")
+        pytest.skip("the pinned helm is not built (gputopo/localcluster/build_binaries.sh)")
     return helm_binary(bin_dir)
 
 

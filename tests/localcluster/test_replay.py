@@ -8,9 +8,9 @@ import pytest
 
 from gputopo.engine.reasons import Reason
 from gputopo.engine.snapshot import node_state
+from gputopo.localcluster.replay import MIX_LABEL, pod_requests, pod_state, sim_node
 from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION, parse_gpus_in_use_report, parse_topology
 from gputopo.systems import build_system
-from localcluster.replay import MIX_LABEL, pod_requests, pod_state, sim_node
 
 
 def _pod(node: str | None = None, **cond: str) -> dict[str, Any]:

@@ -1,0 +1,123 @@
+"""The agent as the node's DRA driver `gpu.gputopo.io`: serve, register, prepare, publish.
+
+`DraPlugin.start(topology)` loads the checkpoint, writes the GPUs' CDI spec, serves the DRA and
+registration sockets and publishes the node's ResourceSlice; `update(topology)` is called by every
+successful discovery cycle (CDI spec and slice follow topology and health, written only on change);
+`stop()` closes the sockets and leaves the slice and the checkpoint: a restarting agent answers the
+kubelet from them, and the kubelet deletes the slice itself when the driver stays away.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from gputopo.agent.dra.cdi import DEFAULT_CDI_DIR, CdiWriter
+from gputopo.agent.dra.checkpoint import CHECKPOINT_NAME, Checkpoint
+from gputopo.agent.dra.driver import ClaimReader, DraDriver
+from gputopo.agent.dra.server import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR, DraServer, plugin_dir
+from gputopo.agent.dra.slices import SliceApi, SlicePublisher
+from gputopo.agent.publisher import PublishResult
+from gputopo.agent.sysfs import pci_path
+from gputopo.engine.dra import DRIVER
+from gputopo.model import NodeTopology
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DraConfig:
+    node: str
+    plugins_dir: Path = DEFAULT_PLUGINS_DIR
+    registry_dir: Path = DEFAULT_REGISTRY_DIR
+    cdi_dir: Path = DEFAULT_CDI_DIR
+    list_attributes: bool = False
+    device_taints: bool = False
+    sysfs_root: Path | None = Path("/sys")  # for the pcieRoot attribute; None: leave it out
+    dev_root: Path = Path("/")  # where /dev and /proc are read for the CDI spec
+    poll_s: float = 1.0
+    driver: str = DRIVER
+
+
+def _sysfs_bus_id(bus_id: str) -> str:
+    domain, sep, rest = bus_id.lower().partition(":")
+    return f"{domain[-4:]}{sep}{rest}" if sep and len(domain) > 4 else bus_id.lower()
+
+
+def pcie_roots(sysfs_root: Path | None, topology: NodeTopology) -> dict[int, str]:
+    """Per GPU index, its PCIe root complex (`pci0000:3a`) where sysfs shows it."""
+    if sysfs_root is None:
+        return {}
+    out: dict[int, str] = {}
+    for g in topology.gpus:
+        path = pci_path(sysfs_root, _sysfs_bus_id(g.pci_bus_id)) if g.pci_bus_id else None
+        if path is not None:
+            out[g.index] = path.root
+    return out
+
+
+class DraPlugin:
+    def __init__(
+        self,
+        config: DraConfig,
+        claims: ClaimReader,
+        slices: SliceApi,
+        sleep: Callable[[float], bool],
+        labels: Callable[[], Mapping[str, str]] | None = None,
+    ) -> None:
+        self.config = config
+        self._claims = claims
+        self._labels = labels
+        self.publisher = SlicePublisher(
+            slices,
+            config.node,
+            list_attributes=config.list_attributes,
+            device_taints=config.device_taints,
+            sleep=sleep,
+            driver=config.driver,
+        )
+        self.driver: DraDriver | None = None
+        self.server: DraServer | None = None
+        self._roots: tuple[tuple[str, ...], dict[int, str]] | None = None
+
+    def start(self, topology: NodeTopology) -> PublishResult:
+        """Raises OSError or ValueError (a socket path too long) before anything is served."""
+        c = self.config
+        checkpoint = Checkpoint(plugin_dir(c.plugins_dir, c.driver) / CHECKPOINT_NAME)
+        self.driver = DraDriver(c.node, self._claims, checkpoint, CdiWriter(c.cdi_dir, c.dev_root), topology, c.driver)
+        server = DraServer(
+            self.driver,
+            on_status=self._on_registration,
+            plugins_dir=c.plugins_dir,
+            registry_dir=c.registry_dir,
+            poll_s=c.poll_s,
+        )
+        self.server = server
+        result = self._publish(topology)  # the slice first: a registered driver with no devices is useless
+        server.start()
+        return result
+
+    def _on_registration(self, ok: bool, _error: str) -> None:
+        if ok:
+            self.publisher.reverify()
+
+    def _pcie_roots(self, topology: NodeTopology) -> dict[int, str]:
+        key = tuple(g.pci_bus_id for g in topology.gpus)
+        if self._roots is None or self._roots[0] != key:
+            self._roots = (key, pcie_roots(self.config.sysfs_root, topology))
+        return self._roots[1]
+
+    def _publish(self, topology: NodeTopology) -> PublishResult:
+        labels = self._labels() if self._labels is not None else None
+        return self.publisher.publish(topology, labels=labels, pcie_roots=self._pcie_roots(topology))
+
+    def update(self, topology: NodeTopology) -> None:
+        if self.driver is not None:
+            self.driver.update(topology)
+        self._publish(topology)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()

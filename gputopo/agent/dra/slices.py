@@ -1,0 +1,318 @@
+"""The node's ResourceSlice (resource.k8s.io/v1): its GPUs as DRA devices, written only on change.
+
+One slice per node and driver, named `<node>-gpu.gputopo.io`: pool = the node's name, `nodeName` the
+node, `resourceSliceCount` 1, owned by the Node (deleted with it). The devices are
+`gputopo.engine.dra.devices()` in the v1 wire shape: each attribute one of `int`, `bool`, `string`
+(`version` unused), a clique list as `strings` (KEP-5491, only with `list_attributes`: the API server
+refuses the field without the `DRAListTypeAttributes` gate), HBM as capacity `memory: {value: <n>Mi}`.
+A failed GPU carries a NoSchedule device taint when `device_taints` (the cluster serves KEP-5055:
+alpha and off in 1.34, GA in 1.37) and is left out of the slice otherwise, so no claim gets it.
+
+Zero writes in steady state: the desired slice is compared with the API server's, as values (a
+quantity the server rewrote as `80Gi` equals our `81920Mi`; a taint's `timeAdded` is the server's).
+What the server made of our last write is remembered too, so a field it drops (a gate that is off)
+costs one write, not one per cycle. An unchanged slice costs no API call at all until `reverify_s`
+passes, or until `reverify()` (the kubelet registered us again: a starting kubelet deletes its node's
+slices) asks for a read; a slice deleted under us is then created again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+from urllib.parse import quote
+
+from gputopo.agent.publisher import PublishResult
+from gputopo.engine.dra import DRIVER, Device, devices
+from gputopo.kube import JSON, Backoff, Kube, node_path, retry, short_error
+from gputopo.model import NodeTopology, parse_quantity
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "resource.k8s.io/v1"
+RESOURCESLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
+MAX_STRING = 64  # DeviceAttributeMaxValueLength
+TAINT_KEY = f"{DRIVER}/health"
+TAINT_EFFECT = "NoSchedule"
+DEFAULT_BACKOFF = Backoff()
+
+
+def slice_name(node: str, driver: str = DRIVER) -> str:
+    """`<node>-<driver>`, a DNS subdomain like both parts."""
+    return f"{node}-{driver}"[:253].rstrip("-.")
+
+
+def wire_attribute(value: bool | int | str | tuple[str, ...]) -> dict[str, Any]:
+    """One attribute in the v1 shape: exactly one of int, bool, string, or (KEP-5491) strings."""
+    if isinstance(value, bool):  # before int: a bool is an int in Python
+        return {"bool": value}
+    if isinstance(value, int):
+        return {"int": value}
+    if isinstance(value, str):
+        return {"string": value[:MAX_STRING]}
+    return {"strings": [v[:MAX_STRING] for v in value]}
+
+
+def wire_device(device: Device, *, taint: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "name": device.name,
+        "attributes": {k: wire_attribute(v) for k, v in sorted(device.attributes.items())},
+        "capacity": {"memory": {"value": f"{device.memory_mib}Mi"}},
+    }
+    if taint:
+        out["taints"] = [{"key": TAINT_KEY, "value": "failed", "effect": TAINT_EFFECT}]
+    return out
+
+
+def desired_spec(
+    node: str,
+    topology: NodeTopology,
+    *,
+    list_attributes: bool,
+    device_taints: bool,
+    driver: str = DRIVER,
+    labels: Mapping[str, str] | None = None,
+    pcie_roots: Mapping[int, str] | None = None,
+) -> dict[str, Any]:
+    """The slice's spec without the pool generation (that is the writer's)."""
+    wire = []
+    for d in devices(topology, list_attributes=list_attributes, labels=labels, pcie_roots=pcie_roots):
+        if d.failed and not device_taints:
+            continue
+        wire.append(wire_device(d, taint=d.failed))
+    return {
+        "driver": driver,
+        "nodeName": node,
+        "pool": {"name": node, "resourceSliceCount": 1},
+        "devices": wire,
+    }
+
+
+def _quantity(v: Any) -> Any:
+    try:
+        return parse_quantity(str(v))
+    except Exception:
+        return v
+
+
+def comparable(spec: Mapping[str, Any]) -> Any:
+    """A spec as a value: no pool generation, quantities parsed, the server's taint times dropped,
+    and devices by name (order is ours, not meaning)."""
+    pool = {k: v for k, v in (spec.get("pool") or {}).items() if k != "generation"}
+    devs: dict[str, Any] = {}
+    for d in spec.get("devices") or []:
+        if not isinstance(d, Mapping):
+            continue
+        dd = dict(d)
+        capacity = dd.get("capacity")
+        if isinstance(capacity, Mapping):
+            dd["capacity"] = {
+                k: {**c, "value": _quantity(c.get("value"))} if isinstance(c, Mapping) else c
+                for k, c in capacity.items()
+            }
+        taints = dd.get("taints")
+        if isinstance(taints, list):
+            dd["taints"] = [{k: v for k, v in t.items() if k != "timeAdded"} for t in taints if isinstance(t, Mapping)]
+        devs[str(dd.get("name"))] = dd
+    rest = {k: v for k, v in spec.items() if k not in ("pool", "devices")}
+    return {**rest, "pool": pool, "devices": devs}
+
+
+def _owner(node: str, node_uid: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Node", "name": node, "uid": node_uid, "controller": True}
+
+
+def _generation(doc: Mapping[str, Any]) -> int:
+    g = ((doc.get("spec") or {}).get("pool") or {}).get("generation")
+    return g if isinstance(g, int) and not isinstance(g, bool) else 0
+
+
+class SliceApi(Protocol):
+    """The API calls the slice publisher makes; raise `gputopo.kube.KubeError` on failure."""
+
+    def node_uid(self, node: str) -> str: ...
+
+    def get_slice(self, name: str) -> JSON | None:
+        """The slice, or None when there is none."""
+        ...
+
+    def list_slice_names(self, node: str, driver: str) -> list[str]: ...
+
+    def create_slice(self, body: JSON) -> JSON: ...
+
+    def replace_slice(self, name: str, body: JSON) -> JSON:
+        """PUT; body carries metadata.resourceVersion (409 when someone wrote since)."""
+        ...
+
+    def delete_slice(self, name: str) -> None: ...
+
+
+class SlicePublisher:
+    def __init__(
+        self,
+        api: SliceApi,
+        node: str,
+        *,
+        list_attributes: bool,
+        device_taints: bool,
+        sleep: Callable[[float], bool],
+        driver: str = DRIVER,
+        backoff: Backoff = DEFAULT_BACKOFF,
+        reverify_s: float = 60.0,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._api = api
+        self.node = node
+        self.driver = driver
+        self.name = slice_name(node, driver)
+        self.list_attributes = list_attributes
+        self.device_taints = device_taints
+        self._sleep = sleep
+        self._backoff = backoff
+        self._reverify_s = reverify_s
+        self._monotonic = monotonic
+        self._node_uid: str | None = None
+        self._confirmed: Any = None  # the desired spec (comparable) the API server is known to hold
+        self._confirmed_at = 0.0
+        self._read_until = 0.0  # reverify(): read on every publish until then
+        self._answer: Any = None  # what the server made of our last write (comparable)
+        self._sent: Any = None  # what we sent then
+        self._cleaned = False
+        self.writes = 0
+
+    def reverify(self, window_s: float = 30.0) -> None:
+        """Read the slice back on every publish for `window_s`: the kubelet just registered us, and a
+        starting kubelet deletes its node's slices in the background, maybe after our next read."""
+        self._read_until = self._monotonic() + window_s
+
+    def publish(
+        self,
+        topology: NodeTopology,
+        labels: Mapping[str, str] | None = None,
+        pcie_roots: Mapping[int, str] | None = None,
+    ) -> PublishResult:
+        spec = desired_spec(
+            self.node,
+            topology,
+            list_attributes=self.list_attributes,
+            device_taints=self.device_taints,
+            driver=self.driver,
+            labels=labels,
+            pcie_roots=pcie_roots,
+        )
+        want = comparable(spec)
+        now = self._monotonic()
+        if self._confirmed == want and now - self._confirmed_at < self._reverify_s and now >= self._read_until:
+            return PublishResult.UNCHANGED
+        try:
+            changed = self._reconcile(spec, want)
+        except Exception as e:
+            self._confirmed = None
+            log.error("publishing the ResourceSlice failed", extra={"slice": self.name, "error": short_error(e)})
+            return PublishResult.ERROR
+        self._confirmed, self._confirmed_at = want, self._monotonic()
+        if changed:
+            log.info("published the ResourceSlice", extra={"slice": self.name, "devices": len(spec["devices"])})
+            return PublishResult.CHANGED
+        return PublishResult.UNCHANGED
+
+    def _call(self, fn: Callable[[], Any], what: str) -> Any:
+        return retry(fn, self._backoff, self._sleep, what)
+
+    def _reconcile(self, spec: dict[str, Any], want: Any) -> bool:
+        if self._node_uid is None:
+            self._node_uid = str(self._call(lambda: self._api.node_uid(self.node), "get node"))
+        if not self._cleaned:
+            self._remove_strays()
+        current = self._call(lambda: self._api.get_slice(self.name), "get resourceslice")
+        if current is not None:
+            have = comparable(current.get("spec") or {})
+            owners = (current.get("metadata") or {}).get("ownerReferences") or []
+            owned = any(isinstance(o, Mapping) and o.get("uid") == self._node_uid for o in owners)
+            if owned and (have == want or (want == self._sent and have == self._answer)):
+                return False
+        body = self._body(spec, _generation(current) + 1 if current else 1)
+        if current is None:
+            answer = self._call(lambda: self._api.create_slice(body), "create resourceslice")
+        else:
+            body["metadata"]["resourceVersion"] = (current.get("metadata") or {}).get("resourceVersion")
+            answer = self._call(lambda: self._api.replace_slice(self.name, body), "replace resourceslice")
+        self.writes += 1
+        self._sent, self._answer = want, comparable((answer or {}).get("spec") or {})
+        if self._answer != want:
+            log.warning(
+                "the API server changed the ResourceSlice we wrote (a feature gate off?); keeping its version",
+                extra={"slice": self.name, "list_attributes": self.list_attributes, "taints": self.device_taints},
+            )
+        return True
+
+    def _body(self, spec: dict[str, Any], generation: int) -> JSON:
+        assert self._node_uid is not None
+        full = {**spec, "pool": {**spec["pool"], "generation": generation}}
+        return {
+            "apiVersion": API_VERSION,
+            "kind": "ResourceSlice",
+            "metadata": {"name": self.name, "ownerReferences": [_owner(self.node, self._node_uid)]},
+            "spec": full,
+        }
+
+    def _delete(self, name: str) -> None:
+        self._call(lambda: self._api.delete_slice(name), "delete resourceslice")
+
+    def _remove_strays(self) -> None:
+        """Once: other slices of this driver on this node (an earlier naming) would double its devices."""
+        names = self._call(lambda: self._api.list_slice_names(self.node, self.driver), "list resourceslices")
+        for stray in (n for n in names if n != self.name):
+            self._delete(stray)
+            log.info("deleted a stray ResourceSlice of this node", extra={"slice": stray})
+        self._cleaned = True
+
+
+# --------------------------------------------------------------------------------------------------
+# The real API
+
+
+def resourceslice_path(name: str = "") -> str:
+    return f"{RESOURCESLICES_PATH}/{quote(name)}" if name else RESOURCESLICES_PATH
+
+
+class KubeSliceApi:
+    """SliceApi on the project's Kubernetes layer."""
+
+    def __init__(self, kube: Kube) -> None:
+        self._api = kube
+
+    def node_uid(self, node: str) -> str:
+        uid = (self._api.get(node_path(node)).get("metadata") or {}).get("uid")
+        if not uid:
+            raise ValueError(f"Node {node} has no uid")
+        return str(uid)
+
+    def get_slice(self, name: str) -> JSON | None:
+        try:
+            return self._api.get(resourceslice_path(name))
+        except Exception as e:
+            if getattr(e, "status", None) == 404:
+                return None
+            raise
+
+    def list_slice_names(self, node: str, driver: str) -> list[str]:
+        items, _ = self._api.list_items(
+            RESOURCESLICES_PATH, field_selector=f"spec.nodeName={node},spec.driver={driver}"
+        )
+        return [str((i.get("metadata") or {}).get("name")) for i in items]
+
+    def create_slice(self, body: JSON) -> JSON:
+        return self._api.create(RESOURCESLICES_PATH, body)
+
+    def replace_slice(self, name: str, body: JSON) -> JSON:
+        return self._api.request("PUT", resourceslice_path(name), body)
+
+    def delete_slice(self, name: str) -> None:
+        try:
+            self._api.delete(resourceslice_path(name))
+        except Exception as e:
+            if getattr(e, "status", None) != 404:
+                raise

@@ -1,0 +1,331 @@
+"""NVML adapter: the only module that imports `pynvml` (package nvidia-ml-py).
+
+Everything read through NVML passes here: GPUs, memory, PCIe bus and NUMA node, MIG mode, row
+remapping, NVLink state and error counters, fabric registration. The readings are judged by
+`gputopo.agent.nvml_health` (error counters) and assembled by `gputopo.agent.nvml_topology` into a
+`gputopo.model.NodeTopology` (without NICs; those come from sysfs). The library is reached through
+the `NvmlLib` protocol so tests pass a fake module.
+
+- links are enumerated by `nvmlDeviceGetNvLinkState` until it raises InvalidArgument/NotSupported;
+  never by capability (TRUE for every index on B200), never up to the binding's NVML_NVLINK_MAX_LINKS;
+- each NVLink error counter is read on its own: one the GPU does not support is absent, one whose
+  read fails is marked failed (its link's health is then unknown, never healthy);
+- NotSupported / FunctionNotFound / InvalidArgument mean "absent";
+- one GPU's failure is that GPU's only: an NVML error fails it with the error; any other exception while
+  reading it (OSError, a decode or type error) or a value out of the model's range makes it `failed`
+  with the reason `health unknown: ...` and nothing else of its reading; the other GPUs are published.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar, cast
+
+from pydantic import ValidationError
+
+from gputopo.agent.nvml_health import COUNTERS, HealthTracker, LinkCounters
+from gputopo.agent.nvml_topology import (
+    DEVICE_TYPE_GPU,
+    GpuReading,
+    LinkReading,
+    assemble,
+    decode_fabric_info,
+    fabric_clique,
+    normalize_bus_id,
+    nvlink_generation,
+    worst_health,
+)
+from gputopo.agent.sysfs import pci_numa_node
+from gputopo.model import MAX_NAME_LENGTH, MAX_TEXT_LENGTH, GpuInfo, Health, NodeTopology
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# NVML constants, copied from the C API (stable values) rather than read from the binding, whose
+# set of names differs between nvidia-ml-py versions.
+FEATURE_ENABLED = 1
+AFFINITY_SCOPE_NODE = 0
+MIG_ENABLE = 1
+# The health reason that marks a GPU in MIG mode; the device plugin refuses such a node by it.
+MIG_REASON = "MIG mode enabled: the GPU is partitioned and has no NVLink peer-to-peer"
+MIB = 1024 * 1024
+
+# Not a link count: only stops a faulty library that never rejects a link index from looping forever.
+_LINK_SCAN_GUARD = 128
+
+
+class NvmlUnavailableError(RuntimeError):
+    """NVML cannot be used on this machine (no driver, no library, no permission)."""
+
+
+class NvmlLib(Protocol):
+    """The part of the `pynvml` module the adapter uses; read-only, so a module or a fake object fits."""
+
+    @property
+    def NVMLError(self) -> type[Exception]: ...
+    @property
+    def NVMLError_GpuIsLost(self) -> type[Exception]: ...
+    @property
+    def NVMLError_NotSupported(self) -> type[Exception]: ...
+    @property
+    def NVMLError_InvalidArgument(self) -> type[Exception]: ...
+    @property
+    def NVMLError_FunctionNotFound(self) -> type[Exception]: ...
+    @property
+    def NVMLError_LibraryNotFound(self) -> type[Exception]: ...
+    @property
+    def NVMLError_DriverNotLoaded(self) -> type[Exception]: ...
+
+    def nvmlInit(self) -> None: ...
+    def nvmlShutdown(self) -> None: ...
+    def nvmlDeviceGetCount(self) -> int: ...
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any: ...
+    def nvmlDeviceGetUUID(self, handle: Any) -> str: ...
+    def nvmlDeviceGetName(self, handle: Any) -> str: ...
+    def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any: ...
+    def nvmlDeviceGetPciInfo(self, handle: Any) -> Any: ...
+    def nvmlDeviceGetMemoryAffinity(self, handle: Any, node_set_size: int, scope: int) -> Any: ...
+    def nvmlDeviceGetNvLinkState(self, handle: Any, link: int) -> int: ...
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: Any, link: int) -> int: ...
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, handle: Any, link: int) -> Any: ...
+    def nvmlDeviceGetNvLinkVersion(self, handle: Any, link: int) -> int: ...
+    def nvmlDeviceGetNvLinkErrorCounter(self, handle: Any, link: int, counter: int) -> int: ...
+    def nvmlDeviceGetMigMode(self, handle: Any) -> Sequence[int]: ...
+    def nvmlDeviceGetRemappedRows(self, handle: Any) -> tuple[int, int, int, int]: ...
+    def nvmlDeviceGetGpuFabricInfoV(self, handle: Any, info: Any) -> int: ...
+    def c_nvmlGpuFabricInfoV_t(self) -> Any: ...
+
+
+def load_pynvml() -> NvmlLib:
+    """Import the real binding; the only `import pynvml` in gputopo."""
+    try:
+        import pynvml
+    except ImportError as e:
+        raise NvmlUnavailableError(f"the nvidia-ml-py package is not installed ({e})") from None
+    return cast(NvmlLib, pynvml)
+
+
+@dataclass(frozen=True)
+class NvmlDiscovery:
+    """One discovery result: the topology (no NICs) plus notes on calls the hardware does not support."""
+
+    topology: NodeTopology
+    notes: tuple[str, ...] = ()
+
+
+def _as_wire(gpu: GpuReading) -> GpuInfo:
+    """The GPU as it will be published; raises ValidationError for a value the model refuses."""
+    return GpuInfo(
+        index=gpu.index,
+        uuid=gpu.uuid,
+        model=gpu.model,
+        memory_mib=gpu.memory_mib,
+        pci_bus_id=gpu.bus_id,
+        numa_node=gpu.numa,
+        health=gpu.health,
+    )
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(p) for p in err["loc"])
+    return f"{where}: {err['msg']}" if where else str(err["msg"])
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_TEXT_LENGTH else text[: MAX_TEXT_LENGTH - 1] + "…"
+
+
+class NvmlAdapter:
+    """Reads GPUs, NVLink, fabric and health through NVML. Keep one instance for the agent's life:
+    error counters and link history are compared across calls of `discover`."""
+
+    def __init__(
+        self,
+        lib: NvmlLib,
+        sysfs_root: Path = Path("/sys"),
+        clock: Callable[[], float] = time.monotonic,
+        tracker: HealthTracker | None = None,
+    ) -> None:
+        self._lib = lib
+        self._sysfs = sysfs_root
+        self._clock = clock
+        self._tracker = tracker or HealthTracker()
+        self._absent = (lib.NVMLError_NotSupported, lib.NVMLError_InvalidArgument, lib.NVMLError_FunctionNotFound)
+        self._open = False
+        self._notes: list[str] = []
+        self._uuids: dict[int, str] = {}  # the last UUID read per index
+
+    def open(self) -> None:
+        """nvmlInit; a missing driver becomes one NvmlUnavailableError with a clear message."""
+        try:
+            self._lib.nvmlInit()
+        except self._lib.NVMLError as e:
+            if isinstance(e, (self._lib.NVMLError_LibraryNotFound, self._lib.NVMLError_DriverNotLoaded)):
+                raise NvmlUnavailableError(
+                    f"NVIDIA driver not available ({e}): libnvidia-ml.so.1 could not be loaded or the kernel "
+                    "driver is not running. Run on a GPU node with the NVIDIA driver (and the container "
+                    "toolkit), or use --backend fixture:NAME / file:PATH."
+                ) from None
+            raise NvmlUnavailableError(f"NVML initialisation failed: {e}") from None
+        self._open = True
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            try:
+                self._lib.nvmlShutdown()
+            except self._lib.NVMLError as e:
+                log.warning("nvmlShutdown failed", extra={"error": str(e)})
+
+    def _try(self, what: str, fn: Callable[..., T], *args: Any) -> T | None:
+        """Call NVML; None (and a note) for the errors that mean 'this GPU does not have that'."""
+        try:
+            return fn(*args)
+        except self._absent as e:
+            self._notes.append(f"{what}: {type(e).__name__.removeprefix('NVMLError_')}")
+            return None
+
+    def discover(self) -> NvmlDiscovery:
+        if not self._open:
+            self.open()
+        self._notes = []
+        now = self._clock()
+        gpus = [self._read_gpu(i, now) for i in range(self._lib.nvmlDeviceGetCount())]
+        return NvmlDiscovery(
+            topology=assemble(gpus, self._tracker.ever_active), notes=tuple(dict.fromkeys(self._notes))
+        )
+
+    def _read_gpu(self, index: int, now: float) -> GpuReading:
+        gpu = GpuReading(index=index)
+        lib = self._lib
+        try:
+            h = lib.nvmlDeviceGetHandleByIndex(index)
+            gpu.uuid = str(lib.nvmlDeviceGetUUID(h))
+            gpu.model = str(lib.nvmlDeviceGetName(h))
+            gpu.memory_mib = int(lib.nvmlDeviceGetMemoryInfo(h).total) // MIB
+            gpu.bus_id = normalize_bus_id(lib.nvmlDeviceGetPciInfo(h).busId)
+            gpu.numa = self._numa(h, gpu.bus_id)
+            self._read_links(h, gpu, now)
+            self._read_health(h, gpu)
+            self._read_fabric(h, gpu)
+        except lib.NVMLError as e:
+            # GpuIsLost, Unknown and the like: the GPU must not get work; say why.
+            gpu.health = Health.FAILED
+            gpu.reasons.append(f"NVML error: {e} ({type(e).__name__})")
+            gpu.uuid = gpu.uuid or self._uuids.get(index, "")
+            log.error("GPU discovery failed", extra={"gpu": index, "error": str(e)})
+            return gpu
+        except Exception as e:
+            # Anything else (OSError from sysfs, a binding's decode or type error): this GPU only.
+            return self._unreadable(gpu, f"reading it failed: {type(e).__name__}: {e}")
+        try:
+            _as_wire(gpu)
+        except ValidationError as e:  # a value out of the model's range (memory, NUMA node, a name's length)
+            return self._unreadable(gpu, f"a reading is out of range: {_first_error(e)}")
+        self._uuids[index] = gpu.uuid
+        return gpu
+
+    def _unreadable(self, gpu: GpuReading, why: str) -> GpuReading:
+        """What is published for a GPU whose reading failed: its index and UUID (this cycle's, else the last
+        one read, so the device plugin's device keeps its ID), failed so it gets no work, health unknown
+        with the reason; nothing else of the reading is trusted."""
+        uuid = gpu.uuid if isinstance(gpu.uuid, str) and 0 < len(gpu.uuid) <= MAX_NAME_LENGTH else ""
+        out = GpuReading(index=gpu.index, uuid=uuid or self._uuids.get(gpu.index, ""), health=Health.FAILED)
+        out.reasons.append(_clip(f"health unknown: {why}"))
+        log.error("GPU discovery failed", extra={"gpu": gpu.index, "error": why})
+        return out
+
+    def _numa(self, h: Any, bus_id: str) -> int | None:
+        # nvmlDeviceGetNumaNodeId is the GPU-memory node on Grace only; the CPU side comes from sysfs
+        # or the memory affinity mask.
+        node = pci_numa_node(self._sysfs, bus_id)
+        if node is not None:
+            return node
+        mask = self._try("memory affinity", self._lib.nvmlDeviceGetMemoryAffinity, h, 1, AFFINITY_SCOPE_NODE)
+        if mask is None:
+            return None
+        bitsset = int(mask[0])
+        return bitsset.bit_length() - 1 if bitsset and bitsset & (bitsset - 1) == 0 else None
+
+    def _read_links(self, h: Any, gpu: GpuReading, now: float) -> None:
+        lib = self._lib
+        for link in range(_LINK_SCAN_GUARD):
+            try:
+                state = lib.nvmlDeviceGetNvLinkState(h, link)
+            except self._absent as e:
+                if link == 0:
+                    self._notes.append(f"NVLink: {type(e).__name__.removeprefix('NVMLError_')}")
+                break  # past the last link (InvalidArgument) or no NVLink at all (NotSupported)
+            entry = LinkReading(index=link, active=state == FEATURE_ENABLED)
+            gpu.links.append(entry)
+            if not entry.active:
+                continue
+            self._tracker.ever_active.add((gpu.uuid, link))
+            entry.remote_type = self._try("NVLink remote type", lib.nvmlDeviceGetNvLinkRemoteDeviceType, h, link)
+            if entry.remote_type in (None, DEVICE_TYPE_GPU):
+                info = self._try("NVLink remote PCI", lib.nvmlDeviceGetNvLinkRemotePciInfo, h, link)
+                entry.remote_bus = normalize_bus_id(info.busId) if info is not None else None
+            if gpu.generation == 0:
+                version = self._try("NVLink version", lib.nvmlDeviceGetNvLinkVersion, h, link)
+                gpu.generation = nvlink_generation(int(version)) if version is not None else 0
+            entry.verdict = self._tracker.observe((gpu.uuid, link), self._counters(h, gpu, link), now)
+
+    def _counters(self, h: Any, gpu: GpuReading, link: int) -> LinkCounters:
+        """Each counter on its own: NotSupported leaves that one absent, any other error marks it failed."""
+        values: dict[str, int | None] = {}
+        failed: list[str] = []
+        for name, ctr, words in COUNTERS:
+            try:
+                values[name] = int(self._lib.nvmlDeviceGetNvLinkErrorCounter(h, link, ctr))
+            except self._absent as e:
+                values[name] = None
+                self._notes.append(f"NVLink {words} error counter: {type(e).__name__.removeprefix('NVMLError_')}")
+            except self._lib.NVMLError as e:
+                if isinstance(e, self._lib.NVMLError_GpuIsLost):
+                    raise  # the whole GPU is gone, not one counter
+                values[name] = None
+                failed.append(name)
+                log.warning(
+                    "NVLink error counter read failed",
+                    extra={"gpu": gpu.index, "link": link, "counter": name, "error": str(e)},
+                )
+        return LinkCounters(**values, failed=tuple(failed))
+
+    def _read_health(self, h: Any, gpu: GpuReading) -> None:
+        rows = self._try("remapped rows", self._lib.nvmlDeviceGetRemappedRows, h)
+        if rows is not None:
+            _corr, _unc, pending, failure = (int(x) for x in rows)
+            if failure:
+                gpu.health = worst_health(gpu.health, Health.FAILED)
+                gpu.reasons.append("HBM row remapping failed: replace the GPU (RMA candidate)")
+            elif pending:
+                gpu.health = worst_health(gpu.health, Health.DEGRADED)
+                gpu.reasons.append("HBM row remapping pending: the GPU needs a reset")
+        mig = self._try("MIG mode", self._lib.nvmlDeviceGetMigMode, h)
+        if mig is not None and int(mig[0]) == MIG_ENABLE:
+            gpu.reasons.append(MIG_REASON)
+
+    def _read_fabric(self, h: Any, gpu: GpuReading) -> None:
+        try:
+            info = self._lib.c_nvmlGpuFabricInfoV_t()
+        except AttributeError:  # a binding older than 12.560
+            self._notes.append("GPU fabric: binding lacks nvmlDeviceGetGpuFabricInfoV")
+            return
+        if self._try("GPU fabric", self._lib.nvmlDeviceGetGpuFabricInfoV, h, ctypes.byref(info)) is None:
+            return
+        fabric = decode_fabric_info(info)
+        if fabric is None:
+            self._notes.append("GPU fabric: the binding's fabric-info struct is smaller than NVML's v2")
+            return
+        gpu.clique = fabric_clique(fabric.state, fabric.status, fabric.cluster_uuid, fabric.clique_id)
+        if gpu.clique is not None and fabric.health_mask & 0x3 == 1:
+            # healthMask bits 0-1 are DEGRADED_BW: 1 = TRUE, 2 = FALSE, 0 = not supported.
+            gpu.health = worst_health(gpu.health, Health.DEGRADED)
+            gpu.reasons.append("NVLink fabric reports degraded bandwidth")

@@ -1,0 +1,287 @@
+"""`gputopo demo`: the whole system on this machine. Builds (or reuses) the pinned upstream binaries,
+starts etcd, kube-apiserver, kube-controller-manager and kube-scheduler, runs the real extender and
+one real agent per simulated GPU node from `examples/cluster.yaml`, submits `examples/jobs.yaml` as
+pods, and prints where each pod went and what `kubectl describe pod` says about it. As root, with
+the kubelet built, it adds one node run by a real kubelet, so the whole path shows: placement, the
+kubelet's device manager asking the agent's device plugin, PodResources, and the agent's per-pod
+report. With --installed (root, with containerd and runc) it then installs the packaged chart with
+helm onto a node that runs containers, from images built here, runs a TP-4 pod there, and
+uninstalls it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gputopo.clusterfile import ClusterFileError, load_cluster, load_jobs
+from gputopo.engine.explain import gpu_ranges
+from gputopo.model import LABEL_NETWORK_LEAF, PLACEMENT_ANNOTATION, SCHEDULER_NAME, AnnotationError, parse_placement
+
+STALE_AFTER = 10.0
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "demo",
+        help="run gputopo on a local control plane with simulated GPU nodes",
+        description=__doc__,
+    )
+    p.add_argument("--cluster", type=Path, default=Path("examples/cluster.yaml"), help="cluster file (nodes)")
+    p.add_argument("--jobs", type=Path, default=Path("examples/jobs.yaml"), help="jobs file (pods to submit)")
+    p.add_argument("--keep", action="store_true", help="leave the cluster running and print its KUBECONFIG")
+    p.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for the scheduler to decide")
+    p.add_argument(
+        "--installed",
+        action="store_true",
+        help="then helm install the chart onto a containerd node from images built here (root; the first "
+        "image build takes minutes)",
+    )
+    return p
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _events_section(describe: str) -> list[str]:
+    lines = describe.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Events:"):
+            return [ln for ln in lines[i + 1 :] if ln.strip() and not ln.lstrip().startswith("----")]
+    return []
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here: the simulator and other commands must not pay for the control-plane modules.
+    from gputopo.localcluster import ControlPlane, ensure_binaries, pod_manifest
+    from gputopo.localcluster.stack import GpuNode, Stack
+
+    try:
+        cluster = load_cluster(args.cluster)
+        jobs = load_jobs(args.jobs)
+    except ClusterFileError as e:
+        print(f"gputopo demo: {e}", file=sys.stderr)
+        return 2
+
+    _say("== upstream binaries (built once per machine from the Go module proxy, then reused)")
+    bin_dir = ensure_binaries(lambda line: _say(f"   {line}"))
+    _say(f"   {bin_dir}")
+
+    cp = ControlPlane(bin_dir, keep=args.keep, die_with_parent=not args.keep, progress=lambda m: _say(f"   {m}"))
+    _say("== control plane: etcd, kube-apiserver (RBAC, TLS, service-account keys), kube-controller-manager")
+    cp.start()
+    try:
+        cp.start_controller_manager()
+        kube = cp.client()
+        stack = Stack(cp, kube, stale_after_seconds=STALE_AFTER, progress=lambda m: _say(f"   {m}"))
+        stack.install()
+        _say("== gputopo: extender and a kube-scheduler whose gputopo-scheduler profile calls it")
+        stack.start_extender()
+        stack.start_scheduler()
+        _say(f"== {len(cluster.nodes)} simulated GPU nodes from {args.cluster}, each with its own gputopo-agent")
+        stack.add_nodes([GpuNode(n.name, n.fixture, n.topology, n.labels, n.gpus_in_use) for n in cluster.nodes])
+        stack.wait_published()
+        stale = [n.name for n in cluster.nodes if n.stale]
+        for name in stale:
+            stack.stop_agent(name)
+        if stale:
+            _say(f"   stopped the agent of {', '.join(stale)}; its topology goes stale after {STALE_AFTER:.0f}s")
+            time.sleep(STALE_AFTER + 1)
+        for n in cluster.nodes:
+            _say(f"   {n.name:<16} {n.fixture or 'inline topology':<18} {n.labels.get(LABEL_NETWORK_LEAF, '-')}")
+
+        ns = "demo"
+        kube.create_namespace(ns)
+        pods: list[str] = []
+        _say(f"== submitting {args.jobs}")
+        for job in jobs.jobs:
+            for i in range(job.pods):
+                name = f"{job.name}-{i}"
+                kube.create_pod(
+                    pod_manifest(
+                        name,
+                        namespace=ns,
+                        scheduler_name=SCHEDULER_NAME,
+                        gpus=job.gpus_per_pod,
+                        annotations=job.pod_annotations(i),
+                    )
+                )
+                pods.append(name)
+            # One job at a time, as the simulator places them, so the outcome reads in file order.
+            _wait_decided(kube, ns, pods[-job.pods :], args.timeout)
+
+        _say("== where each pod went, and why (from kubectl describe pod)")
+        placed = 0
+        for name in pods:
+            pod = kube.get_pod(ns, name)
+            node = pod["spec"].get("nodeName")
+            events = _events_section(kube.describe_pod(ns, name))
+            if node:
+                placed += 1
+                gpus = ""
+                ann = pod["metadata"].get("annotations", {}).get(PLACEMENT_ANNOTATION)
+                if ann:
+                    try:
+                        gpus = f" GPUs {gpu_ranges(parse_placement(ann).gpus)}"
+                    except AnnotationError:
+                        gpus = ""
+                _say(f"\n+ {name} -> {node}{gpus}")
+            else:
+                _say(f"\n- {name}: pending")
+            shown: set[str] = set()
+            for line in events:
+                text = " ".join(line.split())
+                if text not in shown and any(r in line for r in ("TopologyPlacement", "FailedScheduling", "Scheduled")):
+                    shown.add(text)  # a retried pod repeats its FailedScheduling event
+                    _say("    " + text)
+        _say(f"\n{placed}/{len(pods)} pods placed.")
+        _real_kubelet_part(stack, kube, bin_dir, ns, args.timeout)
+        if args.keep:
+            cp.detach()
+            _say("\nThe cluster keeps running. Try:")
+            _say(f"  export KUBECONFIG={cp.kubeconfig}")
+            _say(f"  {cp.kubectl} describe pod -n {ns} {pods[0]}")
+            _say(f"  .venv/bin/gputopo topo {cluster.nodes[0].name}")
+            _say(f"  .venv/bin/gputopo explain -n {ns} {pods[-1]}")
+            _say(f"Stop it with: kill {' '.join(str(p) for p in cp.owned_pids())}")
+    finally:
+        if not args.keep:
+            _say("== tearing down (only the processes this demo started)")
+            cp.teardown()
+    if args.installed:
+        # After the teardown: the installed part needs a control plane with ServiceAccount
+        # admission and its own gputopo-scheduler (the chart's), and the one containerd node.
+        _installed_part(bin_dir, args.timeout)
+    return 0
+
+
+KUBELET_NODE = "kubelet-dgx1v"
+# Keeps the jobs file's unplaced pods, which the scheduler retries, off the real-kubelet node.
+KUBELET_TAINT = {"key": "gputopo.io/real-kubelet", "value": "demo", "effect": "NoSchedule"}
+
+
+def _real_kubelet_part(stack: Any, kube: Any, bin_dir: Path, ns: str, timeout: float) -> None:
+    """One DGX-1V node run by a real kubelet; a TP-4 and a TP-2 pod go there, and what the kubelet
+    allocated is read back from its PodResources socket."""
+    from gputopo.agent.podresources.client import PodResourcesClient
+    from gputopo.localcluster import pod_manifest
+    from gputopo.localcluster.kubelet import kubelet_unavailable
+    from gputopo.model import GPUS_IN_USE_ANNOTATION, parse_gpus_in_use_report
+    from gputopo.systems import build_system
+
+    reason = kubelet_unavailable(bin_dir)
+    if reason is not None:
+        _say(f"\n(no real-kubelet node: {reason})")
+        return
+    _say(f"\n== a node run by a real kubelet ({KUBELET_NODE}, DGX-1V), its gputopo-agent as the device plugin")
+    taint = f"{KUBELET_TAINT['key']}={KUBELET_TAINT['value']}:{KUBELET_TAINT['effect']}"
+    kubelet = stack.add_kubelet_node(KUBELET_NODE, "dgx-1v", taints=[taint])
+    stack.wait_published([KUBELET_NODE])
+    pods = []
+    for name, gpus in (("kubelet-tp4", 4), ("kubelet-tp2", 2)):
+        manifest = pod_manifest(
+            name,
+            namespace=ns,
+            scheduler_name=SCHEDULER_NAME,
+            gpus=gpus,
+            annotations={"gputopo.io/nvlink": "required"},
+            node_selector={"kubernetes.io/hostname": KUBELET_NODE},
+            tolerations=[{**KUBELET_TAINT, "operator": "Equal"}],
+        )
+        kube.create_pod(manifest)
+        pods.append(name)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        phases = [kube.get_pod(ns, n).get("status", {}).get("phase") for n in pods]
+        if all(ph in ("Running", "Failed") for ph in phases):
+            break
+        time.sleep(0.3)
+    index = {g.uuid: g.index for g in build_system("dgx-1v", KUBELET_NODE).gpus}
+    client = PodResourcesClient(kubelet.podresources_socket)
+    try:
+        held = {
+            name: sorted(index.get(d, -1) for d in ids) for (_, name), ids in client.gpu_allocation().by_pod.items()
+        }
+    finally:
+        client.close()
+    names = {}
+    for name in pods:
+        pod = kube.get_pod(ns, name)
+        names[pod["metadata"]["uid"]] = name
+        ann = pod["metadata"].get("annotations", {}).get(PLACEMENT_ANNOTATION)
+        placed = gpu_ranges(parse_placement(ann).gpus) if ann else "-"
+        got = gpu_ranges(held[name]) if name in held else "nothing"
+        _say(f"+ {name}: placement GPUs {placed}; the kubelet allocated {got} ({pod['status'].get('phase')})")
+    # The agent reports what PodResources says once per discovery interval (1 s here).
+    deadline = time.monotonic() + 15
+    while True:
+        text = kube.get_node(KUBELET_NODE)["metadata"].get("annotations", {}).get(GPUS_IN_USE_ANNOTATION, "[]")
+        try:
+            report = parse_gpus_in_use_report(text)
+        except AnnotationError:
+            _say(f"   the agent's {GPUS_IN_USE_ANNOTATION}: {text}")
+            return
+        if set(names) <= set(report.pods) or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    per_pod = [f"{names.get(uid, uid)} {gpu_ranges(sorted(g))}" for uid, g in sorted(report.pods.items())]
+    _say(f"   the agent's {GPUS_IN_USE_ANNOTATION} (per pod UID, named here): {'; '.join(per_pod) or 'none'}")
+
+
+def _wait_decided(kube: Any, ns: str, names: list[str], timeout: float) -> None:
+    """Until each pod is bound or the scheduler has said why it cannot be."""
+    deadline = time.monotonic() + timeout
+    pending = set(names)
+    while pending and time.monotonic() < deadline:
+        for name in list(pending):
+            bound = kube.get_pod(ns, name)["spec"].get("nodeName")
+            if bound or any(e.reason == "FailedScheduling" for e in kube.pod_events(ns, name)):
+                pending.discard(name)
+        if pending:
+            time.sleep(0.3)
+
+
+def _installed_part(bin_dir: Path, timeout: float) -> None:
+    """The chart as users install it: helm install onto a containerd node, a TP-4 pod, helm uninstall."""
+    from gputopo.localcluster.containerd import containerd_unavailable
+    from gputopo.localcluster.installed import InstalledError, eventually, install, start_control_plane
+
+    reason = containerd_unavailable(bin_dir)
+    if reason is not None:
+        _say(f"\n(no installed part: {reason})")
+        return
+    t0 = time.monotonic()
+    _say("\n== installed as users install it: images built here, a containerd node, helm install of the chart")
+    cp = start_control_plane(bin_dir, die_with_parent=True, progress=lambda m: _say(f"   {m}"))
+    try:
+        with install(cp, lambda m: _say(f"   {m}")) as inst:
+            tp4 = inst.run_tp4(inst.workload_namespace())
+            uuid = inst.uuid_of()
+            index = {u: i for i, u in uuid.items()}
+            seen = gpu_ranges(sorted(index.get(u, -1) for u in tp4.visible))
+            _say(f"+ {tp4.name} -> {tp4.node} GPUs {gpu_ranges(tp4.placement)}")
+            _say(f"    its container printed NVIDIA_VISIBLE_DEVICES={','.join(tp4.visible)} (GPUs {seen})")
+            for line in _events_section(inst.kube.describe_pod(tp4.namespace, tp4.name)):
+                if "TopologyPlacement" in line:
+                    _say("    " + " ".join(line.split()))
+            inst.kube.delete_pod(tp4.namespace, tp4.name)
+            _say(f"== helm uninstall {inst.release}")
+            inst.uninstall()
+            left: set[str] = set()
+
+            def gone() -> bool:
+                nonlocal left
+                left = inst.leftovers()
+                return not left
+
+            try:
+                eventually(gone, "the release's objects to go", timeout=timeout)
+                _say("   nothing of the release is left (pods, RBAC, admission policies, webhooks, Leases, Secrets)")
+            except InstalledError:
+                _say(f"   left after uninstall: {', '.join(sorted(left))}")
+    finally:
+        cp.teardown()
+    _say(f"   the installed part took {time.monotonic() - t0:.0f}s")

@@ -1,0 +1,220 @@
+"""Bind: re-evaluate the pod on the node against the ledger, then ONE API call, a Binding whose
+annotations carry `gputopo.io/placement` (the API server copies a Binding's annotations onto the pod
+as it sets spec.nodeName). The TopologyPlacement Event follows off the critical path.
+
+Safe only with one writer: the extender runs as a sidecar of the single leader kube-scheduler, and
+binds to one node are serialised in this process. Between choosing the GPUs and the Binding's answer
+the ledger holds them as an in-flight claim, so concurrent filters and binds already see them taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+from gputopo.engine.cliques import mask_of
+from gputopo.engine.explain import placement_estimate, placement_sentence, why_lost
+from gputopo.engine.placement import NodeVerdict, Outcome, evaluate_node, outcome_on
+from gputopo.engine.scoring import grade
+from gputopo.extender.events import EventPoster
+from gputopo.extender.kube import JSON, ClusterSource
+from gputopo.extender.ledger import Ledger
+from gputopo.extender.locks import StripedLocks
+from gputopo.extender.objects import record_of, resolve_pod
+from gputopo.extender.wire import PodInfo, pod_info
+from gputopo.kube import KubeError
+from gputopo.model import (
+    NO_FACTS,
+    PLACEMENT_ANNOTATION,
+    ControllerFacts,
+    Placement,
+    PodRequest,
+    RunnerUp,
+    is_gputopo_pod,
+)
+
+log = logging.getLogger("gputopo.extender")
+
+
+def bound_info(info: PodInfo, node: str, placement: Placement) -> PodInfo:
+    """The pod as the API server holds it after our Binding: bound, with the placement annotation, and
+    everything else it had (its labels, scheduler and PodGroup: a member whose group its controller's
+    labels give stays a member once bound)."""
+    return dataclasses.replace(
+        info, node_name=node, annotations={**info.annotations, PLACEMENT_ANNOTATION: placement.to_annotation()}
+    )
+
+
+class Binder:
+    def __init__(
+        self,
+        ledger: Ledger,
+        source: Callable[[], ClusterSource | None],
+        events: EventPoster,
+        facts: Callable[[str], ControllerFacts] = lambda _namespace: NO_FACTS,
+        recall: Callable[[str, str], PodInfo | None] = lambda _uid, _ref: None,
+    ) -> None:
+        self.ledger = ledger
+        self.facts = facts  # a namespace's controller objects, as the cache reads pods with them
+        self._source = source
+        self.events = events
+        self.recall = recall  # the pod as its filter carried it moments ago (by uid, else namespace/name)
+        self.locks = StripedLocks()
+
+    def bind(self, namespace: str, name: str, uid: str, node: str) -> str:
+        """Bind the pod; returns '' on success or the error text for the Error field."""
+        source = self._source()
+        ref = f"{namespace}/{name}"
+        info = self.recall(uid, ref)
+        if source is None and (info is None or not self._ours(info)):
+            return ""  # snapshot mode has no API to bind through; nothing to account for
+        if source is not None and info is None:
+            try:
+                info = pod_info(source.get_pod(namespace, name))
+            except KubeError as e:
+                return f"cannot read pod {ref}: {e}"
+            if uid and info.uid and info.uid != uid:
+                return f"pod {ref} has uid {info.uid}, the scheduler asked to bind uid {uid}"
+            if info.node_name == node:
+                return ""  # already bound there: a retried bind succeeds
+            if info.node_name:
+                return f"pod {ref} is already bound to node {info.node_name}"
+        assert info is not None
+        pid = info.uid or info.ref
+        existing = self.ledger.pods.get(pid)
+        if existing is not None and existing.node_name == node:
+            return ""  # bound there already (by us, moments ago): a retried bind succeeds
+        # (a recalled pod that was bound meanwhile is caught by the Binding's 409 below)
+        if not self._ours(info):
+            assert source is not None
+            return self._post_binding(source, info, node, None)[0]
+        with self.locks(node):  # choosing and claiming is atomic per node in this process
+            chosen = self.placement_for(info, node)
+            if isinstance(chosen, str):
+                return chosen
+            placement, req = chosen
+            self.ledger.claim(pid, node, frozenset(placement.gpus))
+        try:
+            bound = bound_info(info, node, placement)
+            if source is not None:
+                err, already = self._post_binding(source, info, node, placement)
+                if err:
+                    return err
+                if already is not None:
+                    bound = pod_info(already)  # bound by an earlier try of ours: its placement holds
+            self.ledger.put_pod(pid, record_of(bound, self.ledger.tier_names, self.facts(info.namespace)))
+        finally:
+            self.ledger.unclaim(pid, node)
+        if req.group:
+            self.ledger.pin((namespace, req.group), name)
+        if source is not None:
+            self.events.placed(info.namespace, info.name, info.uid, placement.reason)
+        log.info(
+            "bound" if source is not None else "bound (snapshot mode: recorded in memory only)",
+            extra={
+                "pod": ref,
+                "node": node,
+                "gpus": list(placement.gpus),
+                "score": placement.score,
+                "reason": placement.reason,
+            },
+        )
+        return ""
+
+    def _ours(self, info: PodInfo) -> bool:
+        """A gputopo pod: annotated, or a member of a group its controller's labels give."""
+        if is_gputopo_pod(info.annotations):
+            return True
+        return resolve_pod(info, self.ledger.tier_names, scheduler=info.scheduler_name).opted_in
+
+    def placement_for(self, info: PodInfo, node: str) -> tuple[Placement, PodRequest] | str:
+        """The placement this pod gets on `node` now, or why it cannot have one."""
+        # As the filter read it: a controller's labels make a group (the cache's record has the sizes its
+        # Jobs give; without a record, what the labels alone give).
+        rec = self.ledger.pods.get(info.uid) if info.uid else None
+        if rec is not None and rec.inferred is not None and rec.request is not None:
+            req = rec.request
+        else:
+            resolved = resolve_pod(info, self.ledger.tier_names, scheduler=info.scheduler_name)
+            if resolved.request is None:
+                return resolved.problem or f"pod {info.ref} is no gputopo pod"
+            req = resolved.request
+        placement, _ = self.choose(info, req, node)
+        return placement if isinstance(placement, str) else (placement, req)
+
+    def choose(self, info: PodInfo, req: PodRequest, node: str) -> tuple[Placement | str, Outcome | None]:
+        """Re-evaluate the pod on `node` against the ledger now; the Placement to write, or an error."""
+        ledger = self.ledger
+        res = ledger.reservations.get((info.namespace, req.group)) if req.group else None
+        slot_key = ((info.namespace, req.group), info.name) if req.group else None
+        state = ledger.node_for(node, without_pod=info.uid or info.ref, without_slot=slot_key)
+        outcome = evaluate_node(state, req, ledger.weights)
+        if not outcome.fits:
+            return f"node {node} no longer fits pod {info.ref}: {outcome.message}", outcome
+        slot = res.slots.get(info.name) if res is not None else None
+        held = ledger.nodes[node].report.pods.get(info.uid) if info.uid and node in ledger.nodes else None
+        if held:
+            # The GPUs the pod already holds there: under DRA, kube-scheduler allocated its claim before
+            # this bind. Name those when they are an admissible choice; else the mismatch check speaks.
+            actual = outcome_on(state, req, outcome, mask_of(sorted(held)), ledger.weights)
+            if actual is not None:
+                outcome = actual
+        elif slot is not None and slot.node == node and slot.gpus:
+            # The group plan chose this member's GPUs (rail-aligned with the other members); bind those
+            # when they are still an admissible choice here, not the node's default set.
+            planned = outcome_on(state, req, outcome, mask_of(slot.gpus), ledger.weights)
+            if planned is not None:
+                outcome = planned
+        runner = self._runner_up(node, req)
+        plan = res.plan if res is not None else None
+        rec = ledger.pods.get(info.uid) if info.uid else None
+        inferred = rec.inferred if rec is not None else None
+        origin = inferred.words() if inferred is not None and inferred.group == req.group else ""
+        sentence = placement_sentence(
+            node, outcome, runner, plan, info.name, ledger.weights, ledger.tiers, origin=origin
+        )
+        stage = req.stage
+        if res is not None and info.name in res.slots:
+            stage = res.slots[info.name].stage
+        placement = Placement(
+            node=node,
+            gpus=tuple(outcome.gpus),
+            score=grade(outcome.score),
+            reason=sentence,
+            runner_up=RunnerUp(
+                node=runner.name,
+                score=grade(runner.outcome.score),
+                why=why_lost(outcome, runner.outcome, ledger.weights),
+            )
+            if runner is not None
+            else None,
+            group=req.group,
+            stage=stage,
+            estimate=placement_estimate(outcome, runner, plan, info.name, ledger.tiers),
+        )
+        return placement, outcome
+
+    def _runner_up(self, node: str, req: PodRequest) -> NodeVerdict | None:
+        """The best other feasible node over every cached node (`Ledger.runner_up`: read kind by kind, no
+        pass over every node on every bind)."""
+        found = self.ledger.runner_up(node, req)
+        return NodeVerdict(*found) if found is not None else None
+
+    def _post_binding(
+        self, source: ClusterSource, info: PodInfo, node: str, placement: Placement | None
+    ) -> tuple[str, JSON | None]:
+        """'' or the error; on a 409 for a pod already bound to `node`, the pod as the API holds it."""
+        annotations = {PLACEMENT_ANNOTATION: placement.to_annotation()} if placement is not None else None
+        try:
+            source.create_binding(info.namespace, info.name, info.uid, node, annotations=annotations)
+        except KubeError as e:
+            if e.status == 409:
+                try:
+                    pod = source.get_pod(info.namespace, info.name)
+                    if pod_info(pod).node_name == node:
+                        return "", pod  # someone (a retry of ours) already bound it there
+                except KubeError:
+                    pass
+            return f"binding pod {info.ref} to node {node} failed: {e}", None
+        return "", None

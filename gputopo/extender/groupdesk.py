@@ -1,0 +1,231 @@
+"""A group member's filter: its slot in the group's reservation, planning one when none holds.
+
+The members come from the ledger, the plan from the engine (`gputopo.engine.replan`, pure), and the
+reservation goes back to the ledger, which refuses it if a planned GPU was taken meanwhile (planning
+runs without the ledger's lock). Planning is serialised per group by a fixed table of locks.
+
+A native PodGroup's member that no plan fits may be in kube-scheduler's gang preemption dry run
+(`_preemption_dry_run`): then it is planned, without a reservation, as if the pods of lower priority
+were gone, so that kube-scheduler finds victims (docs/extender.md, "Preemption"). That plan answers
+the group's later members of the same dry run, whose requests name only the nodes left to them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from gputopo.engine.groups import GroupFailure
+from gputopo.engine.replan import GroupWaiting, MemberView, Replan, Slot, replan
+from gputopo.engine.snapshot import NodeState, taking
+from gputopo.extender.ledger import Ledger
+from gputopo.extender.locks import StripedLocks
+from gputopo.extender.objects import PodRecord
+from gputopo.extender.reservations import Reservation
+from gputopo.extender.wire import PodInfo
+from gputopo.model import PodRequest
+
+log = logging.getLogger("gputopo.extender.groups")
+
+PLAN_ATTEMPTS = 3
+# How long a dry run's plan answers the group's later members: kube-scheduler's dry run asks the
+# members one after another, each on the nodes left after the earlier ones were assumed, so only the
+# first member's request names every node the plan needs. A cycle takes well under this.
+DRY_RUN_PLAN_SECONDS = 10.0
+DRY_RUN_PLANS_KEPT = 1024  # groups at once; the oldest plan goes first
+
+
+def member_view(rec: PodRecord) -> MemberView:
+    node = rec.placed_node or rec.node_name or None
+    placed = rec.placement if rec.placed_node else None
+    return MemberView(
+        rec.name,
+        rec.request,
+        node=node,
+        gpus=frozenset(placed.gpus) if placed is not None else frozenset(),
+        stage=placed.stage if placed is not None else None,
+        problem=rec.problem,
+    )
+
+
+def _rank_clash(group: str, records: Sequence[PodRecord], members: dict[str, MemberView]) -> GroupFailure | None:
+    """Two members of an inferred group with one rank: a controller's labels are never guessed at, so
+    every member is told which label repeats (plan_group would only say the stage does)."""
+    labels = sorted({r.inferred.rank_label for r in records if r.inferred is not None and r.inferred.rank_label})
+    if not labels:
+        return None
+    by_rank: dict[int, list[str]] = {}
+    for m in members.values():
+        if m.request is not None and m.request.stage is not None:
+            by_rank.setdefault(m.request.stage, []).append(m.name)
+    dup = sorted((r, sorted(names)) for r, names in by_rank.items() if len(names) > 1)
+    if not dup:
+        return None
+    rank, names = dup[0]
+    return GroupFailure(
+        group,
+        f"group {group}: rank {rank} ({' / '.join(labels)}) is claimed by more than one pod: {', '.join(names[:4])}",
+    )
+
+
+class GroupDesk:
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.locks = StripedLocks()
+        # group -> (made at, its members, the slots): the latest preemption dry run's plan
+        self._dry_runs: dict[tuple[str, str], tuple[float, frozenset[str], dict[str, Slot]]] = {}
+        self._dry_runs_lock = threading.Lock()
+
+    def slot_for(self, info: PodInfo, req: PodRequest, names: Sequence[str]) -> Slot | GroupWaiting | GroupFailure:
+        assert req.group is not None and req.group_size is not None
+        ledger = self.ledger
+        key = (info.namespace, req.group)
+        records = ledger.group_members(key)
+        with self.locks(key):
+            held = self._held(key, info.name, records, req.group_size)
+        if held is not None:
+            return held
+        members = {r.name: member_view(r) for r in records}
+        members[info.name] = MemberView(info.name, req)  # the asking pod is always planned afresh
+        clash = _rank_clash(req.group, records, members)
+        if clash is not None:
+            return clash
+        if len(members) != req.group_size:
+            counted = replan(req.group, req.group_size, info.name, members, ())
+            assert not isinstance(counted, Replan)
+            return counted
+        with self.locks(key):
+            res = ledger.reservations.get(key)
+            if res is not None and res.members != frozenset(members):
+                ledger.release(key)  # the group changed (a member replaced): plan again
+                res = None
+            if res is not None:
+                slot = res.slots.get(info.name)
+                if slot is None or (not slot.pinned and ledger.resolve(slot.node, ledger.clock()).problem):
+                    ledger.release(key)  # the planned node went stale or away
+                    res = None
+            if res is None:
+                planned = self._plan(key, info, req, members, names)
+                if isinstance(planned, GroupFailure) and info.pod_group:
+                    return self._preemption_dry_run(key, info, req, members, names) or planned
+                if not isinstance(planned, Reservation):
+                    return planned
+                res = planned
+            return res.slots[info.name]
+
+    def _preemption_dry_run(
+        self,
+        key: tuple[str, str],
+        info: PodInfo,
+        req: PodRequest,
+        members: dict[str, MemberView],
+        names: Sequence[str],
+    ) -> Slot | None:
+        """The member's slot as kube-scheduler's gang preemption sees the cluster, or None.
+
+        On Kubernetes 1.37 a PodGroup that does not fit runs PodGroupPostFilter DefaultPreemption: it
+        removes every pod of lower priority from its snapshot, runs the pod group cycle again (calling
+        filter, never the preempt verb), then gives back the victims its own filters do not need and
+        evicts the rest. Filter is not told which call is that dry run. A node on which kube-scheduler's
+        own count (the node's GPUs less the GPUs of the pods bound there) cannot fit the member is sent
+        to filter only when pods were removed from it, so such a node marks the dry run. Then the group
+        is planned (not reserved) as if the lower-priority pods outside the group were gone, and the
+        member passes its planned node only: kube-scheduler's victims lie on the planned nodes."""
+        ledger = self.ledger
+        wanted = set(names)
+        with ledger.lock:
+            bound: dict[str, list[PodRecord]] = {}
+            for rec in ledger.pods.values():
+                if rec.active and rec.node_name in wanted:
+                    bound.setdefault(rec.node_name, []).append(rec)
+            freed = {
+                n: frozenset().union(
+                    *(
+                        ledger.pod_gpus(n, r.uid) or frozenset()
+                        for r in pods
+                        if r.priority < info.priority and (r.namespace, r.group) != key
+                    )
+                )
+                for n, pods in bound.items()
+            }
+        dry_run = False
+        states: list[NodeState] = []
+        for st in ledger.states(names):
+            if st.problem is None and st.shape is not None:
+                counted = sum(r.gpus for r in bound.get(st.name, ()))
+                dry_run = dry_run or st.shape.n - counted < req.gpus
+            gone = freed.get(st.name, frozenset())
+            states.append(taking(st, st.in_use - gone) if gone & st.in_use else st)
+        if not dry_run:
+            return None
+        now = ledger.clock()
+        who = frozenset(members)
+        with self._dry_runs_lock:
+            made = self._dry_runs.get(key)
+        if made is not None and now - made[0] <= DRY_RUN_PLAN_SECONDS and made[1] == who:
+            slot = made[2].get(info.name)
+            if slot is not None and slot.node in wanted:
+                return slot
+        assert req.group_size is not None
+        out = replan(key[1], req.group_size, info.name, members, states, ledger.tiers, ledger.weights)
+        if not isinstance(out, Replan):
+            return None
+        with self._dry_runs_lock:
+            self._dry_runs.pop(key, None)
+            while len(self._dry_runs) >= DRY_RUN_PLANS_KEPT:
+                del self._dry_runs[next(iter(self._dry_runs))]
+            self._dry_runs[key] = (now, who, dict(out.slots))
+        log.info(
+            "group planned for kube-scheduler's preemption dry run (not reserved)",
+            extra={"group": f"{key[0]}/{key[1]}", "plan": {s.member: s.node for s in out.slots.values()}},
+        )
+        return out.slots[info.name]
+
+    def _held(self, key: tuple[str, str], name: str, records: Sequence[PodRecord], size: int) -> Slot | None:
+        """The asking member's slot when the group's reservation stands for exactly these members and its
+        node is still good: what `slot_for` would return, without a view of every member (per filter,
+        that made a group's filters cost O(members^2)). The rank check ran when this plan was made."""
+        ledger = self.ledger
+        res = ledger.reservations.get(key)
+        if res is None or len(res.slots) != size:
+            return None
+        slot = res.slots.get(name)
+        if slot is None:
+            return None
+        names = {r.name for r in records}
+        names.add(name)
+        if names != res.slots.keys():
+            return None
+        if not slot.pinned and ledger.resolve(slot.node, ledger.clock()).problem:
+            return None
+        return slot
+
+    def _plan(
+        self,
+        key: tuple[str, str],
+        info: PodInfo,
+        req: PodRequest,
+        members: dict[str, MemberView],
+        names: Sequence[str],
+    ) -> Reservation | GroupWaiting | GroupFailure:
+        group = key[1]
+        assert req.group_size is not None
+        for _ in range(PLAN_ATTEMPTS):
+            now = self.ledger.clock()
+            states = self.ledger.states(names, now)
+            out = replan(group, req.group_size, info.name, members, states, self.ledger.tiers, self.ledger.weights)
+            if not isinstance(out, Replan):
+                return out
+            res = Reservation(key, now, dict(out.slots), out.plan)
+            if self.ledger.reserve(res):
+                log.info(
+                    "group planned and reserved",
+                    extra={
+                        "group": f"{key[0]}/{key[1]}",
+                        "plan": {s.member: s.node for s in res.slots.values()},
+                        "pinned": sorted(s.member for s in res.slots.values() if s.pinned),
+                    },
+                )
+                return res
+        return GroupFailure(group, f"group {group}: the planned GPUs kept changing while planning; retrying")

@@ -1,0 +1,405 @@
+"""The extender's decisions: filter, prioritize, bind and preempt over the ledger, with the engine.
+
+Everything here is synchronous and free of HTTP; the door (`gputopo/extender/door.py`) translates. Filter and
+prioritize read only the ledger (no I/O, and the ledger's lock only for the rare node that needs
+building), so they can run on worker threads side by side with each other and with the informers. What a
+filter leaves for the prioritize that follows is kept in `gputopo/extender/ahead.py`. A group member's
+filter goes to the group desk (`gputopo/extender/groupdesk.py`); bind to the binder (`gputopo/extender/binder.py`: one
+Binding per pod, docs/extender.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import compress, repeat
+
+from pydantic_core import to_json
+
+from gputopo.engine.groups import GroupFailure
+from gputopo.engine.placement import Outcome, fail_invalid
+from gputopo.engine.preempt import Victim, choose_victims
+from gputopo.engine.reasons import Code, Reason, code_for, message
+from gputopo.engine.replan import GroupWaiting
+from gputopo.engine.scoring import MAX_EXTENDER_SCORE
+from gputopo.engine.snapshot import node_state
+from gputopo.extender.ahead import Ahead, ranked
+from gputopo.extender.binder import Binder
+from gputopo.extender.cache import ClusterCache
+from gputopo.extender.events import MISMATCH_REASON, EventPoster
+from gputopo.extender.groupdesk import GroupDesk
+from gputopo.extender.kube import ClusterSource, Kind
+from gputopo.extender.ledger import Kinds
+from gputopo.extender.metrics import Metrics
+from gputopo.extender.mismatch import Mismatch
+from gputopo.extender.objects import resolve_pod
+from gputopo.extender.reservations import GroupKey
+from gputopo.extender.wire import ExtenderPreemptionArgs, MetaPod, MetaVictims, PodInfo, pod_info
+from gputopo.model import AnnotationError, PodRequest, is_gputopo_pod, parse_pod_request
+
+__all__ = ["HEALTHY", "MISMATCH_REASON", "NEUTRAL_SCORE", "Decision", "Extender", "FilterAnswer", "RecentPods"]
+
+log = logging.getLogger("gputopo.extender")
+
+NEUTRAL_SCORE = 5
+HEALTHY = b'{"status":"ok"}'  # /healthz on every listener: the process answers
+# How long a preemptor's filter waits for the victims it was answered to leave the cache (see
+# `Extender._catch_up_with_preemption`); time since the preempt answer, so a pod waits once at most.
+PREEMPTION_CATCH_UP_SECONDS = 0.5
+MAX_PREEMPTORS_KEPT = 1024
+
+
+@dataclass
+class Decision:
+    """Per-node outcomes for one pod, plus the kind of decision (a bounded metrics label)."""
+
+    kind: str  # pass_through | invalid | evaluated | group_waiting | group_failed | group_planned
+    names: Sequence[str] = ()
+    outcomes: list[Outcome] = field(default_factory=list)  # parallel to names
+    priorities: list[int] | None = None  # overrides the outcome scores (group plans)
+    request: PodRequest | None = None
+    kinds: Kinds | None = None  # each node's kind, parallel to names (an evaluation over the ledger)
+
+    def reason_label(self) -> str:
+        """The dominant failure reason when nothing fits ('' when something does)."""
+        # Outcomes are shared between equivalent nodes: look at each distinct one; count nodes per
+        # outcome (C-level) only when none fits.
+        distinct = dict(zip(map(id, self.outcomes), self.outcomes, strict=True))
+        if not distinct or any(o.code is Code.SUCCESS for o in distinct.values()):
+            return ""
+        counts: collections.Counter[str] = collections.Counter()
+        for k, n in collections.Counter(map(id, self.outcomes)).items():
+            o = distinct[k]
+            counts[o.reason.value if o.reason else "unknown"] += n
+        return counts.most_common(1)[0][0]
+
+
+@dataclass(frozen=True)
+class FilterAnswer:
+    passed: list[str]
+    failed: dict[str, str]
+    unresolvable: dict[str, str]
+    decision: Decision
+
+
+class RecentPods:
+    """Pods as their filter call carried them moments ago (saves a GET per bind). Bounded in count and
+    in bytes of annotations, since filter bodies carry whatever the pod's author wrote."""
+
+    MAX_PODS = 4096
+    MAX_BYTES = 64 * 1024 * 1024
+
+    def __init__(self) -> None:
+        self._pods: collections.OrderedDict[str, tuple[PodInfo, int]] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._pods)
+
+    def remember(self, info: PodInfo) -> None:
+        size = sum(len(k) + len(v) for k, v in info.annotations.items()) + 256
+        with self._lock:
+            for key in (info.uid, info.ref):
+                if key:
+                    old = self._pods.pop(key, None)
+                    self._bytes += size - (old[1] if old else 0)
+                    self._pods[key] = (info, size)
+            while self._pods and (len(self._pods) > self.MAX_PODS or self._bytes > self.MAX_BYTES):
+                self._bytes -= self._pods.popitem(last=False)[1][1]
+
+    def recall(self, uid: str, ref: str) -> PodInfo | None:
+        with self._lock:
+            hit = self._pods.get(uid) if uid else self._pods.get(ref)
+        info = hit[0] if hit is not None else None
+        return info if info is not None and (not uid or info.uid == uid) else None
+
+
+def _outcome(reason: Reason, text: str = "") -> Outcome:
+    return Outcome(code=code_for(reason), reason=reason, message=text or message(reason), detail=text)
+
+
+_STUB = node_state("-", None)
+
+
+class Extender:
+    """One extender instance: a cache, optionally an API source (None in snapshot mode), metrics."""
+
+    def __init__(self, cache: ClusterCache, source: ClusterSource | None, metrics: Metrics | None = None) -> None:
+        self.cache = cache
+        self.ledger = cache.ledger
+        self.source = source
+        self.metrics = metrics
+        self.ahead = Ahead(
+            self.ledger
+        )  # what a filter leaves for the prioritize that follows (gputopo/extender/ahead.py)
+        self.recent = RecentPods()  # filled by filter, read by bind
+        # preemptor -> (until, the victims answered on each candidate node): see _catch_up_with_preemption
+        self._preempted: dict[str, tuple[float, list[frozenset[str]]]] = {}
+        self.events = EventPoster(lambda: self.source)
+        self.groups = GroupDesk(self.ledger)
+        self.binder = Binder(self.ledger, lambda: self.source, self.events, cache.facts, self.recent.recall)
+        self.ledger.on_mismatch = self._on_mismatch
+        cache.on_bad_object = self._on_bad_object
+        if metrics is not None:
+            # Computed when /metrics is scraped, throttled on the ledger's generation: never per filter.
+            ledger = self.ledger
+            metrics.track_fragmentation(lambda: ledger.generation, ledger.states, ledger.clock)
+
+    def close(self) -> None:
+        """Shutdown: post the queued events, then stop their threads."""
+        self.events.close()
+
+    def flush_events(self, timeout: float = 10.0) -> None:
+        """Wait until the events queued so far are posted (tests, shutdown)."""
+        self.events.flush(timeout)
+
+    def _on_mismatch(self, m: Mismatch) -> None:
+        """Called by the ledger, under its lock, once per pod: count now, post the Event later."""
+        if self.metrics is not None:
+            self.metrics.placement_mismatches.labels(clique="true" if m.clique else "false").inc()
+        self.events.mismatch(m)
+
+    def _on_bad_object(self, kind: Kind, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.bad_objects.labels(kind=kind).inc()
+
+    def readiness(self) -> tuple[int, bytes]:
+        """/readyz on every listener: 200 once the first full list of nodes, pods and Leases is in."""
+        cache = self.cache
+        if cache.ready:
+            return 200, to_json({"status": "ready", "nodes": len(cache.nodes)})
+        return 503, to_json({"status": "syncing", "synced": sorted(cache.synced)})
+
+    # ------------------------------------------------------------------ decisions
+
+    def decide(self, info: PodInfo, names: Sequence[str]) -> Decision:
+        ledger = self.ledger
+        # kube-scheduler sends only its gputopo profile's pods: a known controller's labels make one a
+        # group member without annotations (gputopo.model.jobs; annotations override).
+        resolved = resolve_pod(info, ledger.tier_names, self.cache.facts(info.namespace), scheduler=info.scheduler_name)
+        if not resolved.opted_in:
+            return Decision("pass_through")
+        if resolved.waiting:
+            o = _outcome(Reason.GROUP_WAITING, resolved.problem)
+            return Decision("group_waiting", names, [o] * len(names))
+        req = resolved.request
+        if req is None:
+            bad = fail_invalid([_STUB], resolved.problem)[0].outcome
+            return Decision("invalid", names, [bad] * len(names))
+        if req.is_group:
+            return self._group_decision(info, req, names)
+        # kube-scheduler calls prioritize right after filter for the same pod, with the nodes that
+        # passed: answer it from the filter's outcomes while nothing in the ledger has changed.
+        key, now = (info.uid or info.ref, req, ledger.generation), ledger.clock()
+        recalled = self.ahead.recall(key, names, now)
+        if recalled is not None:
+            return Decision("evaluated", names, recalled[0], request=req, kinds=recalled[1])
+        kept = names if isinstance(names, list) else list(names)  # a request's own list: no copy of thousands
+        outcomes, kinds = ledger.evaluate_kinds(kept, req)
+        self.ahead.keep(key, now, info, kept, outcomes, kinds)
+        return Decision("evaluated", names, outcomes, request=req, kinds=kinds)
+
+    def filter(self, info: PodInfo, names: Sequence[str], raw: bytes = b"") -> FilterAnswer:
+        """Which nodes pass; `raw` is the request's body, kept with the evaluation for the prioritize
+        that follows (`gputopo.extender.ahead`)."""
+        if self._preempted:
+            self._catch_up_with_preemption(info)
+        d = self.decide(info, names)
+        if d.request is not None:
+            self.recent.remember(info)  # the pod as its filter carried it: its bind needs no GET
+        if d.kind == "pass_through":
+            return FilterAnswer(list(names), {}, {}, d)
+        # Nodes of one kind share one outcome: sort the kinds into passed or not once, then split the node
+        # list with C-level maps (thousands of nodes per call). Kinds are the ledger's keys when the decision
+        # has them (ints, and the ledger keeps which of them fit), else the outcomes' identities.
+        outcomes = d.outcomes
+        ids: list[int]
+        verdicts: Mapping[int, Outcome]
+        if d.kinds is not None:
+            ids, verdicts = d.kinds
+            present = set(ids)
+            passing = present & d.kinds.verdicts.passing
+        else:
+            ids = list(map(id, outcomes))
+            verdicts = dict(zip(ids, outcomes, strict=True))
+            present = set(verdicts)
+            passing = {k for k, o in verdicts.items() if o.code is Code.SUCCESS}
+        nodes = d.names
+        if len(present) == 1:  # one kind of node (often: none fits): no per-node split at all
+            if passing:
+                passed_all = nodes if isinstance(nodes, list) else list(nodes)
+                self.ahead.passed(outcomes, passed_all, outcomes, d.kinds, raw)
+                return FilterAnswer(list(nodes), {}, {}, d)
+        else:
+            selected = list(map(passing.__contains__, ids))
+            passed = list(compress(nodes, selected))
+            if passed:  # prioritize will name exactly these nodes
+                kinds = Kinds(list(compress(ids, selected)), d.kinds.verdicts) if d.kinds is not None else None
+                self.ahead.passed(outcomes, passed, list(compress(outcomes, selected)), kinds, raw)
+                # kube-scheduler reads why nodes failed only when none passed (to explain the pod and to pick
+                # preemption candidates): thousands of reasons per call would be built, sent and decoded for
+                # nothing.
+                return FilterAnswer(passed, {}, {}, d)
+        # Enough GPUs are free but no clique: kube-scheduler's preemption counts GPUs, finds nothing to
+        # evict there, and before kubernetes#135486 fails the whole attempt ("expected at least one
+        # victim"). gputopo only narrows offered victims, so no release can resolve this node by
+        # preemption: keep it out of the candidates.
+        distinct = {k: verdicts[k] for k in present}
+        unresolvable_ids = {
+            k for k, o in distinct.items() if o.code is Code.UNRESOLVABLE or o.reason is Reason.NO_FREE_CLIQUE
+        }
+        messages = {k: o.message for k, o in distinct.items()}
+        if len(distinct) == 1:
+            answer = dict(zip(nodes, repeat(messages[next(iter(distinct))])))
+            return FilterAnswer([], {}, answer, d) if unresolvable_ids else FilterAnswer([], answer, {}, d)
+        return FilterAnswer(
+            [],
+            self._split(nodes, ids, present - unresolvable_ids, messages),
+            self._split(nodes, ids, unresolvable_ids, messages),
+            d,
+        )
+
+    def _catch_up_with_preemption(self, info: PodInfo) -> None:
+        """kube-scheduler evicts the victims this extender's preempt answer named and retries the preemptor
+        at once, its cache rid of them sooner than our pod watch may be. Deciding on the lagging cache would
+        fail the node on GPUs already free, and DefaultPreemption's dry run would then find the pod fits
+        there with no victim, an error before kubernetes#135486. So the preemptor's filter first waits,
+        bounded, until the victims of one candidate node are gone from the cache."""
+        entry = self._preempted.get(info.uid or info.ref)
+        if entry is None:
+            return
+        until, victim_sets = entry
+        pods = self.ledger.pods
+        # (reads the victim sets, not the live dict)
+        while all(any(uid in pods for uid in s) for s in victim_sets) and time.monotonic() < until:
+            time.sleep(0.002)
+        self._preempted.pop(info.uid or info.ref, None)  # once: a later retry decides at once
+
+    def _remember_preemption(self, info: PodInfo, answer: dict[str, MetaVictims]) -> None:
+        victims = [frozenset(p.uid for p in v.pods) for v in answer.values() if v.pods]
+        if not victims:
+            return
+        now = time.monotonic()
+        kept = self._preempted
+        for key, (until, _) in list(kept.items()):
+            if until <= now or len(kept) >= MAX_PREEMPTORS_KEPT:
+                kept.pop(key, None)
+        kept[info.uid or info.ref] = (now + PREEMPTION_CATCH_UP_SECONDS, victims)
+
+    @staticmethod
+    def _split(nodes: Sequence[str], ids: list[int], wanted: set[int], messages: dict[int, str]) -> dict[str, str]:
+        if not wanted:
+            return {}
+        selected = map(wanted.__contains__, ids)
+        texts = {messages[k] for k in wanted}
+        if len(texts) == 1:  # messages are categorical: often one text for all these kinds of node
+            return dict.fromkeys(compress(nodes, selected), texts.pop())
+        return dict(compress(zip(nodes, map(messages.__getitem__, ids), strict=True), selected))
+
+    def prioritize(self, info: PodInfo, names: Sequence[str]) -> tuple[Sequence[str], list[int], Decision]:
+        """The nodes and their scores (0..10, parallel lists), and the decision behind them."""
+        d = self.decide(info, names)
+        if d.kind == "pass_through":
+            return names, [NEUTRAL_SCORE] * len(names), d
+        if d.priorities is not None:
+            return names, list(d.priorities), d
+        return d.names, ranked(d.names, d.outcomes, d.kinds), d
+
+    def _group_decision(self, info: PodInfo, req: PodRequest, names: Sequence[str]) -> Decision:
+        slot = self.groups.slot_for(info, req, names)
+        if isinstance(slot, GroupWaiting):
+            o = _outcome(Reason.GROUP_WAITING, slot.message)
+            return Decision("group_waiting", names, [o] * len(names), request=req)
+        if isinstance(slot, GroupFailure):
+            o = _outcome(Reason.GROUP_NO_PLAN, slot.message)
+            return Decision("group_failed", names, [o] * len(names), request=req)
+        here = (
+            slot.assignment.outcome
+            if slot.assignment is not None
+            else Outcome(code=Code.SUCCESS, gpus=tuple(sorted(slot.gpus)), score=1.0)
+        )
+        elsewhere = _outcome(Reason.GROUP_PLANNED_ELSEWHERE)
+        outcomes = [here if n == slot.node else elsewhere for n in names]
+        priorities = [MAX_EXTENDER_SCORE if n == slot.node else 0 for n in names]
+        return Decision("group_planned", names, outcomes, priorities, request=req)
+
+    # ------------------------------------------------------------------ bind
+
+    def bind(self, namespace: str, name: str, uid: str, node: str) -> str:
+        """Bind the pod; returns '' on success or the error text for the Error field."""
+        return self.binder.bind(namespace, name, uid, node)
+
+    # ------------------------------------------------------------------ preempt
+
+    def preempt(self, args: ExtenderPreemptionArgs) -> dict[str, MetaVictims]:
+        """Per candidate node, the victims that free a GPU set the pod can take (the fewest, then the
+        lowest priorities, groups whole: `gputopo.engine.preempt`); nodes where none does are dropped.
+
+        Victims' GPUs are what their node reports under their UID, else their placement; priorities
+        and group membership come from the cache. Group members and plain pods get the candidates
+        back unchanged: their placement is not decided node by node."""
+        candidates = args.meta_victims()
+        info = pod_info(args.pod)
+        if not is_gputopo_pod(info.annotations):
+            return candidates
+        ledger = self.ledger
+        try:
+            req = parse_pod_request(info.annotations, info.gpus, ledger.tier_names)
+        except AnnotationError:
+            return {}
+        if req.is_group:
+            return candidates
+        out: dict[str, MetaVictims] = {}
+        now = ledger.clock()
+        for node, offer in candidates.items():
+            with ledger.lock:
+                if ledger.resolve(node, now).problem is not None:
+                    continue  # stale or missing topology: no victim helps
+                state = ledger.node_for(node, without_pod=info.uid or info.ref)
+                victims, members = self._victims(node, offer)
+                unattributed = ledger.nodes[node].report.other
+            choice = choose_victims(
+                state,
+                req,
+                victims,
+                pdb_violations=offer.num_pdb_violations,
+                group_members=members,
+                unattributed=unattributed,
+                weights=ledger.weights,
+            )
+            if choice is None:
+                continue
+            if choice.unchanged:
+                out[node] = offer
+            else:
+                out[node] = MetaVictims(
+                    pods=[MetaPod(uid=u) for u in choice.victims], num_pdb_violations=choice.pdb_violations
+                )
+        self._remember_preemption(info, out)
+        return out
+
+    def _victims(self, node: str, offer: MetaVictims) -> tuple[list[Victim], dict[GroupKey, frozenset[str]]]:
+        """The offered pods as the engine sees them, and the active members of each of their groups.
+        Called under the ledger's lock."""
+        ledger = self.ledger
+        victims: list[Victim] = []
+        members: dict[GroupKey, frozenset[str]] = {}
+        for p in offer.pods:
+            rec = ledger.pods.get(p.uid)
+            group: GroupKey | None = (rec.namespace, rec.group) if rec is not None and rec.group else None
+            if group is not None and group not in members:
+                members[group] = frozenset(m.uid for m in ledger.group_members(group))
+            victims.append(
+                Victim(
+                    uid=p.uid,
+                    gpus=ledger.pod_gpus(node, p.uid),
+                    priority=rec.priority if rec is not None else 0,
+                    group=group,
+                )
+            )
+        return victims, members

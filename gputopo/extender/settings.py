@@ -1,0 +1,211 @@
+"""Settings of gputopo-extender (docs/configuration.md): every setting is a flag and a GPUTOPO_* environment
+variable, both read by pydantic-settings itself (`load_settings`); flags win over the environment."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, CliSuppress
+
+from gputopo.engine import draclaims
+from gputopo.engine.scoring import ScoreWeights
+from gputopo.extender.bounded import (
+    DEFAULT_HANDSHAKE_TIMEOUT_S,
+    DEFAULT_HANDSHAKES_PER_PEER_PER_S,
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_READ_TIMEOUT_S,
+)
+from gputopo.extender.limits import DEFAULT_MAX_REQUEST_BYTES
+from gputopo.model import DEFAULT_NAMESPACE, EXTENDER_COMPONENT
+from gputopo.settingsconfig import ENV_PREFIX, command_settings
+from gputopo.tiers import DEFAULT_TIERS, TierConfig
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+PROG = EXTENDER_COMPONENT
+
+
+def is_loopback(host: str) -> bool:
+    """True for `localhost` and every loopback address (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class Settings(BaseSettings):
+    """Topology-aware kube-scheduler extender (filter, prioritize, bind, preempt), its mutating webhook and its
+    metrics. Every flag is also an environment variable (--stale-after-seconds is GPUTOPO_STALE_AFTER_SECONDS);
+    flags win. GPUTOPO_SCORE_WEIGHTS and GPUTOPO_TIERS (JSON) are environment only."""
+
+    model_config = command_settings(PROG)
+
+    # The scheduling verbs and their health endpoints: plain HTTP, loopback only (see _listeners).
+    host: str = Field("127.0.0.1", description="listen address of the scheduling verbs; loopback only")
+    port: int = Field(8888, ge=1, le=65535, description="port of the scheduling verbs, /healthz and /readyz")
+    # The mutating webhook: HTTPS, because the API server calls webhooks only over TLS.
+    webhook_host: str = Field("0.0.0.0", description="listen address of the mutating webhook")
+    webhook_port: int = Field(0, ge=0, le=65535, description="HTTPS port of /mutate, /healthz, /readyz (0 = off)")
+    tls_cert_file: Path | None = Field(None, description="the webhook's serving certificate (PEM)")
+    tls_key_file: Path | None = Field(None, description="private key of --tls-cert-file")
+    # Who may call /mutate (gputopo/extender/clientauth.py): the API server, by its client certificate.
+    webhook_client_ca_file: Path | None = Field(
+        None, description="CA (PEM) of the API server's webhook client certificate; /mutate refuses other callers"
+    )
+    webhook_client_names: str = Field(
+        "", description="comma-separated names (CN or subjectAltName) of --webhook-client-ca-file's allowed clients"
+    )
+    # Prometheus: scraped from outside the pod, so it listens on every address by default.
+    metrics_host: str = Field("0.0.0.0", description="listen address of /metrics")
+    metrics_port: int = Field(9402, ge=0, le=65535, description="port of /metrics, /healthz, /readyz (0 = off)")
+    kubeconfig: Path | None = Field(None, description="kubeconfig to reach the API server (unset: in-cluster)")
+    namespace: str = Field(DEFAULT_NAMESPACE, description="namespace of the agents' Leases")
+    stale_after_seconds: float = Field(120.0, gt=0, description="a node whose agent Lease is older is stale")
+    reservation_timeout_seconds: float = Field(120.0, gt=0, description="unbound group reservations expire")
+    snapshot: Path | None = Field(None, description="serve from a static cluster file, no API server")
+    log_level: LogLevel = "info"
+    # Larger request bodies get 413 before they are parsed (gputopo/extender/limits.py sizes the default).
+    max_request_bytes: int = Field(
+        DEFAULT_MAX_REQUEST_BYTES, ge=64 * 1024, le=1024**3, description="larger bodies get HTTP 413 unparsed"
+    )
+    # Every listener (gputopo/extender/bounded.py): what a client on the pod network may hold of the process.
+    max_header_bytes: int = Field(
+        DEFAULT_MAX_HEADER_BYTES, ge=4096, le=16 * 1024**2, description="larger request heads get HTTP 431"
+    )
+    read_timeout_seconds: float = Field(
+        DEFAULT_READ_TIMEOUT_S, gt=0, le=3600, description="a request's head and body must arrive within this"
+    )
+    idle_timeout_seconds: float = Field(
+        DEFAULT_IDLE_TIMEOUT_S, gt=0, le=86400, description="kept-alive connections idle this long are closed"
+    )
+    max_connections: int = Field(
+        DEFAULT_MAX_CONNECTIONS, ge=1, le=65536, description="open connections per listener; more get HTTP 503"
+    )
+    max_connections_per_peer: int | None = Field(
+        None,
+        ge=1,
+        le=65536,
+        description="open connections of one client address on the webhook and metrics listeners "
+        "(unset: a quarter of --max-connections)",
+    )
+    handshake_timeout_seconds: float = Field(
+        DEFAULT_HANDSHAKE_TIMEOUT_S, gt=0, le=3600, description="the webhook's TLS handshake must end within this"
+    )
+    handshakes_per_peer_per_second: float = Field(
+        DEFAULT_HANDSHAKES_PER_PEER_PER_S,
+        ge=0,
+        le=1_000_000,
+        description="TLS handshakes one client address starts per second on the webhook (and as a burst); 0: no pace",
+    )
+    # DRA (docs/annotations.md, "Claims under DRA"): the nodes' GPUs are gputopo's DRA devices, so the webhook
+    # turns an opted-in pod's nvidia.com/gpu into a ResourceClaim that asks for an NVLink clique.
+    dra: bool = Field(False, description="the webhook gives opted-in pods a ResourceClaim asking for a GPU clique")
+    dra_list_attributes: bool = Field(
+        False, description="with --dra: claims match the nvlinkCliques list attribute (DRAListTypeAttributes)"
+    )
+    dra_memory_classes: str = Field(
+        "",
+        description="with --dra: comma-separated GPU memory figures (MiB, as NVML reports them) a claim's minimum "
+        "HBM may round up to, beside the named systems'",
+    )
+    # Environment only (JSON): GPUTOPO_SCORE_WEIGHTS, and GPUTOPO_TIERS as the chart passes it. Hidden from
+    # --help because a JSON object per flag invites quoting mistakes; the environment is the documented way.
+    score_weights: CliSuppress[ScoreWeights] = ScoreWeights()
+    tiers: CliSuppress[TierConfig] = DEFAULT_TIERS
+
+    @field_validator("dra_memory_classes")
+    @classmethod
+    def _mib_figures(cls, value: str) -> str:
+        for part in (p.strip() for p in value.split(",")):
+            if part and not (part.isascii() and part.isdigit() and 0 < int(part) <= 16 * 1024**2):
+                raise ValueError(
+                    f"{part!r} is not a GPU memory figure: give whole MiB, 1 to 16777216, comma-separated "
+                    "(e.g. 40960,95830)"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _listeners(self) -> Settings:
+        # The verbs decide placements and bind pods: only kube-scheduler in the same pod may reach them.
+        if not is_loopback(self.host):
+            raise ValueError(
+                f"--host {self.host} is not a loopback address: the scheduling verbs are served only to "
+                "kube-scheduler in the same pod; use 127.0.0.1 (the webhook and metrics have their own --*-host)"
+            )
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("--tls-cert-file and --tls-key-file must be given together")
+        if self.webhook_port and self.tls_cert_file is None:
+            raise ValueError(
+                "--webhook-port needs --tls-cert-file and --tls-key-file: the API server calls webhooks over TLS"
+            )
+        if not self.webhook_port and self.tls_cert_file is not None:
+            raise ValueError(
+                "--tls-cert-file and --tls-key-file serve only the webhook listener: set --webhook-port "
+                "(the scheduling verbs are plain HTTP on loopback)"
+            )
+        if self.webhook_client_ca_file is not None and not self.webhook_port:
+            raise ValueError("--webhook-client-ca-file authenticates the webhook's callers: set --webhook-port")
+        if self.webhook_client_ca_file is not None and not self.client_names:
+            raise ValueError(
+                "--webhook-client-ca-file needs --webhook-client-names: the names (CN or subjectAltName) of "
+                "the API server's client certificate, so that no other certificate of that CA is let in"
+            )
+        if self.client_names and self.webhook_client_ca_file is None:
+            raise ValueError("--webhook-client-names needs --webhook-client-ca-file, the CA that signed them")
+        if self.dra_memory_classes.strip() and not self.dra:
+            raise ValueError("--dra-memory-classes shapes the claims of --dra: set --dra as well")
+        if self.dra_list_attributes and not self.dra:
+            raise ValueError("--dra-list-attributes shapes the claims of --dra: set --dra as well")
+        ports = {"--port": self.port, "--webhook-port": self.webhook_port, "--metrics-port": self.metrics_port}
+        used = [(flag, p) for flag, p in ports.items() if p]
+        for i, (flag, p) in enumerate(used):
+            for other, q in used[i + 1 :]:
+                if p == q:
+                    raise ValueError(f"{flag} and {other} are both {p}: each listener needs its own port")
+        return self
+
+    @property
+    def memory_classes(self) -> tuple[int, ...]:
+        """--dra-memory-classes added to the named systems' figures (gputopo.engine.draclaims)."""
+        extra = tuple(int(m) for m in self.dra_memory_classes.split(",") if m.strip())
+        return draclaims.memory_classes(extra)
+
+    @property
+    def client_names(self) -> frozenset[str]:
+        """--webhook-client-names as a set (blanks around the commas ignored)."""
+        return frozenset(n.strip() for n in self.webhook_client_names.split(",") if n.strip())
+
+
+def flag_of(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def env_of(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def describe_error(err: ValidationError) -> str:
+    """One line per problem, naming the flag and the environment variable it came from."""
+    parts = []
+    for e in err.errors():
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        field = str(e["loc"][0]) if e["loc"] else ""
+        if field in Settings.model_fields:
+            parts.append(f"{flag_of(field)} ({env_of(field)}): {msg}")
+        else:
+            parts.append(msg)
+    return "; ".join(parts)
+
+
+def load_settings(argv: Sequence[str] | None = None) -> Settings:
+    """Flags (`argv`, default: none) over GPUTOPO_* environment variables over defaults.
+
+    Raises pydantic's ValidationError (a bad value) or pydantic-settings' SettingsError (an unknown flag)."""
+    return Settings(_cli_parse_args=list(argv or ()))
