@@ -93,7 +93,8 @@ from gputopo.model import (  # noqa: E402
     parse_pod_request,
 )
 from gputopo.sim import SimResult, simulate  # noqa: E402
-from gputopo.sim.dra import ENCODINGS, Encoding, NodeChoice, expressiveness, simulate_dra  # noqa: E402
+from gputopo.sim.dra import NodeChoice, expressiveness, simulate_dra  # noqa: E402
+from gputopo.sim.draallocator import ENCODINGS, Encoding  # noqa: E402
 from gputopo.systems import SYSTEMS, build_system  # noqa: E402
 from gputopo.tiers import DEFAULT_TIERS  # noqa: E402
 

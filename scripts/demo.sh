@@ -6,5 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-source scripts/venv.sh
+source scripts/venv.sh ""  # an explicit "": sourcing without arguments would hand it ours (pip would be asked for -e .--installed)
 exec .venv/bin/gputopo demo "$@"

@@ -1,7 +1,5 @@
-"""`gputopo-agent`: the node agent's command line (settings per docs/configuration.md).
+"""`gputopo-agent`: the node agent's command line (settings in `gputopo.agent.settings`), and its wiring.
 
-Every setting is a flag and an environment variable (`NODE_NAME`, `GPUTOPO_*`), both read by pydantic-settings
-itself; flags win.
 `--once --print` and `--once --json` discover once, print and exit without an API server.
 """
 
@@ -9,20 +7,13 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from types import FrameType
 
-from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import (
-    BaseSettings,
-    EnvSettingsSource,
-    PydanticBaseSettingsSource,
-    SettingsError,
-)
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from gputopo.agent.backends import (
     BackendError,
@@ -36,188 +27,34 @@ from gputopo.agent.backends import (
     TopologyBackend,
     make_backend,
 )
-from gputopo.agent.deviceplugin.devices import DeviceListStrategy, MigModeError
+from gputopo.agent.deviceplugin.devices import MigModeError
 from gputopo.agent.deviceplugin.plugin import DevicePlugin, PluginConfig, TopologyTap
-from gputopo.agent.deviceplugin.preferred import PreferredAllocation
-from gputopo.agent.deviceplugin.server import DEFAULT_PLUGIN_DIR
-from gputopo.agent.dra.cdi import DEFAULT_CDI_DIR
 from gputopo.agent.dra.plugin import DraConfig, DraPlugin
-from gputopo.agent.dra.server import DEFAULT_PLUGINS_DIR as DEFAULT_DRA_PLUGINS_DIR
-from gputopo.agent.dra.server import DEFAULT_REGISTRY_DIR as DEFAULT_DRA_REGISTRY_DIR
 from gputopo.agent.dra.slices import KubeSliceApi
 from gputopo.agent.metrics import AgentMetrics
 from gputopo.agent.nvml_backend import NvmlLib, NvmlUnavailableError
-from gputopo.agent.podresources.client import DEFAULT_SOCKET
 from gputopo.agent.pods import KubeLocalPods, KubePodSource, LocalPods, StaticLocalPods
-from gputopo.agent.publisher import KubeNodeApi, NodeApi, Publisher, PublishResult
+from gputopo.agent.publish import PublishResult
+from gputopo.agent.publisher import KubeNodeApi, NodeApi, Publisher
 from gputopo.agent.runner import Agent
+from gputopo.agent.settings import (
+    PROG,
+    AgentCommand,
+    AgentSettings,
+    default_node_name,
+    load_settings,
+    parse_command,
+    serves_device_plugin,
+    settings_error,
+)
 from gputopo.jsonlog import configure_logging
 from gputopo.kube import Kube
-from gputopo.model import AGENT_COMPONENT, DEFAULT_NAMESPACE, GPU_RESOURCE
 from gputopo.render import render_topology
-from gputopo.settingsconfig import ENV_PREFIX, command_settings
+
+# The command line's names, where callers and tests have always found them.
+__all__ = ["AgentCommand", "AgentSettings", "load_settings", "main", "parse_command"]
 
 log = logging.getLogger("agent")
-
-PROG = AGENT_COMPONENT
-# An extended resource name: <DNS subdomain>/<name>, as the kubelet's device manager accepts it.
-_RESOURCE_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
-
-
-class AgentSettings(BaseSettings):
-    """The agent's settings, docs/configuration.md's gputopo-agent table: each is a flag and an environment
-    variable (`NODE_NAME` for the node name, from the downward API)."""
-
-    model_config = command_settings(PROG)
-
-    node_name: str | None = Field(
-        default=None,
-        validation_alias=AliasChoices("node_name", "NODE_NAME"),
-        description="the Node to publish to (env NODE_NAME; required unless --once)",
-    )
-    namespace: str = Field(DEFAULT_NAMESPACE, description="namespace of the heartbeat Lease")
-    backend: str = Field("nvml", description="nvml, fixture:NAME or file:PATH")
-    interval_seconds: float = Field(default=10.0, gt=0, description="discovery period")
-    heartbeat_seconds: float = Field(default=30.0, gt=0, description="Lease renewal period")
-    sysfs_root: Path = Field(Path("/sys"), description="root of class/infiniband and bus/pci")
-    podresources_socket: Path = Field(Path(DEFAULT_SOCKET), description="kubelet PodResources socket")
-    in_use_file: Path | None = Field(
-        None, description="simulated nodes: a gpus-in-use value (index list or per-pod object), re-read every cycle"
-    )
-    kubeconfig: str | None = Field(None, description="kubeconfig file (default: in-cluster config)")
-    metrics_port: int = Field(default=9401, ge=0, le=65535, description="Prometheus /metrics port (0 = off)")
-    log_level: str = Field("info", description="debug, info, warning, error or critical")
-    device_plugin: bool = Field(
-        False, description="serve the kubelet device plugin for the GPUs, following gputopo placements (not --once)"
-    )
-    device_plugin_dir: Path = Field(DEFAULT_PLUGIN_DIR, description="kubelet device plugin directory")
-    resource_name: str = Field(
-        default=GPU_RESOURCE, pattern=_RESOURCE_NAME, description="extended resource the device plugin serves"
-    )
-    device_list_strategy: DeviceListStrategy = Field(
-        DeviceListStrategy.ENVVAR,
-        description="how Allocate names the GPUs to the NVIDIA Container Toolkit: envvar, cdi-annotations or cdi-cri",
-    )
-    unhealthy_after_seconds: float = Field(
-        120.0,
-        gt=0,
-        description="device plugin: with no successful discovery for this long, every GPU is reported Unhealthy",
-    )
-    preferred_allocation: PreferredAllocation = Field(
-        PreferredAllocation.PLACEMENT,
-        description="placement (the pod's gputopo placement, else best effort) or besteffort (ignore placements)",
-    )
-    dra: bool = Field(
-        False,
-        description="serve the GPUs as the kubelet DRA driver gpu.gputopo.io and publish their ResourceSlice "
-        "(not --once; the device plugin then does not start)",
-    )
-    dra_list_attributes: bool = Field(
-        False, description="DRA: publish the NVLink cliques as a list attribute (needs the DRAListTypeAttributes gate)"
-    )
-    dra_device_taints: bool = Field(
-        False,
-        description="DRA: publish a failed GPU with a NoSchedule device taint (needs DRADeviceTaints); "
-        "without it a failed GPU is left out of the ResourceSlice",
-    )
-    dra_plugins_dir: Path = Field(DEFAULT_DRA_PLUGINS_DIR, description="DRA: the kubelet's plugins directory")
-    dra_registry_dir: Path = Field(
-        DEFAULT_DRA_REGISTRY_DIR, description="DRA: the kubelet's plugin registration directory"
-    )
-    cdi_dir: Path = Field(DEFAULT_CDI_DIR, description="DRA: where the CDI specs of the GPUs and claims are written")
-
-    @field_validator("backend")
-    @classmethod
-    def _backend_form(cls, v: str) -> str:
-        kind, sep, arg = v.partition(":")
-        if not ((kind == "nvml" and not sep) or (kind in ("fixture", "file") and arg)):
-            raise ValueError(f"{v!r} is not nvml, fixture:NAME or file:PATH")
-        return v
-
-    @field_validator("log_level")
-    @classmethod
-    def _level(cls, v: str) -> str:
-        if v.lower() not in ("debug", "info", "warning", "error", "critical"):
-            raise ValueError("must be debug, info, warning, error or critical")
-        return v.lower()
-
-
-class AgentCommand(AgentSettings):
-    """Discover this node's GPUs, NVLink, NICs, health and GPUs in use; publish them to its Node. Every flag but
-    --once, --print and --json is also an environment variable (--interval-seconds is GPUTOPO_INTERVAL_SECONDS,
-    --node-name is NODE_NAME); flags win."""
-
-    once: bool = Field(False, description="discover once and exit")
-    print_topology: bool = Field(
-        False, alias="print", description="with --once: show the topology like nvidia-smi topo -m"
-    )
-    json_topology: bool = Field(False, alias="json", description="with --once: print the gputopo.io/topology document")
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # The environment feeds only AgentSettings' fields: an environment variable named ONCE, PRINT or JSON
-        # must not turn a DaemonSet agent into a one-shot command. (The command line is added on top.)
-        return (init_settings, EnvSettingsSource(AgentSettings))
-
-    @model_validator(mode="after")
-    def _actions(self) -> AgentCommand:
-        if self.print_topology and self.json_topology:
-            raise ValueError("--print and --json are exclusive")
-        if (self.print_topology or self.json_topology) and not self.once:
-            raise ValueError("--print and --json need --once")
-        return self
-
-    def settings(self) -> AgentSettings:
-        """The settings alone (already validated), without the one-shot actions."""
-        return AgentSettings.model_construct(**{k: getattr(self, k) for k in AgentSettings.model_fields})
-
-
-def parse_command(argv: Sequence[str] | None = None) -> AgentCommand:
-    """Flags (`argv`, default: none) over `NODE_NAME`/GPUTOPO_* environment variables over defaults.
-
-    Raises pydantic's ValidationError (a bad value) or pydantic-settings' SettingsError (an unknown flag)."""
-    return AgentCommand(_cli_parse_args=list(argv or ()))
-
-
-def load_settings(argv: Sequence[str] | None = None) -> AgentSettings:
-    return parse_command(argv).settings()
-
-
-def _flag(loc: str) -> str:
-    """`--flag (ENV)` for a settings field, `--flag` for the flag-only actions."""
-    flag = "--" + loc.replace("_", "-")
-    if loc == "node_name":
-        return f"{flag} (NODE_NAME)"
-    if loc in AgentSettings.model_fields:
-        return f"{flag} ({ENV_PREFIX}{loc.upper()})"
-    return flag
-
-
-def _settings_error(e: ValidationError) -> str:
-    parts = []
-    for err in e.errors():
-        msg = str(err["msg"]).removeprefix("Value error, ")
-        parts.append(f"{_flag(str(err['loc'][0]))}: {msg}" if err["loc"] else msg)
-    return "; ".join(parts)
-
-
-def default_node_name(settings: AgentSettings) -> str:
-    if settings.node_name:
-        return settings.node_name
-    kind, _, arg = settings.backend.partition(":")
-    return arg if kind == "fixture" else socket.gethostname()
-
-
-def serves_device_plugin(settings: AgentSettings) -> bool:
-    """--device-plugin, unless --dra owns the node's GPUs."""
-    return settings.device_plugin and not settings.dra
 
 
 def make_in_use(settings: AgentSettings, pods: PodLookup | None = None) -> InUseSource:
@@ -369,7 +206,7 @@ def main(
     try:
         command = parse_command(sys.argv[1:] if argv is None else argv)
     except ValidationError as e:
-        return _fail(f"invalid settings: {_settings_error(e)}", 2)
+        return _fail(f"invalid settings: {settings_error(e)}", 2)
     except SettingsError as e:  # an unknown flag or a flag without its value
         return _fail(str(e), 2)
     settings = command.settings()
@@ -439,36 +276,30 @@ def _run(
             dra = start_dra(settings, node, backend, stop.wait, dra_factory, kube)
         except Exception as e:  # no first topology, a socket path, the Kubernetes client's configuration
             return _fail(f"cannot start the DRA driver: {e}")
-        backend = TopologyTap(backend, dra.update)  # every discovery cycle republishes on change
     elif settings.device_plugin and not once:
         try:
             plugin = start_device_plugin(settings, node, backend, pods)
         except (BackendError, MigModeError, OSError, ValueError) as e:
             return _fail(f"cannot start the device plugin: {e}")
         backend = TopologyTap(backend, plugin.update)  # every discovery cycle updates the plugin's devices
-    agent = Agent(backend, in_use, publisher, metrics, settings.interval_seconds, settings.heartbeat_seconds, stop)
+    agent = Agent(
+        backend,
+        in_use,
+        publisher,
+        metrics,
+        settings.interval_seconds,
+        settings.heartbeat_seconds,
+        stop,
+        # Every discovery cycle then updates the DRA driver and republishes its ResourceSlice on change.
+        dra_update=dra.update if dra is not None else None,
+    )
     if once:
         result = agent.cycle()
         ok = result.published in (PublishResult.CHANGED, PublishResult.UNCHANGED) and publisher.heartbeat()
         return 0 if ok else 1
 
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("stopping", extra={"signal": signal.Signals(signum).name})
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    if settings.metrics_port:
-        from prometheus_client import start_http_server
-
-        # Scraped from outside the node's pod network namespace, so it listens on all addresses.
-        start_http_server(settings.metrics_port, registry=metrics.registry)
-    log.info(
-        "agent started",
-        extra={"node": node, "backend": backend.description, "interval_s": settings.interval_seconds},
-    )
     try:
-        agent.run()
+        _serve(agent, stop, metrics, settings.metrics_port, node, backend.description, settings.interval_seconds)
     finally:
         # The Lease first: the node is stale for the extender before its device plugin goes.
         publisher.release_lease()
@@ -478,6 +309,32 @@ def _run(
             dra.stop()
     log.info("agent stopped", extra={"node": node})
     return 0
+
+
+def _serve(
+    agent: Agent,
+    stop: threading.Event,
+    metrics: AgentMetrics,
+    metrics_port: int,
+    node: str,
+    backend: str,
+    interval: float,
+) -> None:
+    """Run the loop until SIGTERM or SIGINT, serving /metrics meanwhile."""
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("stopping", extra={"signal": signal.Signals(signum).name})
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        # Scraped from outside the node's pod network namespace, so it listens on all addresses.
+        start_http_server(metrics_port, registry=metrics.registry)
+    log.info("agent started", extra={"node": node, "backend": backend, "interval_s": interval})
+    agent.run()
 
 
 if __name__ == "__main__":

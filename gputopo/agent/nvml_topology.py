@@ -188,6 +188,17 @@ class GpuReading:
     clique: str | None = None
 
 
+def _fabric(gpus: Sequence[GpuReading]) -> FabricInfo | None:
+    """The node's fabric clique: the most common one its GPUs report."""
+    cliques = Counter(g.clique for g in gpus if g.clique)
+    if not cliques:
+        return None
+    clique, _ = cliques.most_common(1)[0]
+    if len(cliques) > 1:
+        log.warning("GPUs report different fabric cliques", extra={"cliques": sorted(cliques)})
+    return FabricInfo(clique=clique)
+
+
 def assemble(gpus: Sequence[GpuReading], ever_active: Container[tuple[str, int]]) -> NodeTopology:
     """The node's topology from its GPUs' readings (their health and reasons are completed here).
 
@@ -245,13 +256,6 @@ def assemble(gpus: Sequence[GpuReading], ever_active: Container[tuple[str, int]]
             g.reasons.append(f"NVLink {_links_phrase(links)} health unknown: {detail}")
     generations = [g.generation for g in gpus if g.generation]
     generation = max(generations, default=0)
-    cliques = Counter(g.clique for g in gpus if g.clique)
-    fabric = None
-    if cliques:
-        clique, _ = cliques.most_common(1)[0]
-        if len(cliques) > 1:
-            log.warning("GPUs report different fabric cliques", extra={"cliques": sorted(cliques)})
-        fabric = FabricInfo(clique=clique)
     return NodeTopology(
         gpus=tuple(
             GpuInfo(
@@ -273,5 +277,5 @@ def assemble(gpus: Sequence[GpuReading], ever_active: Container[tuple[str, int]]
             links=nvlink_matrix(direct, switch) if n else (),
         ),
         degraded_links=tuple(degraded),
-        fabric=fabric,
+        fabric=_fabric(gpus),
     )

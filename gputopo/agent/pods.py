@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from gputopo.kube import Kube, Pacing, parse_time, pods_path, run_list_watch
 from gputopo.model import GPU_RESOURCE, PLACEMENT_ANNOTATION, AnnotationError, Placement, parse_placement
+from gputopo.model.podspec import PodSpecError, read_pod_gpus
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ class LocalPod:
     namespace: str
     name: str
     phase: str  # status.phase, "" if absent
-    gpus_requested: int  # max(sum of app containers' limits, max init container limit)
+    gpus_requested: int  # Kubernetes' effective request (gputopo.model.podspec)
     container_gpus: tuple[tuple[str, int], ...]  # (container name, GPUs), app containers in spec order, only > 0
     placement: Placement | None  # gputopo.io/placement when it names THIS node, else None
     created: float  # metadata.creationTimestamp as epoch seconds
@@ -56,47 +57,6 @@ class LocalPods(Protocol):
 
 class MalformedPodError(ValueError):
     """A pod object this view cannot read; the message names the field."""
-
-
-def _quantity(value: object, where: str) -> int:
-    # Extended resources are whole numbers; the API server sends them as strings ("2").
-    if isinstance(value, bool):
-        raise MalformedPodError(f"{where} is not an integer: {value!r}")
-    if isinstance(value, int):
-        n = value
-    else:
-        try:
-            n = int(str(value).strip())
-        except ValueError:
-            raise MalformedPodError(f"{where} is not an integer: {value!r}") from None
-    if n < 0:
-        raise MalformedPodError(f"{where} is negative: {n}")
-    return n
-
-
-def _container_gpus(containers: object, resource: str, where: str) -> list[tuple[str, int]]:
-    if containers is None:
-        return []
-    if not isinstance(containers, list):
-        raise MalformedPodError(f"{where} is not a list")
-    out = []
-    for i, c in enumerate(containers):
-        if not isinstance(c, Mapping):
-            raise MalformedPodError(f"{where}[{i}] is not an object")
-        res = c.get("resources") or {}
-        if not isinstance(res, Mapping):
-            raise MalformedPodError(f"{where}[{i}].resources is not an object")
-        # Limits are mandatory for extended resources; requests, if given, must equal them.
-        amount = 0
-        for part in ("limits", "requests"):
-            values = res.get(part) or {}
-            if not isinstance(values, Mapping):
-                raise MalformedPodError(f"{where}[{i}].resources.{part} is not an object")
-            if resource in values:
-                amount = _quantity(values[resource], f"{where}[{i}].resources.{part}[{resource}]")
-                break
-        out.append((str(c.get("name") or f"#{i}"), amount))
-    return out
 
 
 def _epoch(text: object) -> float:
@@ -125,8 +85,10 @@ def parse_local_pod(
     annotations = meta.get("annotations") or {}
     if not isinstance(spec, Mapping) or not isinstance(status, Mapping) or not isinstance(annotations, Mapping):
         raise MalformedPodError("spec, status or metadata.annotations is not an object")
-    app = _container_gpus(spec.get("containers"), resource, "spec.containers")
-    init = _container_gpus(spec.get("initContainers"), resource, "spec.initContainers")
+    try:
+        gpus = read_pod_gpus(spec, "spec", resource)
+    except PodSpecError as e:
+        raise MalformedPodError(str(e)) from None
     placement, error = None, None
     text = annotations.get(PLACEMENT_ANNOTATION)
     if isinstance(text, str):
@@ -140,8 +102,8 @@ def parse_local_pod(
         namespace=str(meta.get("namespace") or "default"),
         name=name,
         phase=str(status.get("phase") or ""),
-        gpus_requested=max(sum(n for _, n in app), max((n for _, n in init), default=0)),
-        container_gpus=tuple((c, n) for c, n in app if n > 0),
+        gpus_requested=gpus.total,
+        container_gpus=tuple((c, n) for c, n in gpus.containers if n > 0),
         placement=placement,
         created=_epoch(meta.get("creationTimestamp")),
     )

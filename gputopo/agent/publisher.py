@@ -20,10 +20,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from enum import StrEnum
 from typing import Protocol
 
 from gputopo.agent.labels import node_labels
+from gputopo.agent.publish import Confirmed
+from gputopo.agent.publish import PublishResult as PublishResult  # re-exported: the agent's result type
 from gputopo.kube import Backoff, Kube, KubeError, lease_path, micro_time, node_path, retry, short_error
 from gputopo.model import (
     AGENT_COMPONENT,
@@ -74,14 +75,6 @@ class NodeApi(Protocol):
         ...
 
 
-class PublishResult(StrEnum):
-    """Outcome of one publish; also the `result` label of gputopo_agent_publish_total."""
-
-    CHANGED = "changed"
-    UNCHANGED = "unchanged"
-    ERROR = "error"
-
-
 # --------------------------------------------------------------------------------------------------
 # Pure: what the Node should carry, and what differs
 
@@ -94,24 +87,54 @@ def desired_metadata(topology: NodeTopology, gpus_in_use: GpusInUse | None) -> t
     return annotations, node_labels(topology)
 
 
-def _same_json(a: str | None, b: str) -> bool:
+Metadata = tuple[dict[str, str], dict[str, str]]  # (annotations, labels)
+NodeWant = tuple[dict[str, object], dict[str, str | None]]  # the same, compared: annotations as JSON values
+
+
+def _value(a: str | None) -> object:
+    """An annotation as compared: its JSON value, else its text (None when absent)."""
     if a is None:
-        return False
-    if a == b:
-        return True
+        return None
     try:
-        return bool(json.loads(a) == json.loads(b))
+        return ("json", json.loads(a))
     except ValueError:
-        return False
+        return ("text", a)
 
 
-def metadata_changes(
-    current: NodeMeta, annotations: Mapping[str, str], labels: Mapping[str, str]
-) -> tuple[dict[str, str], dict[str, str]]:
+def metadata_changes(current: NodeMeta, annotations: Mapping[str, str], labels: Mapping[str, str]) -> Metadata:
     """The annotations and labels whose content differs from the Node (JSON compared as values)."""
-    ann = {k: v for k, v in annotations.items() if not _same_json(current.annotations.get(k), v)}
+    ann = {k: v for k, v in annotations.items() if _value(current.annotations.get(k)) != _value(v)}
     lab = {k: v for k, v in labels.items() if k in NODE_LABEL_KEYS and current.labels.get(k) != v}
     return ann, lab
+
+
+class NodeMetaTarget:
+    """The Node's gputopo annotations and labels as a publish target: a merge patch of what differs."""
+
+    what = "the Node"
+
+    def __init__(self, api: NodeApi, node: str, sleep: Callable[[float], bool], backoff: Backoff) -> None:
+        self._api = api
+        self._node = node
+        self._sleep = sleep
+        self._backoff = backoff
+
+    def comparable(self, desired: Metadata) -> NodeWant:
+        annotations, labels = desired
+        return {k: _value(v) for k, v in annotations.items()}, {k: v for k, v in labels.items() if k in NODE_LABEL_KEYS}
+
+    def read(self) -> NodeMeta:
+        return retry(lambda: self._api.read_node_meta(self._node), self._backoff, self._sleep, "get node")
+
+    def holds(self, current: NodeMeta, want: NodeWant) -> NodeWant:
+        ann, lab = want
+        return {k: _value(current.annotations.get(k)) for k in ann}, {k: current.labels.get(k) for k in lab}
+
+    def write(self, current: NodeMeta, desired: Metadata) -> NodeWant:
+        ann, lab = metadata_changes(current, *desired)
+        retry(lambda: self._api.patch_node_meta(self._node, ann, lab), self._backoff, self._sleep, "patch node")
+        log.info("published topology", extra={"node": self._node, "annotations": sorted(ann), "labels": sorted(lab)})
+        return self.comparable(desired)  # a merge patch is kept as sent
 
 
 # --------------------------------------------------------------------------------------------------
@@ -134,12 +157,9 @@ class Publisher:
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._api = api
-        # What the Node is known to carry, and when that was last read back: an unchanged discovery
-        # costs no API call at all until `reverify_s` passes (then a read repairs external edits).
-        self._confirmed: tuple[dict[str, str], dict[str, str]] | None = None
-        self._confirmed_at = 0.0
-        self._reverify_s = reverify_s
-        self._monotonic = monotonic
+        # An unchanged discovery costs no API call at all until `reverify_s` passes (then a read repairs
+        # external edits).
+        self._meta = Confirmed(NodeMetaTarget(api, node, sleep, backoff), reverify_s, monotonic)
         self._node = node
         self._namespace = namespace
         self._lease = agent_lease_name(node)
@@ -150,24 +170,7 @@ class Publisher:
         self._renewed_at: datetime | None = None  # the renewTime this agent last wrote
 
     def publish(self, topology: NodeTopology, gpus_in_use: GpusInUse | None) -> PublishResult:
-        annotations, labels = desired_metadata(topology, gpus_in_use)
-        desired = (dict(annotations), dict(labels))
-        if self._confirmed == desired and self._monotonic() - self._confirmed_at < self._reverify_s:
-            return PublishResult.UNCHANGED
-        try:
-            current = retry(lambda: self._api.read_node_meta(self._node), self._backoff, self._sleep, "get node")
-            ann, lab = metadata_changes(current, annotations, labels)
-            if ann or lab:
-                retry(lambda: self._api.patch_node_meta(self._node, ann, lab), self._backoff, self._sleep, "patch node")
-        except Exception as e:
-            self._confirmed = None
-            log.error("publishing to the Node failed", extra={"node": self._node, "error": short_error(e)})
-            return PublishResult.ERROR
-        self._confirmed, self._confirmed_at = desired, self._monotonic()
-        if not ann and not lab:
-            return PublishResult.UNCHANGED
-        log.info("published topology", extra={"node": self._node, "annotations": sorted(ann), "labels": sorted(lab)})
-        return PublishResult.CHANGED
+        return self._meta.publish(desired_metadata(topology, gpus_in_use))
 
     def heartbeat(self) -> bool:
         """Renew (or create) the Lease; False when that failed after retries."""

@@ -1,5 +1,9 @@
 """The agent loop: discover every interval, publish on change, renew the Lease every heartbeat.
 
+Discovery only returns data; each cycle then publishes openly: the Node's metadata and, in DRA mode,
+the DRA driver's update (its devices, then its ResourceSlice). Both write only on change
+(`gputopo.agent.publish`).
+
 Time and stopping are injected (a clock and a stop signal such as threading.Event), so tests and the benchmark run the
 loop fast and deterministically; SIGTERM sets the event and the loop ends at its next wait.
 """
@@ -14,7 +18,8 @@ from typing import Protocol
 
 from gputopo.agent.backends import BackendError, InUseError, InUseSource, TopologyBackend
 from gputopo.agent.metrics import AgentMetrics
-from gputopo.agent.publisher import Publisher, PublishResult
+from gputopo.agent.publish import PublishResult
+from gputopo.agent.publisher import Publisher
 from gputopo.model import GpusInUse, NodeTopology
 
 log = logging.getLogger(__name__)
@@ -33,6 +38,7 @@ class CycleResult:
     topology: NodeTopology | None
     gpus_in_use: GpusInUse | None
     published: PublishResult | None
+    slice: PublishResult | None = None  # the ResourceSlice, in DRA mode
 
 
 class Agent:
@@ -46,8 +52,10 @@ class Agent:
         heartbeat_s: float,
         stop: StopSignal,
         clock: Callable[[], float] = time.monotonic,
+        dra_update: Callable[[NodeTopology], PublishResult] | None = None,
     ) -> None:
         self._backend = backend
+        self._dra_update = dra_update
         self._in_use = in_use
         self._publisher = publisher
         self._metrics = metrics
@@ -88,7 +96,17 @@ class Agent:
         if self._publisher is not None:
             result = self._publisher.publish(topology, in_use)
             self._metrics.publish_total.labels(result=result.value).inc()
-        return CycleResult(topology, in_use, result)
+        return CycleResult(topology, in_use, result, self._publish_slice(topology))
+
+    def _publish_slice(self, topology: NodeTopology) -> PublishResult | None:
+        if self._dra_update is None:
+            return None
+        try:
+            return self._dra_update(topology)
+        except Exception:
+            # The Node's metadata is published already; the next cycle tries the driver again.
+            log.exception("DRA driver update failed")
+            return PublishResult.ERROR
 
     def run(self) -> None:
         """Until the stop event: a cycle every interval, then the heartbeat when it is due.

@@ -56,8 +56,8 @@ def _events_section(describe: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: the simulator and other commands must not pay for the control-plane modules.
-    from gputopo.localcluster import ControlPlane, ensure_binaries, pod_manifest
-    from gputopo.localcluster.stack import GpuNode, Stack
+    from gputopo.localcluster import ControlPlane, ensure_binaries
+    from gputopo.localcluster.stack import Stack
 
     try:
         cluster = load_cluster(args.cluster)
@@ -82,61 +82,13 @@ def run(args: argparse.Namespace) -> int:
         stack.start_extender()
         stack.start_scheduler()
         _say(f"== {len(cluster.nodes)} simulated GPU nodes from {args.cluster}, each with its own gputopo-agent")
-        stack.add_nodes([GpuNode(n.name, n.fixture, n.topology, n.labels, n.gpus_in_use) for n in cluster.nodes])
-        stack.wait_published()
-        stale = [n.name for n in cluster.nodes if n.stale]
-        for name in stale:
-            stack.stop_agent(name)
-        if stale:
-            _say(f"   stopped the agent of {', '.join(stale)}; its topology goes stale after {STALE_AFTER:.0f}s")
-            time.sleep(STALE_AFTER + 1)
-        for n in cluster.nodes:
-            _say(f"   {n.name:<16} {n.fixture or 'inline topology':<18} {n.labels.get(LABEL_NETWORK_LEAF, '-')}")
-
+        _add_nodes(stack, cluster)
         ns = "demo"
         kube.create_namespace(ns)
-        pods: list[str] = []
         _say(f"== submitting {args.jobs}")
-        for job in jobs.jobs:
-            for i in range(job.pods):
-                name = f"{job.name}-{i}"
-                kube.create_pod(
-                    pod_manifest(
-                        name,
-                        namespace=ns,
-                        scheduler_name=SCHEDULER_NAME,
-                        gpus=job.gpus_per_pod,
-                        annotations=job.pod_annotations(i),
-                    )
-                )
-                pods.append(name)
-            # One job at a time, as the simulator places them, so the outcome reads in file order.
-            _wait_decided(kube, ns, pods[-job.pods :], args.timeout)
-
+        pods = _submit(kube, ns, jobs, args.timeout)
         _say("== where each pod went, and why (from kubectl describe pod)")
-        placed = 0
-        for name in pods:
-            pod = kube.get_pod(ns, name)
-            node = pod["spec"].get("nodeName")
-            events = _events_section(kube.describe_pod(ns, name))
-            if node:
-                placed += 1
-                gpus = ""
-                ann = pod["metadata"].get("annotations", {}).get(PLACEMENT_ANNOTATION)
-                if ann:
-                    try:
-                        gpus = f" GPUs {gpu_ranges(parse_placement(ann).gpus)}"
-                    except AnnotationError:
-                        gpus = ""
-                _say(f"\n+ {name} -> {node}{gpus}")
-            else:
-                _say(f"\n- {name}: pending")
-            shown: set[str] = set()
-            for line in events:
-                text = " ".join(line.split())
-                if text not in shown and any(r in line for r in ("TopologyPlacement", "FailedScheduling", "Scheduled")):
-                    shown.add(text)  # a retried pod repeats its FailedScheduling event
-                    _say("    " + text)
+        placed = sum(_report_pod(kube, ns, name) for name in pods)
         _say(f"\n{placed}/{len(pods)} pods placed.")
         _real_kubelet_part(stack, kube, bin_dir, ns, args.timeout)
         if args.keep:
@@ -156,6 +108,70 @@ def run(args: argparse.Namespace) -> int:
         # admission and its own gputopo-scheduler (the chart's), and the one containerd node.
         _installed_part(bin_dir, args.timeout)
     return 0
+
+
+def _add_nodes(stack: Any, cluster: Any) -> None:
+    """One agent per simulated node, published; the agents of nodes the file marks stale stopped."""
+    from gputopo.localcluster.stack import GpuNode
+
+    stack.add_nodes([GpuNode(n.name, n.fixture, n.topology, n.labels, n.gpus_in_use) for n in cluster.nodes])
+    stack.wait_published()
+    stale = [n.name for n in cluster.nodes if n.stale]
+    for name in stale:
+        stack.stop_agent(name)
+    if stale:
+        _say(f"   stopped the agent of {', '.join(stale)}; its topology goes stale after {STALE_AFTER:.0f}s")
+        time.sleep(STALE_AFTER + 1)
+    for n in cluster.nodes:
+        _say(f"   {n.name:<16} {n.fixture or 'inline topology':<18} {n.labels.get(LABEL_NETWORK_LEAF, '-')}")
+
+
+def _submit(kube: Any, ns: str, jobs: Any, timeout: float) -> list[str]:
+    """Create the jobs file's pods, one job at a time, as the simulator places them, so the outcome
+    reads in file order; the pods' names."""
+    from gputopo.localcluster import pod_manifest
+
+    pods: list[str] = []
+    for job in jobs.jobs:
+        for i in range(job.pods):
+            name = f"{job.name}-{i}"
+            kube.create_pod(
+                pod_manifest(
+                    name,
+                    namespace=ns,
+                    scheduler_name=SCHEDULER_NAME,
+                    gpus=job.gpus_per_pod,
+                    annotations=job.pod_annotations(i),
+                )
+            )
+            pods.append(name)
+        _wait_decided(kube, ns, pods[-job.pods :], timeout)
+    return pods
+
+
+def _report_pod(kube: Any, ns: str, name: str) -> bool:
+    """Print where the pod went (its GPUs) and its scheduling events; whether it was placed."""
+    pod = kube.get_pod(ns, name)
+    node = pod["spec"].get("nodeName")
+    events = _events_section(kube.describe_pod(ns, name))
+    if node:
+        gpus = ""
+        ann = pod["metadata"].get("annotations", {}).get(PLACEMENT_ANNOTATION)
+        if ann:
+            try:
+                gpus = f" GPUs {gpu_ranges(parse_placement(ann).gpus)}"
+            except AnnotationError:
+                gpus = ""
+        _say(f"\n+ {name} -> {node}{gpus}")
+    else:
+        _say(f"\n- {name}: pending")
+    shown: set[str] = set()
+    for line in events:
+        text = " ".join(line.split())
+        if text not in shown and any(r in line for r in ("TopologyPlacement", "FailedScheduling", "Scheduled")):
+            shown.add(text)  # a retried pod repeats its FailedScheduling event
+            _say("    " + text)
+    return bool(node)
 
 
 KUBELET_NODE = "kubelet-dgx1v"

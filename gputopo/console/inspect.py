@@ -11,8 +11,9 @@ import argparse
 import contextlib
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gputopo.engine.explain import describe_gpus, gpu_ranges, outcome_estimate
 from gputopo.engine.reasons import Code, summarize_failures
@@ -29,6 +30,10 @@ from gputopo.model import (
     parse_placement,
     parse_topology,
 )
+
+if TYPE_CHECKING:  # the extender is imported only when a command needs it
+    from gputopo.extender.mismatch import Mismatch
+    from gputopo.extender.service import Decision
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -144,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     """`gputopo explain POD`."""
     from gputopo.extender.cache import ClusterCache
     from gputopo.extender.objects import resolve_pod
-    from gputopo.extender.service import MISMATCH_REASON, Extender
+    from gputopo.extender.service import Extender
     from gputopo.extender.wire import WireError, pod_info
 
     try:
@@ -187,26 +192,37 @@ def run(args: argparse.Namespace) -> int:
         print(f"Group: {inferred.group}: {inferred.problem}")
     placed = info.annotations.get(PLACEMENT_ANNOTATION)
     if info.node_name:
-        line = f"Bound to {info.node_name}"
-        if placed:
-            try:
-                p = parse_placement(placed)
-                line += f", GPUs {gpu_ranges(p.gpus)} (score {p.score}): {p.reason}"
-            except AnnotationError:
-                pass
-        print(line)
-        if mismatch is not None:
-            got, want = gpu_ranges(mismatch.actual), gpu_ranges(mismatch.placed)
-            print(
-                f"Actual GPUs {got} (reported by the node), not the placed {want}: {mismatch.shape} ({MISMATCH_REASON})"
-            )
-        elif actual is not None:
-            print(f"Actual GPUs {gpu_ranges(sorted(actual))} (reported by the node)")
+        _print_binding(info.node_name, placed, actual, mismatch)
     if decision.kind == "pass_through":
         print("No gputopo.io/ request annotation: gputopo passes this pod through; kube-scheduler alone decides.")
         return 0
     as_if = " as if the pod were not placed" if info.node_name or placed else ""
     print(f"Verdicts now{as_if} ({decision.kind.replace('_', ' ')}), best first:")
+    _print_verdicts(decision, wire)
+    return 0
+
+
+def _print_binding(node: str, placed: str | None, actual: frozenset[int] | None, mismatch: Mismatch | None) -> None:
+    """Where a bound pod is, on which GPUs, and what the node reports it got."""
+    from gputopo.extender.service import MISMATCH_REASON
+
+    line = f"Bound to {node}"
+    if placed:
+        try:
+            p = parse_placement(placed)
+            line += f", GPUs {gpu_ranges(p.gpus)} (score {p.score}): {p.reason}"
+        except AnnotationError:
+            pass
+    print(line)
+    if mismatch is not None:
+        got, want = gpu_ranges(mismatch.actual), gpu_ranges(mismatch.placed)
+        print(f"Actual GPUs {got} (reported by the node), not the placed {want}: {mismatch.shape} ({MISMATCH_REASON})")
+    elif actual is not None:
+        print(f"Actual GPUs {gpu_ranges(sorted(actual))} (reported by the node)")
+
+
+def _print_verdicts(decision: Decision, wire: Sequence[int]) -> None:
+    """One row per node, best first: verdict, the engine's score, the wire score, GPUs and why."""
     # SCORE is the engine's; WIRE is what prioritize gives kube-scheduler for it (docs/extender.md: the
     # request's ranks, or a group plan's planned node 10 and others 0).
     rows: list[tuple[int, int, float, str, str, str, str, str, str]] = []
@@ -225,4 +241,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {name:<{width}}  {verdict:<13}  {shown:<6}  {sent:<4}  {gpus:<5}  {why}")
     if not any(o.code is Code.SUCCESS for o in decision.outcomes):
         print(summarize_failures([o.message for o in decision.outcomes], len(decision.outcomes)))
-    return 0

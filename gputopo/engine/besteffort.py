@@ -40,7 +40,7 @@ partition has the same number of GPU pairs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from itertools import combinations
 from math import comb
@@ -156,6 +156,11 @@ def best_effort_scores(
     return _search(scores, tuple(available), frozenset(must_include), size)
 
 
+Solver = Callable[[int, bool, bool], tuple[int, int] | None]
+# A candidate first set: (its GPUs' mask, upstream's enumeration key, its padding's mask or 0).
+_Cand = tuple[int, tuple[int, ...], int]
+
+
 @lru_cache(maxsize=4096)
 def _search(scores: ScoreMatrix, order: tuple[int, ...], must: frozenset[int], size: int) -> tuple[int, ...]:
     # Positions 0..n-1 are `order`; padding slots are the bits above them, so (as upstream) they come
@@ -163,9 +168,20 @@ def _search(scores: ScoreMatrix, order: tuple[int, ...], must: frozenset[int], s
     n = len(order)
     pad = -n % size
     real = (1 << n) - 1
-    pads = ((1 << pad) - 1) << n
     must_mask = sum(1 << p for p, g in enumerate(order) if g in must)
     rows = [[scores[a][b] for b in order] for a in order]
+    score_of = _set_scorer(rows)
+    best = _solver(rows, size, must_mask, score_of)
+    no_must = not must_mask  # with nothing required, any partition counts
+    if best(real, pad > 0, no_must) is None:
+        raise ValueError("no partition holds must_include in one set")  # unreachable after validation
+    pick = _first_best_set(best, score_of, n, pad, must_mask)
+    return tuple(sorted(order[p] for p in range(n) if pick >> p & 1))
+
+
+def _set_scorer(rows: list[list[int]]) -> Callable[[int], int]:
+    """A set's score (the sum over its pairs) by position mask, memoised across the search."""
+    n = len(rows)
     set_score: dict[int, int] = {0: 0}
 
     def score_of(mask: int) -> int:
@@ -178,9 +194,18 @@ def _search(scores: ScoreMatrix, order: tuple[int, ...], must: frozenset[int], s
             set_score[mask] = s
         return s
 
-    # Twice the best any partition of `mask` can score: every GPU pairs with at most `size - 1`
-    # others (each pair counted from both ends), and while the padding is unplaced `size - pad` GPUs
-    # pair with only `size - pad - 1`. Lets a state skip sets that cannot beat its best so far.
+    return score_of
+
+
+def _bounds(
+    rows: list[list[int]], size: int, pad: int
+) -> tuple[Callable[[int, bool], int], Callable[[int, bool], int], Callable[[int, bool], bool]]:
+    """Twice the best any partition of `mask` can score (`bound`, cheap; `local_bound`, tighter),
+    and whether a state is worth the tighter one: lets a state skip sets that cannot beat its best.
+
+    Every GPU pairs with at most `size - 1` others (each pair counted from both ends), and while the
+    padding is unplaced `size - pad` GPUs pair with only `size - pad - 1`."""
+    n = len(rows)
     ranked_rows = [sorted(row, reverse=True) for row in rows]
     top = [sum(r[: size - 1]) for r in ranked_rows]
     short = [top[i] - sum(r[: size - pad - 1]) for i, r in enumerate(ranked_rows)]
@@ -222,10 +247,18 @@ def _search(scores: ScoreMatrix, order: tuple[int, ...], must: frozenset[int], s
         splits = comb(gpus - 1, size - 1) + (comb(gpus - 1, size - 1 - pad) if padded else 0)
         return splits > gpus * gpus // 2
 
-    pad_bits = tuple(1 << (n + j) for j in range(pad))
+    return bound, local_bound, worth_bounding
 
-    # memo[(remaining GPUs, padding still unplaced, must_include already in a set)] =
-    #   (best sum of set scores over the rest, first set achieving it) or None when no partition counts.
+
+def _solver(rows: list[list[int]], size: int, must_mask: int, score_of: Callable[[int], int]) -> Solver:
+    """`best(left, padded, done)`: the best sum of set scores over the remaining GPUs `left` (padding
+    still unplaced, must_include already in a set) and the first set achieving it, or None when no
+    partition counts; memoised."""
+    n = len(rows)
+    pad = -n % size
+    pads = ((1 << pad) - 1) << n
+    pad_bits = tuple(1 << (n + j) for j in range(pad))
+    bound, local_bound, worth_bounding = _bounds(rows, size, pad)
     memo: dict[tuple[int, bool, bool], tuple[int, int] | None] = {}
 
     def best(left: int, padded: bool, done: bool) -> tuple[int, int] | None:
@@ -244,24 +277,14 @@ def _search(scores: ScoreMatrix, order: tuple[int, ...], must: frozenset[int], s
         # Upstream walks the sets holding the lowest remaining GPU in lexicographic order, padding
         # last, and keeps the first best. Sets with part of the padding never count, so only the
         # padding-free sets and those with all of it are built; `order_key` keeps upstream's order.
-        cands: list[tuple[int, tuple[int, ...], int]] = [(low + sum(c), c, 0) for c in combinations(rest, size - 1)]
+        cands: list[_Cand] = [(low + sum(c), c, 0) for c in combinations(rest, size - 1)]
         if padded:
             cands += [(low + sum(c), c + pad_bits, pads) for c in combinations(rest, size - 1 - pad)]
-        best_order: tuple[int, ...] = ()
         if slots == 2 * size:
-            # Two sets left, the second being whatever the first leaves: score every split exactly.
-            for gpus, order_key, padding in cands:
-                other = left & ~gpus
-                if not done:
-                    ok_here = gpus & must_mask == must_mask and not padding
-                    ok_there = other & must_mask == must_mask and not (padded and not padding)
-                    if not (ok_here or ok_there):
-                        continue
-                total = score_of(gpus) + score_of(other)
-                if result is None or total > result[0] or (total == result[0] and order_key < best_order):
-                    result, best_order = (total, gpus | padding), order_key
+            result = _best_split(cands, left, padded, done, must_mask, score_of)
             memo[key] = result
             return result
+        best_order: tuple[int, ...] = ()
         # Most promising first (score plus the bound on the rest): once a set's bound falls below
         # the best found, every later one's does too. Ties still go to upstream's order.
         ranked = [(2 * score_of(c[0]) + bound(left & ~c[0], padded and not c[2]), c) for c in cands]
@@ -291,11 +314,33 @@ def _search(scores: ScoreMatrix, order: tuple[int, ...], must: frozenset[int], s
         memo[key] = result
         return result
 
-    no_must = not must_mask  # with nothing required, any partition counts
-    if best(real, pad > 0, no_must) is None:
-        raise ValueError("no partition holds must_include in one set")  # unreachable after validation
-    # Walk the winning partition set by set and keep the first best set holding must_include.
-    left, padded, done = real, pad > 0, no_must
+    return best
+
+
+def _best_split(
+    cands: list[_Cand], left: int, padded: bool, done: bool, must_mask: int, score_of: Callable[[int], int]
+) -> tuple[int, int] | None:
+    """Two sets left, the second being whatever the first leaves: score every split exactly."""
+    result: tuple[int, int] | None = None
+    best_order: tuple[int, ...] = ()
+    for gpus, order_key, padding in cands:
+        other = left & ~gpus
+        if not done:
+            ok_here = gpus & must_mask == must_mask and not padding
+            ok_there = other & must_mask == must_mask and not (padded and not padding)
+            if not (ok_here or ok_there):
+                continue
+        total = score_of(gpus) + score_of(other)
+        if result is None or total > result[0] or (total == result[0] and order_key < best_order):
+            result, best_order = (total, gpus | padding), order_key
+    return result
+
+
+def _first_best_set(best: Solver, score_of: Callable[[int], int], n: int, pad: int, must_mask: int) -> int:
+    """Walk the winning partition set by set and keep the first best set holding must_include."""
+    real = (1 << n) - 1
+    pads = ((1 << pad) - 1) << n
+    left, padded, done = real, pad > 0, not must_mask
     pick: tuple[int, int] | None = None
     while left:
         step = best(left, padded, done)
@@ -311,4 +356,4 @@ def _search(scores: ScoreMatrix, order: tuple[int, ...], must: frozenset[int], s
         left &= ~gpus
         padded = padded and not padding
     assert pick is not None
-    return tuple(sorted(order[p] for p in range(n) if pick[1] >> p & 1))
+    return pick[1]

@@ -16,112 +16,32 @@ rail-aligned.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from gputopo.engine.cliques import bits, mask_of
 from gputopo.engine.gpusets import RailOption, rail_options
-from gputopo.engine.placement import NodeVerdict, Outcome, evaluate_node, evaluate_pod, outcome_on, rank
-from gputopo.engine.rails import NOT_APPLICABLE, RailAlignment, assess, is_partial, rails_of
+from gputopo.engine.groupplan import (
+    Assignment,
+    GroupFailure,
+    GroupPlan,
+    Member,
+    assign_stages,
+    group_waiting_message,
+    pack_order,
+    requirement_words,
+    switches_of,
+    under_switches,
+)
+from gputopo.engine.placement import NodeVerdict, evaluate_node, evaluate_pod, outcome_on, rank
+from gputopo.engine.rails import RailAlignment, assess, is_partial, rails_of
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.snapshot import NodeState, with_in_use
-from gputopo.model import NetworkKind, NvlinkPolicy, PodRequest, Spread
+from gputopo.model import PodRequest, Spread
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
-T = TypeVar("T")
-
-
-class _OnNode(Protocol):
-    @property
-    def node(self) -> NodeState: ...
-
-
-N = TypeVar("N", bound=_OnNode)
-
-
-def _under_switches(items: Iterable[N], tier: str) -> dict[str, list[N]]:
-    """`items` by their node's switch of `tier`, in order; those whose node has none are left out."""
-    domains: dict[str, list[N]] = {}
-    for item in items:
-        sw = item.node.location.get(tier)
-        if sw is not None:
-            domains.setdefault(sw, []).append(item)
-    return domains
-
-
-@dataclass(frozen=True)
-class Member:
-    name: str
-    request: PodRequest
-
-
-@dataclass(frozen=True)
-class Assignment:
-    member: str
-    stage: int
-    node: NodeState
-    outcome: Outcome
-
-
-@dataclass(frozen=True)
-class GroupPlan:
-    group: str
-    assignments: tuple[Assignment, ...]  # in stage order
-    switches_used: Mapping[str, int]  # tier -> distinct switches the plan spans
-    rails: RailAlignment = NOT_APPLICABLE  # over the planned members and `alongside`
-    # Members placed before this plan (a re-plan's pinned members): node and GPUs, for rail alignment.
-    alongside: tuple[tuple[NodeState, tuple[int, ...]], ...] = ()
-    # What every member's bind reads of the whole plan (its position, the group's all-reduce), derived
-    # once: computed per bind, a 1,024-member group cost each bind O(members), the group O(members^2).
-    _positions: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
-    _derived: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
-
-    def position(self, name: str) -> int | None:
-        """The member's index in `assignments` (stage order)."""
-        positions = self._positions
-        if not positions:
-            positions.update((a.member, i) for i, a in enumerate(self.assignments))
-        return positions.get(name)
-
-    def for_member(self, name: str) -> Assignment | None:
-        i = self.position(name)
-        return None if i is None else self.assignments[i]
-
-    def derived(self, key: Hashable, compute: Callable[[], T]) -> T:
-        """`compute()` once per plan and key: what every member reads of the whole plan (its all-reduce,
-        who shares which switch). The key names the computation and its inputs."""
-        memo = self._derived
-        if key not in memo:
-            memo[key] = compute()
-        value: T = memo[key]
-        return value
-
-
-@dataclass(frozen=True)
-class GroupFailure:
-    group: str
-    message: str  # one categorical sentence, the same for every node
-
-
-def _requirement_words(req: PodRequest) -> str:
-    parts = []
-    if req.network is not NetworkKind.ANY:
-        word = {"infiniband": "InfiniBand", "roce": "RoCE", "rdma": "RDMA"}[req.network.value]
-        parts.append(f"an active {word} NIC")
-    if req.gpus > 1 and req.nvlink is NvlinkPolicy.REQUIRED:
-        parts.append(f"a free {req.gpus}-GPU NVLink clique")
-    elif req.gpus > 0:
-        parts.append(f"{req.gpus} free GPUs")
-    return " and ".join(parts) or "room"
-
-
-def _pack_order(tiers: TierConfig, preferred: str | None) -> list[str]:
-    order = list(tiers.network_tiers())
-    if preferred and preferred in order:
-        order.remove(preferred)
-        order.insert(0, preferred)
-    return order
+# The plan's values live in gputopo.engine.groupplan; their callers import them from here.
+__all__ = ["Assignment", "GroupFailure", "GroupPlan", "Member", "group_waiting_message", "plan_group"]
 
 
 def _cost(chosen: Sequence[NodeVerdict], order: Sequence[str]) -> tuple[float, ...]:
@@ -186,7 +106,7 @@ def plan_group(
         return GroupFailure(group, f"group {group}: stage {dup[0]} is claimed by more than one pod")
     if any(s >= n for s in stages):
         return GroupFailure(group, f"group {group}: stage numbers must be below the group size {n}")
-    staged = _assign_stages(members)
+    staged = assign_stages(members)
     fixed = tuple((node, tuple(gpus)) for node, gpus in alongside)
     if lead.spread is Spread.NONE:
         return _plan_packed(group, staged, nodes, tiers, weights, fixed)
@@ -196,18 +116,18 @@ def plan_group(
     feasible = rank(evaluate_pod(nodes, demanding, weights))
     required = lead.required_tier
     if required:
-        domains = _under_switches(feasible, required)
+        domains = under_switches(feasible, required)
         big = {k: d for k, d in domains.items() if len(d) >= n}
         if not big:
             best = max((len(d) for d in domains.values()), default=0)
             return GroupFailure(
                 group,
-                f"group needs {n} nodes with {_requirement_words(demanding)} under one "
+                f"group needs {n} nodes with {requirement_words(demanding)} under one "
                 f"{required}; best {required} has {best}",
             )
     elif len(feasible) < n:
         return GroupFailure(
-            group, f"group needs {n} nodes with {_requirement_words(demanding)}; {len(feasible)} have it"
+            group, f"group needs {n} nodes with {requirement_words(demanding)}; {len(feasible)} have it"
         )
     chosen = _select(feasible, n, lead, tiers)
     assert chosen is not None  # enough nodes, under one switch of the required tier where one is named
@@ -223,7 +143,7 @@ def plan_group(
             assignments, rails = _align_rails(assignments, requests, fixed, weights)
         else:
             rails = assess([*((a.node, a.outcome.gpus) for a in assignments), *fixed])
-        return GroupPlan(group, tuple(assignments), _switches(assignments, tiers), rails, fixed)
+        return GroupPlan(group, tuple(assignments), switches_of(assignments, tiers), rails, fixed)
 
     plan = assemble(chosen)
     unstaged = demanding.model_copy(update={"stage": None})
@@ -241,11 +161,11 @@ def plan_group(
 
 def _select(feasible: list[NodeVerdict], n: int, lead: PodRequest, tiers: TierConfig) -> list[NodeVerdict] | None:
     """The n nodes for a spread-node group among `feasible` (ranked), or None when there are too few."""
-    order = _pack_order(tiers, lead.preferred_tier)
+    order = pack_order(tiers, lead.preferred_tier)
     required = lead.required_tier
     if not required:
         return _pack(feasible, n, order) if len(feasible) >= n else None
-    domains = _under_switches(feasible, required)
+    domains = under_switches(feasible, required)
     options = [_pack(d, n, order) for d in domains.values() if len(d) >= n]
     return min(options, key=lambda c: (_cost(c, order), [v.name for v in c])) if options else None
 
@@ -280,7 +200,7 @@ def _rail_nodes(
     """Nodes on which every member can have one common rail set, spanning as many switches per tier as
     `chosen` does (rails never spread a group wider); the best node scores among them, then the lowest
     rails. None when no rail set tried gives that."""
-    order = _pack_order(tiers, lead.preferred_tier)
+    order = pack_order(tiers, lead.preferred_tier)
     span = _cost(chosen, order)[:-1]
     offers = [_offers(v, k) for v in feasible]
     wild = sum(1 for o in offers if o is None)
@@ -384,11 +304,11 @@ def _plan_packed(
         cap, score = memo[node.key]
         if cap > 0:
             holds.append(_Holds(node, cap, score))
-    order = _pack_order(tiers, lead.preferred_tier)
-    words = _requirement_words(demanding)
+    order = pack_order(tiers, lead.preferred_tier)
+    words = requirement_words(demanding)
     required = lead.required_tier
     if required:
-        domains = _under_switches(holds, required)
+        domains = under_switches(holds, required)
         options = [_cover(d, n, order) for d in domains.values() if _room(d, n) >= n]
         if not options:
             best = max((_room(d, n) for d in domains.values()), default=0)
@@ -427,7 +347,7 @@ def _plan_packed(
         else:
             return GroupFailure(group, f"group needs room for {n} members with {words}; {len(assignments)} fit")
     rails = assess([*((a.node, a.outcome.gpus) for a in assignments), *fixed])
-    return GroupPlan(group, tuple(assignments), _switches(assignments, tiers), rails, fixed)
+    return GroupPlan(group, tuple(assignments), switches_of(assignments, tiers), rails, fixed)
 
 
 @dataclass(frozen=True)
@@ -507,21 +427,3 @@ def _fewest_nodes(cands: Sequence[_Holds], n: int) -> list[_Holds]:
         picked.append(pool.pop(0))
         need -= picked[-1].members
     return picked
-
-
-def _assign_stages(members: Sequence[Member]) -> list[tuple[int, Member]]:
-    """Members with an explicit stage keep it; the others fill the free stage numbers in name order."""
-    taken = {m.request.stage for m in members if m.request.stage is not None}
-    free = iter(i for i in range(len(members)) if i not in taken)
-    out = []
-    for m in sorted(members, key=lambda m: m.name):
-        out.append((m.request.stage if m.request.stage is not None else next(free), m))
-    return sorted(out, key=lambda sm: (sm[0], sm[1].name))
-
-
-def _switches(assignments: Sequence[Assignment], tiers: TierConfig) -> dict[str, int]:
-    return {t: len({a.node.location.get(t) or f"?{a.node.name}" for a in assignments}) for t in tiers.network_tiers()}
-
-
-def group_waiting_message(group: str, present: int, size: int) -> str:
-    return f"group {group}: {present}/{size} pods exist, waiting"

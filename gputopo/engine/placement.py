@@ -94,42 +94,17 @@ def evaluate_node(node: NodeState, req: PodRequest, weights: ScoreWeights = DEFA
     k = req.gpus
     if k == 0:
         return Outcome(code=Code.SUCCESS, score=0.5, components={}, detail="the pod asks for no GPUs")
-    if shape.n < k:
-        return _fail(Reason.TOO_FEW_GPUS, f"node has {shape.n} GPUs, pod needs {k}", k=k)
-    healthy = node.all_mask & ~node.failed_mask
-    if popcount(healthy) < k:
-        return _fail(
-            Reason.TOO_FEW_HEALTHY_GPUS,
-            f"GPUs {_gpu_list(node.failed_mask)} failed; {popcount(healthy)} healthy, pod needs {k}",
-            k=k,
-        )
-    eligible = healthy
+    # The hot path only narrows masks; each refusal's story is told apart, in the order it is checked.
+    eligible = node.all_mask & ~node.failed_mask
     if req.min_gpu_memory_mib:
         eligible &= mask_of([i for i, m in enumerate(node.memory_mib) if m >= req.min_gpu_memory_mib])
-        if popcount(eligible) < k:
-            have = format_mib(min(node.memory_mib))
-            need = format_mib(req.min_gpu_memory_mib)
-            return _fail(
-                Reason.INSUFFICIENT_GPU_MEMORY, f"GPUs have {have} HBM, pod needs {need} each", k=k, memory=need
-            )
-    if not node.has_network(req.network):
-        word = _network_word(req.network)
-        return _fail(Reason.NO_NETWORK, f"node has no active {word} NIC", network=word)
-
+    if shape.n < k or popcount(eligible) < k or not node.has_network(req.network):
+        return _ineligible(node, req)
     needs_nvlink = k > 1 and req.nvlink is not NvlinkPolicy.IGNORE
     good = eligible & ~node.impaired_mask if needs_nvlink else eligible
-    if needs_nvlink and req.nvlink is NvlinkPolicy.REQUIRED:
-        if largest_clique(shape, eligible) < k:
-            if node.impaired_mask & eligible:
-                return _fail(Reason.NVLINK_DEGRADED, _degraded_detail(node, k))
-            return _fail(
-                Reason.NO_NVLINK_DOMAIN,
-                f"largest NVLink-connected set has {largest_clique(shape, eligible)} GPUs, pod needs {k}",
-                k=k,
-            )
-        if largest_clique(shape, good) < k:
-            return _fail(Reason.NVLINK_DEGRADED, _degraded_detail(node, k))
-
+    # `good` is inside `eligible`: a clique of k among `good` means one among `eligible` too.
+    if needs_nvlink and req.nvlink is NvlinkPolicy.REQUIRED and largest_clique(shape, good) < k:
+        return _no_clique(node, k, eligible)
     free = good & ~node.in_use_mask
     if popcount(free) < k and needs_nvlink and popcount(eligible & ~node.in_use_mask) >= k:
         if req.nvlink is not NvlinkPolicy.PREFERRED:
@@ -171,6 +146,42 @@ def evaluate_node(node: NodeState, req: PodRequest, weights: ScoreWeights = DEFA
         choice = choose_any(shape, free, k, near)
     assert choice is not None  # free has at least k GPUs, so some k-set exists
     return _success(node, req, choice, free, near, weights, search)
+
+
+def _ineligible(node: NodeState, req: PodRequest) -> Outcome:
+    """Why too few of the node's GPUs may hold the pod at all (count, health, HBM) or why the node lacks
+    the network asked, the first that applies in that order."""
+    assert node.shape is not None
+    k = req.gpus
+    if node.shape.n < k:
+        return _fail(Reason.TOO_FEW_GPUS, f"node has {node.shape.n} GPUs, pod needs {k}", k=k)
+    healthy = node.all_mask & ~node.failed_mask
+    if popcount(healthy) < k:
+        return _fail(
+            Reason.TOO_FEW_HEALTHY_GPUS,
+            f"GPUs {_gpu_list(node.failed_mask)} failed; {popcount(healthy)} healthy, pod needs {k}",
+            k=k,
+        )
+    if req.min_gpu_memory_mib:
+        big = mask_of([i for i, m in enumerate(node.memory_mib) if m >= req.min_gpu_memory_mib])
+        if popcount(healthy & big) < k:
+            have = format_mib(min(node.memory_mib))
+            need = format_mib(req.min_gpu_memory_mib)
+            return _fail(
+                Reason.INSUFFICIENT_GPU_MEMORY, f"GPUs have {have} HBM, pod needs {need} each", k=k, memory=need
+            )
+    word = _network_word(req.network)
+    return _fail(Reason.NO_NETWORK, f"node has no active {word} NIC", network=word)
+
+
+def _no_clique(node: NodeState, k: int, eligible: int) -> Outcome:
+    """Why an NVLink-required pod finds no clique of `k` among the eligible GPUs: degraded links, or no
+    NVLink domain that large."""
+    assert node.shape is not None
+    largest = largest_clique(node.shape, eligible)
+    if largest < k and not node.impaired_mask & eligible:
+        return _fail(Reason.NO_NVLINK_DOMAIN, f"largest NVLink-connected set has {largest} GPUs, pod needs {k}", k=k)
+    return _fail(Reason.NVLINK_DEGRADED, _degraded_detail(node, k))
 
 
 def outcome_on(

@@ -7,10 +7,11 @@ Event). `Informer` runs one list+watch loop per kind in a thread (`gputopo.kube.
 informer core the agent's pod view shares) and hands objects to a handler (the cache, which locks):
 410 Gone relists, any other failure reconnects, both after a jittered, capped exponential backoff as
 client-go's reflector waits (a watch that ends at once counts as a failure too), and the cache keeps
-serving meanwhile. A kind the API server may not serve (`OPTIONAL_KINDS`:
-PodGroups before Kubernetes 1.36 or without the Workload API) whose list gets 404 counts as listed
-empty and is looked for again only every `not_served_recheck_seconds`. The DRA kinds are read only
-where the chart grants them (with `agent.dra.enabled`): elsewhere their 403 counts the same way.
+serving meanwhile. The kinds, their paths and scopes are declared once, in `gputopo.kube.kinds.WATCHED`.
+A kind the API server may not serve (`optional` there: PodGroups before Kubernetes 1.36 or without the
+Workload API) whose list gets 404 counts as listed empty and is looked for again only every
+`not_served_recheck_seconds`. The DRA kinds are read only where the chart grants them (`rbac_optional`,
+with `agent.dra.enabled`): elsewhere their 403 counts the same way.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from gputopo.kube import JSON as JSON
 from gputopo.kube import (
+    KIND_NAMES,
     Gone,
+    KindName,
     Kube,
     KubeError,
     Pacing,
@@ -33,24 +36,14 @@ from gputopo.kube import (
     pod_path,
     pods_path,
     run_list_watch,
+    watched,
 )
 
-Kind = Literal["nodes", "pods", "leases", "jobs", "podgroups", "resourceclaims", "resourceslices"]
-# Jobs (batch/v1, read-only) give the sizes an Indexed Job's or a JobSet's pod labels do not carry;
-# PodGroups (scheduling.k8s.io/v1beta1, read-only) the gangs kube-scheduler holds pods to.
-KINDS: tuple[Kind, ...] = ("nodes", "pods", "leases", "jobs", "podgroups", "resourceclaims", "resourceslices")
-# Kinds whose API may not be served: a 404 on list means "not here", not a failure.
-OPTIONAL_KINDS: frozenset[Kind] = frozenset({"podgroups", "resourceclaims", "resourceslices"})
-# Kinds the extender reads only where the chart grants them (agent.dra.enabled): a 403 is "not here".
-RBAC_OPTIONAL_KINDS: frozenset[Kind] = frozenset({"resourceclaims", "resourceslices"})
+Kind = KindName  # a name of `gputopo.kube.kinds.WATCHED`, as the extender's signatures say it
+
 NOT_SERVED_RECHECK_SECONDS = 600.0
 
 log = logging.getLogger("gputopo.extender.kube")
-
-JOBS_PATH = "/apis/batch/v1/jobs"  # every namespace's Jobs
-PODGROUPS_PATH = "/apis/scheduling.k8s.io/v1beta1/podgroups"  # every namespace's PodGroups (Kubernetes 1.37)
-RESOURCECLAIMS_PATH = "/apis/resource.k8s.io/v1/resourceclaims"  # DRA (Kubernetes >= 1.34)
-RESOURCESLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
 
 
 class ClusterSource(Protocol):
@@ -85,19 +78,8 @@ class KubeSource:
         self.namespace = namespace
 
     def _path(self, kind: Kind) -> str:
-        if kind == "nodes":
-            return node_path()
-        if kind == "pods":
-            return pods_path()
-        if kind == "jobs":
-            return JOBS_PATH
-        if kind == "podgroups":
-            return PODGROUPS_PATH
-        if kind == "resourceclaims":
-            return RESOURCECLAIMS_PATH
-        if kind == "resourceslices":
-            return RESOURCESLICES_PATH
-        return lease_path(self.namespace)
+        declared = watched(kind)
+        return declared.path(self.namespace if declared.one_namespace else None)
 
     def list_objects(self, kind: Kind) -> tuple[list[JSON], str]:
         return self.api.list_items(self._path(kind))
@@ -180,8 +162,9 @@ class Informer:
         try:
             items, rv = self.source.list_objects(self.kind)
         except KubeError as e:
-            not_here = e.status == 404 or (e.status == 403 and self.kind in RBAC_OPTIONAL_KINDS)
-            if not not_here or self.kind not in OPTIONAL_KINDS:
+            declared = watched(self.kind)
+            not_here = e.status == 404 or (e.status == 403 and declared.rbac_optional)
+            if not not_here or not declared.optional:
                 raise
             self._not_served(e)
             return
@@ -246,7 +229,7 @@ class Informer:
 
 
 def start_informers(
-    source: ClusterSource, handler: WatchHandler, *, kinds: tuple[Kind, ...] = KINDS, **kw: Any
+    source: ClusterSource, handler: WatchHandler, *, kinds: tuple[Kind, ...] = KIND_NAMES, **kw: Any
 ) -> list[tuple[Informer, threading.Thread]]:
     out = []
     for kind in kinds:

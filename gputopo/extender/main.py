@@ -135,7 +135,7 @@ def listener_config(
 
 
 class ListenerServer(uvicorn.Server):
-    """uvicorn's server for the webhook or metrics listener, accepting through `gputopo.extender.bounded.Gate`: each
+    """uvicorn's server for the webhook or metrics listener, accepting through `gputopo.extender.gate.Gate`: each
     connection counts against `limits` from its accept, and the webhook's TLS handshake runs under the
     handshake timeout (uvicorn hands the TLS context to the loop's server, which counts a connection only
     after a handshake it gives 60 s). Its signals `serve` handles once for all listeners (uvicorn's own

@@ -14,15 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gputopo.engine.fragmentation import DEFAULT_SIZES, Figures, cluster_figures
 from gputopo.engine.snapshot import NodeState
+from gputopo.kube import KIND_NAMES
 
-KINDS = (
-    "nodes",
-    "pods",
-    "leases",
-    "jobs",
-    "podgroups",
-)  # gputopo.extender.kube.KINDS, without importing the API client here
-INFORMER_KINDS = (*KINDS, "resourceclaims", "resourceslices")  # every kind an informer lists
 VERBS = ("filter", "prioritize", "bind", "preempt", "mutate")
 BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -65,7 +58,7 @@ class Metrics:
         )
         self.bad_objects = Counter(
             "gputopo_extender_bad_objects",
-            "Node, Pod and Lease objects the cache could not read (skipped, or a node kept as unreadable), by kind.",
+            "Objects the cache could not read (skipped, or a node kept as unreadable), by kind.",
             ["kind"],
             registry=self.registry,
         )
@@ -89,9 +82,8 @@ class Metrics:
             registry=self.registry,
         )
         self.fragmentation: FragmentationTracker | None = None  # track_fragmentation sets it
-        for kind in KINDS:
+        for kind in KIND_NAMES:  # every watched kind's series exists from the start, at 0
             self.bad_objects.labels(kind)
-        for kind in INFORMER_KINDS:
             self.relists.labels(kind)
         # Each call records its duration and bytes: the children are looked up once, here.
         self.durations = {verb: self.duration.labels(verb) for verb in VERBS}

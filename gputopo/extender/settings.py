@@ -75,7 +75,7 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(
         DEFAULT_MAX_REQUEST_BYTES, ge=64 * 1024, le=1024**3, description="larger bodies get HTTP 413 unparsed"
     )
-    # Every listener (gputopo/extender/bounded.py): what a client on the pod network may hold of the process.
+    # Every listener (gputopo/extender/bounds.py): what a client on the pod network may hold of the process.
     max_header_bytes: int = Field(
         DEFAULT_MAX_HEADER_BYTES, ge=4096, le=16 * 1024**2, description="larger request heads get HTTP 431"
     )

@@ -8,7 +8,6 @@ The embedded Pod stays a loose dict: only `pod_info()` reads what the extender n
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -16,8 +15,10 @@ from typing import Any, ClassVar
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gputopo.model import GPU_RESOURCE, MAX_QUANTITY, parse_quantity
+from gputopo.model import GPU_RESOURCE
 from gputopo.model.dra import pod_claim_gpus
+from gputopo.model.podspec import PodSpecError, read_pod_gpus
+from gputopo.model.podspec import short_repr as _short
 
 JSON = dict[str, Any]
 
@@ -235,78 +236,15 @@ class PodInfo:
         return f"{self.namespace}/{self.name}"
 
 
-def _gpu_count(raw: Any, where: str) -> int:
-    """One container's nvidia.com/gpu: a Kubernetes quantity (a string such as "4" or "2k", or a JSON
-    number) that is a whole, non-negative number of GPUs within int64. NaN, infinities, 1e400 and
-    400-digit strings are refused by the shared quantity parser, fast, with the field named."""
-    if isinstance(raw, bool) or not isinstance(raw, str | int | float):
-        raise WireError(f"{where}: {_short(raw)} is not a Kubernetes quantity")
-    if isinstance(raw, float) and not math.isfinite(raw):
-        raise WireError(f"{where}: {raw!r} is not a finite number of GPUs")
-    text = raw if isinstance(raw, str) else repr(raw)
-    known = _GPU_COUNTS.get(text)
-    if known is not None:
-        return known
-    try:
-        value = parse_quantity(text)
-    except ValueError as e:
-        raise WireError(f"{where}: {_short(raw)}: {e}") from None
-    if value < 0 or value != value.to_integral_value():
-        raise WireError(f"{where}: {_short(raw)} is not a whole, non-negative number of GPUs")
-    if len(_GPU_COUNTS) < 1024:  # a pod is read up to five times per scheduling (verbs, watch, bind)
-        _GPU_COUNTS[text] = int(value)
-    return int(value)
-
-
-_GPU_COUNTS: dict[str, int] = {}  # quantity text -> whole GPUs, for texts that parsed as such
-
-
-def _short(value: Any, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _gpu_quantity(resources: Any, where: str) -> int:
-    if resources is None:
-        return 0
-    if not isinstance(resources, Mapping):
-        raise WireError(f"{where}.resources must be an object")
-    for kind in ("limits", "requests"):  # the limit is the count; requests only as a fallback
-        values = resources.get(kind)
-        if values is None:
-            continue
-        if not isinstance(values, Mapping):
-            raise WireError(f"{where}.resources.{kind} must be an object")
-        if GPU_RESOURCE in values:
-            return _gpu_count(values[GPU_RESOURCE], f"{where}.resources.{kind}.{GPU_RESOURCE}")
-    return 0
-
-
-def _containers(spec: Mapping[str, Any], key: str, where: str) -> list[Mapping[str, Any]]:
-    value = spec.get(key)
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise WireError(f"{where}.{key} must be a list of containers")
-    for i, c in enumerate(value):
-        if not isinstance(c, Mapping):
-            raise WireError(f"{where}.{key}[{i}] must be a container object")
-    return value
-
-
 def pod_gpus(spec: Mapping[str, Any], where: str = "Pod.spec") -> int:
-    """Sum of the containers' nvidia.com/gpu limits; init containers run first, so the pod needs the
-    larger of that sum and the largest init container's count (Kubernetes' effective request)."""
-    total = 0
-    for i, c in enumerate(_containers(spec, "containers", where)):
-        total += _gpu_quantity(c.get("resources"), f"{where}.containers[{i}]")
-    init = 0
-    for i, c in enumerate(_containers(spec, "initContainers", where)):
-        init = max(init, _gpu_quantity(c.get("resources"), f"{where}.initContainers[{i}]"))
-    if max(total, init) > MAX_QUANTITY:
-        raise WireError(f"{where}: the containers ask for more than {MAX_QUANTITY} GPUs in all")
+    """The pod's GPUs by Kubernetes' rules (gputopo.model.podspec: requests default from limits, init
+    containers one at a time, sidecars beside the app containers)."""
+    try:
+        gpus = read_pod_gpus(spec, where).total
+    except PodSpecError as e:
+        raise WireError(str(e)) from None
     # Under DRA the webhook moved the count into a claim template of gputopo's (nvidia.com/gpu is gone).
-    return max(total, init) or pod_claim_gpus(spec)
+    return gpus or pod_claim_gpus(spec)
 
 
 def _str_map(value: Any, where: str) -> dict[str, str]:

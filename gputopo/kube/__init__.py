@@ -6,6 +6,7 @@ agent, the local control plane's client and the benchmarks. Importers take every
 
 - `errors`: `KubeError` (one type for every failed call) and `Gone` (410: relist);
 - `config`: which kubeconfig, and the `kubernetes` client configuration built from it;
+- `kinds`: the kinds the project watches, each declared once (`WATCHED`: path, scope, optional, RBAC verbs);
 - `paths`: where the project's resources live, and their JSON and MicroTime formats;
 - `watch`: a watch stream decoded line by line into `WatchEvent`s;
 - `backoff`: the one capped exponential backoff, `retry`, and the list+watch thread body (the
@@ -28,6 +29,20 @@ from gputopo.kube.backoff import (
 from gputopo.kube.client import LIST_PAGE_SIZE, MAX_LIST_PAGES, Kube, Query
 from gputopo.kube.config import client_configuration, find_kubeconfig
 from gputopo.kube.errors import Gone, KubeError, status_error
+from gputopo.kube.kinds import (
+    JOBS,
+    KIND_NAMES,
+    LEASES,
+    NODES,
+    PODGROUPS,
+    PODS,
+    RESOURCECLAIMS,
+    RESOURCESLICES,
+    WATCHED,
+    KindName,
+    WatchedKind,
+    watched,
+)
 from gputopo.kube.paths import (
     JSON,
     MICROTIME,
@@ -38,24 +53,36 @@ from gputopo.kube.paths import (
     parse_time,
     pod_path,
     pods_path,
+    resourceclaim_path,
 )
 from gputopo.kube.watch import MAX_LINE_BYTES, WatchEvent, decode_event, error_event, iter_lines
 
 __all__ = [
+    "JOBS",
     "JSON",
+    "KIND_NAMES",
+    "LEASES",
     "LIST_PAGE_SIZE",
     "MAX_LINE_BYTES",
     "MAX_LIST_PAGES",
     "MICROTIME",
     "MIN_WATCH_S",
+    "NODES",
+    "PODGROUPS",
+    "PODS",
     "REFLECTOR_BACKOFF",
+    "RESOURCECLAIMS",
+    "RESOURCESLICES",
+    "WATCHED",
     "Backoff",
     "Gone",
+    "KindName",
     "Kube",
     "KubeError",
     "Pacing",
     "Query",
     "WatchEvent",
+    "WatchedKind",
     "client_configuration",
     "decode_event",
     "error_event",
@@ -69,8 +96,10 @@ __all__ = [
     "parse_time",
     "pod_path",
     "pods_path",
+    "resourceclaim_path",
     "retry",
     "run_list_watch",
     "short_error",
     "status_error",
+    "watched",
 ]

@@ -17,13 +17,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import orjson
 
 from gputopo.kube.config import client_configuration
 from gputopo.kube.errors import KubeError, status_error
-from gputopo.kube.paths import JSON, events_path, lease_path, micro_time, node_path, pod_path
+from gputopo.kube.paths import JSON, events_path, lease_path, micro_time, node_path, pod_path, resourceclaim_path
 from gputopo.kube.transport import (
     MAX_BODY_BYTES,
     RECV_BYTES,
@@ -362,7 +361,7 @@ class Kube:
 
     def get_resource_claim(self, namespace: str, name: str) -> JSON:
         """A resource.k8s.io/v1 ResourceClaim; `KubeError` 404 when there is none."""
-        return self.get(f"/apis/resource.k8s.io/v1/namespaces/{quote(namespace)}/resourceclaims/{quote(name)}")
+        return self.get(resourceclaim_path(namespace, name))
 
     def create_event(self, namespace: str, event: Mapping[str, Any]) -> None:
         """A core/v1 Event."""

@@ -1,5 +1,5 @@
-"""Where the project's resources live on the API server, and the JSON and time formats they are
-written in."""
+"""Where the project's resources live on the API server (the watched kinds' paths come from their one
+declaration, `gputopo.kube.kinds`), and the JSON and time formats they are written in."""
 
 from __future__ import annotations
 
@@ -7,27 +7,32 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
 
+from gputopo.kube.kinds import LEASES, NODES, PODS, RESOURCECLAIMS
+
 JSON = dict[str, Any]
 
 MICROTIME = "%Y-%m-%dT%H:%M:%S.%fZ"
 
 
 def node_path(name: str = "") -> str:
-    return f"/api/v1/nodes/{quote(name)}" if name else "/api/v1/nodes"
+    return NODES.path(name=name)
 
 
 def pods_path(namespace: str = "") -> str:
     """All namespaces' pods when `namespace` is empty."""
-    return f"/api/v1/namespaces/{quote(namespace)}/pods" if namespace else "/api/v1/pods"
+    return PODS.path(namespace)
 
 
 def pod_path(namespace: str, name: str) -> str:
-    return f"{pods_path(namespace)}/{quote(name)}"
+    return PODS.path(namespace, name)
 
 
 def lease_path(namespace: str, name: str = "") -> str:
-    base = f"/apis/coordination.k8s.io/v1/namespaces/{quote(namespace)}/leases"
-    return f"{base}/{quote(name)}" if name else base
+    return LEASES.path(namespace, name)
+
+
+def resourceclaim_path(namespace: str, name: str) -> str:
+    return RESOURCECLAIMS.path(namespace, name)
 
 
 def events_path(namespace: str) -> str:

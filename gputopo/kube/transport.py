@@ -2,8 +2,9 @@
 connections: one pool per `Kube`.
 
 A request is one pre-formatted head and body written with one `sendall` on a pooled socket; an
-ordinary answer is framed by `read_answer` and read whole (at most `max_body_bytes`), a watch's is
-handed out as it arrives (`Stream`). Kept over a library by measurement:
+ordinary answer is framed by `read_answer` (`gputopo.kube.framing`) and read whole (at most
+`max_body_bytes`), a watch's is handed out as it arrives (`Stream`); the sockets, their TLS and the
+deadlines are `gputopo.kube.connection`'s. Kept over a library by measurement:
 one Event or Binding POST to kube-apiserver costs 0.19-0.26 ms of client CPU here, 0.57-0.70 ms
 through urllib3's pool, 1.0-1.2 ms through httpx and 0.75-0.91 ms through the `kubernetes`
 ApiClient (`bench/kube_writes.py`); the extender makes two per scheduled pod, and its CPU per pod
@@ -25,48 +26,62 @@ from __future__ import annotations
 import contextlib
 import http.client
 import re
-import select
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 from urllib.parse import quote, urlsplit
 
+from gputopo.kube.connection import (
+    DROPPED,
+    Conn,
+    Timeout,
+    past_deadline,
+    socket_options,
+    split_timeout,
+    ssl_context,
+    total_seconds,
+    unsupported_reason,
+    within,
+)
 from gputopo.kube.errors import KubeError
+from gputopo.kube.framing import (
+    MAX_BODY_BYTES,
+    RECV_BYTES,
+    Answer,
+    TooLong,
+    ascii_digits,
+    chunked_pieces,
+    keeps_alive,
+    pieces,
+    read_answer,
+    read_head,
+)
 
-Timeout = float | tuple[float, float] | None
+# What the client and the tests take from here: the transport's whole surface, wherever it is defined.
+__all__ = [
+    "MAX_BODY_BYTES",
+    "RECV_BYTES",
+    "Answer",
+    "Conn",
+    "Stream",
+    "Timeout",
+    "TooLong",
+    "Transport",
+    "past_deadline",
+    "query_string",
+    "read_answer",
+    "total_seconds",
+    "unsupported_reason",
+]
 
 # Methods whose requests carry a body even when empty; http.client sends Content-Length: 0 for them too.
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 # Anything outside printable ASCII (or a space) in a request target would break the request line.
 _UNSAFE_TARGET = re.compile(r"[^\x21-\x7e]")
 _TARGET_SAFE = "/:@!$&'()*+,;=-._~%?"
-# Failures that mean a kept-alive connection was already dead when this request reached it (the
-# server closed it while idle, or a middlebox reset it): nothing of an answer arrived.
-_DROPPED = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError, ssl.SSLEOFError, ssl.SSLZeroReturnError)
-
-# One recv(2) asks for up to this much (a TLS socket hands back at most one 16 KiB record per call);
-# each call allocates this much first, so it stays under malloc's mmap threshold.
-RECV_BYTES = 65536
-# A socket's timeout is cut to what is left of a request's deadline only once that is this much
-# shorter: a quick request changes no timeout (a system call each), and a deadline is overrun by at
-# most this much.
-DEADLINE_SLACK_S = 0.01
-# A status line and headers longer than this are no API server's answer.
-MAX_HEAD_BYTES = 64 * 1024
-# One answer read whole is at most this: a page of 500 objects is a few MiB; more is no API server's.
-MAX_BODY_BYTES = 256 * 1024 * 1024
-
-
-class TooLong(http.client.HTTPException):
-    """An answer's body over the limit of the bytes read whole."""
-
-
-def _ascii_digits(text: str) -> bool:
-    # str.isdigit() alone also takes '²' (int() then raises ValueError) and '٣' (read as 3).
-    return text.isascii() and text.isdigit()
 
 
 def _header_value(value: str) -> str:
@@ -82,120 +97,6 @@ class _Dropped(Exception):
 def query_string(pairs: Sequence[tuple[str, str]]) -> str:
     """The query as the `kubernetes` ApiClient encodes it: keys as given, values percent-quoted."""
     return "&".join(f"{k}={quote(v)}" for k, v in pairs)
-
-
-def unsupported_reason(configuration: Any) -> str:
-    """Why this configuration must stay on the ApiClient ('' when the lean transport carries it)."""
-    parts = urlsplit(str(configuration.host))
-    if parts.scheme not in ("http", "https"):
-        return f"scheme {parts.scheme!r}"
-    if configuration.proxy:
-        from kubernetes.client import rest
-
-        bypass: Any = getattr(rest, "should_bypass_proxies", None)
-        if bypass is None or not bypass(configuration.host, configuration.no_proxy or ""):
-            return "a proxy"  # CONNECT tunnels and SOCKS are urllib3's, not worth repeating here
-    if isinstance(getattr(configuration, "assert_hostname", None), str):
-        return "assert_hostname names a host"  # urllib3 checks that name apart from SNI; this checks SNI's
-    return ""
-
-
-def _ssl_context(configuration: Any) -> ssl.SSLContext:
-    """Built once, as urllib3 builds it from the same settings."""
-    if configuration.verify_ssl:
-        cadata = getattr(configuration, "ca_cert_data", None)
-        ctx = ssl.create_default_context(cafile=configuration.ssl_ca_cert, cadata=cadata)
-        if getattr(configuration, "assert_hostname", None) is False:
-            ctx.check_hostname = False
-    else:
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-    if configuration.cert_file:
-        ctx.load_cert_chain(configuration.cert_file, configuration.key_file or None)
-    # HTTP/1.1 only: the API server would otherwise be free to pick h2, which this does not speak.
-    ctx.set_alpn_protocols(["http/1.1"])
-    return ctx
-
-
-def _socket_options(configuration: Any) -> list[tuple[int, int, int]]:
-    """The configuration's own socket options, else TCP keepalive when it asks for that."""
-    options = getattr(configuration, "socket_options", None)
-    if options is not None:
-        return list(options)
-    if getattr(configuration, "keep_alive", False):
-        from kubernetes.utils import keepalive
-
-        return list(keepalive.tcp_keepalive_socket_options())
-    return []
-
-
-def _split(timeout: Timeout) -> tuple[float | None, float | None]:
-    """(connect, read) timeouts; one number bounds each socket operation."""
-    if isinstance(timeout, tuple):
-        return timeout[0], timeout[1]
-    return timeout, timeout
-
-
-def total_seconds(timeout: Timeout) -> float | None:
-    """How long a whole request may take: the number, or connect + read for a pair (None: no bound)."""
-    if isinstance(timeout, tuple):
-        return None if timeout[0] is None or timeout[1] is None else timeout[0] + timeout[1]
-    return timeout
-
-
-def past_deadline(seconds: float | None) -> TimeoutError:
-    """A request, or a stream, ran past its whole deadline (however timely each read was)."""
-    return TimeoutError(f"not done within {seconds:g} s, its whole deadline")
-
-
-class _Conn:
-    """One kept-alive connection: its socket, and a poller that tells whether it died while idle."""
-
-    __slots__ = ("poller", "sock", "timeout")
-
-    def __init__(self, sock: socket.socket, timeout: float | None) -> None:
-        self.sock = sock
-        self.timeout = timeout
-        self.poller = select.poll()
-        self.poller.register(sock, select.POLLIN)
-
-    def set_timeout(self, timeout: float | None) -> None:
-        if timeout != self.timeout:
-            self.sock.settimeout(timeout)
-            self.timeout = timeout
-
-    def receiver(self, deadline: float | None, seconds: float | None) -> Callable[[int], bytes]:
-        """`recv` bounded by `deadline` (time.monotonic) as a whole: each call waits at most what is
-        left, so a body dripped a byte at a time cannot outlast it (one number per socket operation
-        would let it run for ever)."""
-        if deadline is None:
-            return self.sock.recv
-        recv = self.sock.recv
-
-        def bounded(n: int) -> bytes:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise past_deadline(seconds)
-            if self.timeout is None or left < self.timeout - DEADLINE_SLACK_S:
-                self.set_timeout(left)
-            try:
-                return recv(n)
-            except TimeoutError:
-                if time.monotonic() >= deadline:  # the wait was cut to what was left: say so
-                    raise past_deadline(seconds) from None
-                raise
-
-        return bounded
-
-    def idle_closed(self) -> bool:
-        # An idle connection has nothing to read: readable means EOF (the server closed it) or a
-        # stray byte, and either way it cannot carry the next request. One poll(2), no blocking.
-        return bool(self.poller.poll(0))
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
 
 
 class Transport:
@@ -224,9 +125,9 @@ class Transport:
         # Built at the first connection, once: a missing or bad CA or client-certificate file then
         # fails that request as KubeError, as it did through urllib3, rather than the constructor.
         self._context: ssl.SSLContext | None = None
-        self.socket_options = _socket_options(configuration)
+        self.socket_options = socket_options(configuration)
         self.pool_size = max(1, pool_size)
-        self._idle: list[_Conn] = []
+        self._idle: list[Conn] = []
         self._lock = threading.Lock()
         self._closed = False
         netloc = parts.netloc.rpartition("@")[2]
@@ -234,7 +135,7 @@ class Transport:
 
     # ------------------------------------------------------------------ connections
 
-    def _connect(self, timeout: float | None) -> _Conn:
+    def _connect(self, timeout: float | None) -> Conn:
         sock = socket.create_connection((self.hostname, self.port), timeout)
         try:
             # Each request is one write answered by one read: Nagle's algorithm would only delay it.
@@ -246,17 +147,17 @@ class Transport:
         except BaseException:
             sock.close()
             raise
-        return _Conn(sock, timeout)
+        return Conn(sock, timeout)
 
     def context(self) -> ssl.SSLContext:
         """The TLS settings of every connection."""
         if self._context is None:
             with self._lock:
                 if self._context is None:
-                    self._context = _ssl_context(self.configuration)
+                    self._context = ssl_context(self.configuration)
         return self._context
 
-    def _checkout(self) -> _Conn | None:
+    def _checkout(self) -> Conn | None:
         while True:
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
@@ -264,7 +165,7 @@ class Transport:
                 return conn
             conn.close()
 
-    def _checkin(self, conn: _Conn) -> None:
+    def _checkin(self, conn: Conn) -> None:
         with self._lock:
             if not self._closed and len(self._idle) < self.pool_size:
                 self._idle.append(conn)
@@ -306,25 +207,25 @@ class Transport:
 
     def _begin(
         self, method: str, path: str, data: bytes, timeout: Timeout, deadline: float | None, seconds: float | None
-    ) -> tuple[_Conn, bytearray, Callable[[int], bytes]]:
+    ) -> tuple[Conn, bytearray, Callable[[int], bytes]]:
         """Send the request; the connection, the answer's first bytes and the `recv` for the rest, all
         before `deadline` (when one is given: `seconds` after the request began). A reused connection
         that the server closed before any byte of an answer is replaced once; raises `KubeError`
         status 0."""
-        connect_timeout, read_timeout = _split(timeout)
+        connect_timeout, read_timeout = split_timeout(timeout)
         retried = False
         while True:
             conn = None if retried else self._checkout()
             reused = conn is not None
             try:
                 if conn is None:
-                    conn = self._connect(_within(connect_timeout, deadline, seconds))
-                conn.set_timeout(_within(read_timeout, deadline, seconds))
+                    conn = self._connect(within(connect_timeout, deadline, seconds))
+                conn.set_timeout(within(read_timeout, deadline, seconds))
                 recv = conn.receiver(deadline, seconds)
                 try:
                     conn.sock.sendall(data)  # one timeout for the whole send (Python >= 3.5)
                     first = recv(RECV_BYTES)
-                except _DROPPED as e:
+                except DROPPED as e:
                     raise _Dropped() from e
                 if not first:
                     raise _Dropped() from http.client.RemoteDisconnected(
@@ -385,23 +286,13 @@ class Transport:
         conn, buf, recv = self._begin(method, path, data, timeout, deadline, total_s)
         try:
             while True:
-                status, version, headers = _read_head(recv, buf)
+                status, version, headers = read_head(recv, buf)
                 if not 100 <= status <= 199:
                     break
         except (OSError, http.client.HTTPException, ValueError) as e:
             conn.close()
             raise KubeError(0, f"{type(e).__name__}: {e}", method=method, path=path) from None
-        return Stream(self, conn, buf, status, _keep_alive(version, headers), headers, method, path, recv)
-
-
-def _within(timeout: float | None, deadline: float | None, seconds: float | None) -> float | None:
-    """A socket operation's timeout, no later than the deadline; a TimeoutError when it has passed."""
-    if deadline is None:
-        return timeout
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise past_deadline(seconds)
-    return left if timeout is None or left < timeout - DEADLINE_SLACK_S else timeout
+        return Stream(self, conn, buf, status, keeps_alive(version, headers), headers, method, path, recv)
 
 
 class Stream:
@@ -410,7 +301,7 @@ class Stream:
     def __init__(
         self,
         transport: Transport,
-        conn: _Conn,
+        conn: Conn,
         buf: bytearray,
         status: int,
         keep_alive: bool,
@@ -432,14 +323,9 @@ class Stream:
         try:
             encoding = self._headers.get("transfer-encoding", "").lower()
             if encoding.rsplit(",", 1)[-1].strip() == "chunked":
-                while size := _chunk_size(_read_line(recv, buf)):
-                    yield from _pieces(recv, buf, size)
-                    if _read_exactly(recv, buf, 2) != b"\r\n":
-                        raise http.client.HTTPException("a chunk does not end with CRLF")
-                while _read_line(recv, buf):  # trailer fields, up to the blank line
-                    pass
-            elif not encoding and _ascii_digits(self._headers.get("content-length", "")):
-                yield from _pieces(recv, buf, int(self._headers["content-length"]))
+                yield from chunked_pieces(recv, buf)
+            elif not encoding and ascii_digits(self._headers.get("content-length", "")):
+                yield from pieces(recv, buf, int(self._headers["content-length"]))
             else:  # the body runs to the close
                 self._keep_alive = False
                 if buf:
@@ -474,163 +360,3 @@ class Stream:
             self._transport._checkin(self._conn)
         else:
             self._conn.close()
-
-
-# ---------------------------------------------------------------------------------- answers
-
-_NO_BODY_STATUSES = frozenset({204, 304})
-
-
-class Answer(NamedTuple):
-    status: int
-    body: bytes
-    keep_alive: bool  # the connection may carry another request
-
-
-def _keep_alive(version: str, headers: dict[str, str]) -> bool:
-    tokens = {t.strip() for t in headers.get("connection", "").lower().split(",")}
-    return "close" not in tokens if version == "HTTP/1.1" else "keep-alive" in tokens
-
-
-def read_answer(recv: Callable[[int], bytes], method: str, buf: bytearray, max_body: int = MAX_BODY_BYTES) -> Answer:
-    """One HTTP/1.x answer from a connection: `buf` holds what was already received, `recv(n)` gives
-    more (b"" at the end of the stream). The body is framed as RFC 9112 section 6.3 says (none for
-    HEAD, 1xx, 204 and 304; chunked; Content-Length; else up to the close) and read whole, at most
-    `max_body` bytes; interim 1xx answers are skipped. Raises an `http.client.HTTPException` for a
-    malformed, cut-off or overlong answer.
-
-    `http.client.HTTPResponse` does the same at 0.1 ms more per answer, a third of a small write's CPU."""
-    while True:
-        status, version, headers = _read_head(recv, buf)
-        if not 100 <= status <= 199:
-            break
-    keep_alive = _keep_alive(version, headers)
-    encoding = headers.get("transfer-encoding", "").lower()
-    if method == "HEAD" or status in _NO_BODY_STATUSES:
-        body = b""
-    elif encoding:
-        if encoding.rsplit(",", 1)[-1].strip() != "chunked":
-            # Not chunked at the end: the body runs to the close (RFC 9112 6.3, item 4).
-            return Answer(status, _read_to_close(recv, buf, max_body), False)
-        body = _read_chunked(recv, buf, max_body)
-    elif "content-length" in headers:
-        length = headers["content-length"]
-        if not _ascii_digits(length):
-            raise http.client.HTTPException(f"bad Content-Length {length!r}")
-        if int(length) > max_body:
-            raise TooLong(f"an answer of {length} bytes is over the limit of {max_body}")
-        body = _read_exactly(recv, buf, int(length))
-    else:
-        return Answer(status, _read_to_close(recv, buf, max_body), False)
-    # Bytes beyond the answer (no request was pipelined) mean the framing went wrong: do not reuse.
-    return Answer(status, body, keep_alive and not buf)
-
-
-def _more(recv: Callable[[int], bytes], buf: bytearray) -> None:
-    chunk = recv(RECV_BYTES)
-    if not chunk:
-        raise http.client.IncompleteRead(bytes(buf[:200]))
-    buf += chunk
-
-
-def _read_head(recv: Callable[[int], bytes], buf: bytearray) -> tuple[int, str, dict[str, str]]:
-    """The status line and headers (names lower-cased); consumes them and the blank line from `buf`."""
-    end = _find(recv, buf, b"\r\n\r\n", "the answer's headers")
-    lines = buf[:end].decode("latin-1").split("\r\n")
-    del buf[: end + 4]
-    version, _, rest = lines[0].partition(" ")
-    code = rest[:3]
-    if not version.startswith("HTTP/1.") or not (_ascii_digits(code) and len(code) == 3) or rest[3:4] not in ("", " "):
-        raise http.client.BadStatusLine(lines[0])
-    headers: dict[str, str] = {}
-    name = ""
-    for line in lines[1:]:
-        if line[:1] in (" ", "\t") and name:  # an obsolete folded continuation line
-            headers[name] += " " + line.strip()
-            continue
-        name, sep, value = line.partition(":")
-        name = name.strip().lower()
-        if not sep or not name:
-            raise http.client.HTTPException(f"bad header line {line[:100]!r}")
-        value = value.strip()
-        if name in headers:
-            if name == "content-length" and headers[name] != value:
-                raise http.client.HTTPException("conflicting Content-Length headers")
-            value = headers[name] if name == "content-length" else f"{headers[name]}, {value}"
-        headers[name] = value
-    return int(code), version, headers
-
-
-def _read_exactly(recv: Callable[[int], bytes], buf: bytearray, n: int) -> bytes:
-    while len(buf) < n:
-        _more(recv, buf)
-    if len(buf) == n:  # the usual end of an answer: one copy, not two
-        out = bytes(buf)
-        buf.clear()
-        return out
-    out = bytes(buf[:n])
-    del buf[:n]
-    return out
-
-
-def _find(recv: Callable[[int], bytes], buf: bytearray, sep: bytes, what: str) -> int:
-    """Where `sep` starts in `buf`, receiving more until it arrives (at most MAX_HEAD_BYTES before it)."""
-    start = 0
-    while (end := buf.find(sep, start)) < 0:
-        if len(buf) > MAX_HEAD_BYTES:
-            raise http.client.LineTooLong(what)
-        start = max(0, len(buf) - len(sep) + 1)
-        _more(recv, buf)
-    return end
-
-
-def _read_line(recv: Callable[[int], bytes], buf: bytearray) -> bytes:
-    end = _find(recv, buf, b"\r\n", "a chunk-size or trailer line")
-    line = bytes(buf[:end])
-    del buf[: end + 2]
-    return line
-
-
-def _chunk_size(line: bytes) -> int:
-    size_text = line.split(b";", 1)[0].strip()
-    try:
-        size = int(size_text, 16)
-    except ValueError:
-        raise http.client.HTTPException(f"bad chunk size {size_text[:40]!r}") from None
-    if size < 0:
-        raise http.client.HTTPException(f"bad chunk size {size_text[:40]!r}")
-    return size
-
-
-def _pieces(recv: Callable[[int], bytes], buf: bytearray, n: int) -> Iterator[bytes]:
-    """The next `n` bytes as they arrive (a streamed body never waits for more than is there)."""
-    while n > 0:
-        if not buf:
-            _more(recv, buf)
-        take = min(n, len(buf))
-        yield bytes(buf[:take])
-        del buf[:take]
-        n -= take
-
-
-def _read_chunked(recv: Callable[[int], bytes], buf: bytearray, max_body: int) -> bytes:
-    out = bytearray()
-    while size := _chunk_size(_read_line(recv, buf)):
-        if len(out) + size > max_body:
-            raise TooLong(f"an answer over the limit of {max_body} bytes")
-        out += _read_exactly(recv, buf, size)
-        if _read_exactly(recv, buf, 2) != b"\r\n":
-            raise http.client.HTTPException("a chunk does not end with CRLF")
-    while _read_line(recv, buf):  # trailer fields, up to the blank line
-        pass
-    return bytes(out)
-
-
-def _read_to_close(recv: Callable[[int], bytes], buf: bytearray, max_body: int) -> bytes:
-    while chunk := recv(RECV_BYTES):
-        buf += chunk
-        if len(buf) > max_body:
-            raise TooLong(f"an answer over the limit of {max_body} bytes")
-    out = bytes(buf)
-    buf.clear()
-    return out

@@ -36,6 +36,15 @@ from typing import TYPE_CHECKING, Any
 from gputopo.model import SCHEDULER_NAME
 
 from .binaries import find_binaries
+from .commandlines import (
+    CONTROLLERS,
+    SA_ISSUER,
+    SERVICE_CIDR,
+    apiserver_argv,
+    controller_manager_argv,
+    etcd_argv,
+    scheduler_argv,
+)
 from .featureflags import feature_gates_arg, runtime_config_arg
 from .pki import (
     admission_configuration,
@@ -46,8 +55,8 @@ from .pki import (
     write_private,
 )
 
-# The process supervision, the credential files and the scheduler configuration live in their own
-# modules; these names stay importable from here, where callers have always found them.
+# The process supervision, the credential files, the components' command lines and the scheduler
+# configuration live in their own modules; these names stay importable from here, where callers have always found them.
 from .procs import HOST, Component, ControlPlaneError, Supervisor, free_port, http_ok, insecure_ctx
 from .schedconfig import ExtenderConfig, scheduler_configuration
 
@@ -80,30 +89,12 @@ APISERVER = "kube-apiserver"
 GPUTOPO_PROFILE = SCHEDULER_NAME
 PLAIN_PROFILE = "plain-scheduler"
 ADMIN_USER = "gputopo-admin"
-SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
-SERVICE_CIDR = "10.0.0.0/24"
 # The CN of the client certificate kube-apiserver presents to every admission webhook (a webhook that
 # asks for one, like gputopo's with --webhook-client-ca-file, can tell the API server from anyone else).
 WEBHOOK_CLIENT_NAME = "gputopo-local-kube-apiserver"
 CONTROLLER_MANAGER = "kube-controller-manager"
 # The identity the bootstrap RBAC binds to the system:kube-controller-manager ClusterRole.
 CONTROLLER_MANAGER_USER = "system:kube-controller-manager"
-# What kube-controller-manager runs, and nothing else. Left out on purpose: the node-lifecycle
-# controller (it would mark every simulated, kubelet-less Node NotReady and taint it), the pod GC
-# (it would delete pods bound to Nodes a test deleted) and the namespace controller.
-CONTROLLERS = (
-    "serviceaccount-token-controller",
-    "serviceaccount-controller",
-    "root-ca-certificate-publisher-controller",
-    "garbage-collector-controller",
-    "daemonset-controller",
-    "deployment-controller",
-    "replicaset-controller",
-    "job-controller",
-    "statefulset-controller",
-    # DRA: makes a pod's ResourceClaims from its templates and deletes them with it.
-    "resourceclaim-controller",
-)
 
 
 class ControlPlane(Supervisor):
@@ -340,20 +331,15 @@ class ControlPlane(Supervisor):
         self._scheduler_ports[name] = port
         cert_dir = self.dir / f"scheduler-{safe}-certs"
         cert_dir.mkdir(exist_ok=True)
-        auth = kubeconfig or self.kubeconfig
-        argv = [
-            str(self.bin_dir / "kube-scheduler"),
-            f"--config={cfg_path}",
-            f"--bind-address={HOST}",
-            f"--secure-port={port}",
-            f"--cert-dir={cert_dir}",
-            f"--authentication-kubeconfig={auth}",
-            f"--authorization-kubeconfig={auth}",
-            "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics",
-            f"--v={self.verbosity if verbosity is None else verbosity}",
-            *self._gate_args,
-            *extra_args,
-        ]
+        argv = scheduler_argv(
+            self.bin_dir / "kube-scheduler",
+            cfg_path,
+            port=port,
+            cert_dir=cert_dir,
+            auth=kubeconfig or self.kubeconfig,
+            verbosity=self.verbosity if verbosity is None else verbosity,
+            extra=[*self._gate_args, *extra_args],
+        )
         url = f"https://{HOST}:{port}/healthz"
         try:
             return self.start_process(
@@ -386,27 +372,16 @@ class ControlPlane(Supervisor):
         port = free_port()
         cert_dir = self.dir / "kube-controller-manager-certs"
         cert_dir.mkdir(exist_ok=True)
-        argv = [
-            str(exe),
-            f"--kubeconfig={kubeconfig}",
-            f"--authentication-kubeconfig={kubeconfig}",
-            f"--authorization-kubeconfig={kubeconfig}",
-            f"--bind-address={HOST}",
-            f"--secure-port={port}",
-            f"--cert-dir={cert_dir}",
-            "--leader-elect=false",
-            f"--controllers={','.join(CONTROLLERS)}",
-            "--use-service-account-credentials=true",
-            # The service-account token controller signs legacy token Secrets with the apiserver's key.
-            f"--service-account-private-key-file={self.dir / 'sa.key'}",
-            "--profiling=false",
-            f"--v={min(self.verbosity, 2) if verbosity is None else verbosity}",
-            *self._gate_args,
-            *extra_args,
-        ]
-        if self.ca_file is not None:
-            # What the root-CA publisher puts in every namespace's kube-root-ca.crt ConfigMap.
-            argv.append(f"--root-ca-file={self.ca_file}")
+        argv = controller_manager_argv(
+            exe,
+            kubeconfig,
+            port=port,
+            cert_dir=cert_dir,
+            sa_key=self.dir / "sa.key",
+            ca_file=self.ca_file,
+            verbosity=min(self.verbosity, 2) if verbosity is None else verbosity,
+            extra=[*self._gate_args, *extra_args],
+        )
         url = f"https://{HOST}:{port}/healthz"
         self.controller_manager_port = port
         try:
@@ -434,56 +409,21 @@ class ControlPlane(Supervisor):
     def _add_etcd(self) -> None:
         client = f"http://{HOST}:{self.etcd_port}"
         peer = f"http://{HOST}:{self.etcd_peer_port}"
-        argv = [
-            str(self.bin_dir / "etcd"),
-            "--name=gputopo",
-            f"--data-dir={self.dir / 'etcd'}",
-            f"--listen-client-urls={client}",
-            f"--advertise-client-urls={client}",
-            f"--listen-peer-urls={peer}",
-            f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster=gputopo={peer}",
-            "--initial-cluster-state=new",
-            "--unsafe-no-fsync=true",
-            "--log-level=warn",
-            "--quota-backend-bytes=8589934592",
-        ]
+        argv = etcd_argv(self.bin_dir / "etcd", self.dir / "etcd", client, peer)
         self._components[ETCD] = Component(
             name=ETCD, argv=argv, log_path=self.dir / "etcd.log", ready=lambda: http_ok(f"{client}/health")
         )
 
     def _add_apiserver(self) -> None:
-        argv = [
-            str(self.bin_dir / "kube-apiserver"),
-            f"--etcd-servers=http://{HOST}:{self.etcd_port}",
-            f"--bind-address={HOST}",
-            f"--advertise-address={HOST}",
-            f"--secure-port={self.apiserver_port}",
-            f"--cert-dir={self.dir / 'pki'}",
-            f"--token-auth-file={self.dir / 'tokens.csv'}",
-            "--authorization-mode=Node,RBAC",
-            f"--service-account-issuer={SA_ISSUER}",
-            f"--service-account-key-file={self.dir / 'sa.pub'}",
-            f"--service-account-signing-key-file={self.dir / 'sa.key'}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
-            # ServiceAccount: tests create pods in a namespace the moment they create it, before the
-            # serviceaccount controller (when kube-controller-manager runs at all) has made its
-            # `default` account, which the plugin would require. TaintNodesByCondition: no
-            # node-lifecycle controller runs to remove the not-ready taint it puts on new Nodes.
-            "--disable-admission-plugins="
-            + ("" if self.service_account_admission else "ServiceAccount,")
-            + "TaintNodesByCondition",
-            "--enable-admission-plugins=NodeRestriction,ValidatingAdmissionPolicy",
-            # Webhooks are called with a client certificate (what a real cluster can be set up to do).
-            f"--admission-control-config-file={self.dir / 'admission.json'}",
-            "--allow-privileged=true",
-            # The `kubernetes` Service cannot point at a loopback address; skip it.
-            "--endpoint-reconciler-type=none",
-            "--profiling=false",
-            f"--v={min(self.verbosity, 2)}",
-            *self._gate_args,
-            *self._runtime_args,
-        ]
+        argv = apiserver_argv(
+            self.bin_dir / "kube-apiserver",
+            self.dir,
+            etcd_port=self.etcd_port,
+            port=self.apiserver_port,
+            service_account_admission=self.service_account_admission,
+            verbosity=min(self.verbosity, 2),
+            extra=[*self._gate_args, *self._runtime_args],
+        )
         readyz = f"{self.server}/readyz"
         self._components[APISERVER] = Component(
             name=APISERVER,

@@ -20,9 +20,7 @@ simulator against the real kube-scheduler"). Every wait is bounded.
 
 from __future__ import annotations
 
-import re
 import secrets
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,8 +34,8 @@ from gputopo.engine.reasons import Reason
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.snapshot import NodeState
 from gputopo.kube import KubeError
-from gputopo.kube.errors import Gone
 from gputopo.localcluster.kube import JSON, KubeClient, SimNode, pod_manifest
+from gputopo.localcluster.podwatch import PodTracker, pod_state, scheduling_message
 from gputopo.localcluster.promstats import http_get
 from gputopo.localcluster.stack import Stack
 from gputopo.model import (
@@ -62,7 +60,6 @@ NODE_MEMORY_GIB_PER_GPU = 128
 POD_CPU_PER_GPU = 12
 POD_MEMORY_GIB_PER_GPU = 96
 LEASE_DURATION_S = 3600
-WAITING = re.compile(r"pods exist, waiting")
 # kube-scheduler retries a pod an extender refused only on a cluster event: a group member refused
 # while its group was incomplete may sit until one comes. A touch of a node label is such an event.
 NUDGE_AFTER_S = 3.0
@@ -99,86 +96,6 @@ def _gauge(text: str, name: str, labels: Mapping[str, str] | None = None) -> flo
             if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
                 return float(s.value)
     return None
-
-
-class PodTracker(threading.Thread):
-    """The latest copy of every pod in one namespace, from a watch; `wait` blocks on changes."""
-
-    def __init__(self, kube: KubeClient, namespace: str) -> None:
-        super().__init__(name=f"pods-{namespace}", daemon=True)
-        self.kube = kube
-        self.namespace = namespace
-        self.pods: dict[str, JSON] = {}
-        self.cond = threading.Condition()
-        self.stopping = threading.Event()
-        self.error = ""
-        self._rv = self._list()
-
-    def _list(self) -> str:
-        doc = self.kube.request("GET", f"/api/v1/namespaces/{self.namespace}/pods")
-        with self.cond:
-            self.pods = {p["metadata"]["name"]: p for p in doc.get("items", [])}
-            self.cond.notify_all()
-        return str(doc.get("metadata", {}).get("resourceVersion", ""))
-
-    def run(self) -> None:
-        path = f"/api/v1/namespaces/{self.namespace}/pods"
-        while not self.stopping.is_set():
-            try:
-                for ev in self.kube.watch(path, self._rv, timeout_seconds=60):
-                    meta = ev.object.get("metadata") or {}
-                    if meta.get("resourceVersion"):
-                        self._rv = str(meta["resourceVersion"])
-                    name = meta.get("name")
-                    if ev.type == "BOOKMARK" or not name:
-                        continue
-                    with self.cond:
-                        if ev.type == "DELETED":
-                            self.pods.pop(str(name), None)
-                        else:
-                            self.pods[str(name)] = ev.object
-                        self.cond.notify_all()
-                    if self.stopping.is_set():
-                        return
-            except Gone:
-                self._rv = self._list()
-            except Exception as e:  # the waits time out and say so; the watch is tried again
-                self.error = f"{type(e).__name__}: {e}"
-                if self.stopping.wait(0.5):
-                    return
-
-    def stop(self) -> None:
-        self.stopping.set()
-
-    def wait(self, done: Callable[[Mapping[str, JSON]], bool], timeout: float) -> bool:
-        """Until `done(pods)` holds (True) or `timeout` seconds pass (False)."""
-        end = time.monotonic() + timeout
-        with self.cond:
-            while not done(self.pods):
-                left = end - time.monotonic()
-                if left <= 0:
-                    return False
-                self.cond.wait(min(left, 1.0))
-            return True
-
-
-def pod_state(pod: JSON | None) -> str:
-    """`bound`, `refused` (unschedulable for a reason other than a group still waiting) or `pending`."""
-    if pod is None:
-        return "pending"
-    if (pod.get("spec") or {}).get("nodeName"):
-        return "bound"
-    for c in (pod.get("status") or {}).get("conditions") or []:
-        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
-            return "pending" if WAITING.search(str(c.get("message") or "")) else "refused"
-    return "pending"
-
-
-def _message(pod: JSON | None) -> str:
-    for c in ((pod or {}).get("status") or {}).get("conditions") or []:
-        if c.get("type") == "PodScheduled":
-            return str(c.get("message") or c.get("reason") or "")
-    return ""
 
 
 @dataclass
@@ -410,7 +327,9 @@ class _JobContext:
                 real[p.name] = self._placement(follower, p, pod, notes)
             else:
                 if state == "pending":
-                    notes.append(f"{p.name} neither bound nor refused in {budget:.0f}s: {_message(pod)[:200]}")
+                    notes.append(
+                        f"{p.name} neither bound nor refused in {budget:.0f}s: {scheduling_message(pod)[:200]}"
+                    )
                 real[p.name] = None
                 self.kube.delete_pod(self.namespace, p.name)
         verdicts = follower.observe(choice, real)

@@ -168,6 +168,16 @@ def parse_pod_request(
             fields[name] = t
     if ANN_REQUIRED_TIER not in ann and inferred is not None and inferred.required_tier is not None:
         fields["required_tier"] = inferred.required_tier  # a PodGroup's topology constraint
+    fields.update(_group_fields(ann, inferred))
+    if not 0 <= gpus <= MAX_QUANTITY:
+        raise AnnotationError(GPU_RESOURCE, str(gpus), f"GPU count must be between 0 and {MAX_QUANTITY}")
+    return PodRequest(**fields)
+
+
+def _group_fields(ann: Mapping[str, str], inferred: InferredGroup | None) -> dict[str, Any]:
+    """`group`, `group_size`, `stage` (and the spread an inferred gang implies) from the annotations,
+    each overriding what the controller's labels give (`inferred`)."""
+    fields: dict[str, Any] = {}
     if ANN_GROUP in ann:
         g = ann[ANN_GROUP].strip()
         if not _NAME.fullmatch(g):
@@ -203,6 +213,4 @@ def parse_pod_request(
     if "group" in fields and group_size is None:  # an inferred group whose size is not known yet
         why = inferred.waiting if inferred is not None else "needs a size"
         raise AnnotationError(ANN_GROUP_SIZE, "", f"group {fields['group']}: size not known: {why}")
-    if not 0 <= gpus <= MAX_QUANTITY:
-        raise AnnotationError(GPU_RESOURCE, str(gpus), f"GPU count must be between 0 and {MAX_QUANTITY}")
-    return PodRequest(**fields)
+    return fields

@@ -21,7 +21,7 @@ from itertools import combinations
 
 from gputopo.engine.cliques import bits, k_cliques, mask_of
 from gputopo.engine.snapshot import NodeState
-from gputopo.model import Health, NvlinkPolicy, PodRequest, Spread
+from gputopo.model import Health, NetworkKind, NvlinkPolicy, PodRequest, Spread
 from gputopo.sim.comm import pp_seconds, tp_seconds
 from gputopo.sim.records import SimPod
 from gputopo.tiers import TierConfig
@@ -130,90 +130,132 @@ def best_placement(
     pp_message_bytes: float,
     budget: int = DEFAULT_BUDGET,
 ) -> BestPlacement:
-    views = [_Node(n) for n in nodes]
-    # Nodes with the same hardware, health, NICs and switches are interchangeable.
-    classes: dict[tuple[object, ...], int] = {}
-    node_class = [
-        classes.setdefault((v.signature, v.usable, tuple(sorted(v.state.location.items(), key=str)), v.state.nics), i)
-        for i, v in enumerate(views)
-    ]
-    memo: dict[tuple[int, tuple[tuple[int, int], ...]], tuple[int, float]] = {}
-    counter = [0]
-    complete = [True]
+    search = _Search(nodes, jobs, tiers, tp_message_bytes, pp_message_bytes, budget)
+    start = tuple(mask_of(list(v.state.in_use)) for v in search.views)
+    placed, seconds = search.solve(0, start)
+    return BestPlacement(placed, seconds, search.complete, search.counter)
 
-    def canon(masks: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-        return tuple(sorted((node_class[i], v.canonical(m)) for i, (v, m) in enumerate(zip(views, masks, strict=True))))
 
-    def assignments(
-        pods: Sequence[SimPod], masks: tuple[int, ...]
-    ) -> Iterator[tuple[float, tuple[int, ...], tuple[tuple[str, int, tuple[int, ...]], ...]]]:
-        """Every distinct placement of all `pods` (one job), as (cost, masks after, [(pod, node, gpus)])."""
-        staged = sorted(pods, key=lambda p: (p.stage, p.name))
-        lead = staged[0].request
-        group = len(pods) > 1 or lead.is_group
-        spread = group and lead.spread is Spread.NODE
-        tier = lead.required_tier if group else None
-        kind = lead.network
-        # Sets equivalent under a node symmetry cost the same unless a stage shares the node.
-        symmetric = spread or not group
+_Chosen = tuple[tuple[str, int, tuple[int, ...]], ...]  # (pod, node index, GPUs) per pod placed so far
+_Assignment = tuple[float, tuple[int, ...], _Chosen]  # (cost, in-use masks after, what was chosen)
 
-        def rec(
-            i: int, masks: tuple[int, ...], cost: float, chosen: tuple[tuple[str, int, tuple[int, ...]], ...]
-        ) -> Iterator[tuple[float, tuple[int, ...], tuple[tuple[str, int, tuple[int, ...]], ...]]]:
-            if i == len(staged):
-                yield cost, masks, chosen
-                return
-            pod = staged[i]
-            used_nodes = {c[1] for c in chosen}
-            switch = views[chosen[0][1]].state.location.get(tier) if (tier and chosen) else None
-            tried: set[tuple[object, ...]] = set()
-            for n, view in enumerate(views):
-                if spread and n in used_nodes:
-                    continue
-                if tier:
-                    sw = view.state.location.get(tier)
-                    if sw is None or (chosen and sw != switch):
-                        continue
-                for gpus in view.sets(pod.request, masks[n]):
-                    after = masks[n] | mask_of(list(gpus))
-                    if symmetric:
-                        key = (node_class[n], view.canonical(masks[n]), view.canonical(after), n in used_nodes)
-                        if key in tried:
-                            continue
-                        tried.add(key)
-                    counter[0] += 1
-                    if counter[0] > budget:
-                        complete[0] = False
-                        return
-                    c = tp_seconds(view.state.shape, gpus, tp_message_bytes)
-                    if chosen:
-                        _, prev_node, prev_gpus = chosen[-1]
-                        c += pp_seconds(
-                            views[prev_node].state, prev_gpus, view.state, gpus, kind, pp_message_bytes, tiers
-                        )
-                    new_masks = (*masks[:n], after, *masks[n + 1 :])
-                    yield from rec(i + 1, new_masks, cost + c, (*chosen, (pod.name, n, gpus)))
 
-        yield from rec(0, masks, 0.0, ())
+class _Search:
+    """One exhaustive search: the nodes' views, the memo and the budget spent."""
 
-    def solve(j: int, masks: tuple[int, ...]) -> tuple[int, float]:
-        if j == len(jobs):
+    def __init__(
+        self,
+        nodes: Sequence[NodeState],
+        jobs: Sequence[Sequence[SimPod]],
+        tiers: TierConfig,
+        tp_message_bytes: float,
+        pp_message_bytes: float,
+        budget: int,
+    ) -> None:
+        self.views = [_Node(n) for n in nodes]
+        self.jobs = jobs
+        self.tiers = tiers
+        self.tp_message_bytes = tp_message_bytes
+        self.pp_message_bytes = pp_message_bytes
+        self.budget = budget
+        # Nodes with the same hardware, health, NICs and switches are interchangeable.
+        classes: dict[tuple[object, ...], int] = {}
+        self.node_class = [
+            classes.setdefault(
+                (v.signature, v.usable, tuple(sorted(v.state.location.items(), key=str)), v.state.nics), i
+            )
+            for i, v in enumerate(self.views)
+        ]
+        self.memo: dict[tuple[int, tuple[tuple[int, int], ...]], tuple[int, float]] = {}
+        self.counter = 0
+        self.complete = True
+
+    def canon(self, masks: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        return tuple(
+            sorted((self.node_class[i], v.canonical(m)) for i, (v, m) in enumerate(zip(self.views, masks, strict=True)))
+        )
+
+    def solve(self, j: int, masks: tuple[int, ...]) -> tuple[int, float]:
+        """(jobs placed, communication seconds) of the best placement of jobs j.. from `masks` on."""
+        if j == len(self.jobs):
             return 0, 0.0
-        key = (j, canon(masks))
-        if key in memo:
-            return memo[key]
-        best = solve(j + 1, masks)  # leave job j out
-        if jobs[j]:
-            for cost, after, _ in assignments(jobs[j], masks):
-                placed, rest_cost = solve(j + 1, after)
+        key = (j, self.canon(masks))
+        if key in self.memo:
+            return self.memo[key]
+        best = self.solve(j + 1, masks)  # leave job j out
+        if self.jobs[j]:
+            for cost, after, _ in self.assignments(self.jobs[j], masks):
+                placed, rest_cost = self.solve(j + 1, after)
                 cand = (placed + 1, cost + rest_cost)
                 if cand[0] > best[0] or (cand[0] == best[0] and cand[1] < best[1] - 1e-15):
                     best = cand
-                if not complete[0]:
+                if not self.complete:
                     break
-        memo[key] = best
+        self.memo[key] = best
         return best
 
-    start = tuple(mask_of(list(v.state.in_use)) for v in views)
-    placed, seconds = solve(0, start)
-    return BestPlacement(placed, seconds, complete[0], counter[0])
+    def assignments(self, pods: Sequence[SimPod], masks: tuple[int, ...]) -> Iterator[_Assignment]:
+        """Every distinct placement of all `pods` (one job), as (cost, masks after, [(pod, node, gpus)])."""
+        staged = sorted(pods, key=lambda p: (p.stage, p.name))
+        yield from self._extend(_JobRules.of(pods, staged[0].request), staged, 0, masks, 0.0, ())
+
+    def _extend(
+        self, rules: _JobRules, staged: Sequence[SimPod], i: int, masks: tuple[int, ...], cost: float, chosen: _Chosen
+    ) -> Iterator[_Assignment]:
+        """Every placement of pods i.. of the job, the earlier ones placed as `chosen`."""
+        if i == len(staged):
+            yield cost, masks, chosen
+            return
+        pod = staged[i]
+        used_nodes = {c[1] for c in chosen}
+        tier = rules.tier
+        switch = self.views[chosen[0][1]].state.location.get(tier) if (tier and chosen) else None
+        tried: set[tuple[object, ...]] = set()
+        for n, view in enumerate(self.views):
+            if rules.spread and n in used_nodes:
+                continue
+            if tier:
+                sw = view.state.location.get(tier)
+                if sw is None or (chosen and sw != switch):
+                    continue
+            for gpus in view.sets(pod.request, masks[n]):
+                after = masks[n] | mask_of(list(gpus))
+                if rules.symmetric:
+                    key = (self.node_class[n], view.canonical(masks[n]), view.canonical(after), n in used_nodes)
+                    if key in tried:
+                        continue
+                    tried.add(key)
+                self.counter += 1
+                if self.counter > self.budget:
+                    self.complete = False
+                    return
+                c = tp_seconds(view.state.shape, gpus, self.tp_message_bytes)
+                if chosen:
+                    _, prev_node, prev_gpus = chosen[-1]
+                    c += pp_seconds(
+                        self.views[prev_node].state,
+                        prev_gpus,
+                        view.state,
+                        gpus,
+                        rules.kind,
+                        self.pp_message_bytes,
+                        self.tiers,
+                    )
+                new_masks = (*masks[:n], after, *masks[n + 1 :])
+                yield from self._extend(rules, staged, i + 1, new_masks, cost + c, (*chosen, (pod.name, n, gpus)))
+
+
+@dataclass(frozen=True)
+class _JobRules:
+    """What a job's lead pod asks of where its pods go."""
+
+    spread: bool
+    tier: str | None
+    kind: NetworkKind
+    symmetric: bool  # sets equivalent under a node symmetry cost the same unless a stage shares the node
+
+    @staticmethod
+    def of(pods: Sequence[SimPod], lead: PodRequest) -> _JobRules:
+        group = len(pods) > 1 or lead.is_group
+        spread = group and lead.spread is Spread.NODE
+        return _JobRules(spread, lead.required_tier if group else None, lead.network, spread or not group)

@@ -31,7 +31,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 
 from gputopo.engine.placement import evaluate_node
@@ -208,14 +208,69 @@ def summarize(
     placed = {p.pod: p for p in placements}
     all_pods = [p for pods in jobs for p in pods]
     multi = [p for p in all_pods if p.request.gpus >= 2 and p.request.nvlink is not NvlinkPolicy.IGNORE]
+    broken = _broken_requests(all_pods, placed, by_name)
+    on_clique, could_count, on_clique_of_could = _clique_counts(multi, placed, by_name, initial, tiers, weights)
+    jf = _job_figures(jobs, placed, by_name, tiers, tp_message_bytes, pp_message_bytes, broken)
+    free_total, stranded, stranded_nodes = _stranded(final, all_pods, unplaced, weights)
+    comparison: ExhaustiveComparison | None = None
+    note = ""
+    if exhaustive:
+        comparison, note = _compare_exhaustive(
+            jobs, initial, tiers, tp_message_bytes, pp_message_bytes, jf, sorted(broken)
+        )
+    return Summary(
+        jobs=len(jobs),
+        jobs_placed=jf.jobs_placed,
+        pods=len(all_pods),
+        pods_placed=len(placed),
+        multi_gpu_pods=len(multi),
+        multi_gpu_placed=sum(1 for p in multi if p.name in placed),
+        on_full_clique=on_clique,
+        could_have_clique=could_count,
+        on_full_clique_of_could=on_clique_of_could,
+        groups=jf.groups,
+        groups_placed=jf.groups_placed,
+        groups_partial=jf.groups_partial,
+        groups_within=jf.within,
+        broken={k: len(v) for k, v in sorted(broken.items())},
+        free_gpus=free_total,
+        stranded_gpus=stranded,
+        stranded_nodes=stranded_nodes,
+        tp_allreduce_seconds=jf.tp_seconds,
+        pp_transfer_seconds=jf.pp_seconds,
+        tp_message_bytes=tp_message_bytes,
+        pp_message_bytes=pp_message_bytes,
+        exhaustive=comparison,
+        exhaustive_note=note,
+        gpus_placed=sum(len(p.gpus) for p in placements),
+        rail_groups=jf.rail_groups,
+        rail_aligned=jf.rail_aligned,
+    )
+
+
+def _broken_requests(
+    all_pods: Sequence[SimPod], placed: dict[str, PodPlacement], by_name: dict[str, NodeState]
+) -> dict[str, set[str]]:
+    """Request kind -> the placed pods whose own placement breaks it (groups' kinds are added later)."""
     broken: dict[str, set[str]] = {}
     for p in all_pods:
         pl = placed.get(p.name)
         if pl is not None and p.opted_in:  # a plain pod asked for nothing, so it breaks nothing
             for kind, _ in broken_requests(by_name[pl.node], pl.gpus, p.request):
                 broken.setdefault(kind, set()).add(p.name)
+    return broken
 
-    # Multi-GPU pods on a full clique, and those that could have had one on the empty cluster.
+
+def _clique_counts(
+    multi: Sequence[SimPod],
+    placed: dict[str, PodPlacement],
+    by_name: dict[str, NodeState],
+    initial: Sequence[NodeState],
+    tiers: TierConfig,
+    weights: ScoreWeights,
+) -> tuple[int, int, int]:
+    """Multi-GPU pods on a full clique, those that could have had one on the empty cluster, and the
+    first among the second."""
     empties = [empty_node(n, tiers) for n in initial]
     could_memo: dict[PodRequest, bool] = {}
 
@@ -247,48 +302,73 @@ def summarize(
         full = shape is not None and all(shape.links[a][b] > 0 for i, a in enumerate(g) for b in g[i + 1 :])
         on_clique += full
         on_clique_of_could += full and c
+    return on_clique, could_count, on_clique_of_could
 
-    # Jobs and groups.
+
+@dataclass
+class _JobFigures:
+    jobs_placed: int = 0
+    groups: int = 0
+    groups_placed: int = 0
+    groups_partial: int = 0
+    rail_groups: int = 0
+    rail_aligned: int = 0
+    within: dict[str, int] = field(default_factory=dict)
+    tp_seconds: float = 0.0
+    pp_seconds: float = 0.0
+
+
+def _job_figures(
+    jobs: Sequence[Sequence[SimPod]],
+    placed: dict[str, PodPlacement],
+    by_name: dict[str, NodeState],
+    tiers: TierConfig,
+    tp_message_bytes: float,
+    pp_message_bytes: float,
+    broken: dict[str, set[str]],
+) -> _JobFigures:
+    """Jobs placed in full and their communication time; groups placed, within one switch, rail-aligned.
+    Adds to `broken` the group requests (spread, required tier) that placed members break."""
     net = tiers.network_tiers()
-    jobs_placed = 0
-    groups = groups_placed = groups_partial = 0
-    rail_groups = rail_aligned = 0
-    within = dict.fromkeys(net, 0)
-    tp_total = pp_total = 0.0
-    placed_jobs: list[int] = []
-    for j, pods in enumerate(jobs):
+    f = _JobFigures(within=dict.fromkeys(net, 0))
+    for pods in jobs:
         n_placed = sum(1 for p in pods if p.name in placed)
         full = n_placed == len(pods) and len(pods) > 0
         if full:
-            jobs_placed += 1
-            placed_jobs.append(j)
+            f.jobs_placed += 1
             where = {p.name: (by_name[placed[p.name].node], placed[p.name].gpus) for p in pods}
             tp, pp = job_comm_seconds(pods, where, tiers, tp_message_bytes, pp_message_bytes)
-            tp_total += tp
-            pp_total += pp
-        if is_group_job(pods):
-            groups += 1
-            lead = pods[0].request
-            on = [(p.name, placed[p.name].node) for p in pods if p.name in placed]
-            if lead.spread is Spread.NODE and len({n for _, n in on}) < len(on):
-                broken.setdefault("spread", set()).update(name for name, _ in on)
-            if lead.required_tier and on:
-                sws = {by_name[n].location.get(lead.required_tier) for _, n in on}
-                if len(sws) > 1 or None in sws:
-                    broken.setdefault("required-tier", set()).update(name for name, _ in on)
-            if full:
-                groups_placed += 1
-                for t in net:
-                    sws = {by_name[placed[p.name].node].location.get(t) for p in pods}
-                    if len(sws) == 1 and None not in sws:
-                        within[t] += 1
-                rails = assess([(by_name[placed[p.name].node], placed[p.name].gpus) for p in pods])
-                rail_groups += rails.applies
-                rail_aligned += rails.applies and rails.aligned
-            elif n_placed:
-                groups_partial += 1
+            f.tp_seconds += tp
+            f.pp_seconds += pp
+        if not is_group_job(pods):
+            continue
+        f.groups += 1
+        lead = pods[0].request
+        on = [(p.name, placed[p.name].node) for p in pods if p.name in placed]
+        if lead.spread is Spread.NODE and len({n for _, n in on}) < len(on):
+            broken.setdefault("spread", set()).update(name for name, _ in on)
+        if lead.required_tier and on:
+            sws = {by_name[n].location.get(lead.required_tier) for _, n in on}
+            if len(sws) > 1 or None in sws:
+                broken.setdefault("required-tier", set()).update(name for name, _ in on)
+        if full:
+            f.groups_placed += 1
+            for t in net:
+                sws = {by_name[placed[p.name].node].location.get(t) for p in pods}
+                if len(sws) == 1 and None not in sws:
+                    f.within[t] += 1
+            rails = assess([(by_name[placed[p.name].node], placed[p.name].gpus) for p in pods])
+            f.rail_groups += rails.applies
+            f.rail_aligned += rails.applies and rails.aligned
+        elif n_placed:
+            f.groups_partial += 1
+    return f
 
-    # Stranded GPUs: free on nodes that no pod of the remaining queue fits.
+
+def _stranded(
+    final: Sequence[NodeState], all_pods: Sequence[SimPod], unplaced: Sequence[str], weights: ScoreWeights
+) -> tuple[int, int, int]:
+    """(free GPUs, stranded GPUs, stranded nodes): free on nodes that no pod of the remaining queue fits."""
     pending = {p.name for p in all_pods} & set(unplaced)
     queue = list({_queue_key(p.request) for p in all_pods if p.name in pending})
     free_total = stranded = stranded_nodes = 0
@@ -307,62 +387,41 @@ def summarize(
         if not fit_memo[n.key]:
             stranded += free
             stranded_nodes += 1
+    return free_total, stranded, stranded_nodes
 
-    comparison: ExhaustiveComparison | None = None
-    note = ""
-    if exhaustive:
-        if len(initial) > EXHAUSTIVE_MAX_NODES or len(all_pods) > EXHAUSTIVE_MAX_PODS:
-            note = (
-                f"not computed: exhaustive search runs on up to {EXHAUSTIVE_MAX_NODES} nodes and "
-                f"{EXHAUSTIVE_MAX_PODS} pods; this instance has {len(initial)} nodes and {len(all_pods)} pods"
-            )
-        else:
-            best = best_placement(initial, jobs, tiers, tp_message_bytes, pp_message_bytes)
-            comparison = ExhaustiveComparison(
-                policy_seconds=tp_total + pp_total,
-                best_seconds=best.seconds,
-                policy_jobs_placed=jobs_placed,
-                best_jobs_placed=best.jobs_placed,
-                complete=best.complete,
-                states=best.states,
-            )
-            if comparison.ratio is not None and comparison.ratio < 1 - 1e-9 and broken:
-                note = (
-                    "below 1.00 because the policy broke requests the search honours ("
-                    + ", ".join(sorted(broken))
-                    + ")"
-                )
-            elif comparison.ratio is None and jobs_placed != best.jobs_placed:
-                note = (
-                    f"the policy placed {jobs_placed} of {len(jobs)} jobs; the best placement that honours every "
-                    f"hard request places {best.jobs_placed}, so their communication times are not comparable"
-                )
 
-    return Summary(
-        jobs=len(jobs),
-        jobs_placed=jobs_placed,
-        pods=len(all_pods),
-        pods_placed=len(placed),
-        multi_gpu_pods=len(multi),
-        multi_gpu_placed=sum(1 for p in multi if p.name in placed),
-        on_full_clique=on_clique,
-        could_have_clique=could_count,
-        on_full_clique_of_could=on_clique_of_could,
-        groups=groups,
-        groups_placed=groups_placed,
-        groups_partial=groups_partial,
-        groups_within=within,
-        broken={k: len(v) for k, v in sorted(broken.items())},
-        free_gpus=free_total,
-        stranded_gpus=stranded,
-        stranded_nodes=stranded_nodes,
-        tp_allreduce_seconds=tp_total,
-        pp_transfer_seconds=pp_total,
-        tp_message_bytes=tp_message_bytes,
-        pp_message_bytes=pp_message_bytes,
-        exhaustive=comparison,
-        exhaustive_note=note,
-        gpus_placed=sum(len(p.gpus) for p in placements),
-        rail_groups=rail_groups,
-        rail_aligned=rail_aligned,
+def _compare_exhaustive(
+    jobs: Sequence[Sequence[SimPod]],
+    initial: Sequence[NodeState],
+    tiers: TierConfig,
+    tp_message_bytes: float,
+    pp_message_bytes: float,
+    jf: _JobFigures,
+    broken_kinds: Sequence[str],
+) -> tuple[ExhaustiveComparison | None, str]:
+    """The policy against the exhaustive best on small instances, and a note saying why not or why
+    the ratio reads as it does."""
+    pods = sum(len(j) for j in jobs)
+    if len(initial) > EXHAUSTIVE_MAX_NODES or pods > EXHAUSTIVE_MAX_PODS:
+        return None, (
+            f"not computed: exhaustive search runs on up to {EXHAUSTIVE_MAX_NODES} nodes and "
+            f"{EXHAUSTIVE_MAX_PODS} pods; this instance has {len(initial)} nodes and {pods} pods"
+        )
+    best = best_placement(initial, jobs, tiers, tp_message_bytes, pp_message_bytes)
+    comparison = ExhaustiveComparison(
+        policy_seconds=jf.tp_seconds + jf.pp_seconds,
+        best_seconds=best.seconds,
+        policy_jobs_placed=jf.jobs_placed,
+        best_jobs_placed=best.jobs_placed,
+        complete=best.complete,
+        states=best.states,
     )
+    note = ""
+    if comparison.ratio is not None and comparison.ratio < 1 - 1e-9 and broken_kinds:
+        note = "below 1.00 because the policy broke requests the search honours (" + ", ".join(broken_kinds) + ")"
+    elif comparison.ratio is None and jf.jobs_placed != best.jobs_placed:
+        note = (
+            f"the policy placed {jf.jobs_placed} of {len(jobs)} jobs; the best placement that honours every "
+            f"hard request places {best.jobs_placed}, so their communication times are not comparable"
+        )
+    return comparison, note

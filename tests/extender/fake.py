@@ -14,8 +14,8 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from gputopo.extender.kube import JSON, KINDS, Kind
-from gputopo.kube import Gone, KubeError, WatchEvent
+from gputopo.extender.kube import JSON, Kind
+from gputopo.kube import KIND_NAMES, Gone, KubeError, WatchEvent
 from gputopo.model import DEFAULT_NAMESPACE
 
 
@@ -29,9 +29,9 @@ class FakeSource:
         self.namespace = namespace
         self._lock = threading.Condition()
         self._rv = 0
-        self._objects: dict[Kind, dict[tuple[str, str], JSON]] = {k: {} for k in KINDS}
-        self._log: dict[Kind, list[tuple[int, WatchEvent]]] = {k: [] for k in KINDS}
-        self._compacted: dict[Kind, int] = dict.fromkeys(KINDS, 0)
+        self._objects: dict[Kind, dict[tuple[str, str], JSON]] = {k: {} for k in KIND_NAMES}
+        self._log: dict[Kind, list[tuple[int, WatchEvent]]] = {k: [] for k in KIND_NAMES}
+        self._compacted: dict[Kind, int] = dict.fromkeys(KIND_NAMES, 0)
         self.not_served: set[Kind] = set()  # kinds whose list and watch answer 404 (an API not served)
         self.bindings: list[tuple[str, str, str, str]] = []
         self.events: list[JSON] = []

@@ -27,13 +27,14 @@ from gputopo.extender.app import Listeners, create_listeners
 from gputopo.extender.bounded import ListenerLimits
 from gputopo.extender.cache import ClusterCache
 from gputopo.extender.door import Door
-from gputopo.extender.kube import KINDS, Informer
+from gputopo.extender.kube import Informer
 from gputopo.extender.ledger import Ledger
 from gputopo.extender.main import ListenerServer, _loop_factory, listener_config, serve
 from gputopo.extender.metrics import Metrics
 from gputopo.extender.service import Extender
 from gputopo.extender.settings import Settings
 from gputopo.extender.verbserver import VerbServer
+from gputopo.kube import KIND_NAMES
 from gputopo.model import (
     DEFAULT_NAMESPACE,
     GPU_RESOURCE,
@@ -159,7 +160,7 @@ def args(pod: JSON, names: list[str], *, lower: bool = False) -> JSON:
 
 def sync(cache: ClusterCache, source: FakeSource) -> None:
     """One full list of every kind, as the informers do on start."""
-    for kind in KINDS:
+    for kind in KIND_NAMES:
         Informer(source, kind, cache).relist()
 
 

@@ -54,7 +54,7 @@ def test_live_loader_needs_nothing_but_list_objects() -> None:
 
     class ListOnly:  # an object with no write method at all: any write would raise AttributeError
         def list_objects(self, kind: str) -> tuple[list[dict[str, object]], str]:
-            return fake.list_objects(kind)  # type: ignore[arg-type]
+            return fake.list_objects(kind)
 
     snap = defrag.load_live(ListOnly(), namespace=NS, stale_after_seconds=120)
     assert [(p.ref, p.node, sorted(p.gpus)) for p in snap.pods] == [("default/tp2-x", "n7", [2, 5])]

@@ -299,6 +299,14 @@ def eventually_served(servers: Servers, listener: str) -> None:
     conn.close()
 
 
+def counted(servers: Servers, listener: str, expected: int) -> None:
+    """Wait, bounded, until the listener counts `expected` connections."""
+    deadline = time.monotonic() + WAIT_S
+    while (now := servers.slots(listener)) != expected:
+        assert time.monotonic() < deadline, f"the {listener} listener counts {now} connections, not {expected}"
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize("listener", LISTENERS)
 def test_connections_past_the_cap_are_refused_until_one_closes(two_only: Servers, listener: str) -> None:
     held = [two_only.connect(listener) for _ in range(2)]
@@ -374,6 +382,9 @@ def two_per_peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
 def test_one_peer_is_refused_past_its_share_while_another_is_served(
     two_per_peer: Servers, listener: str, hold: str
 ) -> None:
+    # The module's server outlives each case: wait until it has seen the last case's closes, and below
+    # until it has counted both held connections (accepts and closes reach it when it runs, not at once).
+    counted(two_per_peer, listener, 0)
     held: list[socket.socket] = []
     try:
         for _ in range(2):
@@ -386,6 +397,7 @@ def test_one_peer_is_refused_past_its_share_while_another_is_served(
                 conn.sendall(b"GET /healthz HTTP/1.1\r\nX-Drip: x\r\n")
             assert conn is not None
             held.append(conn)
+        counted(two_per_peer, listener, 2)
         assert refused(two_per_peer, listener, "--max-connections-per-peer")
         other = served(two_per_peer, listener, source="127.0.0.2")
         assert other is not None, "another address was not served"

@@ -164,13 +164,13 @@ def test_a_jobs_status_update_infers_no_pod_again(cluster: Env, monkeypatch: pyt
     job = job_obj("train", 2)
     cluster.cache.apply("jobs", "ADDED", job)
     calls: list[str] = []
-    original = cluster.cache._record_again
+    original = cluster.cache.controllers._record_again
 
     def counting(rec: Any) -> Any:
         calls.append(rec.name)
         return original(rec)
 
-    monkeypatch.setattr(cluster.cache, "_record_again", counting)
+    monkeypatch.setattr(cluster.cache.controllers, "_record_again", counting)
     cluster.cache.apply("jobs", "MODIFIED", {**job, "status": {"active": 2, "ready": 1}})
     assert calls == []
     cluster.cache.apply("jobs", "MODIFIED", {**job, "spec": {**job["spec"], "completions": 3, "parallelism": 3}})

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 from gputopo.agent.pods import KubeLocalPods, KubePodSource
 from gputopo.extender.app import create_listeners
-from gputopo.extender.kube import KINDS, Informer, Kind, KubeSource
+from gputopo.extender.kube import Informer, Kind, KubeSource
 from gputopo.extender.metrics import Metrics
 from gputopo.extender.settings import Settings
-from gputopo.kube import REFLECTOR_BACKOFF, Backoff, Kube, Pacing
+from gputopo.kube import KIND_NAMES, REFLECTOR_BACKOFF, Backoff, Kube, Pacing
 from tests.extender.fake import FakeSource
 from tests.kube.scripted import (
     ENDS_AT_ONCE,
@@ -247,7 +247,8 @@ def test_the_extenders_informers_feed_the_relist_counter() -> None:
     with listeners.running():
         for inf in listeners.informers:
             assert inf.synced.wait(WAIT_S)
-        counts = {kind: registry.get_sample_value("gputopo_extender_relists_total", {"kind": kind}) for kind in KINDS}
+        relists = "gputopo_extender_relists_total"
+        counts = {kind: registry.get_sample_value(relists, {"kind": kind}) for kind in KIND_NAMES}
     assert all(n is not None and n >= 1 for n in counts.values()), counts
 
 

@@ -278,7 +278,7 @@ def test_a_connection_the_server_closed_does_not_fail_a_call(
     connections: int,
 ) -> None:
     if not idle_check:  # the close arrives just after the check: the request goes out on a dead connection
-        monkeypatch.setattr(lean._Conn, "idle_closed", never_closed)
+        monkeypatch.setattr(lean.Conn, "idle_closed", never_closed)
     server.script.extend(script)
     kube.get("/api/v1/nodes/n1")
     if script[0].kind == "close-after":

@@ -8,7 +8,8 @@ import pytest
 
 from gputopo.engine.reasons import Reason
 from gputopo.engine.snapshot import node_state
-from gputopo.localcluster.replay import MIX_LABEL, pod_requests, pod_state, sim_node
+from gputopo.localcluster.podwatch import pod_state
+from gputopo.localcluster.replay import MIX_LABEL, pod_requests, sim_node
 from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION, parse_gpus_in_use_report, parse_topology
 from gputopo.systems import build_system
 

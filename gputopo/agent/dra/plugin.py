@@ -1,8 +1,8 @@
 """The agent as the node's DRA driver `gpu.gputopo.io`: serve, register, prepare, publish.
 
 `DraPlugin.start(topology)` loads the checkpoint, writes the GPUs' CDI spec, serves the DRA and
-registration sockets and publishes the node's ResourceSlice; `update(topology)` is called by every
-successful discovery cycle (CDI spec and slice follow topology and health, written only on change);
+registration sockets and publishes the node's ResourceSlice; the agent's loop calls `update(topology)`
+after every successful discovery (CDI spec and slice follow topology and health, written only on change);
 `stop()` closes the sockets and leaves the slice and the checkpoint: a restarting agent answers the
 kubelet from them, and the kubelet deletes the slice itself when the driver stays away.
 """
@@ -19,7 +19,7 @@ from gputopo.agent.dra.checkpoint import CHECKPOINT_NAME, Checkpoint
 from gputopo.agent.dra.driver import ClaimReader, DraDriver
 from gputopo.agent.dra.server import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR, DraServer, plugin_dir
 from gputopo.agent.dra.slices import SliceApi, SlicePublisher
-from gputopo.agent.publisher import PublishResult
+from gputopo.agent.publish import PublishResult
 from gputopo.agent.sysfs import pci_path
 from gputopo.engine.dra import DRIVER
 from gputopo.model import NodeTopology
@@ -113,10 +113,11 @@ class DraPlugin:
         labels = self._labels() if self._labels is not None else None
         return self.publisher.publish(topology, labels=labels, pcie_roots=self._pcie_roots(topology))
 
-    def update(self, topology: NodeTopology) -> None:
+    def update(self, topology: NodeTopology) -> PublishResult:
+        """The driver's devices follow `topology`, then the ResourceSlice is published."""
         if self.driver is not None:
             self.driver.update(topology)
-        self._publish(topology)
+        return self._publish(topology)
 
     def stop(self) -> None:
         if self.server is not None:

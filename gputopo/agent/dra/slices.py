@@ -8,7 +8,8 @@ refuses the field without the `DRAListTypeAttributes` gate), HBM as capacity `me
 A failed GPU carries a NoSchedule device taint when `device_taints` (the cluster serves KEP-5055:
 alpha and off in 1.34, GA in 1.37) and is left out of the slice otherwise, so no claim gets it.
 
-Zero writes in steady state: the desired slice is compared with the API server's, as values (a
+Zero writes in steady state (`gputopo.agent.publish`'s rules; `SliceTarget` is this object's part):
+the desired slice is compared with the API server's, as values (a
 quantity the server rewrote as `80Gi` equals our `81920Mi`; a taint's `timeAdded` is the server's).
 What the server made of our last write is remembered too, so a field it drops (a gate that is off)
 costs one write, not one per cycle. An unchanged slice costs no API call at all until `reverify_s`
@@ -22,17 +23,16 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
-from urllib.parse import quote
 
-from gputopo.agent.publisher import PublishResult
+from gputopo.agent.publish import Confirmed, PublishResult, retry_write
 from gputopo.engine.dra import DRIVER, Device, devices
-from gputopo.kube import JSON, Backoff, Kube, node_path, retry, short_error
+from gputopo.kube import JSON, RESOURCESLICES, Backoff, Kube, node_path, retry
 from gputopo.model import NodeTopology, parse_quantity
 
 log = logging.getLogger(__name__)
 
 API_VERSION = "resource.k8s.io/v1"
-RESOURCESLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
+RESOURCESLICES_PATH = RESOURCESLICES.path()
 MAX_STRING = 64  # DeviceAttributeMaxValueLength
 TAINT_KEY = f"{DRIVER}/health"
 TAINT_EFFECT = "NoSchedule"
@@ -149,104 +149,69 @@ class SliceApi(Protocol):
     def delete_slice(self, name: str) -> None: ...
 
 
-class SlicePublisher:
+class SliceTarget:
+    """The node's ResourceSlice as a publish target: created, or replaced at its resourceVersion (409 when
+    someone wrote since the read), with the next pool generation. Its first read looks up the Node's uid
+    (the owner) and deletes stray slices of this node and driver once."""
+
+    what = "the ResourceSlice"
+
     def __init__(
         self,
         api: SliceApi,
         node: str,
-        *,
-        list_attributes: bool,
-        device_taints: bool,
+        driver: str,
         sleep: Callable[[float], bool],
-        driver: str = DRIVER,
-        backoff: Backoff = DEFAULT_BACKOFF,
-        reverify_s: float = 60.0,
-        monotonic: Callable[[], float] = time.monotonic,
+        backoff: Backoff,
+        describe: Mapping[str, Any],
     ) -> None:
         self._api = api
         self.node = node
         self.driver = driver
         self.name = slice_name(node, driver)
-        self.list_attributes = list_attributes
-        self.device_taints = device_taints
         self._sleep = sleep
         self._backoff = backoff
-        self._reverify_s = reverify_s
-        self._monotonic = monotonic
+        self._describe = dict(describe)  # the settings a dropped field points at, for the log
         self._node_uid: str | None = None
-        self._confirmed: Any = None  # the desired spec (comparable) the API server is known to hold
-        self._confirmed_at = 0.0
-        self._read_until = 0.0  # reverify(): read on every publish until then
-        self._answer: Any = None  # what the server made of our last write (comparable)
-        self._sent: Any = None  # what we sent then
         self._cleaned = False
-        self.writes = 0
 
-    def reverify(self, window_s: float = 30.0) -> None:
-        """Read the slice back on every publish for `window_s`: the kubelet just registered us, and a
-        starting kubelet deletes its node's slices in the background, maybe after our next read."""
-        self._read_until = self._monotonic() + window_s
-
-    def publish(
-        self,
-        topology: NodeTopology,
-        labels: Mapping[str, str] | None = None,
-        pcie_roots: Mapping[int, str] | None = None,
-    ) -> PublishResult:
-        spec = desired_spec(
-            self.node,
-            topology,
-            list_attributes=self.list_attributes,
-            device_taints=self.device_taints,
-            driver=self.driver,
-            labels=labels,
-            pcie_roots=pcie_roots,
-        )
-        want = comparable(spec)
-        now = self._monotonic()
-        if self._confirmed == want and now - self._confirmed_at < self._reverify_s and now >= self._read_until:
-            return PublishResult.UNCHANGED
-        try:
-            changed = self._reconcile(spec, want)
-        except Exception as e:
-            self._confirmed = None
-            log.error("publishing the ResourceSlice failed", extra={"slice": self.name, "error": short_error(e)})
-            return PublishResult.ERROR
-        self._confirmed, self._confirmed_at = want, self._monotonic()
-        if changed:
-            log.info("published the ResourceSlice", extra={"slice": self.name, "devices": len(spec["devices"])})
-            return PublishResult.CHANGED
-        return PublishResult.UNCHANGED
+    def comparable(self, desired: dict[str, Any]) -> Any:
+        return comparable(desired)
 
     def _call(self, fn: Callable[[], Any], what: str) -> Any:
         return retry(fn, self._backoff, self._sleep, what)
 
-    def _reconcile(self, spec: dict[str, Any], want: Any) -> bool:
+    def read(self) -> JSON | None:
         if self._node_uid is None:
             self._node_uid = str(self._call(lambda: self._api.node_uid(self.node), "get node"))
         if not self._cleaned:
             self._remove_strays()
-        current = self._call(lambda: self._api.get_slice(self.name), "get resourceslice")
-        if current is not None:
-            have = comparable(current.get("spec") or {})
-            owners = (current.get("metadata") or {}).get("ownerReferences") or []
-            owned = any(isinstance(o, Mapping) and o.get("uid") == self._node_uid for o in owners)
-            if owned and (have == want or (want == self._sent and have == self._answer)):
-                return False
-        body = self._body(spec, _generation(current) + 1 if current else 1)
+        current: JSON | None = self._call(lambda: self._api.get_slice(self.name), "get resourceslice")
+        return current
+
+    def holds(self, current: JSON | None, want: Any) -> Any:
         if current is None:
-            answer = self._call(lambda: self._api.create_slice(body), "create resourceslice")
+            return None
+        owners = (current.get("metadata") or {}).get("ownerReferences") or []
+        if not any(isinstance(o, Mapping) and o.get("uid") == self._node_uid for o in owners):
+            return None  # another owner's (or none): replaced by ours
+        return comparable(current.get("spec") or {})
+
+    def write(self, current: JSON | None, desired: dict[str, Any]) -> Any:
+        body = self._body(desired, _generation(current) + 1 if current else 1)
+        if current is None:
+            answer = retry_write(
+                lambda: self._api.create_slice(body), self._backoff, self._sleep, "create resourceslice"
+            )
         else:
             body["metadata"]["resourceVersion"] = (current.get("metadata") or {}).get("resourceVersion")
-            answer = self._call(lambda: self._api.replace_slice(self.name, body), "replace resourceslice")
-        self.writes += 1
-        self._sent, self._answer = want, comparable((answer or {}).get("spec") or {})
-        if self._answer != want:
-            log.warning(
-                "the API server changed the ResourceSlice we wrote (a feature gate off?); keeping its version",
-                extra={"slice": self.name, "list_attributes": self.list_attributes, "taints": self.device_taints},
-            )
-        return True
+            replace = lambda: self._api.replace_slice(self.name, body)  # noqa: E731
+            answer = retry_write(replace, self._backoff, self._sleep, "replace resourceslice")
+        kept = comparable((answer or {}).get("spec") or {})
+        if kept != comparable(desired):
+            log.info("the ResourceSlice as the API server kept it", extra={"slice": self.name, **self._describe})
+        log.info("published the ResourceSlice", extra={"slice": self.name, "devices": len(desired["devices"])})
+        return kept
 
     def _body(self, spec: dict[str, Any], generation: int) -> JSON:
         assert self._node_uid is not None
@@ -263,11 +228,63 @@ class SlicePublisher:
 
     def _remove_strays(self) -> None:
         """Once: other slices of this driver on this node (an earlier naming) would double its devices."""
-        names = self._call(lambda: self._api.list_slice_names(self.node, self.driver), "list resourceslices")
+        names: list[str] = self._call(lambda: self._api.list_slice_names(self.node, self.driver), "list resourceslices")
         for stray in (n for n in names if n != self.name):
             self._delete(stray)
             log.info("deleted a stray ResourceSlice of this node", extra={"slice": stray})
         self._cleaned = True
+
+
+class SlicePublisher:
+    """This node's ResourceSlice, published through `gputopo.agent.publish.Confirmed`."""
+
+    def __init__(
+        self,
+        api: SliceApi,
+        node: str,
+        *,
+        list_attributes: bool,
+        device_taints: bool,
+        sleep: Callable[[float], bool],
+        driver: str = DRIVER,
+        backoff: Backoff = DEFAULT_BACKOFF,
+        reverify_s: float = 60.0,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.node = node
+        self.driver = driver
+        self.name = slice_name(node, driver)
+        self.list_attributes = list_attributes
+        self.device_taints = device_taints
+        describe = {"list_attributes": list_attributes, "taints": device_taints}
+        self.target = SliceTarget(api, node, driver, sleep, backoff, describe)
+        self._slice = Confirmed(self.target, reverify_s, monotonic)
+
+    @property
+    def writes(self) -> int:
+        return self._slice.writes
+
+    def reverify(self, window_s: float = 30.0) -> None:
+        """Read the slice back on every publish for `window_s`: the kubelet just registered us, and a
+        starting kubelet deletes its node's slices in the background, maybe after our next read."""
+        self._slice.reverify(window_s)
+
+    def publish(
+        self,
+        topology: NodeTopology,
+        labels: Mapping[str, str] | None = None,
+        pcie_roots: Mapping[int, str] | None = None,
+    ) -> PublishResult:
+        spec = desired_spec(
+            self.node,
+            topology,
+            list_attributes=self.list_attributes,
+            device_taints=self.device_taints,
+            driver=self.driver,
+            labels=labels,
+            pcie_roots=pcie_roots,
+        )
+        return self._slice.publish(spec)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -275,7 +292,7 @@ class SlicePublisher:
 
 
 def resourceslice_path(name: str = "") -> str:
-    return f"{RESOURCESLICES_PATH}/{quote(name)}" if name else RESOURCESLICES_PATH
+    return RESOURCESLICES.path(name=name)
 
 
 class KubeSliceApi:

@@ -1,0 +1,35 @@
+"""What the cache registers per watched kind: a `KindHandler` (a full list, one watch event), the report
+of an unreadable object (`Bad`), and the one loop that reads a list past its unreadable objects."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from gputopo.kube import JSON
+
+T = TypeVar("T")
+
+# (kind, object, error): log it, count it, move on (the cache's `_bad`).
+Bad = Callable[[str, Any, Exception], None]
+
+
+@dataclass(frozen=True)
+class KindHandler:
+    """One kind's side of the cache: `replace(items)` takes a full list, `apply(event_type, obj)` one
+    watch event (the cache contains what `apply` raises to that object)."""
+
+    replace: Callable[[list[JSON]], None]
+    apply: Callable[[str, JSON], None]
+
+
+def each_readable(kind: str, items: list[JSON], read: Callable[[JSON], T], bad: Bad) -> Iterator[tuple[JSON, T]]:
+    """Each object of a list with what `read` made of it; one it cannot read is reported and skipped."""
+    for obj in items:
+        try:
+            value = read(obj)
+        except Exception as e:
+            bad(kind, obj, e)
+            continue
+        yield obj, value

@@ -1,0 +1,109 @@
+"""The verbs server's request framing (`gputopo.extender.verbserver`): httptools' callbacks, fed through the
+`HeadMeter` (which caps the head before httptools copies it), the body counted against `--max-request-bytes`,
+each whole request handed to the connection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import httptools
+
+from gputopo.extender.bounds import HeadMeter
+from gputopo.extender.limits import too_large_body
+from gputopo.extender.verbdispatch import Entry
+
+
+@dataclass
+class Request:
+    method: bytes
+    path: str
+    body: bytes
+    keep_alive: bool
+    refusal: bytes | None = None  # a whole answer that closes the connection, sent in this request's turn
+
+
+class Sink(Protocol):
+    """What the reader tells its connection."""
+
+    def refuse(self, status: int, text: str) -> None: ...
+
+    def begun(self) -> None:
+        """A request's first byte was parsed."""
+        ...
+
+    def continue_asked(self) -> None:
+        """The head asked for a 100 Continue that is wanted (`RequestReader.expect_continue`)."""
+        ...
+
+    def received(self, request: Request) -> None: ...
+
+
+class RequestReader:
+    """One connection's parser and the request it is reading."""
+
+    def __init__(self, door: Entry, max_header_bytes: int, sink: Sink) -> None:
+        self.door = door
+        self.limit = door.max_request_bytes
+        self.sink = sink
+        self.parser = httptools.HttpRequestParser(self)
+        self.meter = HeadMeter(max_header_bytes)
+        self.in_request = False  # between a request's first byte and its end
+        self.expect_continue = False  # a 100 Continue is owed once every earlier answer is written
+        self._url: list[bytes] = []
+        self._chunks: list[bytes] = []
+        self._size = 0
+
+    def feed(self, data: bytes) -> tuple[int, str] | None:
+        """Parse `data`; the refusal to send when it cannot be served (`HeadMeter.read`)."""
+        return self.meter.read(self.parser, data)
+
+    # ------------------------------------------------------------------ httptools callbacks
+
+    def on_message_begin(self) -> None:
+        self._url, self._chunks, self._size, self.expect_continue = [], [], 0, False
+        self.in_request = True
+        self.sink.begun()
+
+    def on_url(self, url: bytes) -> None:
+        self._url.append(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"content-length":
+            # A declared length over the limit is refused before any of the body is read.
+            try:
+                declared = int(value) if len(value) <= 20 else -1
+            except ValueError:
+                declared = -1
+            if declared < 0 or declared > self.limit:
+                self.sink.refuse(413, too_large_body(self.limit))
+                raise httptools.HttpParserError("body too large")  # stops this feed; nothing more is read
+        elif name.lower() == b"expect" and value.lower() == b"100-continue":
+            self.expect_continue = True
+
+    def on_headers_complete(self) -> None:
+        self.meter.head_done()
+        if self.expect_continue:
+            # Only a verb's body is wanted, and only from an HTTP/1.1 client; any other request is
+            # answered once its body has come anyway (the client sends it after its own wait).
+            path = httptools.parse_url(b"".join(self._url)).path.decode("latin-1")
+            verb = self.door.route(self.parser.get_method(), path)
+            wanted = isinstance(verb, str) and self.door.reads_body(verb)
+            self.expect_continue = wanted and self.parser.get_http_version() == "1.1"
+            self.sink.continue_asked()
+
+    def on_body(self, body: bytes) -> None:
+        self._size += len(body)
+        if self._size > self.limit:
+            self.sink.refuse(413, too_large_body(self.limit))
+            raise httptools.HttpParserError("body too large")
+        self._chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        self.meter.message_done()
+        self.expect_continue = False
+        self.in_request = False
+        body = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+        url = self._url[0] if len(self._url) == 1 else b"".join(self._url)
+        path = httptools.parse_url(url).path.decode("latin-1")
+        self.sink.received(Request(self.parser.get_method(), path, body, self.parser.should_keep_alive()))

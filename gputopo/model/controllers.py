@@ -1,0 +1,338 @@
+"""The job controllers whose pods are gang members by their labels: one table, one row per controller.
+
+Each row (`Controller`) declares the labels that name the pod's group, the other labels and annotations
+it reads, and one function from the pod (its labels and annotations, the group already named) and the
+controller objects the caller read (`ControllerFacts`) to the member's `InferredGroup`: its size and
+rank. `gputopo.model.jobs` walks `CONTROLLERS` in order; the first row whose first identity label the
+pod carries decides. Adding a controller is one function and one row here.
+
+Bad labels are never guessed at: a label that is missing, malformed or disagrees with the controller
+raises `LabelError` (or `AnnotationError` for an annotation) naming it. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from gputopo.model.base import AnnotationError, LabelError, short_value
+
+# Label and annotation names, each from its controller's API types:
+# Job: k8s.io/api batch/v1 types.go (kubernetes v1.34): JobNameLabel, ControllerUidLabel,
+# JobCompletionIndexAnnotation (also a pod label since v1.28, PodIndexLabel).
+JOB_NAME = "batch.kubernetes.io/job-name"
+JOB_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+# JobSet: kubernetes-sigs/jobset api/jobset/v1alpha2/jobset_types.go (v0.8): JobSetNameKey, JobSetUIDKey,
+# ReplicatedJobNameKey, ReplicatedJobReplicas, GlobalReplicasKey, JobIndexKey, JobGlobalIndexKey.
+JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
+JOBSET_REPLICATED_JOB = "jobset.sigs.k8s.io/replicatedjob-name"
+JOBSET_REPLICATED_JOB_REPLICAS = "jobset.sigs.k8s.io/replicatedjob-replicas"
+JOBSET_GLOBAL_REPLICAS = "jobset.sigs.k8s.io/global-replicas"
+JOBSET_JOB_INDEX = "jobset.sigs.k8s.io/job-index"
+JOBSET_JOB_GLOBAL_INDEX = "jobset.sigs.k8s.io/job-global-index"
+# LeaderWorkerSet: kubernetes-sigs/lws api/leaderworkerset/v1/leaderworkerset_types.go (v0.7):
+# SetNameLabelKey, GroupIndexLabelKey, WorkerIndexLabelKey (0: the leader), SizeAnnotationKey.
+LWS_NAME = "leaderworkerset.sigs.k8s.io/name"
+LWS_GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
+LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+LWS_SIZE = "leaderworkerset.sigs.k8s.io/size"
+# Kubeflow v1 (training-operator): kubeflow/training-operator pkg/apis/kubeflow.org/v1/common_types.go
+# (v1.8): JobNameLabel, ReplicaTypeLabel (lower case: master, launcher, worker), ReplicaIndexLabel.
+KUBEFLOW_JOB_NAME = "training.kubeflow.org/job-name"
+KUBEFLOW_REPLICA_TYPE = "training.kubeflow.org/replica-type"
+KUBEFLOW_REPLICA_INDEX = "training.kubeflow.org/replica-index"
+# Kueue pod groups: kubernetes-sigs/kueue pkg/controller/constants/constants.go and
+# pkg/controller/jobs/pod/constants (v0.13): GroupNameLabel, GroupTotalCountAnnotation,
+# PodGroupPodIndexLabel.
+KUEUE_POD_GROUP = "kueue.x-k8s.io/pod-group-name"
+KUEUE_TOTAL_COUNT = "kueue.x-k8s.io/pod-group-total-count"
+KUEUE_POD_INDEX = "kueue.x-k8s.io/pod-group-pod-index"
+
+# The replica types of a Kubeflow v1 job in rank order: the coordinator first (PyTorchJob's Master,
+# MPIJob's Launcher), then the workers.
+KUBEFLOW_TYPE_ORDER = ("master", "launcher", "worker")
+
+MAX_GROUP_SIZE = 4096  # as gputopo.io/group-size
+LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+INDEX = re.compile(r"^[0-9]{1,9}$")
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """What a batch/v1 Job object says: its pod count when run as one gang (spec.completions of an
+    Indexed Job whose spec.parallelism runs them all at once), or why it is no gang."""
+
+    name: str
+    completions: int | None
+    parallelism: int | None
+    indexed: bool
+    global_index: int | None = None  # jobset.sigs.k8s.io/job-global-index on a JobSet's Job
+    global_replicas: int | None = None  # jobset.sigs.k8s.io/global-replicas on a JobSet's Job
+
+    def gang(self) -> int | str:
+        """The Job's pod count, or why its pods cannot run as one group."""
+        if not self.indexed:
+            return f"Job {self.name} is not Indexed (spec.completionMode)"
+        if self.completions is None:
+            return f"Job {self.name} has no spec.completions"
+        if self.parallelism is not None and self.parallelism < self.completions:
+            return (
+                f"Job {self.name} runs {self.parallelism} of its {self.completions} pods at once "
+                "(spec.parallelism below spec.completions): no gang"
+            )
+        return self.completions
+
+
+class PodGroupError(AnnotationError):
+    """A PodGroup field that gputopo cannot use; the message names the PodGroup, the field and the value."""
+
+    def __init__(self, podgroup: str, fld: str, value: str, why: str) -> None:
+        super().__init__(fld, value, why)
+        self.args = (f"invalid PodGroup {podgroup}: {fld}={short_value(value)}: {why}",)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    @classmethod
+    def said(cls, message: str) -> PodGroupError:
+        """The error again from its message (a PodGroupShape keeps only the text)."""
+        err = cls("", "", "", "")
+        err.args = (message,)
+        return err
+
+
+@dataclass(frozen=True)
+class PodGroupShape:
+    """What a scheduling.k8s.io PodGroup says: its gang size (`spec.schedulingPolicy.gang.minCount`;
+    None for a `basic` policy, which is no gang), and the tier its topology constraint requires
+    (None when it has none), or why that constraint cannot be used (`problem`)."""
+
+    name: str
+    min_count: int | None
+    required_tier: str | None = None
+    problem: str = ""
+
+
+@dataclass(frozen=True)
+class ControllerFacts:
+    """Controller objects of one namespace, as the caller read them: Jobs by name, a JobSet's Jobs by
+    their global index, a Kubeflow v1 job's replicas by replica type (lower case), PodGroups by name."""
+
+    jobs: Mapping[str, JobShape] = field(default_factory=dict)
+    jobsets: Mapping[str, Mapping[int, JobShape]] = field(default_factory=dict)
+    kubeflow: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    podgroups: Mapping[str, PodGroupShape] = field(default_factory=dict)
+
+
+NO_FACTS = ControllerFacts()
+
+
+@dataclass(frozen=True)
+class InferredGroup:
+    """A pod's group as its controller's labels give it."""
+
+    group: str  # e.g. "jobset/llama-pretrain": never a valid gputopo.io/group value, so never the same
+    controller: str  # "JobSet", "LeaderWorkerSet", "Job", "PyTorchJob", "MPIJob", "Kueue pod group"
+    source: str  # where it came from, for the placement sentence: "JobSet labels"
+    size: int | None  # None: the controller's object has not been seen yet (`waiting` says which)
+    rank: int | None  # None: the member takes a free rank in name order (Kueue without a pod index)
+    rank_label: str = ""  # the label(s) the rank comes from, for messages
+    waiting: str = ""
+    required_tier: str | None = None  # a PodGroup's topology constraint, as a gputopo tier
+
+    def words(self) -> str:
+        """'group jobset/llama-pretrain, rank 5 of 16, from JobSet labels'."""
+        of = f" of {self.size}" if self.size is not None else ""
+        rank = f", rank {self.rank}{of}" if self.rank is not None else (f", {self.size} members" if of else "")
+        return f"group {self.group}{rank}, from {self.source}"
+
+
+class Pod(NamedTuple):
+    """What inference reads of a pod."""
+
+    labels: Mapping[str, str]
+    annotations: Mapping[str, str]
+
+
+# One controller's member: (the pod, its group's name, the controller objects) -> its size and rank.
+Member = Callable[[Pod, str, ControllerFacts], InferredGroup]
+
+
+@dataclass(frozen=True)
+class Controller:
+    """One row of the table: how a controller's pods are gang members."""
+
+    prefix: str  # the group is "<prefix>/<identity value>/...": never a valid gputopo.io/group value
+    identity: tuple[str, ...]  # the labels naming the group; the first marks the pod as this controller's
+    reads: tuple[str, ...]  # every other label or annotation `member` reads
+    member: Member
+    numbered: tuple[str, ...] = ()  # identity labels whose value is an index
+    # A pod is a member only when it carries one of these (labels or annotations); () for always.
+    gang_when: tuple[str, ...] = ()
+
+
+def label(labels: Mapping[str, str], key: str, *, required: bool = True) -> str | None:
+    v = labels.get(key)
+    if v is None:
+        if required:
+            raise LabelError(key, "", "missing; the pod's controller sets it")
+        return None
+    if not LABEL_VALUE.fullmatch(v):
+        raise LabelError(key, v, "must be a label value (letters, digits, - _ ., at most 63)")
+    return v
+
+
+def index(key: str, value: str, *, annotation: bool = False) -> int:
+    if not INDEX.fullmatch(value):
+        err = AnnotationError if annotation else LabelError
+        raise err(key, value, "must be a non-negative integer")
+    return int(value)
+
+
+def _size(key: str, value: str, *, annotation: bool) -> int:
+    n = index(key, value, annotation=annotation)
+    if not 1 <= n <= MAX_GROUP_SIZE:
+        err = AnnotationError if annotation else LabelError
+        raise err(key, value, f"must be between 1 and {MAX_GROUP_SIZE}")
+    return n
+
+
+def _below(key: str, value: str, rank: int, size: int | None, what: str) -> None:
+    if size is not None and rank >= size:
+        raise LabelError(key, value, f"rank {rank} is not below the {what} {size}")
+
+
+def _completion_index(pod: Pod) -> int:
+    if JOB_COMPLETION_INDEX in pod.labels:
+        return index(JOB_COMPLETION_INDEX, pod.labels[JOB_COMPLETION_INDEX])
+    return index(JOB_COMPLETION_INDEX, pod.annotations.get(JOB_COMPLETION_INDEX, ""), annotation=True)
+
+
+def _kueue(pod: Pod, group: str, _facts: ControllerFacts) -> InferredGroup:
+    lab, ann = pod
+    if KUEUE_TOTAL_COUNT not in ann:
+        raise LabelError(KUEUE_POD_GROUP, lab[KUEUE_POD_GROUP], f"needs the annotation {KUEUE_TOTAL_COUNT} as well")
+    n = _size(KUEUE_TOTAL_COUNT, ann[KUEUE_TOTAL_COUNT], annotation=True)
+    rank = None
+    if KUEUE_POD_INDEX in lab:
+        rank = index(KUEUE_POD_INDEX, lab[KUEUE_POD_INDEX])
+        _below(KUEUE_POD_INDEX, lab[KUEUE_POD_INDEX], rank, n, KUEUE_TOTAL_COUNT)
+    return InferredGroup(group, "Kueue pod group", "Kueue pod-group labels", n, rank, KUEUE_POD_INDEX)
+
+
+def _lws(pod: Pod, group: str, _facts: ControllerFacts) -> InferredGroup:
+    lab, ann = pod
+    worker = index(LWS_WORKER_INDEX, label(lab, LWS_WORKER_INDEX) or "")
+    if LWS_SIZE not in ann:
+        raise LabelError(LWS_NAME, lab[LWS_NAME], f"needs the annotation {LWS_SIZE} as well")
+    n = _size(LWS_SIZE, ann[LWS_SIZE], annotation=True)
+    _below(LWS_WORKER_INDEX, lab[LWS_WORKER_INDEX], worker, n, LWS_SIZE)
+    return InferredGroup(group, "LeaderWorkerSet", "LeaderWorkerSet labels", n, worker, LWS_WORKER_INDEX)
+
+
+def _job(pod: Pod, group: str, facts: ControllerFacts) -> InferredGroup:
+    name = pod.labels[JOB_NAME]
+    rank = _completion_index(pod)
+    shape = facts.jobs.get(name)
+    if shape is None:
+        return InferredGroup(
+            group, "Job", "Job labels", None, rank, JOB_COMPLETION_INDEX, waiting=f"the Job {name} is not known yet"
+        )
+    gang = shape.gang()
+    if isinstance(gang, str):
+        raise LabelError(JOB_NAME, name, gang)
+    _below(JOB_COMPLETION_INDEX, str(rank), rank, gang, "Job's spec.completions")
+    return InferredGroup(group, "Job", "Job labels and the Job's spec", gang, rank, JOB_COMPLETION_INDEX)
+
+
+def _jobset(pod: Pod, group: str, facts: ControllerFacts) -> InferredGroup:
+    """Rank: the Jobs before this one (by job-global-index) contribute their pod counts, then the pod's
+    completion index within its Job. Size: every Job's pods. The Jobs come from `facts`."""
+    lab = pod.labels
+    name = lab[JOBSET_NAME]
+    gidx_text = label(lab, JOBSET_JOB_GLOBAL_INDEX) or ""
+    gidx = index(JOBSET_JOB_GLOBAL_INDEX, gidx_text)
+    replicas_text = label(lab, JOBSET_GLOBAL_REPLICAS) or ""
+    replicas = _size(JOBSET_GLOBAL_REPLICAS, replicas_text, annotation=False)
+    _below(JOBSET_JOB_GLOBAL_INDEX, gidx_text, gidx, replicas, JOBSET_GLOBAL_REPLICAS)
+    rank_in_job = _completion_index(pod)
+    rank_label = f"{JOBSET_JOB_GLOBAL_INDEX} and {JOB_COMPLETION_INDEX}"
+    jobs = facts.jobsets.get(name, {})
+    for j in jobs.values():
+        if j.global_replicas is not None and j.global_replicas != replicas:
+            raise LabelError(
+                JOBSET_GLOBAL_REPLICAS,
+                replicas_text,
+                f"disagrees with the JobSet's Job {j.name}, which says {j.global_replicas}",
+            )
+    if len(jobs) < replicas:
+        waiting = f"{len(jobs)}/{replicas} of the JobSet's Jobs are known"
+        return InferredGroup(group, "JobSet", "JobSet labels", None, None, rank_label, waiting=waiting)
+    if len(jobs) > replicas or set(jobs) != set(range(replicas)):
+        raise LabelError(
+            JOBSET_GLOBAL_REPLICAS,
+            replicas_text,
+            f"disagrees with the JobSet's Jobs: global indices {sorted(jobs)[:8]}",
+        )
+    counts: list[int] = []
+    for g in range(replicas):
+        gang = jobs[g].gang()
+        if isinstance(gang, str):
+            raise LabelError(JOBSET_NAME, name, gang)
+        counts.append(gang)
+    total = sum(counts)
+    if total > MAX_GROUP_SIZE:
+        raise LabelError(JOBSET_NAME, name, f"the JobSet has {total} pods; a group holds at most {MAX_GROUP_SIZE}")
+    _below(JOB_COMPLETION_INDEX, str(rank_in_job), rank_in_job, counts[gidx], f"pod count of its Job {jobs[gidx].name}")
+    rank = sum(counts[:gidx]) + rank_in_job
+    return InferredGroup(group, "JobSet", "JobSet labels and its Jobs", total, rank, rank_label)
+
+
+def _kubeflow(pod: Pod, group: str, facts: ControllerFacts) -> InferredGroup:
+    """Rank: the replica types in KUBEFLOW_TYPE_ORDER, each type's replicas before the next, then the
+    replica index. Size and the counts per type come from the job object (`facts.kubeflow`)."""
+    lab = pod.labels
+    name = lab[KUBEFLOW_JOB_NAME]
+    rtype_text = label(lab, KUBEFLOW_REPLICA_TYPE) or ""
+    rtype = rtype_text.lower()
+    if rtype not in KUBEFLOW_TYPE_ORDER:
+        raise LabelError(KUBEFLOW_REPLICA_TYPE, rtype_text, "must be one of " + ", ".join(KUBEFLOW_TYPE_ORDER))
+    replica = index(KUBEFLOW_REPLICA_INDEX, label(lab, KUBEFLOW_REPLICA_INDEX) or "")
+    controller = "MPIJob" if rtype == "launcher" else "PyTorchJob"
+    rank_label = f"{KUBEFLOW_REPLICA_TYPE} and {KUBEFLOW_REPLICA_INDEX}"
+    counts = facts.kubeflow.get(name)
+    if counts is None:
+        waiting = f"the job {name} is not known yet"
+        return InferredGroup(group, controller, "Kubeflow labels", None, None, rank_label, waiting=waiting)
+    if "launcher" in counts:
+        controller = "MPIJob"
+    if counts.get(rtype, 0) <= replica:
+        raise LabelError(
+            KUBEFLOW_REPLICA_INDEX, str(replica), f"is not below the job's {rtype} replicas {counts.get(rtype, 0)}"
+        )
+    total = sum(counts.get(t, 0) for t in KUBEFLOW_TYPE_ORDER)
+    if not 1 <= total <= MAX_GROUP_SIZE:
+        raise LabelError(KUBEFLOW_JOB_NAME, name, f"the job has {total} replicas; a group holds 1 to {MAX_GROUP_SIZE}")
+    offset = sum(counts.get(t, 0) for t in KUBEFLOW_TYPE_ORDER[: KUBEFLOW_TYPE_ORDER.index(rtype)])
+    source = f"{controller} labels and its replicaSpecs"
+    return InferredGroup(group, controller, source, total, offset + replica, rank_label)
+
+
+# In precedence order: the first row whose first identity label a pod carries decides (a JobSet's pods
+# carry its Jobs' labels too, so JobSet comes before Job).
+CONTROLLERS: tuple[Controller, ...] = (
+    Controller("kueue", (KUEUE_POD_GROUP,), (KUEUE_TOTAL_COUNT, KUEUE_POD_INDEX), _kueue),
+    Controller("lws", (LWS_NAME, LWS_GROUP_INDEX), (LWS_WORKER_INDEX, LWS_SIZE), _lws, numbered=(LWS_GROUP_INDEX,)),
+    Controller(
+        "jobset", (JOBSET_NAME,), (JOBSET_GLOBAL_REPLICAS, JOBSET_JOB_GLOBAL_INDEX, JOB_COMPLETION_INDEX), _jobset
+    ),
+    Controller("kubeflow", (KUBEFLOW_JOB_NAME,), (KUBEFLOW_REPLICA_TYPE, KUBEFLOW_REPLICA_INDEX), _kubeflow),
+    # A non-Indexed Job's pods are interchangeable: no ranks, no gang.
+    Controller("job", (JOB_NAME,), (JOB_COMPLETION_INDEX,), _job, gang_when=(JOB_COMPLETION_INDEX,)),
+)
+
+# Every label or annotation inference reads: what a pod record keeps to infer again when the
+# controller's object arrives after its pods.
+JOB_KEYS = frozenset(k for c in CONTROLLERS for k in (*c.identity, *c.reads))

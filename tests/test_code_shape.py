@@ -1,0 +1,41 @@
+"""Product code keeps its shape: modules of at most 450 lines, functions of at most 80.
+
+Long modules and functions hide more than one job; this names each one over, so it is split by job
+rather than grown. Generated protobuf modules (`*_pb2*.py`) are not written here and are skipped.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "gputopo"
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 80
+
+
+def _product_modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "_pb2" not in p.name)
+
+
+def _oversized(path: Path) -> list[str]:
+    text = path.read_text(encoding="utf-8")
+    name = path.relative_to(PACKAGE.parent).as_posix()
+    found = []
+    lines = len(text.splitlines())
+    if lines > MAX_MODULE_LINES:
+        found.append(f"{name}: module has {lines} lines (max {MAX_MODULE_LINES})")
+    for node in ast.walk(ast.parse(text, filename=name)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None:
+            length = node.end_lineno - node.lineno + 1  # from `def` to the last line, nested functions included
+            if length > MAX_FUNCTION_LINES:
+                most = MAX_FUNCTION_LINES
+                found.append(f"{name}:{node.lineno}: function {node.name} has {length} lines (max {most})")
+    return found
+
+
+def test_product_modules_and_functions_stay_short() -> None:
+    modules = _product_modules()
+    assert modules, f"no product modules found under {PACKAGE}"
+    found = [line for path in modules for line in _oversized(path)]
+    assert not found, "split these by job:\n" + "\n".join(found)
