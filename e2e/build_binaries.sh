@@ -1,2 +1,2 @@
 #!/usr/bin/env bash
-exec bash "$(dirname "${BASH_SOURCE[0]}")/../localcluster/build_binaries.sh" "$@"
+exec bash "$(dirname "${BASH_SOURCE[0]}")/../gputopo/localcluster/build_binaries.sh" "$@"

@@ -24,7 +24,7 @@
 # wait for each other (flock).
 set -euo pipefail
 
-SRC=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+SRC=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 CACHE="${GPUTOPO_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gputopo}/images"
 SUITE=bookworm
 BASE_PACKAGES=python3,python3-venv,python3-pip,python-is-python3,passwd,ca-certificates,netbase
