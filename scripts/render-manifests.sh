@@ -21,7 +21,7 @@ OUT="$ROOT/manifests/gputopo.yaml"
 find_helm() {
   if [[ -n "${GPUTOPO_HELM:-}" ]]; then echo "$GPUTOPO_HELM"; return; fi
   if [[ -n "${GPUTOPO_BIN_DIR:-}" && -x "$GPUTOPO_BIN_DIR/helm" ]]; then echo "$GPUTOPO_BIN_DIR/helm"; return; fi
-  local check="$ROOT/localcluster/build_binaries.sh" dir
+  local check="$ROOT/gputopo/localcluster/build_binaries.sh" dir
   if [[ -f "$check" ]] && dir="$(bash "$check" --check 2>/dev/null)" && [[ -x "$dir/helm" ]]; then
     echo "$dir/helm"; return
   fi

@@ -79,7 +79,6 @@ def test_the_device_class_selects_our_driver_only_and_only_with_dra() -> None:
         ("agent", "resourceclaimtemplates", set()),
         ("extender", "resourceclaims", {"get", "list", "watch"}),
         ("extender", "resourceslices", {"get", "list", "watch"}),
-        ("extender", "deviceclasses", {"get", "list", "watch"}),
         # create for the pods it sees, list and delete for the ones no pod names any more (the collector)
         ("extender", "resourceclaimtemplates", {"create", "get", "list", "delete"}),
     ],

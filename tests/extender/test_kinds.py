@@ -141,8 +141,6 @@ DRA = {"agent__dra__enabled": "true"}
 OTHER_READS: dict[tuple[str, str], frozenset[str]] = {
     # the claim templates' collector lists the templates no pod names any more (a one-off list, no watch)
     ("resource.k8s.io", "resourceclaimtemplates"): frozenset({"list"}),
-    # granted beside the DRA kinds, though the extender itself reads no DeviceClass
-    ("resource.k8s.io", "deviceclasses"): frozenset({"list", "watch"}),
 }
 Grants = dict[tuple[str, str], set[str]]
 
