@@ -18,37 +18,7 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gputopo.extender.bounds import (
-    DEFAULT_HANDSHAKE_TIMEOUT_S,
-    DEFAULT_HANDSHAKES_PER_PEER_PER_S,
-    DEFAULT_IDLE_TIMEOUT_S,
-    DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_MAX_HEADER_BYTES,
-    DEFAULT_READ_TIMEOUT_S,
-    HeadMeter,
-    ListenerLimits,
-    read_too_slow,
-    refusal,
-)
-from gputopo.extender.gate import Gate, HandshakePace, Slots
-
-# The listeners' surface as the server's assembly and the settings take it, wherever each part is defined.
-__all__ = [
-    "DEFAULT_HANDSHAKES_PER_PEER_PER_S",
-    "DEFAULT_HANDSHAKE_TIMEOUT_S",
-    "DEFAULT_IDLE_TIMEOUT_S",
-    "DEFAULT_MAX_CONNECTIONS",
-    "DEFAULT_MAX_HEADER_BYTES",
-    "DEFAULT_READ_TIMEOUT_S",
-    "BoundedHttpTools",
-    "Gate",
-    "HandshakePace",
-    "HeadMeter",
-    "ListenerLimits",
-    "Slots",
-    "bounded_protocol",
-    "tls_extension",
-]
+from gputopo.extender.bounds import HeadMeter, ListenerLimits, read_too_slow, refusal
 
 
 class _Timer:

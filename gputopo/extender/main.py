@@ -37,7 +37,9 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from gputopo.clusterfile import ClusterFileError
-from gputopo.extender.bounded import BoundedHttpTools, Gate, ListenerLimits, Slots, bounded_protocol
+from gputopo.extender.bounded import BoundedHttpTools, bounded_protocol
+from gputopo.extender.bounds import ListenerLimits
+from gputopo.extender.gate import Gate, Slots
 from gputopo.extender.settings import PROG, Settings, describe_error, load_settings
 from gputopo.jsonlog import configure_logging
 

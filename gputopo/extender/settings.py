@@ -13,7 +13,7 @@ from pydantic_settings import BaseSettings, CliSuppress
 
 from gputopo.engine import draclaims
 from gputopo.engine.scoring import ScoreWeights
-from gputopo.extender.bounded import (
+from gputopo.extender.bounds import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     DEFAULT_HANDSHAKES_PER_PEER_PER_S,
     DEFAULT_IDLE_TIMEOUT_S,

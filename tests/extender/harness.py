@@ -24,7 +24,7 @@ import pytest
 import uvicorn
 
 from gputopo.extender.app import Listeners, create_listeners
-from gputopo.extender.bounded import ListenerLimits
+from gputopo.extender.bounds import ListenerLimits
 from gputopo.extender.cache import ClusterCache
 from gputopo.extender.door import Door
 from gputopo.extender.kube import Informer
