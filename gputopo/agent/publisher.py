@@ -88,28 +88,32 @@ def desired_metadata(topology: NodeTopology, gpus_in_use: GpusInUse | None) -> t
 
 
 Metadata = tuple[dict[str, str], dict[str, str]]  # (annotations, labels)
-NodeWant = tuple[dict[str, object], dict[str, str | None]]  # the same, compared: annotations as JSON values
 
 
-def _value(a: str | None) -> object:
-    """An annotation as compared: its JSON value, else its text (None when absent)."""
+def _same_json(a: str | None, b: str) -> bool:
+    """Whether the Node's annotation `a` says what `b` says: the same text, or the same JSON value."""
     if a is None:
-        return None
+        return False
+    if a == b:
+        return True
     try:
-        return ("json", json.loads(a))
+        return bool(json.loads(a) == json.loads(b))
     except ValueError:
-        return ("text", a)
+        return False
 
 
 def metadata_changes(current: NodeMeta, annotations: Mapping[str, str], labels: Mapping[str, str]) -> Metadata:
     """The annotations and labels whose content differs from the Node (JSON compared as values)."""
-    ann = {k: v for k, v in annotations.items() if _value(current.annotations.get(k)) != _value(v)}
+    ann = {k: v for k, v in annotations.items() if not _same_json(current.annotations.get(k), v)}
     lab = {k: v for k, v in labels.items() if k in NODE_LABEL_KEYS and current.labels.get(k) != v}
     return ann, lab
 
 
 class NodeMetaTarget:
-    """The Node's gputopo annotations and labels as a publish target: a merge patch of what differs."""
+    """The Node's gputopo annotations and labels as a publish target: a merge patch of what differs.
+
+    Compared as the texts we would write, so an unchanged round costs no JSON parsing; an annotation the
+    Node holds with the same JSON value in another spelling counts as held (`holds`)."""
 
     what = "the Node"
 
@@ -118,20 +122,23 @@ class NodeMetaTarget:
         self._node = node
         self._sleep = sleep
         self._backoff = backoff
+        self._diff: tuple[NodeMeta, Metadata] | None = None  # what `holds` found differing, for `write`
 
-    def comparable(self, desired: Metadata) -> NodeWant:
+    def comparable(self, desired: Metadata) -> Metadata:
         annotations, labels = desired
-        return {k: _value(v) for k, v in annotations.items()}, {k: v for k, v in labels.items() if k in NODE_LABEL_KEYS}
+        return dict(annotations), {k: v for k, v in labels.items() if k in NODE_LABEL_KEYS}
 
     def read(self) -> NodeMeta:
         return retry(lambda: self._api.read_node_meta(self._node), self._backoff, self._sleep, "get node")
 
-    def holds(self, current: NodeMeta, want: NodeWant) -> NodeWant:
-        ann, lab = want
-        return {k: _value(current.annotations.get(k)) for k in ann}, {k: current.labels.get(k) for k in lab}
+    def holds(self, current: NodeMeta, want: Metadata) -> Metadata:
+        ann, lab = metadata_changes(current, *want)
+        self._diff = (current, (ann, lab))
+        return {k: v for k, v in want[0].items() if k not in ann}, {k: v for k, v in want[1].items() if k not in lab}
 
-    def write(self, current: NodeMeta, desired: Metadata) -> NodeWant:
-        ann, lab = metadata_changes(current, *desired)
+    def write(self, current: NodeMeta, desired: Metadata) -> Metadata:
+        found = self._diff
+        ann, lab = found[1] if found is not None and found[0] is current else metadata_changes(current, *desired)
         retry(lambda: self._api.patch_node_meta(self._node, ann, lab), self._backoff, self._sleep, "patch node")
         log.info("published topology", extra={"node": self._node, "annotations": sorted(ann), "labels": sorted(lab)})
         return self.comparable(desired)  # a merge patch is kept as sent
