@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from gputopo.extender.kindhandlers import Bad, KindHandler, each_readable
 from gputopo.extender.ledger import Ledger
 from gputopo.extender.objects import PodRecord, job_shape, podgroup_of, record_of
+from gputopo.extender.podindex import ControllerRef
 from gputopo.extender.wire import PodInfo
 from gputopo.kube import JOBS, JSON, PODGROUPS
 from gputopo.model import ControllerFacts, JobShape
@@ -34,6 +35,9 @@ class Controllers:
         # scheduling.k8s.io PodGroups: native gangs (size, required tier).
         self._podgroups: dict[str, dict[str, PodGroupShape]] = {}
         self._facts: dict[str, ControllerFacts] = {}
+        # One object's event infers again only the pods that name it (the ledger's index); False: every
+        # labelled pod of its namespace, the reference the index is checked and measured against.
+        self.by_object = True
 
     def handlers(self) -> dict[str, KindHandler]:
         return {
@@ -77,6 +81,11 @@ class Controllers:
     def apply_job(self, event_type: str, obj: JSON) -> None:
         namespace, shape, jobset = job_shape(obj)
         jobs = dict(self._jobs.get(namespace, {}))
+        before = jobs.get(shape.name)
+        # Ranks across a JobSet's Jobs depend on every Job: its pods (by the JobSet it was and is in) read it.
+        refs = [(namespace, "job", shape.name)] + [
+            (namespace, "jobset", js) for js in {jobset, before[1] if before else None} if js is not None
+        ]
         if event_type == "DELETED":
             jobs.pop(shape.name, None)
         elif jobs.get(shape.name) == (shape, jobset):
@@ -91,7 +100,7 @@ class Controllers:
             self.ledger.release((namespace, f"job/{shape.name}"))
             if jobset is not None:
                 self.ledger.release((namespace, f"jobset/{jobset}"))
-        self._reinfer([namespace])
+        self._reinfer_naming(namespace, refs)
 
     # ------------------------------------------------------------------ PodGroups
 
@@ -128,7 +137,7 @@ class Controllers:
         if event_type == "DELETED":
             # Its pods will not be scheduled as this gang any more: free what the plan held for them.
             self.ledger.release((namespace, f"podgroup/{shape.name}"))
-        self._reinfer([namespace])
+        self._reinfer_naming(namespace, [(namespace, "podgroup", shape.name)])
 
     # ------------------------------------------------------------------ re-inference
 
@@ -140,6 +149,18 @@ class Controllers:
             return
         with self.ledger.lock:
             stale = [r for r in self.ledger.pods.values() if (r.job_keys or r.pod_group) and r.namespace in spaces]
+        self._put_again(stale)
+
+    def _reinfer_naming(self, namespace: str, refs: list[ControllerRef]) -> None:
+        """Infer again the pods that name one of `refs` (one object's event): no other pod reads it."""
+        if not self.by_object:
+            self._reinfer([namespace])
+            return
+        with self.ledger.lock:
+            stale = self.ledger.pods.naming(refs)
+        self._put_again(stale)
+
+    def _put_again(self, stale: list[PodRecord]) -> None:
         for rec in stale:
             fresh = self._record_again(rec)
             if fresh != rec:

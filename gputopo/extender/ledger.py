@@ -24,6 +24,7 @@ from gputopo.extender import mismatch
 from gputopo.extender.mismatch import Mismatch
 from gputopo.extender.nodestates import NodeStates
 from gputopo.extender.objects import NodeEntry, NodeFacts, PodRecord
+from gputopo.extender.podindex import PodTable
 from gputopo.extender.reservations import GroupKey, Reservation, ReservationBook, SlotKey
 from gputopo.model import GpusInUse, PodRequest
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
@@ -96,7 +97,7 @@ class Ledger:
         self.weights = weights
         self.stale_after = stale_after_seconds
         self.static = False  # --snapshot: no Leases, nothing goes stale
-        self.pods: dict[str, PodRecord] = {}
+        self.pods = PodTable()  # with the pods that name each Job, JobSet and PodGroup
         self.leases: dict[str, float] = {}  # node -> renew time
         self._groups: dict[GroupKey, set[str]] = {}
         self.mismatches: dict[str, Mismatch] = {}  # pod uid -> its current mismatch
@@ -323,7 +324,7 @@ class Ledger:
     def replace_pods(self, records: Mapping[str, PodRecord]) -> None:
         with self.lock:
             touched = {p.placed_node for p in self.pods.values()} | {p.placed_node for p in records.values()}
-            self.pods = dict(records)
+            self.pods = PodTable(records)
             self.node_states.clear_assumed()
             self._groups = {}
             for rec in self.pods.values():
@@ -342,7 +343,7 @@ class Ledger:
         node = rec.placed_node
         if node and rec.placement is not None:
             self.node_states.assume(node, rec.uid, frozenset(rec.placement.gpus))
-        if rec.group:
+        if rec.group and rec.ours:  # a pod under another scheduler is no member
             self._groups.setdefault((rec.namespace, rec.group), set()).add(rec.uid)
             if node:
                 self.node_states.rebuild(self.book.pin((rec.namespace, rec.group), rec.name))

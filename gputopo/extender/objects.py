@@ -46,7 +46,10 @@ from gputopo.model.jobs import (
     JOBSET_GLOBAL_REPLICAS,
     JOBSET_JOB_GLOBAL_INDEX,
     JOBSET_NAME,
+    MISSING,
+    PodGroupError,
     PodGroupShape,
+    gang_min_count,
     group_identity,
     podgroup_shape,
 )
@@ -189,6 +192,12 @@ class PodRecord:
     @property
     def active(self) -> bool:
         return self.phase not in ("Succeeded", "Failed")
+
+    @property
+    def ours(self) -> bool:
+        """Under gputopo's scheduler: only such a pod is a member of a group (one that copies a gang's
+        labels or annotations under another scheduler neither counts toward it nor holds its plan)."""
+        return self.scheduler_name == SCHEDULER_NAME
 
     @property
     def placed_node(self) -> str | None:
@@ -376,10 +385,12 @@ def podgroup_of(obj: Any, tiers: TierConfig) -> tuple[str, PodGroupShape]:
     if gang is not None:
         if not isinstance(gang, Mapping):
             raise BadObject("spec.schedulingPolicy.gang is not an object")
-        v = gang.get("minCount")
-        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**31:
-            raise BadObject("spec.schedulingPolicy.gang.minCount is not a non-negative int32")
-        min_count = v
+        # A malformed minCount is the shape's problem, told to every member (not a skipped object, whose
+        # members would wait for it for ever).
+        counted = gang_min_count(name, gang.get("minCount", MISSING))
+        if isinstance(counted, PodGroupError):
+            return namespace, PodGroupShape(name, None, None, str(counted))
+        min_count = counted
     constraints = spec.get("schedulingConstraints")
     constraints = {} if constraints is None else constraints
     if not isinstance(constraints, Mapping):

@@ -91,6 +91,7 @@ __all__ = [
     "JobShape",
     "PodGroupError",
     "PodGroupShape",
+    "gang_min_count",
     "group_identity",
     "infer_group",
     "podgroup_shape",
@@ -106,6 +107,23 @@ def tier_of_label(tiers: Sequence[tuple[str, Sequence[str]]], key: str) -> str |
         if key in labels:
             return name
     return None
+
+
+MIN_COUNT = "spec.schedulingPolicy.gang.minCount"
+MISSING = object()  # a gang policy without its minCount
+
+
+def gang_min_count(name: str, value: object) -> int | PodGroupError:
+    """A gang PodGroup's minCount as gputopo can use it (1..MAX_GROUP_SIZE), or the error naming the field
+    and the value: a malformed PodGroup tells its pods why, rather than leaving them waiting for it."""
+    if value is MISSING:
+        return PodGroupError(name, MIN_COUNT, "(missing)", "a gang policy needs it")
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = type(value).__name__
+        return PodGroupError(name, MIN_COUNT, str(value)[:60], f"must be an integer, not a {kind}")
+    if not 1 <= value <= MAX_GROUP_SIZE:
+        return PodGroupError(name, MIN_COUNT, str(value), f"must be between 1 and {MAX_GROUP_SIZE} for gputopo")
+    return value
 
 
 def podgroup_shape(
@@ -185,14 +203,10 @@ def _podgroup(name: str, facts: ControllerFacts) -> InferredGroup | None:
         raise PodGroupError.said(shape.problem)
     if shape.min_count is None:
         return None
-    if not 1 <= shape.min_count <= MAX_GROUP_SIZE:
-        raise PodGroupError(
-            name,
-            "spec.schedulingPolicy.gang.minCount",
-            str(shape.min_count),
-            f"must be between 1 and {MAX_GROUP_SIZE} for gputopo",
-        )
-    return InferredGroup(group, "PodGroup", "its PodGroup", shape.min_count, None, required_tier=shape.required_tier)
+    size = gang_min_count(name, shape.min_count)
+    if isinstance(size, PodGroupError):
+        raise size
+    return InferredGroup(group, "PodGroup", "its PodGroup", size, None, required_tier=shape.required_tier)
 
 
 def group_identity(labels: Mapping[str, str] | None, pod_group: str = "") -> str | None:

@@ -153,7 +153,6 @@ def test_a_podgroup_status_update_keeps_the_reservation(env: Env) -> None:
 @pytest.mark.parametrize(
     ("spec", "field"),
     [
-        ({"schedulingPolicy": {"gang": {"minCount": "2"}}}, "spec.schedulingPolicy.gang.minCount"),
         ({"schedulingPolicy": []}, "spec.schedulingPolicy is not an object"),
         (
             {"schedulingPolicy": {"gang": {"minCount": 2}}, "schedulingConstraints": {"topology": [{"key": 3}]}},
