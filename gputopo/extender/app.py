@@ -139,6 +139,7 @@ def create_listeners(
         stale_after_seconds=settings.stale_after_seconds,
         reservation_timeout_seconds=settings.reservation_timeout_seconds,
         clock=clock or time.time,
+        scheduler_name=settings.scheduler_name,
         lease_namespace=settings.namespace,
     )
     if settings.snapshot is not None:

@@ -103,7 +103,12 @@ class Binder:
                     return err
                 if already is not None:
                     bound = pod_info(already)  # bound by an earlier try of ours: its placement holds
-            self.ledger.put_pod(pid, record_of(bound, self.ledger.tier_names, self.facts(info.namespace)))
+            self.ledger.put_pod(
+                pid,
+                record_of(
+                    bound, self.ledger.tier_names, self.facts(info.namespace), scheduler=self.ledger.scheduler_name
+                ),
+            )
         finally:
             self.ledger.unclaim(pid, node)
         if req.group:

@@ -216,7 +216,9 @@ class ClusterCache:
             self.pod_hook.pod_changed(obj, deleted=event_type == "DELETED")
 
     def _pod_record(self, obj: JSON) -> PodRecord | None:
-        return pod_record(obj, self.ledger.tier_names, self.controllers.facts_for(obj))
+        return pod_record(
+            obj, self.ledger.tier_names, self.controllers.facts_for(obj), scheduler=self.ledger.scheduler_name
+        )
 
     def upsert_pod(self, obj: JSON, *, deleted: bool = False) -> PodRecord | None:
         """Apply a pod object (from a watch, or one the extender built after its own bind). A pending

@@ -181,7 +181,7 @@ class Controllers:
             priority=rec.priority,
             pod_group=rec.pod_group,
         )
-        again = record_of(info, self.ledger.tier_names, self.facts(rec.namespace))
+        again = record_of(info, self.ledger.tier_names, self.facts(rec.namespace), scheduler=self.ledger.scheduler_name)
         return again if again is None or rec.placement is None else dataclasses.replace(again, placement=rec.placement)
 
 

@@ -26,7 +26,7 @@ from gputopo.extender.nodestates import NodeStates
 from gputopo.extender.objects import NodeEntry, NodeFacts, PodRecord
 from gputopo.extender.podindex import PodTable
 from gputopo.extender.reservations import GroupKey, Reservation, ReservationBook, SlotKey
-from gputopo.model import GpusInUse, PodRequest
+from gputopo.model import SCHEDULER_NAME, GpusInUse, PodRequest
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 
@@ -70,6 +70,7 @@ class LedgerOptions(TypedDict, total=False):
     stale_after_seconds: float
     reservation_timeout_seconds: float
     clock: Callable[[], float]
+    scheduler_name: str
 
 
 class Ledger:
@@ -88,10 +89,11 @@ class Ledger:
         stale_after_seconds: float = 120.0,
         reservation_timeout_seconds: float = 120.0,
         clock: Callable[[], float] = time.time,
+        scheduler_name: str = SCHEDULER_NAME,
     ) -> None:
+        self.scheduler_name = scheduler_name  # only its pods are group members, and only theirs are inferred
         self.node_states = NodeStates(tiers=tiers, clock=clock, reservation_timeout_seconds=reservation_timeout_seconds)
-        self.tiers = tiers
-        self.clock = clock
+        self.tiers, self.clock = tiers, clock
         self.lock = self.node_states.lock  # one lock for the ledger and its cache
         self.tier_names = tiers.names
         self.weights = weights
@@ -343,7 +345,7 @@ class Ledger:
         node = rec.placed_node
         if node and rec.placement is not None:
             self.node_states.assume(node, rec.uid, frozenset(rec.placement.gpus))
-        if rec.group and rec.ours:  # a pod under another scheduler is no member
+        if rec.group and rec.scheduler_name == self.scheduler_name:  # another scheduler's pod is no member
             self._groups.setdefault((rec.namespace, rec.group), set()).add(rec.uid)
             if node:
                 self.node_states.rebuild(self.book.pin((rec.namespace, rec.group), rec.name))

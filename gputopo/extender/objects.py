@@ -194,12 +194,6 @@ class PodRecord:
         return self.phase not in ("Succeeded", "Failed")
 
     @property
-    def ours(self) -> bool:
-        """Under gputopo's scheduler: only such a pod is a member of a group (one that copies a gang's
-        labels or annotations under another scheduler neither counts toward it nor holds its plan)."""
-        return self.scheduler_name == SCHEDULER_NAME
-
-    @property
     def placed_node(self) -> str | None:
         """The node whose GPUs this pod holds: its placement, honoured only once the pod is bound to
         that node. Anyone who can edit a pod can write the annotation; only a bind makes it true."""
@@ -262,20 +256,24 @@ def resolve_pod(
     return Resolved(True, request, inferred, group=request.group)
 
 
-def pod_record(obj: Any, tiers: tuple[str, ...], facts: ControllerFacts = NO_FACTS) -> PodRecord | None:
+def pod_record(
+    obj: Any, tiers: tuple[str, ...], facts: ControllerFacts = NO_FACTS, *, scheduler: str = SCHEDULER_NAME
+) -> PodRecord | None:
     """None when the pod is no gputopo pod (plain pods are not tracked); BadObject when unreadable."""
     try:
         info = pod_info(obj)
     except WireError as e:
         raise BadObject(short(str(e))) from None
-    return record_of(info, tiers, facts)
+    return record_of(info, tiers, facts, scheduler=scheduler)
 
 
-def record_of(info: PodInfo, tiers: tuple[str, ...], facts: ControllerFacts = NO_FACTS) -> PodRecord | None:
+def record_of(
+    info: PodInfo, tiers: tuple[str, ...], facts: ControllerFacts = NO_FACTS, *, scheduler: str = SCHEDULER_NAME
+) -> PodRecord | None:
     ann = {k: v for k, v in info.annotations.items() if k.startswith(PREFIX)}
     if sum(len(k) + len(v) for k, v in ann.items()) > MAX_VALUE_BYTES:
         raise BadObject(f"gputopo.io/ annotations are over {MAX_VALUE_BYTES // 1024} KiB")
-    resolved = resolve_pod(info, tiers, facts)
+    resolved = resolve_pod(info, tiers, facts, scheduler=scheduler)
     if not resolved.opted_in:
         if not ann:
             return None

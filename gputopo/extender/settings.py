@@ -22,7 +22,7 @@ from gputopo.extender.bounds import (
     DEFAULT_READ_TIMEOUT_S,
 )
 from gputopo.extender.limits import DEFAULT_MAX_REQUEST_BYTES
-from gputopo.model import DEFAULT_NAMESPACE, EXTENDER_COMPONENT
+from gputopo.model import DEFAULT_NAMESPACE, EXTENDER_COMPONENT, SCHEDULER_NAME
 from gputopo.settingsconfig import ENV_PREFIX, command_settings
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
@@ -67,6 +67,13 @@ class Settings(BaseSettings):
     metrics_port: int = Field(9402, ge=0, le=65535, description="port of /metrics, /healthz, /readyz (0 = off)")
     kubeconfig: Path | None = Field(None, description="kubeconfig to reach the API server (unset: in-cluster)")
     namespace: str = Field(DEFAULT_NAMESPACE, description="namespace of the agents' Leases")
+    # A pod's spec.schedulerName is a DNS-1123 subdomain; only pods under this name are gputopo's.
+    scheduler_name: str = Field(
+        SCHEDULER_NAME,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+        description="the kube-scheduler profile whose pods are gputopo's: group members, inferred gangs, the webhook's",
+    )
     stale_after_seconds: float = Field(120.0, gt=0, description="a node whose agent Lease is older is stale")
     reservation_timeout_seconds: float = Field(120.0, gt=0, description="unbound group reservations expire")
     snapshot: Path | None = Field(None, description="serve from a static cluster file, no API server")

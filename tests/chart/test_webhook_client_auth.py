@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from gputopo.extender.settings import Settings
-from tests.chart.helm import by_kind, container, one, render, render_fails
+from tests.chart.helm import by_kind, container, one, render, render_fails, scheduler_config
 
 CA_PEM = "-----BEGIN CERTIFICATE-----\nMIIBfake\n-----END CERTIFICATE-----\n"
 CA = base64.b64encode(CA_PEM.encode()).decode()
@@ -63,3 +63,16 @@ def test_by_default_the_extender_gets_no_client_auth() -> None:
 )
 def test_client_auth_values_that_cannot_work_fail_naming_them(sets: dict[str, str], words: str) -> None:
     assert words in render_fails(webhook__enabled="true", **ON, **sets)
+
+
+@pytest.mark.parametrize(
+    ("values", "name"),
+    [
+        pytest.param({}, "gputopo-scheduler", id="the default profile"),
+        pytest.param({"scheduler__schedulerName": "gputopo-preempt"}, "gputopo-preempt", id="a renamed profile"),
+    ],
+)
+def test_the_extender_is_told_the_profile_whose_pods_are_gputopos(values: dict[str, str], name: str) -> None:
+    docs = render(**values)
+    assert _env(docs)["GPUTOPO_SCHEDULER_NAME"] == name
+    assert scheduler_config(docs)["profiles"][0]["schedulerName"] == name  # the profile kube-scheduler serves

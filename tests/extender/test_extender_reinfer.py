@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 
 from gputopo.extender.cache import ClusterCache
 from gputopo.extender.podindex import PodTable
+from gputopo.extender.settings import Settings
 from gputopo.model import PLACEMENT_ANNOTATION, SCHEDULER_NAME
 from gputopo.model import jobs as J
-from tests.extender.harness import JSON, Env, gputopo_pod, pod_obj, two_leaves
+from tests.extender.fake import FakeSource
+from tests.extender.harness import JSON, NS, Env, FakeClock, gputopo_pod, make_env, pod_obj, two_leaves
 
 NODES = ["gpu-1", "gpu-2", "gpu-3", "gpu-4"]
 SPACES = ["a", "b"]
@@ -227,6 +229,27 @@ def test_a_pod_under_another_scheduler_is_no_member(env: Env, first: JSON, copy:
     assert [r.name for r in env.ledger.group_members(("default", key))] == [first["metadata"]["name"]]
     out = env.filter(first, NODES)
     assert out["NodeNames"] == [] and set(out["FailedNodes"].values()) == {waiting}
+
+
+@pytest.mark.parametrize(
+    ("configured", "members"),
+    [
+        pytest.param(None, ["llama-0"], id="the default name: gputopo-scheduler's pods"),
+        pytest.param("gputopo-preempt", ["renamed-1"], id="the chart's scheduler.schedulerName: that profile's pods"),
+    ],
+)
+def test_members_are_the_pods_of_the_configured_scheduler(configured: str | None, members: list[str]) -> None:
+    settings = Settings(namespace=NS) if configured is None else Settings(namespace=NS, scheduler_name=configured)
+    with make_env(FakeSource(NS), FakeClock(), settings) as env:
+        env.add_nodes(*two_leaves())
+        env.add_pods(_annotated("llama-0", 0), _annotated("renamed-1", 1, "gputopo-preempt"))
+        assert [r.name for r in env.ledger.group_members(("default", "llama"))] == members
+
+
+@pytest.mark.parametrize("name", ["Gputopo", "-x", "a_b", "x" * 254, ""])
+def test_a_scheduler_name_that_is_no_dns_subdomain_is_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="scheduler_name"):
+        Settings(scheduler_name=name)
 
 
 def test_a_placed_pod_under_another_scheduler_pins_no_slot_of_the_plan(env: Env) -> None:
