@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
 
 from gputopo.engine import gpusets  # noqa: E402
 from gputopo.engine.cliques import k_cliques, mask_of, max_clique_size, popcount  # noqa: E402
-from gputopo.engine.gpusets import Kind, best_set, classes, exhaustive_set, symmetric  # noqa: E402  # noqa: E402
+from gputopo.engine.gpusets import Kind, best_set, classes, exhaustive_set, symmetric  # noqa: E402
 from gputopo.engine.snapshot import Shape, node_state  # noqa: E402
 from gputopo.model import NetworkKind  # noqa: E402
 from gputopo.systems import SYSTEMS, build_system  # noqa: E402

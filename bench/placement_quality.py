@@ -81,7 +81,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from gputopo.clusterfile import JobSpec  # noqa: E402
-from gputopo.engine.groups import Member, plan_group  # noqa: E402
+from gputopo.engine.groupplan import Member  # noqa: E402
+from gputopo.engine.groups import plan_group  # noqa: E402
 from gputopo.engine.placement import evaluate_pod, rank  # noqa: E402
 from gputopo.engine.snapshot import NodeState, node_state  # noqa: E402
 from gputopo.model import (  # noqa: E402

@@ -39,10 +39,8 @@ from gputopo.agent.publisher import KubeNodeApi, NodeApi, Publisher
 from gputopo.agent.runner import Agent
 from gputopo.agent.settings import (
     PROG,
-    AgentCommand,
     AgentSettings,
     default_node_name,
-    load_settings,
     parse_command,
     serves_device_plugin,
     settings_error,
@@ -50,9 +48,6 @@ from gputopo.agent.settings import (
 from gputopo.jsonlog import configure_logging
 from gputopo.kube import Kube
 from gputopo.render import render_topology
-
-# The command line's names, where callers and tests have always found them.
-__all__ = ["AgentCommand", "AgentSettings", "load_settings", "main", "parse_command"]
 
 log = logging.getLogger("agent")
 

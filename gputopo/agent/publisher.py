@@ -23,8 +23,7 @@ from datetime import UTC, datetime
 from typing import Protocol
 
 from gputopo.agent.labels import node_labels
-from gputopo.agent.publish import Confirmed
-from gputopo.agent.publish import PublishResult as PublishResult  # re-exported: the agent's result type
+from gputopo.agent.publish import Confirmed, PublishResult
 from gputopo.kube import Backoff, Kube, KubeError, lease_path, micro_time, node_path, retry, short_error
 from gputopo.model import (
     AGENT_COMPONENT,

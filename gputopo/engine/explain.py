@@ -8,7 +8,7 @@ from functools import partial
 
 from gputopo.engine.cost import format_bytes, format_ms
 from gputopo.engine.estimate import group_allreduce_seconds, member_estimate
-from gputopo.engine.groups import Assignment, GroupPlan
+from gputopo.engine.groupplan import Assignment, GroupPlan
 from gputopo.engine.placement import NodeVerdict, Outcome
 from gputopo.engine.rails import RailAlignment, assess, rail_ranges, rails_of
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights

@@ -27,7 +27,6 @@ from gputopo.engine.groupplan import (
     GroupPlan,
     Member,
     assign_stages,
-    group_waiting_message,
     pack_order,
     requirement_words,
     switches_of,
@@ -39,9 +38,6 @@ from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.snapshot import NodeState, with_in_use
 from gputopo.model import PodRequest, Spread
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
-
-# The plan's values live in gputopo.engine.groupplan; their callers import them from here.
-__all__ = ["Assignment", "GroupFailure", "GroupPlan", "Member", "group_waiting_message", "plan_group"]
 
 
 def _cost(chosen: Sequence[NodeVerdict], order: Sequence[str]) -> tuple[float, ...]:

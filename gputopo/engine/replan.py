@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gputopo.engine.groups import Assignment, GroupFailure, GroupPlan, Member, group_waiting_message, plan_group
+from gputopo.engine.groupplan import Assignment, GroupFailure, GroupPlan, Member, group_waiting_message
+from gputopo.engine.groups import plan_group
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.snapshot import NodeState
 from gputopo.model import PodRequest, Spread

@@ -16,7 +16,7 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from gputopo.engine.groups import GroupFailure
+from gputopo.engine.groupplan import GroupFailure
 from gputopo.engine.replan import GroupWaiting, MemberView, Replan, Slot, replan
 from gputopo.engine.snapshot import NodeState, taking
 from gputopo.extender.ledger import Ledger

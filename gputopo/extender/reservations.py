@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from gputopo.engine.groups import GroupPlan
+from gputopo.engine.groupplan import GroupPlan
 from gputopo.engine.replan import Slot
 
 log = logging.getLogger("gputopo.extender.reservations")

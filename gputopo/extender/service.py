@@ -20,7 +20,7 @@ from itertools import compress, repeat
 
 from pydantic_core import to_json
 
-from gputopo.engine.groups import GroupFailure
+from gputopo.engine.groupplan import GroupFailure
 from gputopo.engine.placement import Outcome, fail_invalid
 from gputopo.engine.preempt import Victim, choose_victims
 from gputopo.engine.reasons import Code, Reason, code_for, message

@@ -31,7 +31,8 @@ from gputopo.clusterfile import JobSpec
 from gputopo.engine.besteffort import ScoreMatrix, best_effort_scores, pair_scores
 from gputopo.engine.cliques import bits, mask_of, popcount
 from gputopo.engine.explain import gpu_ranges, placement_sentence, runner_up
-from gputopo.engine.groups import GroupFailure, Member, group_waiting_message, plan_group
+from gputopo.engine.groupplan import GroupFailure, Member, group_waiting_message
+from gputopo.engine.groups import plan_group
 from gputopo.engine.placement import evaluate_pod, rank
 from gputopo.engine.reasons import summarize_failures
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights, grade

@@ -31,7 +31,8 @@ from gputopo.engine.dra import (
     qualified,
 )
 from gputopo.engine.explain import gpu_ranges
-from gputopo.engine.groups import GroupFailure, Member, plan_group
+from gputopo.engine.groupplan import GroupFailure, Member
+from gputopo.engine.groups import plan_group
 from gputopo.engine.placement import evaluate_pod, rank
 from gputopo.engine.reasons import summarize_failures
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights

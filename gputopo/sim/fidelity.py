@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from gputopo.clusterfile import JobSpec
 from gputopo.engine.besteffort import best_effort_scores, pair_scores
-from gputopo.engine.groups import GroupFailure, GroupPlan, Member, plan_group
+from gputopo.engine.groupplan import GroupFailure, GroupPlan, Member
+from gputopo.engine.groups import plan_group
 from gputopo.engine.placement import evaluate_node, evaluate_pod, rank
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.snapshot import NodeState, with_in_use

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from gputopo.agent.main import AgentSettings, load_settings, main
+from gputopo.agent.main import main
 from gputopo.agent.nvml_backend import NvmlLib
 from gputopo.agent.publisher import NodeApi
+from gputopo.agent.settings import AgentSettings, load_settings
 from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION, parse_topology
 from gputopo.systems import SYSTEMS, VARIANTS, build_system
 from tests.agent.fake_pynvml import FakeNvml, NVMLError_LibraryNotFound, fake_system
@@ -95,7 +96,7 @@ def test_file_backend_error_in_once_mode(tmp_path: Path, capsys: pytest.CaptureF
 
 @pytest.mark.parametrize("variable", ["ONCE", "PRINT", "JSON", "GPUTOPO_ONCE"])
 def test_the_one_shot_actions_are_flags_only(variable: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gputopo.agent.main import parse_command
+    from gputopo.agent.settings import parse_command
 
     monkeypatch.setenv(variable, "true")
     command = parse_command([])

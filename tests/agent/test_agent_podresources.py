@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from gputopo.agent.backends import InUseError, InUseFile, NoneInUse, PodResourcesInUse
-from gputopo.agent.main import AgentSettings, make_in_use
+from gputopo.agent.main import make_in_use
 from gputopo.agent.podresources import api_pb2
 from gputopo.agent.podresources.client import (
     GpuAllocation,
@@ -22,6 +22,7 @@ from gputopo.agent.podresources.client import (
     per_pod_in_use,
     strip_replica,
 )
+from gputopo.agent.settings import AgentSettings
 from gputopo.model import GpusInUse
 from gputopo.systems import build_system
 from tests.agent.dp_harness import PodResourcesKubelet as Kubelet

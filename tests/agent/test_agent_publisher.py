@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from gputopo.agent.labels import node_labels
+from gputopo.agent.publish import PublishResult
 from gputopo.agent.publisher import (
     LeaseSpec,
     Publisher,
-    PublishResult,
     desired_metadata,
     metadata_changes,
 )

@@ -15,9 +15,10 @@ from gputopo.agent.deviceplugin import api_pb2
 from gputopo.agent.deviceplugin.devices import DeviceListStrategy
 from gputopo.agent.deviceplugin.plugin import TopologyTap
 from gputopo.agent.deviceplugin.preferred import PreferredAllocation
-from gputopo.agent.main import load_settings, main, make_local_pods
+from gputopo.agent.main import main, make_local_pods
 from gputopo.agent.nvml_backend import MIG_REASON
 from gputopo.agent.pods import StaticLocalPods
+from gputopo.agent.settings import load_settings
 from gputopo.model import Health, NodeTopology
 from tests.agent.dp_harness import FakeKubelet, pod_object, topology, with_gpu
 from tests.agent.memory_api import InMemoryNodeApi

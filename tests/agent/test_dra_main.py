@@ -14,7 +14,8 @@ import pytest
 from gputopo.agent.dra.api import pluginregistration_pb2, pluginregistration_pb2_grpc
 from gputopo.agent.dra.plugin import DraConfig, DraPlugin
 from gputopo.agent.dra.slices import slice_name
-from gputopo.agent.main import AgentSettings, load_settings, main
+from gputopo.agent.main import main
+from gputopo.agent.settings import AgentSettings, load_settings
 from gputopo.engine.dra import DRIVER
 from tests.agent.dp_harness import NODE, topology
 from tests.agent.dra_harness import FakeClaims, FakeSlices

@@ -13,7 +13,8 @@ from gputopo.engine.cost import (
     tp_allreduce_seconds,
 )
 from gputopo.engine.explain import gpu_ranges, placement_sentence, runner_up, stage_clause
-from gputopo.engine.groups import GroupPlan, Member, plan_group
+from gputopo.engine.groupplan import GroupPlan, Member
+from gputopo.engine.groups import plan_group
 from gputopo.engine.placement import evaluate_pod, rank
 from gputopo.engine.snapshot import shape_of
 from gputopo.model import parse_pod_request

@@ -18,7 +18,8 @@ from gputopo.engine.cost import (
 )
 from gputopo.engine.estimate import group_allreduce_seconds, stage_transfer_seconds, widest_crossing
 from gputopo.engine.explain import outcome_estimate, placement_estimate, placement_sentence, runner_up
-from gputopo.engine.groups import GroupPlan, plan_group
+from gputopo.engine.groupplan import GroupPlan
+from gputopo.engine.groups import plan_group
 from gputopo.engine.placement import evaluate_pod, rank
 from gputopo.engine.snapshot import NodeState, node_state, shape_of
 from gputopo.model import (

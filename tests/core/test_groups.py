@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gputopo.engine.groups import GroupFailure, GroupPlan, Member, plan_group
+from gputopo.engine.groupplan import GroupFailure, GroupPlan, Member
+from gputopo.engine.groups import plan_group
 from gputopo.engine.snapshot import NodeState, node_state
 from gputopo.model import parse_pod_request
 from gputopo.systems import build_system

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.groups import GroupFailure, GroupPlan, Member, plan_group
+from gputopo.engine.groupplan import GroupFailure, GroupPlan, Member
+from gputopo.engine.groups import plan_group
 from gputopo.engine.snapshot import NodeState, node_state
 from gputopo.model import parse_pod_request
 from gputopo.sim import simulate

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gputopo.engine.groups import GroupPlan, Member, plan_group
+from gputopo.engine.groupplan import GroupPlan, Member
+from gputopo.engine.groups import plan_group
 from gputopo.engine.snapshot import NodeState, node_state
 from gputopo.model import (
     AnnotationError,

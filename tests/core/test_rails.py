@@ -10,7 +10,8 @@ import pytest
 from gputopo.engine.cliques import all_subsets, bits, k_cliques, mask_of, popcount
 from gputopo.engine.explain import placement_sentence
 from gputopo.engine.gpusets import RAIL_AFTER, Kind, exhaustive_set, rail_options, rank_key
-from gputopo.engine.groups import GroupPlan, Member, plan_group
+from gputopo.engine.groupplan import GroupPlan, Member
+from gputopo.engine.groups import plan_group
 from gputopo.engine.placement import evaluate_node, outcome_on
 from gputopo.engine.rails import assess, rail_ranges
 from gputopo.engine.reasons import Reason
