@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -66,7 +66,19 @@ class JobSpec(BaseModel):
     name: str = Field(min_length=1, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
     pods: int = Field(1, ge=1, le=4096)
     gpus_per_pod: int = Field(alias="gpusPerPod", ge=0, le=64)
+    # Each pod's GPUs where a group's pods differ (a JobSet's driver asks for none): one per pod.
+    gpus_by_pod: list[Annotated[int, Field(ge=0, le=64)]] | None = Field(None, alias="gpusByPod")
     annotations: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_count_per_pod(self) -> JobSpec:
+        if self.gpus_by_pod is not None and len(self.gpus_by_pod) != self.pods:
+            raise ValueError(f"gpusByPod names {len(self.gpus_by_pod)} pods; the job has {self.pods}")
+        return self
+
+    def gpus_of(self, i: int) -> int:
+        """Pod i's GPUs: its entry of gpusByPod, else gpusPerPod."""
+        return self.gpus_by_pod[i] if self.gpus_by_pod is not None else self.gpus_per_pod
 
     def pod_annotations(self, i: int) -> dict[str, str]:
         """A job of several pods is one group: name, size and stage unless the job sets them."""

@@ -12,6 +12,7 @@ from gputopo.engine.groupplan import Assignment, GroupPlan
 from gputopo.engine.placement import NodeVerdict, Outcome
 from gputopo.engine.rails import RailAlignment, assess, rail_ranges, rails_of
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
+from gputopo.engine.snapshot import NodeState
 from gputopo.model import CommEstimate
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
@@ -113,9 +114,12 @@ def placement_sentence(
     tiers: TierConfig = DEFAULT_TIERS,
     *,
     origin: str = "",
+    at: NodeState | None = None,
 ) -> str:
     """`origin`: where a group inferred from a controller's labels came from, e.g. 'group
-    jobset/llama-pretrain, rank 5 of 16, from JobSet labels' (gputopo.model.InferredGroup.words)."""
+    jobset/llama-pretrain, rank 5 of 16, from JobSet labels' (gputopo.model.InferredGroup.words).
+    `at`: the member's node when it is not the planned one (a member without GPUs may be bound to
+    another node under the same switch)."""
     parts = [describe_gpus(node, outcome)]
     staged = False
     if plan is not None and member is not None:
@@ -123,9 +127,9 @@ def placement_sentence(
         if a is not None:
             if origin:
                 parts.append(origin)
-            parts.append(stage_clause(plan, a))
+            parts.append(stage_clause(plan, a, at))
             staged = True
-            rails = rail_clause(plan, a, outcome)
+            rails = rail_clause(plan, a, outcome) if outcome.gpus else ""  # no GPUs: no rails of its own
             if rails:
                 parts.append(rails)
     if runner is not None and not staged:  # a group member's node comes from the plan, not a race
@@ -136,8 +140,24 @@ def placement_sentence(
         )
     estimate = placement_estimate(outcome, runner, plan, member, tiers)
     if estimate is not None:
-        parts.append(estimate_clause(estimate, len(plan.assignments) if staged and plan is not None else 0))
+        parts.append(estimate_clause(estimate, len(_ranks(plan)) if staged and plan is not None else 0))
     return "; ".join(parts)
+
+
+def _ranks(plan: GroupPlan) -> list[tuple[NodeState, tuple[int, ...]]]:
+    """The planned members that hold GPUs, in stage order: the ranks of the group's transfers and
+    all-reduce (a member without GPUs takes part in neither)."""
+    return plan.derived(
+        "nodes and GPUs", lambda: [(a.node, a.outcome.gpus) for a in plan.assignments if a.outcome.gpus]
+    )
+
+
+def _rank(plan: GroupPlan, member: str) -> int | None:
+    """The member's index among the plan's GPU-holding members (`_ranks`); None when not among them."""
+    held = plan.derived(
+        "GPU ranks", lambda: {a.member: i for i, a in enumerate(a for a in plan.assignments if a.outcome.gpus)}
+    )
+    return held.get(member)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -158,13 +178,13 @@ def placement_estimate(
     if est is None:
         return None
     tp = est.seconds if est.ranks >= 2 else None
-    i = plan.position(member) if plan is not None and member is not None else None
+    i = _rank(plan, member) if plan is not None and member is not None else None
     staged = i is not None
     other = runner.outcome.estimate if runner is not None and not staged else None
     runner_tp = other.seconds if tp is not None and other is not None and other.ranks >= 2 else None
     transfer = ring = None
     if plan is not None and i is not None:
-        stages = plan.derived("nodes and GPUs", lambda: [(a.node, a.outcome.gpus) for a in plan.assignments])
+        stages = _ranks(plan)
         whole = plan.derived(
             ("all-reduce", est.message_bytes, tiers), lambda: group_allreduce_seconds(stages, est.message_bytes, tiers)
         )
@@ -204,10 +224,12 @@ def estimate_clause(e: CommEstimate, members: int = 0) -> str:
     return f"est. {format_bytes(e.message_bytes)} " + ", ".join(pieces)
 
 
-def stage_clause(plan: GroupPlan, a: Assignment) -> str:
-    """'stage 2/4 shares leaf ib-leaf-3 with stages 0-1' (or the widest tier they share)."""
-    size = len(plan.assignments)
-    for tier, sw in _narrowest_first(a):
+def stage_clause(plan: GroupPlan, a: Assignment, at: NodeState | None = None) -> str:
+    """'stage 2/4 shares leaf ib-leaf-3 with stages 0-1' (or the widest tier they share); the size is
+    the whole group's, the stages those planned and those placed before. `at`: the member's node when
+    not the planned one."""
+    size = plan.size
+    for tier, sw in _narrowest_first(at or a.node):
         under = plan.derived(("stages under", tier), partial(_stages_under, plan, tier))
         mates = [st for st in under.get(sw, ()) if st != a.stage]
         if mates:
@@ -222,12 +244,13 @@ def stage_clause(plan: GroupPlan, a: Assignment) -> str:
 
 
 def _stages_under(plan: GroupPlan, tier: str) -> dict[str, list[int]]:
-    """Each switch of `tier` and the stages of the plan under it, in plan order."""
+    """Each switch of `tier` and the group's stages under it (planned and placed before), in order."""
     out: dict[str, list[int]] = {}
-    for b in plan.assignments:
-        sw = b.node.location.get(tier)
+    placed = [(p.node, p.stage) for p in plan.placed if p.node is not None and p.stage is not None]
+    for node, stage in sorted([*((b.node, b.stage) for b in plan.assignments), *placed], key=lambda ns: ns[1]):
+        sw = node.location.get(tier)
         if sw is not None:
-            out.setdefault(sw, []).append(b.stage)
+            out.setdefault(sw, []).append(stage)
     return out
 
 
@@ -249,6 +272,6 @@ def rail_clause(plan: GroupPlan, a: Assignment, outcome: Outcome) -> str:
     return f"{here}, not rail-aligned: {alignment.why}"
 
 
-def _narrowest_first(a: Assignment) -> list[tuple[str, str]]:
-    loc = a.node.location
+def _narrowest_first(node: NodeState) -> list[tuple[str, str]]:
+    loc = node.location
     return [(t, sw) for t, sw in reversed(list(loc.items())) if sw is not None and t != "nvlink-domain"]

@@ -49,17 +49,44 @@ class Assignment:
 
 
 @dataclass(frozen=True)
+class Placed:
+    """A member placed before this plan (a re-plan's pinned member): its stage in the group (None when
+    neither its placement nor its request says), its node (None when not among the nodes planned over)
+    and GPUs. Its stage is taken, its GPUs line the new members' rails up, its node is a neighbour."""
+
+    stage: int | None
+    node: NodeState | None
+    gpus: tuple[int, ...] = ()
+
+
+def alongside_of(placed: Iterable[Placed]) -> tuple[tuple[NodeState, tuple[int, ...]], ...]:
+    """The placed members' nodes and GPUs, where known: the new members line their rails up with these."""
+    return tuple((p.node, p.gpus) for p in placed if p.node is not None)
+
+
+# What a plan is made alongside: the GPUs placed before (node, GPUs: rails) and the members placed before.
+Before = tuple[tuple[tuple[NodeState, tuple[int, ...]], ...], tuple[Placed, ...]]
+
+
+@dataclass(frozen=True)
 class GroupPlan:
     group: str
     assignments: tuple[Assignment, ...]  # in stage order
     switches_used: Mapping[str, int]  # tier -> distinct switches the plan spans
     rails: RailAlignment = NOT_APPLICABLE  # over the planned members and `alongside`
-    # Members placed before this plan (a re-plan's pinned members): node and GPUs, for rail alignment.
+    # GPUs placed before this plan (a re-plan's pinned members, `placed`'s among them): node and GPUs,
+    # for rail alignment.
     alongside: tuple[tuple[NodeState, tuple[int, ...]], ...] = ()
+    placed: tuple[Placed, ...] = ()  # members placed before this plan: the group is they and `assignments`
     # What every member's bind reads of the whole plan (its position, the group's all-reduce), derived
     # once: computed per bind, a 1,024-member group cost each bind O(members), the group O(members^2).
     _positions: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
     _derived: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def size(self) -> int:
+        """The whole group's member count: the planned members and those placed before."""
+        return len(self.assignments) + len(self.placed)
 
     def position(self, name: str) -> int | None:
         """The member's index in `assignments` (stage order)."""
@@ -108,10 +135,12 @@ def pack_order(tiers: TierConfig, preferred: str | None) -> list[str]:
     return order
 
 
-def assign_stages(members: Sequence[Member]) -> list[tuple[int, Member]]:
-    """Members with an explicit stage keep it; the others fill the free stage numbers in name order."""
-    taken = {m.request.stage for m in members if m.request.stage is not None}
-    free = iter(i for i in range(len(members)) if i not in taken)
+def assign_stages(members: Sequence[Member], placed: Iterable[int] = ()) -> list[tuple[int, Member]]:
+    """Members with an explicit stage keep it; the others fill the stage numbers free (of the members'
+    own and the `placed` members' stages) in name order."""
+    held = set(placed)
+    taken = {m.request.stage for m in members if m.request.stage is not None} | held
+    free = iter(i for i in range(len(members) + len(held)) if i not in taken)
     out = []
     for m in sorted(members, key=lambda m: m.name):
         out.append((m.request.stage if m.request.stage is not None else next(free), m))

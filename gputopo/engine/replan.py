@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gputopo.engine.groupplan import Assignment, GroupFailure, GroupPlan, Member, group_waiting_message
+from gputopo.engine.assigned import Held, Selector, plan_held
+from gputopo.engine.groupplan import Assignment, GroupFailure, GroupPlan, Member, Placed, group_waiting_message
 from gputopo.engine.groups import plan_group
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.snapshot import NodeState
@@ -30,6 +31,8 @@ class MemberView:
     gpus: frozenset[int] = frozenset()
     stage: int | None = None
     problem: str = ""  # why `request` is None (the annotation or label at fault), when known
+    selector: Selector = ()  # its spec.nodeSelector: planned only onto nodes it selects (gputopo.engine.assigned)
+    gated: str = ""  # a scheduling gate that holds it until its selector is written (Kueue's topology gate)
 
 
 @dataclass(frozen=True)
@@ -64,10 +67,12 @@ def replan(
     nodes: Sequence[NodeState],
     tiers: TierConfig = DEFAULT_TIERS,
     weights: ScoreWeights = DEFAULT_WEIGHTS,
+    extra: Sequence[NodeState] = (),
 ) -> Replan | GroupWaiting | GroupFailure:
     """Plan the members of `group` not placed yet; `me` (the pod asking) is always planned afresh.
 
-    `members` must hold `me` with its request. Fewer members than `size` wait; more fail."""
+    `members` must hold `me` with its request. Fewer members than `size` wait; more fail. `nodes` are
+    the asking pod's candidates; `extra`, nodes beyond them that other members' selectors name."""
     if len(members) < size:
         return GroupWaiting(group, group_waiting_message(group, len(members), size))
     if len(members) > size:
@@ -82,29 +87,58 @@ def replan(
         if m.request is None:
             why = f": {m.problem}" if m.problem else " has an invalid gputopo annotation"
             return GroupFailure(group, f"group {group}: member {name}{why}")
+        if m.gated:
+            return GroupWaiting(group, f"group {group}: waiting for member {name}'s node assignment ({m.gated})")
         todo.append(Member(name, m.request))
-    # Pinned members' GPUs, on the nodes given, so that the new members line up with their rails.
+    if todo and any(members[m.name].selector for m in todo):  # its own spread rule: before `nodes` narrows
+        return _replan_held(group, me, members, todo, pinned, nodes, extra, tiers, weights)
+    # Pinned members, on the nodes given: their stages are taken, the new members line up with their rails.
     by_name = {n.name: n for n in nodes}
-    alongside = [(by_name[m.node], tuple(sorted(m.gpus))) for m in pinned.values() if m.node in by_name]
-    if lead.spread is Spread.NODE:
-        taken = {m.node for m in pinned.values()}
+    placed = [Placed(_stage(m), by_name.get(m.node or ""), tuple(sorted(m.gpus))) for m in pinned.values()]
+    if lead.spread is Spread.NODE:  # a member without GPUs is no node's one member
+        taken = {m.node for m in pinned.values() if m.request is None or m.request.gpus}
         nodes = [n for n in nodes if n.name not in taken]
     slots: dict[str, Slot] = {}
     plan = None
     if todo:
-        if pinned:
-            # Stage numbers of a partial plan refer to the whole group; plan_group numbers its subset.
-            todo = [Member(m.name, m.request.model_copy(update={"stage": None})) for m in todo]
-        result = plan_group(group, todo, nodes, tiers, weights, alongside=alongside)
+        result = plan_group(group, todo, nodes, tiers, weights, placed=placed)
         if isinstance(result, GroupFailure):
             return result
         plan = result
-        for a in result.assignments:
-            stage: int | None = a.stage
-            if pinned:
-                asked = members[a.member].request
-                stage = asked.stage if asked is not None and asked.stage is not None else a.stage
-            slots[a.member] = Slot(a.member, a.node.name, frozenset(a.outcome.gpus), stage, False, a)
+        for a in result.assignments:  # stages of the whole group: the placed members' are taken
+            slots[a.member] = Slot(a.member, a.node.name, frozenset(a.outcome.gpus), a.stage, False, a)
+    for name, m in pinned.items():
+        assert m.node is not None
+        slots[name] = Slot(name, m.node, m.gpus, m.stage, True)
+    return Replan(slots, plan)
+
+
+def _stage(m: MemberView) -> int | None:
+    """A pinned member's stage: its request's (the controller's rank, the annotation), else its placement's."""
+    return m.request.stage if m.request is not None and m.request.stage is not None else m.stage
+
+
+def _replan_held(
+    group: str,
+    me: str,
+    members: Mapping[str, MemberView],
+    todo: Sequence[Member],
+    pinned: Mapping[str, MemberView],
+    nodes: Sequence[NodeState],
+    extra: Sequence[NodeState],
+    tiers: TierConfig,
+    weights: ScoreWeights,
+) -> Replan | GroupFailure:
+    """`replan` for a group some of whose members carry a nodeSelector (gputopo.engine.assigned)."""
+    by_name = {n.name: n for n in (*nodes, *extra)}
+    placed = [Placed(_stage(m), by_name.get(m.node or ""), tuple(sorted(m.gpus))) for m in pinned.values()]
+    held = [Held(m, members[m.name].selector) for m in todo]
+    plan = plan_held(group, held, nodes, extra, tiers, weights, placed=placed, mine=members[me].selector)
+    if isinstance(plan, GroupFailure):
+        return plan
+    slots = {
+        a.member: Slot(a.member, a.node.name, frozenset(a.outcome.gpus), a.stage, False, a) for a in plan.assignments
+    }
     for name, m in pinned.items():
         assert m.node is not None
         slots[name] = Slot(name, m.node, m.gpus, m.stage, True)

@@ -176,8 +176,9 @@ class Binder:
         rec = ledger.pods.get(info.uid) if info.uid else None
         inferred = rec.inferred if rec is not None else None
         origin = inferred.words() if inferred is not None and inferred.group == req.group else ""
+        # `at`: a member without GPUs may be bound beside its planned node, under the same switch.
         sentence = placement_sentence(
-            node, outcome, runner, plan, info.name, ledger.weights, ledger.tiers, origin=origin
+            node, outcome, runner, plan, info.name, ledger.weights, ledger.tiers, origin=origin, at=state
         )
         stage = req.stage
         if res is not None and info.name in res.slots:

@@ -180,6 +180,9 @@ class Controllers:
             phase=rec.phase,
             priority=rec.priority,
             pod_group=rec.pod_group,
+            node_selector=rec.node_selector,
+            selector_problem=rec.selector_problem,
+            topology_gated=rec.topology_gated,
         )
         again = record_of(info, self.ledger.tier_names, self.facts(rec.namespace), scheduler=self.ledger.scheduler_name)
         return again if again is None or rec.placement is None else dataclasses.replace(again, placement=rec.placement)

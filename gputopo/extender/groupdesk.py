@@ -12,19 +12,23 @@ the group's later members of the same dry run, whose requests name only the node
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from gputopo.engine.assigned import HOSTNAME, Selector, selects
 from gputopo.engine.groupplan import GroupFailure
 from gputopo.engine.replan import GroupWaiting, MemberView, Replan, Slot, replan
 from gputopo.engine.snapshot import NodeState, taking
+from gputopo.extender.exclusive import ExclusiveDesk
 from gputopo.extender.ledger import Ledger
 from gputopo.extender.locks import StripedLocks
 from gputopo.extender.objects import PodRecord
 from gputopo.extender.reservations import Reservation
-from gputopo.extender.wire import PodInfo
-from gputopo.model import PodRequest
+from gputopo.extender.wire import KUEUE_TOPOLOGY_GATE, PodInfo
+from gputopo.model import NO_FACTS, ControllerFacts, PodRequest
+from gputopo.model.jobs import JOBSET_EXCLUSIVE
 
 log = logging.getLogger("gputopo.extender.groups")
 
@@ -46,6 +50,8 @@ def member_view(rec: PodRecord) -> MemberView:
         gpus=frozenset(placed.gpus) if placed is not None else frozenset(),
         stage=placed.stage if placed is not None else None,
         problem=rec.problem,
+        selector=rec.node_selector,
+        gated=KUEUE_TOPOLOGY_GATE if rec.topology_gated else "",
     )
 
 
@@ -70,9 +76,10 @@ def _rank_clash(group: str, records: Sequence[PodRecord], members: dict[str, Mem
 
 
 class GroupDesk:
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: Ledger, facts: Callable[[str], ControllerFacts] = lambda _: NO_FACTS) -> None:
         self.ledger = ledger
         self.locks = StripedLocks()
+        self.exclusive = ExclusiveDesk(ledger, facts, member_view)  # JobSet exclusive placement
         # group -> (made at, its members, the slots): the latest preemption dry run's plan
         self._dry_runs: dict[tuple[str, str], tuple[float, frozenset[str], dict[str, Slot]]] = {}
         self._dry_runs_lock = threading.Lock()
@@ -82,17 +89,26 @@ class GroupDesk:
         ledger = self.ledger
         key = (info.namespace, req.group)
         records = ledger.group_members(key)
+        size = req.group_size
+        if req.group_size_at_least:  # a PodGroup's minCount: every member present, once there are that many
+            size = max(size, len(records) + (not any(r.name == info.name for r in records)))
+            req = req.model_copy(update={"group_size": size})
         with self.locks(key):
-            held = self._held(key, info.name, records, req.group_size)
+            held = self._held(key, info.name, records, size)
         if held is not None:
             return held
+        if JOBSET_EXCLUSIVE in info.annotations:  # a JobSet's followers come after their leaders are placed
+            with self.locks(key):
+                found = self.exclusive.slot_for(info, req, names, records)
+            if found is not None:
+                return found
         members = {r.name: member_view(r) for r in records}
         members[info.name] = MemberView(info.name, req)  # the asking pod is always planned afresh
-        clash = _rank_clash(req.group, records, members)
+        clash = _rank_clash(key[1], records, members)
         if clash is not None:
             return clash
-        if len(members) != req.group_size:
-            counted = replan(req.group, req.group_size, info.name, members, ())
+        if len(members) != size:
+            counted = replan(key[1], size, info.name, members, ())
             assert not isinstance(counted, Replan)
             return counted
         with self.locks(key):
@@ -211,10 +227,15 @@ class GroupDesk:
     ) -> Reservation | GroupWaiting | GroupFailure:
         group = key[1]
         assert req.group_size is not None
+        if info.node_selector:  # its candidates obey it already; other members' selectors name other nodes
+            members = {**members, info.name: dataclasses.replace(members[info.name], selector=info.node_selector)}
         for _ in range(PLAN_ATTEMPTS):
             now = self.ledger.clock()
             states = self.ledger.states(names, now)
-            out = replan(group, req.group_size, info.name, members, states, self.ledger.tiers, self.ledger.weights)
+            extra = self.ledger.states(self._selected(members, names, info.node_selector), now)
+            out = replan(
+                group, req.group_size, info.name, members, states, self.ledger.tiers, self.ledger.weights, extra
+            )
             if not isinstance(out, Replan):
                 return out
             res = Reservation(key, now, dict(out.slots), out.plan)
@@ -229,3 +250,27 @@ class GroupDesk:
                 )
                 return res
         return GroupFailure(group, f"group {group}: the planned GPUs kept changing while planning; retrying")
+
+    def _selected(self, members: dict[str, MemberView], names: Sequence[str], mine: Selector) -> list[str]:
+        """The nodes outside `names` that members' nodeSelectors select (Kueue TAS writes each member's
+        domain there): a member held to other nodes than the asking pod's is planned there. Members with
+        the asking pod's selector (`mine`) go where it may. A hostname selector names its node; other
+        selectors are matched against every node's labels, once each."""
+        selectors = {m.selector for m in members.values() if m.selector and m.selector != mine}
+        if not selectors:
+            return []
+        nodes = self.ledger.nodes
+        out: set[str] = set()
+        scan: list[Selector] = []
+        for sel in selectors:
+            host = dict(sel).get(HOSTNAME)
+            entry = nodes.get(host) if host is not None else None
+            if entry is not None and selects(sel, entry.name, entry.labels):
+                out.add(entry.name)
+            else:
+                scan.append(sel)
+        if scan:
+            for name, entry in list(nodes.items()):
+                if any(selects(sel, name, entry.labels) for sel in scan):
+                    out.add(name)
+        return sorted(out.difference(names))

@@ -188,6 +188,9 @@ class PodRecord:
     own: tuple[tuple[str, str], ...] = ()  # its gputopo.io/ request annotations, likewise
     scheduler_name: str = ""
     pod_group: str = ""  # spec.schedulingGroup.podGroupName, to infer again when the PodGroup arrives
+    node_selector: tuple[tuple[str, str], ...] = ()  # where it may go (PodInfo's, bounded there): group planning
+    selector_problem: str = ""  # why node_selector was not kept (PodInfo's)
+    topology_gated: bool = False  # Kueue has not written its topology domain yet
 
     @property
     def active(self) -> bool:
@@ -253,6 +256,8 @@ def resolve_pod(
     except AnnotationError as e:
         group = ann.get(ANN_GROUP, "").strip() or (inferred.group if inferred else None)
         return Resolved(True, None, inferred, str(e), group=group)
+    if info.selector_problem and request.is_group:  # its nodeSelector cannot be planned with: say which field
+        return Resolved(True, None, inferred, info.selector_problem, group=request.group)
     return Resolved(True, request, inferred, group=request.group)
 
 
@@ -317,6 +322,9 @@ def record_of(
         else (),
         scheduler_name=info.scheduler_name,
         pod_group=info.pod_group,
+        node_selector=info.node_selector,
+        selector_problem=info.selector_problem,
+        topology_gated=info.topology_gated,
     )
 
 

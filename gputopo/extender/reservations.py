@@ -87,6 +87,29 @@ class ReservationBook:
         self._schedule()
         return touched
 
+    def rename(self, key: GroupKey, names: Mapping[str, str]) -> Reservation | None:
+        """Give slots held for pods not created yet their pods' names (`names`: slot -> pod) once the pods
+        exist: the same nodes and GPUs, so no node's state changes. The reservation is replaced whole, so a
+        reader without the lock sees the old one or the new one."""
+        res = self.reservations.get(key)
+        if res is None:
+            return None
+        slots: dict[str, Slot] = {}
+        for name, slot in res.slots.items():
+            new = names.get(name, name)
+            if new != name:
+                a = slot.assignment
+                slot = replace(slot, member=new, assignment=None if a is None else replace(a, member=new))
+                if self._unreserve(slot.node, (key, name)):
+                    self._by_node.setdefault(slot.node, {})[(key, new)] = slot.gpus
+            slots[new] = slot
+        plan = res.plan
+        if plan is not None:
+            moved = tuple(replace(a, member=names[a.member]) if a.member in names else a for a in plan.assignments)
+            plan = replace(plan, assignments=moved)
+        self.reservations[key] = renamed = Reservation(key, res.created, slots, plan)
+        return renamed
+
     def due(self, now: float) -> list[GroupKey]:
         """Reservations whose unbound members did not bind within the timeout."""
         return [k for k, r in self.reservations.items() if r.created + self.timeout <= now and r.waiting]

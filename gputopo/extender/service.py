@@ -20,8 +20,9 @@ from itertools import compress, repeat
 
 from pydantic_core import to_json
 
+from gputopo.engine.beside import beside
 from gputopo.engine.groupplan import GroupFailure
-from gputopo.engine.placement import Outcome, fail_invalid
+from gputopo.engine.placement import Outcome, evaluate_node, fail_invalid
 from gputopo.engine.preempt import Victim, choose_victims
 from gputopo.engine.reasons import Code, Reason, code_for, message
 from gputopo.engine.replan import GroupWaiting
@@ -124,6 +125,7 @@ def _outcome(reason: Reason, text: str = "") -> Outcome:
 
 
 _STUB = node_state("-", None)
+_BESIDE = Outcome(code=Code.SUCCESS, detail="beside the node planned for this member, which asks for no GPUs")
 
 
 class Extender:
@@ -141,7 +143,7 @@ class Extender:
         # preemptor -> (until, the victims answered on each candidate node): see _catch_up_with_preemption
         self._preempted: dict[str, tuple[float, list[frozenset[str]]]] = {}
         self.events = EventPoster(lambda: self.source)
-        self.groups = GroupDesk(self.ledger)
+        self.groups = GroupDesk(self.ledger, cache.facts)
         self.binder = Binder(self.ledger, lambda: self.source, self.events, cache.facts, self.recent.recall)
         self.ledger.on_mismatch = self._on_mismatch
         cache.on_bad_object = self._on_bad_object
@@ -324,7 +326,14 @@ class Extender:
             else Outcome(code=Code.SUCCESS, gpus=tuple(sorted(slot.gpus)), score=1.0)
         )
         elsewhere = _outcome(Reason.GROUP_PLANNED_ELSEWHERE)
-        outcomes = [here if n == slot.node else elsewhere for n in names]
+        near: frozenset[str] = frozenset()
+        if req.gpus == 0 and not slot.pinned:
+            # No GPU holds a member without GPUs to its planned node, whose CPU, memory or taints only
+            # kube-scheduler's own filters judge: the nodes under the same narrowest switch pass too,
+            # ranked below it (the binder places it on whichever of them kube-scheduler picks).
+            home, *states = self.ledger.states([slot.node, *names])
+            near = frozenset(n.name for n in beside(home, states, self.ledger.tiers) if evaluate_node(n, req).fits)
+        outcomes = [here if n == slot.node else _BESIDE if n in near else elsewhere for n in names]
         priorities = [MAX_EXTENDER_SCORE if n == slot.node else 0 for n in names]
         return Decision("group_planned", names, outcomes, priorities, request=req)
 

@@ -226,6 +226,11 @@ class PodInfo:
     phase: str = ""
     priority: int = 0  # spec.priority (admission resolves priorityClassName into it); preemption ranks by it
     pod_group: str = ""  # spec.schedulingGroup.podGroupName: a native PodGroup's member (Kubernetes >= 1.36)
+    # spec.nodeSelector, sorted: where a group member may go (Kueue TAS writes its domain there). Only the
+    # nodeSelector is read: Kueue writes nothing else, and required node affinity stays kube-scheduler's.
+    node_selector: tuple[tuple[str, str], ...] = ()
+    selector_problem: str = ""  # why node_selector was not kept (over the bounds); its group cannot plan
+    topology_gated: bool = False  # still held by Kueue's topology gate: its domain is not written yet
 
     @property
     def terminated(self) -> bool:
@@ -295,7 +300,34 @@ def pod_info(pod: Mapping[str, Any], where: str = "Pod") -> PodInfo:
         phase=_opt_str(status.get("phase"), f"{where}.status.phase"),
         priority=_priority(spec.get("priority")),
         pod_group=_pod_group(spec.get("schedulingGroup"), f"{where}.spec.schedulingGroup"),
+        **_placement_limits(spec, f"{where}.spec"),
     )
+
+
+# A nodeSelector gputopo plans with: Kueue writes one key per topology level (at most 16 levels). A tenant's
+# template may add its own; past these bounds the selector is not kept and the member's group is told why.
+MAX_SELECTOR_KEYS = 64
+MAX_SELECTOR_BYTES = 16 * 1024
+KUEUE_TOPOLOGY_GATE = "kueue.x-k8s.io/topology"  # Kueue's TAS gate, removed when the selector is written
+
+
+def _placement_limits(spec: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """spec.nodeSelector and Kueue's topology gate, as PodInfo's fields; nothing for a pod with neither."""
+    out: dict[str, Any] = {}
+    raw, gates = spec.get("nodeSelector"), spec.get("schedulingGates")
+    if raw:
+        selector = _str_map(raw, f"{where}.nodeSelector")
+        size = sum(len(k) + len(v) for k, v in selector.items())
+        if len(selector) > MAX_SELECTOR_KEYS or size > MAX_SELECTOR_BYTES:
+            out["selector_problem"] = (
+                f"{where}.nodeSelector has {len(selector)} keys ({size} bytes); gputopo plans a group with "
+                f"at most {MAX_SELECTOR_KEYS} keys ({MAX_SELECTOR_BYTES // 1024} KiB)"
+            )
+        else:
+            out["node_selector"] = tuple(sorted(selector.items()))
+    if gates and isinstance(gates, list):
+        out["topology_gated"] = any(isinstance(g, Mapping) and g.get("name") == KUEUE_TOPOLOGY_GATE for g in gates)
+    return out
 
 
 def _pod_group(value: Any, where: str) -> str:

@@ -32,6 +32,11 @@ JOBSET_REPLICATED_JOB_REPLICAS = "jobset.sigs.k8s.io/replicatedjob-replicas"
 JOBSET_GLOBAL_REPLICAS = "jobset.sigs.k8s.io/global-replicas"
 JOBSET_JOB_INDEX = "jobset.sigs.k8s.io/job-index"
 JOBSET_JOB_GLOBAL_INDEX = "jobset.sigs.k8s.io/job-global-index"
+# JobSet exclusive placement (v0.11.1: ExclusiveKey, NodeSelectorStrategyKey): annotations the JobSet controller
+# copies from the JobSet (or a ReplicatedJob's template) onto its Jobs and their pods.
+JOBSET_EXCLUSIVE = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+JOBSET_NODE_SELECTOR = "alpha.jobset.sigs.k8s.io/node-selector"
+MAX_LABEL_KEY = 317  # a label key: a 253-character prefix, "/", a 63-character name
 # LeaderWorkerSet: kubernetes-sigs/lws api/leaderworkerset/v1/leaderworkerset_types.go (v0.7):
 # SetNameLabelKey, GroupIndexLabelKey, WorkerIndexLabelKey (0: the leader), SizeAnnotationKey.
 LWS_NAME = "leaderworkerset.sigs.k8s.io/name"
@@ -130,6 +135,26 @@ NO_FACTS = ControllerFacts()
 
 
 @dataclass(frozen=True)
+class ExclusiveJobs:
+    """A JobSet under JobSet's exclusive placement (`JOBSET_EXCLUSIVE` without the node-selector strategy):
+    each Job's pods in one domain of the node label `key`, one Job per domain. JobSet's pod webhook admits a
+    Job's followers (completion index > 0) only once its leader (index 0) is scheduled, and pins them to
+    the leader's domain by a nodeSelector."""
+
+    key: str  # the node label whose values are the domains
+    jobs: tuple[tuple[str, int], ...]  # (Job name, pod count) by job-global-index
+
+    def slot(self, rank: int) -> str:
+        """The name of the slot held for the pod of JobSet rank `rank` until it exists: 'job-name#index'
+        ('#' is in no pod name, so a slot never takes a pod's name)."""
+        for name, count in self.jobs:
+            if rank < count:
+                return f"{name}#{rank}"
+            rank -= count
+        raise IndexError(rank)
+
+
+@dataclass(frozen=True)
 class InferredGroup:
     """A pod's group as its controller's labels give it."""
 
@@ -141,6 +166,8 @@ class InferredGroup:
     rank_label: str = ""  # the label(s) the rank comes from, for messages
     waiting: str = ""
     required_tier: str | None = None  # a PodGroup's topology constraint, as a gputopo tier
+    exclusive: ExclusiveJobs | None = None  # a JobSet's exclusive placement, with its Jobs
+    at_least: bool = False  # `size` is a minimum: a native PodGroup's minCount
 
     def words(self) -> str:
         """'group jobset/llama-pretrain, rank 5 of 16, from JobSet labels'."""
@@ -287,7 +314,19 @@ def _jobset(pod: Pod, group: str, facts: ControllerFacts) -> InferredGroup:
         raise LabelError(JOBSET_NAME, name, f"the JobSet has {total} pods; a group holds at most {MAX_GROUP_SIZE}")
     _below(JOB_COMPLETION_INDEX, str(rank_in_job), rank_in_job, counts[gidx], f"pod count of its Job {jobs[gidx].name}")
     rank = sum(counts[:gidx]) + rank_in_job
-    return InferredGroup(group, "JobSet", "JobSet labels and its Jobs", total, rank, rank_label)
+    exclusive = _exclusive(pod.annotations, tuple((jobs[g].name, counts[g]) for g in range(replicas)))
+    return InferredGroup(group, "JobSet", "JobSet labels and its Jobs", total, rank, rank_label, exclusive=exclusive)
+
+
+def _exclusive(ann: Mapping[str, str], jobs: tuple[tuple[str, int], ...]) -> ExclusiveJobs | None:
+    """The JobSet's exclusive placement as its pod's annotations give it; None without it, or under the
+    node-selector strategy (nodes labelled per Job beforehand: every pod is created at once)."""
+    key = ann.get(JOBSET_EXCLUSIVE)
+    if key is None or JOBSET_NODE_SELECTOR in ann:
+        return None
+    if not 0 < len(key) <= MAX_LABEL_KEY or any(c.isspace() for c in key):
+        raise AnnotationError(JOBSET_EXCLUSIVE, key, "must be a node label key")
+    return ExclusiveJobs(key, jobs)
 
 
 def _kubeflow(pod: Pod, group: str, facts: ControllerFacts) -> InferredGroup:
@@ -326,7 +365,10 @@ CONTROLLERS: tuple[Controller, ...] = (
     Controller("kueue", (KUEUE_POD_GROUP,), (KUEUE_TOTAL_COUNT, KUEUE_POD_INDEX), _kueue),
     Controller("lws", (LWS_NAME, LWS_GROUP_INDEX), (LWS_WORKER_INDEX, LWS_SIZE), _lws, numbered=(LWS_GROUP_INDEX,)),
     Controller(
-        "jobset", (JOBSET_NAME,), (JOBSET_GLOBAL_REPLICAS, JOBSET_JOB_GLOBAL_INDEX, JOB_COMPLETION_INDEX), _jobset
+        "jobset",
+        (JOBSET_NAME,),
+        (JOBSET_GLOBAL_REPLICAS, JOBSET_JOB_GLOBAL_INDEX, JOB_COMPLETION_INDEX, JOBSET_EXCLUSIVE, JOBSET_NODE_SELECTOR),
+        _jobset,
     ),
     Controller("kubeflow", (KUBEFLOW_JOB_NAME,), (KUBEFLOW_REPLICA_TYPE, KUBEFLOW_REPLICA_INDEX), _kubeflow),
     # A non-Indexed Job's pods are interchangeable: no ranks, no gang.

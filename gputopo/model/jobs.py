@@ -30,10 +30,12 @@ from gputopo.model.controllers import (
     JOB_COMPLETION_INDEX,
     JOB_KEYS,
     JOB_NAME,
+    JOBSET_EXCLUSIVE,
     JOBSET_GLOBAL_REPLICAS,
     JOBSET_JOB_GLOBAL_INDEX,
     JOBSET_JOB_INDEX,
     JOBSET_NAME,
+    JOBSET_NODE_SELECTOR,
     JOBSET_REPLICATED_JOB,
     JOBSET_REPLICATED_JOB_REPLICAS,
     KUBEFLOW_JOB_NAME,
@@ -52,6 +54,7 @@ from gputopo.model.controllers import (
     NO_FACTS,
     Controller,
     ControllerFacts,
+    ExclusiveJobs,
     InferredGroup,
     JobShape,
     Pod,
@@ -64,10 +67,12 @@ from gputopo.model.controllers import (
 # The names importers read from here since before the table had its own module.
 __all__ = [
     "CONTROLLERS",
+    "JOBSET_EXCLUSIVE",
     "JOBSET_GLOBAL_REPLICAS",
     "JOBSET_JOB_GLOBAL_INDEX",
     "JOBSET_JOB_INDEX",
     "JOBSET_NAME",
+    "JOBSET_NODE_SELECTOR",
     "JOBSET_REPLICATED_JOB",
     "JOBSET_REPLICATED_JOB_REPLICAS",
     "JOB_COMPLETION_INDEX",
@@ -87,6 +92,7 @@ __all__ = [
     "MAX_GROUP_SIZE",
     "NO_FACTS",
     "ControllerFacts",
+    "ExclusiveJobs",
     "InferredGroup",
     "JobShape",
     "PodGroupError",
@@ -206,7 +212,9 @@ def _podgroup(name: str, facts: ControllerFacts) -> InferredGroup | None:
     size = gang_min_count(name, shape.min_count)
     if isinstance(size, PodGroupError):
         raise size
-    return InferredGroup(group, "PodGroup", "its PodGroup", size, None, required_tier=shape.required_tier)
+    return InferredGroup(
+        group, "PodGroup", "its PodGroup", size, None, required_tier=shape.required_tier, at_least=True
+    )
 
 
 def group_identity(labels: Mapping[str, str] | None, pod_group: str = "") -> str | None:

@@ -86,6 +86,9 @@ class PodRequest(BaseModel):
     min_gpu_memory_mib: int | None = None
     group: str | None = None
     group_size: int | None = None
+    # The size is a minimum (a native PodGroup's minCount, mutable on 1.37): once that many members
+    # exist, every member present is planned, and later ones join around those placed.
+    group_size_at_least: bool = False
     stage: int | None = None
     network: NetworkKind = NetworkKind.ANY
     spread: Spread = Spread.NODE
@@ -197,6 +200,8 @@ def _group_fields(ann: Mapping[str, str], inferred: InferredGroup | None) -> dic
         fields["group_size"] = _int(ANN_GROUP_SIZE, ann[ANN_GROUP_SIZE], 1, 4096)
     elif inferred is not None and inferred.size is not None:
         fields["group_size"] = inferred.size
+        if inferred.at_least:
+            fields["group_size_at_least"] = True
     group_size = fields.get("group_size")
     if ANN_STAGE in ann:
         if group_size is None:

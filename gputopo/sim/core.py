@@ -80,7 +80,7 @@ def prepare_pods(jobs: Sequence[JobSpec], tiers: TierConfig = DEFAULT_TIERS) -> 
         pods = []
         for i in range(job.pods):
             try:
-                req = parse_pod_request(job.pod_annotations(i), job.gpus_per_pod, tiers.names)
+                req = parse_pod_request(job.pod_annotations(i), job.gpus_of(i), tiers.names)
             except AnnotationError as e:
                 raise JobInputError(j, job.name, e) from None
             pods.append(SimPod(f"{job.name}-{i}", job.name, i, req, is_gputopo_pod(job.pod_annotations(i))))

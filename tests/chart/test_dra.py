@@ -139,5 +139,6 @@ def _extender_config(docs: list[Doc]) -> dict[str, Any]:
 
 def test_with_dra_kube_scheduler_sends_the_extender_every_pod() -> None:
     """A DRA pod names a claim, not nvidia.com/gpu: with managedResources the extender would never see it."""
-    assert _extender_config(render(**DRA))["managedResources"] == []
-    assert [r["name"] for r in _extender_config(render())["managedResources"]] == ["nvidia.com/gpu"]
+    narrowed = {"scheduler__extender__managedResources[0]__name": "nvidia.com/gpu"}
+    assert _extender_config(render(**DRA, **narrowed))["managedResources"] == []
+    assert [r["name"] for r in _extender_config(render(**narrowed))["managedResources"]] == ["nvidia.com/gpu"]

@@ -280,3 +280,81 @@ def test_a_real_cycle_is_not_taken_for_the_dry_run(env: Env) -> None:
     env.add_pods(*pods)
     with_podgroup(env, podgroup("train", 2))
     assert [passed(env, p) for p in pods] == [[], []]
+
+
+# minCount is a minimum and, on 1.37, mutable: members beyond it join the gang, a grown PodGroup waits
+# for its new members, and members already bound keep their nodes and GPUs when it is planned again.
+@pytest.mark.parametrize(
+    ("min_count", "pods", "all_pass"),
+    [
+        pytest.param(2, 3, True, id="more members than minCount: all planned together"),
+        pytest.param(3, 3, True, id="exactly minCount"),
+        pytest.param(4, 3, False, id="fewer than minCount: waiting"),
+    ],
+)
+def test_min_count_is_a_minimum_not_an_exact_size(env: Env, min_count: int, pods: int, all_pass: bool) -> None:
+    env.add_nodes(*(node_obj(n) for n in NODES))
+    members = [member(f"train-{i}", "train", gpus=4) for i in range(pods)]
+    env.add_pods(*members)
+    with_podgroup(env, podgroup("train", min_count))
+    if not all_pass:
+        assert reasons(env, members[0]) == {f"group podgroup/train: {pods}/{min_count} pods exist, waiting"}
+        return
+    slots = {}
+    for p in members:
+        (node,) = passed(env, p)
+        slots[p["metadata"]["name"]] = node
+    res = env.ledger.reservations.get(("default", "podgroup/train"))
+    assert res is not None and len(res.slots) == pods
+    taken = [(s.node, g) for s in res.slots.values() for g in s.gpus]
+    assert len(taken) == len(set(taken)) == 4 * pods
+
+
+def test_a_grown_podgroup_plans_its_new_members_around_the_bound_ones(env: Env) -> None:
+    env.add_nodes(*(node_obj(n) for n in NODES))
+    first = [member(f"train-{i}", "train", gpus=4) for i in range(2)]
+    env.add_pods(*first)
+    with_podgroup(env, podgroup("train", 2))
+    bound = {}
+    for p in first:
+        (node,) = passed(env, p)
+        assert env.bind(p, node) == ""
+        stored = env.source.get("pods", "default", p["metadata"]["name"])
+        assert stored is not None
+        bound[p["metadata"]["name"]] = json.loads(stored["metadata"]["annotations"][PLACEMENT_ANNOTATION])
+    env.resync()
+    # minCount raised to 4 (mutable on 1.37) and two more pods: the third alone waits, then both plan.
+    with_podgroup(env, podgroup("train", 4))
+    grown = [member(f"train-{i}", "train", gpus=4) for i in (2, 3)]
+    env.add_pods(grown[0])
+    assert reasons(env, grown[0]) == {"group podgroup/train: 3/4 pods exist, waiting"}
+    env.add_pods(grown[1])
+    new = {}
+    for p in grown:
+        (node,) = passed(env, p)
+        new[p["metadata"]["name"]] = node
+    res = env.ledger.reservations.get(("default", "podgroup/train"))
+    assert res is not None
+    for name, placement in bound.items():
+        slot = res.slots[name]
+        assert slot.pinned and slot.node == placement["node"] and sorted(slot.gpus) == placement["gpus"]
+    taken = [(s.node, g) for s in res.slots.values() for g in s.gpus]
+    assert len(taken) == len(set(taken)) == 16
+
+
+def test_a_shrunk_podgroup_keeps_its_members_and_plans_a_newcomer_beside_them(env: Env) -> None:
+    env.add_nodes(*(node_obj(n) for n in NODES))
+    first = [member(f"train-{i}", "train", gpus=2) for i in range(3)]
+    env.add_pods(*first)
+    with_podgroup(env, podgroup("train", 3))
+    for p in first:
+        (node,) = passed(env, p)
+        assert env.bind(p, node) == ""
+    env.resync()
+    with_podgroup(env, podgroup("train", 1))
+    late = member("train-3", "train", gpus=2)
+    env.add_pods(late)
+    (node,) = passed(env, late)
+    res = env.ledger.reservations.get(("default", "podgroup/train"))
+    assert res is not None and len(res.slots) == 4
+    assert sum(s.pinned for s in res.slots.values()) == 3

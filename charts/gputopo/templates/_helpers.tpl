@@ -217,7 +217,7 @@ The KubeSchedulerConfiguration of the gputopo scheduler: one profile, one extend
   "managedResources" $s.extender.managedResources
 }}
 {{- if .Values.agent.dra.enabled }}
-{{- /* A DRA pod names a claim, not nvidia.com/gpu: the extender must see every pod. */}}
+{{- /* A DRA pod names a claim, not nvidia.com/gpu: the extender must see every pod, whatever list the user narrowed it to. */}}
 {{- $_ := set $ext "managedResources" (list) }}
 {{- end }}
 {{- with $s.extender.preemptVerb }}

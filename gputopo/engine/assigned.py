@@ -1,0 +1,214 @@
+"""Planning a group whose members are held to nodes by their own `spec.nodeSelector`, as Kueue's
+topology-aware scheduling (TAS) holds them: Kueue admits the group onto topology domains, by rank, and
+writes each member's domain into its nodeSelector (at the `kubernetes.io/hostname` level one node per
+member; at a leaf level the leaf's labels). kube-scheduler then offers each member only those nodes.
+
+Within those nodes gputopo still chooses: the GPUs, the NVLink cliques, the rails. Members whose
+selectors allow the same nodes are planned together with `plan_group`; the most constrained set of
+members first, each set on the nodes as the earlier ones left them, so that members held to one node take
+its GPUs one after the other. A set that has fewer nodes than members (Kueue put two on one node) shares
+them, whatever the group's spread. Ranks stay Kueue's: every member keeps the stage it asked for.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from gputopo.engine.groupplan import (
+    Assignment,
+    GroupFailure,
+    GroupPlan,
+    Member,
+    Placed,
+    alongside_of,
+    assign_stages,
+    switches_of,
+)
+from gputopo.engine.groups import plan_group
+from gputopo.engine.rails import assess, is_partial, rails_of
+from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
+from gputopo.engine.snapshot import NodeState, with_in_use
+from gputopo.model import Spread
+from gputopo.tiers import DEFAULT_TIERS, TierConfig
+
+Selector = tuple[tuple[str, str], ...]  # spec.nodeSelector, sorted
+HOSTNAME = "kubernetes.io/hostname"  # a node without the label answers to its name, as kubelets set it
+
+
+def selects(selector: Selector, name: str, labels: Mapping[str, str]) -> bool:
+    """Whether a node (its name and labels) satisfies a nodeSelector: every key equal."""
+    for key, value in selector:
+        have = labels.get(key)
+        if have is None and key == HOSTNAME:
+            have = name
+        if have != value:
+            return False
+    return True
+
+
+MAX_SELECTOR_TEXT = 200  # reasons quote selectors: a tenant's may be long
+
+
+def selector_text(selector: Selector) -> str:
+    text = ", ".join(f"{k}={v}" for k, v in selector)
+    return text if len(text) <= MAX_SELECTOR_TEXT else text[: MAX_SELECTOR_TEXT - 1] + "…"
+
+
+@dataclass(frozen=True)
+class Held:
+    """A member to plan and its own nodeSelector (empty: it may go wherever the asking pod may)."""
+
+    member: Member
+    selector: Selector = ()
+
+
+def plan_held(
+    group: str,
+    members: Sequence[Held],
+    nodes: Sequence[NodeState],
+    extra: Sequence[NodeState] = (),
+    tiers: TierConfig = DEFAULT_TIERS,
+    weights: ScoreWeights = DEFAULT_WEIGHTS,
+    *,
+    placed: Sequence[Placed] = (),
+    mine: Selector = (),
+) -> GroupPlan | GroupFailure:
+    """Place every member or none, each on a node its selector allows.
+
+    `nodes`: the asking pod's candidates (kube-scheduler's verdict for its selector `mine`), where members
+    with its selector or none go, as every member does without selectors; `extra`: other nodes that
+    members' selectors name. `placed`: members placed already (a re-plan's pinned ones): their stages are
+    taken, their GPUs line up the rails, and a `spread: node` set avoids their nodes."""
+    if not members:
+        return GroupFailure(group, f"group {group}: no members")
+    pinned = tuple(placed)
+    stages = [h.member.request.stage for h in members if h.member.request.stage is not None] + _stages(pinned)
+    if len(stages) != len(set(stages)):
+        dup = sorted({s for s in stages if stages.count(s) > 1})
+        return GroupFailure(group, f"group {group}: stage {dup[0]} is claimed by more than one pod")
+    stage_of = {m.name: s for s, m in assign_stages([h.member for h in members], _stages(pinned))}
+    by_nodes = _sets(members, nodes, extra, mine)
+    # The most constrained set first (it has the fewest choices), then in Kueue's rank order.
+    sets = sorted(by_nodes.items(), key=lambda kv: (len(kv[0]), min(stage_of[h.member.name] for h in kv[1])))
+    seen = Counter(n for allowed in by_nodes for n in allowed)
+    current = {n.name: n for n in (*nodes, *extra)}
+    # What later sets line their rails up with: one member per rail set and size is all alignment reads
+    # (keeping every member made a 1,024-member hostname-level group cost O(members^2)).
+    fixed: dict[tuple[int, int], tuple[NodeState, tuple[int, ...]]] = {}
+    for node, gpus in alongside_of(pinned):
+        _keep(fixed, node, gpus)
+    used = {p.node.name for p in pinned if p.node is not None and p.gpus}
+    assignments: list[Assignment] = []
+    for allowed, held in sets:
+        if not allowed:
+            return _failure(group, held, "matches none of the nodes gputopo may use")
+        plan = _plan_set(group, held, [current[n] for n in allowed], used, tiers, weights, list(fixed.values()))
+        if isinstance(plan, GroupFailure):
+            return _failure(group, held, plan.message) if held[0].selector else plan
+        for a in plan.assignments:
+            assignments.append(Assignment(a.member, stage_of[a.member], a.node, a.outcome))
+            if a.outcome.gpus:  # a member without GPUs holds neither a GPU nor a node
+                _keep(fixed, a.node, a.outcome.gpus)
+                used.add(a.node.name)
+                if seen[a.node.name] > 1:  # another set may use this node: it sees these GPUs taken
+                    current[a.node.name] = with_in_use(current[a.node.name], frozenset(a.outcome.gpus), tiers)
+    assignments.sort(key=lambda a: (a.stage, a.member))
+    spanned = _spanned(group, members, [*(a.node for a in assignments), *(p.node for p in pinned if p.node)])
+    if spanned is not None:
+        return spanned
+    rails = assess([*((a.node, a.outcome.gpus) for a in assignments), *alongside_of(pinned)])
+    return GroupPlan(
+        group, tuple(assignments), switches_of(assignments, tiers), rails, alongside=alongside_of(pinned), placed=pinned
+    )
+
+
+def _stages(placed: Sequence[Placed]) -> list[int]:
+    return [p.stage for p in placed if p.stage is not None]
+
+
+def _keep(
+    fixed: dict[tuple[int, int], tuple[NodeState, tuple[int, ...]]], node: NodeState, gpus: Sequence[int]
+) -> None:
+    if is_partial(node, gpus):  # a whole node is on every rail: nothing to line up with
+        fixed.setdefault((rails_of(node, gpus), len(gpus)), (node, tuple(gpus)))
+
+
+def _spanned(group: str, members: Sequence[Held], placed: Sequence[NodeState]) -> GroupFailure | None:
+    """`required-tier` over the whole group: each set kept it alone, but the selectors may part the sets."""
+    tier = members[0].member.request.required_tier
+    if not tier:
+        return None
+    switches = {node.location.get(tier) for node in placed}
+    if len(switches) <= 1 and None not in switches:
+        return None
+    held = [h for h in members if h.selector][:4]
+    where = "; ".join(f"{h.member.name}: {selector_text(h.selector)}" for h in held)
+    return GroupFailure(
+        group,
+        f"group {group}: the members' spec.nodeSelector (Kueue's topology assignment) spans {len(switches)} "
+        f"{tier} switches; gputopo.io/required-tier asks one ({where})",
+    )
+
+
+def _sets(
+    members: Sequence[Held], nodes: Sequence[NodeState], extra: Sequence[NodeState], mine: Selector
+) -> dict[tuple[str, ...], list[Held]]:
+    """Members by the nodes they may use (in the order of `nodes`, then `extra`)."""
+    every = (*nodes, *extra)
+    hosts: dict[str, list[str]] = {}  # a hostname selector (Kueue's lowest level) finds its node at once
+    for n in every:
+        hosts.setdefault(n.labels.get(HOSTNAME, n.name), []).append(n.name)
+    by_nodes: dict[tuple[str, ...], list[Held]] = {}
+    memo: dict[Selector, tuple[str, ...]] = {
+        (): tuple(n.name for n in nodes),
+        mine: tuple(n.name for n in nodes if selects(mine, n.name, n.labels)),
+    }
+    for h in members:
+        allowed = memo.get(h.selector)
+        if allowed is None:
+            if len(h.selector) == 1 and h.selector[0][0] == HOSTNAME:
+                allowed = tuple(hosts.get(h.selector[0][1], ()))
+            else:
+                allowed = tuple(n.name for n in every if selects(h.selector, n.name, n.labels))
+            memo[h.selector] = allowed
+        by_nodes.setdefault(allowed, []).append(h)
+    return by_nodes
+
+
+def _plan_set(
+    group: str,
+    held: Sequence[Held],
+    allowed: Sequence[NodeState],
+    used: set[str],
+    tiers: TierConfig,
+    weights: ScoreWeights,
+    fixed: Sequence[tuple[NodeState, tuple[int, ...]]],
+) -> GroupPlan | GroupFailure:
+    """One set of members over the nodes they may use. Stages are the whole group's, so plan_group
+    numbers the set afresh; members share nodes when the set has fewer free nodes than members."""
+    k = len(held)
+    spread = held[0].member.request.spread
+    if spread is Spread.NODE:
+        free = [n for n in allowed if n.name not in used]
+        if len(free) >= k:
+            allowed = free
+        else:
+            spread = Spread.NONE
+    update: dict[str, object] = {"stage": None, "spread": spread}
+    todo = [Member(h.member.name, h.member.request.model_copy(update=update)) for h in held]
+    # Stages are the whole group's (set in plan_held): the set's plan numbers its own members.
+    return plan_group(group, todo, allowed, tiers, weights, alongside=fixed)
+
+
+def _failure(group: str, held: Sequence[Held], why: str) -> GroupFailure:
+    """The reason every member is told: which members, held where (Kueue's assignment, where Kueue wrote
+    the selector), and what does not fit there."""
+    names = sorted(h.member.name for h in held)
+    who = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    where = selector_text(held[0].selector)
+    noun = "members" if len(names) > 1 else "member"
+    return GroupFailure(
+        group, f"group {group}: {noun} {who} held by spec.nodeSelector {where} (Kueue's topology assignment): {why}"
+    )
