@@ -8,6 +8,11 @@ goes to kube-apiserver, the kube-schedulers and kube-controller-manager, and
 ``GPUTOPO_E2E_RUNTIME_CONFIG=api/beta=true`` to kube-apiserver. Failed e2e tests get the tail of
 every component's log attached to their report.
 
+The real job controllers (JobSet, LeaderWorkerSet, Kueue, Kubeflow Trainer) come from
+``gputopo/localcluster/build_controllers.sh`` (``GPUTOPO_CONTROLLERS_DIR`` names a ready build); without
+them the tests that use them fail with instructions. Once started they stay for the session, with their
+CRDs and webhooks (whose pod webhooks see only their own pods and Kueue only namespaces labelled for it).
+
 Tests share the session's cluster, so nodes from one test are visible to the others: create nodes
 through ``make_nodes`` (unique names, a per-test label, deleted afterwards) and select them with
 ``nodeSelector`` on that label, or with a scheduler that only sees what you intend.
@@ -39,6 +44,7 @@ from gputopo.localcluster import (
     parse_flag_map,
 )
 from gputopo.localcluster.binaries import kubernetes_version
+from gputopo.localcluster.controllers import JobControllers, controllers_missing, find_controllers_dir
 from gputopo.localcluster.stack import GpuNode, Stack
 
 MakeNodes = Callable[[Sequence[SimNode]], list[str]]
@@ -109,6 +115,16 @@ def control_plane() -> Iterator[ControlPlane]:
         cp.teardown()
         if keep:
             print(f"\ne2e control plane directory kept: {cp.dir}", file=sys.stderr)
+
+
+@pytest.fixture(scope="session")
+def job_controllers(control_plane: ControlPlane, kube: KubeClient) -> JobControllers:
+    """The session's real job controllers, each started on first ``ensure(name)`` (with what it needs) and
+    stopped with the control plane. Fails with instructions when they are not built."""
+    directory = find_controllers_dir()
+    if directory is None:
+        pytest.fail(f"e2e: {controllers_missing(directory, ())}", pytrace=False)
+    return JobControllers(control_plane, kube, directory)
 
 
 @pytest.fixture(scope="session")

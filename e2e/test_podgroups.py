@@ -189,3 +189,44 @@ def test_jobs_high_priority_podgroup_preempts_low_priority_gpu_holders_and_binds
         kube.create_pod(gpu_pod(m, namespace, test_id, 8, group="big", priority="high"))
     assert set(kube.wait_pods_bound(namespace, members, timeout=180).values()) == set(names)
     assert all(gone(kube, namespace, h) for h in holders)
+
+
+def _placements(kube: KubeClient, namespace: str, members: list[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    out = {}
+    for m in members:
+        p = parse_placement(kube.get_pod(namespace, m)["metadata"]["annotations"][PLACEMENT_ANNOTATION])
+        out[m] = (p.node, tuple(p.gpus))
+    return out
+
+
+def test_jobs_elastic_podgroup_grown_and_shrunk_plans_new_members_around_those_running(
+    nodes: StackNodes, kube: KubeClient, namespace: str, test_id: str
+) -> None:
+    # minCount is mutable from 1.37 (elastic gangs). Three members, one more than minCount, bind together;
+    # minCount raised from 2 to 4 and a 4th member: it binds beside them, and the running members keep
+    # their nodes and GPUs throughout, as they do when minCount shrinks again.
+    (node,) = nodes.add(GpuNode("h100", "dgx-h100"))
+    kube.apply([podgroup("elastic", namespace, 2)])
+    first = [f"elastic-{i}" for i in range(3)]
+    for m in first:
+        kube.create_pod(gpu_pod(m, namespace, test_id, 2, group="elastic"))
+    assert set(kube.wait_pods_bound(namespace, first, timeout=120).values()) == {node}
+    running = _placements(kube, namespace, first)
+    kube.request(
+        "PATCH",
+        f"/apis/scheduling.k8s.io/v1beta1/namespaces/{namespace}/podgroups/elastic",
+        {"spec": {"schedulingPolicy": {"gang": {"minCount": 4}}}},
+        content_type="application/merge-patch+json",
+    )
+    kube.create_pod(gpu_pod("elastic-3", namespace, test_id, 2, group="elastic"))
+    kube.wait_pods_bound(namespace, ["elastic-3"], timeout=120)
+    kube.request(
+        "PATCH",
+        f"/apis/scheduling.k8s.io/v1beta1/namespaces/{namespace}/podgroups/elastic",
+        {"spec": {"schedulingPolicy": {"gang": {"minCount": 1}}}},
+        content_type="application/merge-patch+json",
+    )
+    assert _placements(kube, namespace, first) == running, "running members keep their nodes and GPUs"
+    everyone = [*first, "elastic-3"]
+    held = [g for _, gpus in _placements(kube, namespace, everyone).values() for g in gpus]
+    assert sorted(held) == list(range(8)), "four 2-GPU members on one node's eight GPUs, none twice"

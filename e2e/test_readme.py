@@ -41,7 +41,12 @@ def readme_commands(text: str) -> list[str]:
 
 # What each command must print besides exiting 0; a README command missing here fails the test below.
 EXPECTED: dict[str, tuple[str, ...]] = {
-    "./scripts/demo.sh": ("pods placed.", "TopologyPlacement", "tearing down"),
+    "./scripts/demo.sh": (
+        "pods placed.",
+        "TopologyPlacement",
+        "5/5 pods of JobSet llama-pretrain placed.",
+        "tearing down",
+    ),
     "./scripts/demo.sh --installed": ("pods placed.", "helm install", "helm uninstall"),
     ".venv/bin/gputopo simulate --cluster examples/cluster.yaml --jobs examples/jobs.yaml --output text": (
         "pods placed against their requests",
@@ -80,7 +85,7 @@ def test_readme_command_runs_verbatim(command: str) -> None:
         _needs_default_release()
         if "--installed" in command and os.geteuid() != 0:
             pytest.skip("the installed demo needs root (containerd, a private mount namespace)")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUTOPO_K8S_", "GPUTOPO_BIN_DIR"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTOPO_") or k == "GPUTOPO_CACHE"}
     # As a user types it: a shell in the repository root, nothing of the test session's settings.
     done = subprocess.run(
         ["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200, check=False

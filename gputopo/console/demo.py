@@ -1,7 +1,9 @@
 """`gputopo demo`: the whole system on this machine. Builds (or reuses) the pinned upstream binaries,
 starts etcd, kube-apiserver, kube-controller-manager and kube-scheduler, runs the real extender and
 one real agent per simulated GPU node from `examples/cluster.yaml`, submits `examples/jobs.yaml` as
-pods, and prints where each pod went and what `kubectl describe pod` says about it. As root, with
+pods, and prints where each pod went and what `kubectl describe pod` says about it. Then a JobSet with
+no gputopo annotation goes through the real JobSet controller (built once, like the binaries) and
+the demo prints where its driver and workers went, rank by rank. As root, with
 the kubelet built, it adds one node run by a real kubelet, so the whole path shows: placement, the
 kubelet's device manager asking the agent's device plugin, PodResources, and the agent's per-pod
 report. With --installed (root, with containerd and runc) it then installs the packaged chart with
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gputopo.clusterfile import ClusterFileError, load_cluster, load_jobs
+from gputopo.console.demojobset import jobset_part
 from gputopo.engine.explain import gpu_ranges
 from gputopo.model import LABEL_NETWORK_LEAF, PLACEMENT_ANNOTATION, SCHEDULER_NAME, AnnotationError, parse_placement
 
@@ -90,6 +93,10 @@ def run(args: argparse.Namespace) -> int:
         _say("== where each pod went, and why (from kubectl describe pod)")
         placed = sum(_report_pod(kube, ns, name) for name in pods)
         _say(f"\n{placed}/{len(pods)} pods placed.")
+        # The JobSet needs whole nodes: the jobs file's pods give theirs back first.
+        for name in pods:
+            kube.delete_pod(ns, name)
+        jobset_part(cp, kube, ns, args.timeout, _say, _report_pod)
         _real_kubelet_part(stack, kube, bin_dir, ns, args.timeout)
         if args.keep:
             cp.detach()
@@ -159,7 +166,8 @@ def _report_pod(kube: Any, ns: str, name: str) -> bool:
         ann = pod["metadata"].get("annotations", {}).get(PLACEMENT_ANNOTATION)
         if ann:
             try:
-                gpus = f" GPUs {gpu_ranges(parse_placement(ann).gpus)}"
+                held = parse_placement(ann).gpus
+                gpus = f" GPUs {gpu_ranges(held)}" if held else " (no GPUs)"
             except AnnotationError:
                 gpus = ""
         _say(f"\n+ {name} -> {node}{gpus}")

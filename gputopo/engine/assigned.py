@@ -104,6 +104,7 @@ def plan_held(
     for allowed, held in sets:
         if not allowed:
             return _failure(group, held, "matches none of the nodes gputopo may use")
+        held = sorted(held, key=lambda h: (stage_of[h.member.name], h.member.name))
         plan = _plan_set(group, held, [current[n] for n in allowed], used, tiers, weights, list(fixed.values()))
         if isinstance(plan, GroupFailure):
             return _failure(group, held, plan.message) if held[0].selector else plan
@@ -196,9 +197,12 @@ def _plan_set(
             allowed = free
         else:
             spread = Spread.NONE
-    update: dict[str, object] = {"stage": None, "spread": spread}
-    todo = [Member(h.member.name, h.member.request.model_copy(update=update)) for h in held]
-    # Stages are the whole group's (set in plan_held): the set's plan numbers its own members.
+    # `held` comes in the group's rank order: the set's plan numbers its members 0..k-1 in that order, so
+    # that consecutive ranks share a node and the nearest switch, as they do without selectors.
+    todo = [
+        Member(h.member.name, h.member.request.model_copy(update={"stage": i, "spread": spread}))
+        for i, h in enumerate(held)
+    ]
     return plan_group(group, todo, allowed, tiers, weights, alongside=fixed)
 
 

@@ -4,12 +4,15 @@ Upstream etcd, kube-apiserver, kube-scheduler and kube-controller-manager run as
 on loopback (``ControlPlane``); GPU nodes are simulated as Node objects without kubelets (``SimNode``), or run
 by a real kubelet with a fake container runtime (``RealKubelet``, root only);
 ``KubeClient`` is a small typed wrapper over ``gputopo.kube`` plus the real kubectl.
-The binaries are built once per machine by ``build_binaries.sh`` (``ensure_binaries``).
+The binaries are built once per machine by ``build_binaries.sh`` (``ensure_binaries``); the real job
+controllers (JobSet, LeaderWorkerSet, Kueue, Kubeflow Trainer) by ``build_controllers.sh``, and
+``JobControllers`` runs them on a ``ControlPlane`` with their own webhooks.
 """
 
 from gputopo.model import GPU_RESOURCE
 
 from .binaries import BUILD_SCRIPT, BinariesError, ensure_binaries, expected_bin_dir, find_binaries
+from .controllers import JobControllers, find_controllers_dir
 from .controlplane import (
     APISERVER,
     CONTROLLER_MANAGER,
@@ -55,6 +58,7 @@ __all__ = [
     "ControlPlaneError",
     "ExtenderConfig",
     "FlagError",
+    "JobControllers",
     "KubeApiError",
     "KubeClient",
     "PodCondition",
@@ -65,6 +69,7 @@ __all__ = [
     "ensure_binaries",
     "expected_bin_dir",
     "find_binaries",
+    "find_controllers_dir",
     "free_port",
     "kubeconfig_text",
     "kubelet_unavailable",

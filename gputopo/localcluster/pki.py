@@ -116,3 +116,28 @@ def webhook_client_kubeconfig(crt: Path, key: Path) -> str:
         "users": [{"name": "*", "user": {"client-certificate": str(crt), "client-key": str(key)}}],
     }
     return json.dumps(doc, indent=2) + "\n"
+
+
+def generate_serving_certificate(directory: Path, common_name: str) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a serving certificate for 127.0.0.1 and localhost (CN `common_name`) it signed,
+    in `directory`: (ca.crt, tls.crt, tls.key), the names controller-runtime's webhook servers read.
+    Needs the openssl command."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise ControlPlaneError("need the openssl command to create a webhook serving certificate")
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_key, ca, key, csr, crt = (directory / n for n in ("ca.key", "ca.crt", "tls.key", "tls.csr", "tls.crt"))
+    ext = directory / "san.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    steps = [
+        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "2",
+         "-subj", "/CN=gputopo-local-ca"],
+        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", f"/CN={common_name}"],
+        ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", crt, "-days", "2",
+         "-extfile", ext],
+    ]  # fmt: skip
+    for argv in steps:
+        subprocess.run([openssl, *map(str, argv)], check=True, capture_output=True)
+    for private in (ca_key, key):
+        private.chmod(0o600)
+    return ca, crt, key

@@ -12,7 +12,6 @@ e2e suite, `gputopo demo` and the benchmarks."""
 from __future__ import annotations
 
 import ssl
-import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -34,6 +33,7 @@ from gputopo.localcluster.controlplane import WEBHOOK_CLIENT_NAME, ControlPlane,
 from gputopo.localcluster.kube import KubeApiError, KubeClient
 from gputopo.localcluster.kubelet import RealKubelet
 from gputopo.localcluster.nodes import GpuNode, NodeAgents
+from gputopo.localcluster.pki import generate_serving_certificate
 from gputopo.model import EXTENDER_COMPONENT, SCHEDULER_NAME
 
 # GpuNode lives with the nodes and agents; callers import it from here, with the Stack it feeds.
@@ -169,35 +169,7 @@ class Stack(NodeAgents):
     def serving_cert(self, label: str = "tls") -> tuple[Path, Path, Path]:
         """A throwaway CA and a serving certificate for 127.0.0.1 (what the chart generates in-cluster),
         in a directory of their own per `label`: (ca.crt, tls.crt, tls.key)."""
-        d = self.dir / f"{self.extender_name}-{label}"
-        d.mkdir(exist_ok=True)
-        ca_key, ca, key, csr, crt = (d / n for n in ("ca.key", "ca.crt", "tls.key", "tls.csr", "tls.crt"))
-        ext = d / "san.cnf"
-        ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-        ca_args = ["-days", "2", "-subj", "/CN=gputopo-local-ca"]
-        for argv in (
-            ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, *ca_args],
-            ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=gputopo-extender"],
-            [
-                "x509",
-                "-req",
-                "-in",
-                csr,
-                "-CA",
-                ca,
-                "-CAkey",
-                ca_key,
-                "-CAcreateserial",
-                "-out",
-                crt,
-                "-days",
-                "2",
-                "-extfile",
-                ext,
-            ],
-        ):
-            subprocess.run(["openssl", *map(str, argv)], check=True, capture_output=True)
-        return ca, crt, key
+        return generate_serving_certificate(self.dir / f"{self.extender_name}-{label}", "gputopo-extender")
 
     def _pod(self, index: int) -> SchedulerPod:
         if index < len(self.pods):

@@ -210,3 +210,26 @@ def test_every_planned_slot_satisfies_its_members_selector(hosts: list[int], gpu
         assert not taken & {(a.node.name, g) for g in a.outcome.gpus}
         taken |= {(a.node.name, g) for g in a.outcome.gpus}
     assert sorted(a.stage for a in plan.assignments) == list(range(n))
+
+
+@pytest.mark.parametrize("selector", [(), (("gputopo.io/network-spine", "s1"),)])
+def test_one_selector_shared_by_every_member_plans_as_no_selector_does(selector: Selector) -> None:
+    """An Indexed Job whose template has a nodeSelector (every member the same one): ranks pair up on
+    nodes and fill the fullest switch first, exactly as without a selector, whatever the order of the
+    pods' names (train-10 sorts before train-2)."""
+    nodes = [node(f"h{i}", leaf=f"leaf-{'ab'[i % 2]}") for i in range(8)]  # names alternate between leaves
+    inferred = {"gputopo.io/group": "g", "gputopo.io/group-size": "16", "gputopo.io/spread": "none"}
+    members = {
+        f"train-{r}": MemberView(
+            f"train-{r}", parse_pod_request({**inferred, "gputopo.io/stage": str(r)}, 4), selector=selector
+        )
+        for r in range(16)
+    }
+    bare = {k: MemberView(k, m.request) for k, m in members.items()}
+    allowed = [n for n in nodes if selects(selector, n.name, n.labels)]
+    with_sel, without = replan("g", 16, "train-0", members, allowed), replan("g", 16, "train-0", bare, allowed)
+    assert slots(with_sel) == slots(without)
+    by_stage = {stage: host for host, _, stage in slots(with_sel).values()}
+    assert all(by_stage[2 * k] == by_stage[2 * k + 1] for k in range(8)), by_stage
+    leaf = {n.name: n.labels[LEAF] for n in nodes}
+    assert len({leaf[by_stage[r]] for r in range(8)}) == 1 and len({leaf[by_stage[r]] for r in range(8, 16)}) == 1
