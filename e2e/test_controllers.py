@@ -190,6 +190,28 @@ def test_controllers_jobset_exclusive_placement_puts_each_job_in_its_own_leaf(
     assert len({leaf[n] for n in bound.values()}) == 2
 
 
+def test_controllers_jobset_driver_and_workers_rank_across_replicated_jobs_in_spec_order(
+    controllers: Callable[..., None], kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
+) -> None:
+    controllers("jobset")
+    # A 4-GPU driver, then 2 Jobs of one 8-GPU worker: ranks 0 (driver), 1 and 2 (workers), one group.
+    added = nodes.add(*[GpuNode(f"rdw-{i}", "dgx-h100", labels=_fabric("spine-a", "leaf-1")) for i in range(3)])
+    js = _jobset("dw", namespace, test_id, replicas=2, pods=1, labels={})
+    js["spec"]["replicatedJobs"].insert(0, {"name": "driver", "replicas": 1, "template": _job_template(test_id, 4, 1)})
+    _post(kube, f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{namespace}/jobsets", js)
+    pods = wl.wait_pods(kube, namespace, f"{wl.JOBSET_NAME}=dw", 3, timeout=90)
+    ranks = _placed(kube, namespace, [p["metadata"]["name"] for p in pods], "jobset/dw")
+    assert set(ranks.values()) <= set(added)
+    for pod in pods:
+        name, labels = pod["metadata"]["name"], pod["metadata"]["labels"]
+        rank = int(labels[wl.JOB_GLOBAL_INDEX])  # one pod per Job: the Job's global index is the rank
+        assert kube.get_pod(namespace, name)["spec"]["nodeName"] == ranks[rank]
+        message = _sentence(kube, namespace, name, f"group jobset/dw, rank {rank} of 3, from JobSet labels")
+        assert f"stage {rank}/3" in message, message
+        gpus = parse_placement(kube.get_pod(namespace, name)["metadata"]["annotations"][PLACEMENT_ANNOTATION]).gpus
+        assert len(gpus) == (4 if labels[wl.REPLICATED_JOB] == "driver" else 8)
+
+
 # ---------------------------------------------------------------- LeaderWorkerSet
 
 
@@ -220,6 +242,36 @@ def test_controllers_lws_groups_are_each_their_own_gang_leader_first(
         assert ranks[0] == kube.get_pod(namespace, f"serve-{g}")["spec"]["nodeName"], "the leader is rank 0"
         assert len(set(ranks.values())) == 2 and len({leaf[n] for n in ranks.values()}) == 1
         _sentence(kube, namespace, f"serve-{g}", f"group lws/serve/{g}, rank 0 of 2, from LeaderWorkerSet labels")
+
+
+def test_controllers_lws_leader_without_gpus_is_placed_beside_its_workers(
+    controllers: Callable[..., None], kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
+) -> None:
+    controllers("lws")
+    added = nodes.add(*[GpuNode(f"rll-{i}", "dgx-h100", labels=_fabric("spine-a", f"leaf-{i % 2}")) for i in range(4)])
+    leaf = {n: i % 2 for i, n in enumerate(added)}
+    # A CPU-only leader (a router) and two 8-GPU workers per group.
+    lws = {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "metadata": {"name": "route", "namespace": namespace},
+        "spec": {
+            "replicas": 1,
+            "leaderWorkerTemplate": {
+                "size": 3,
+                "leaderTemplate": {"spec": _pod_spec(test_id, 0) | {"restartPolicy": "Always"}},
+                "workerTemplate": {"spec": _pod_spec(test_id, 8) | {"restartPolicy": "Always"}},
+            },
+        },
+    }
+    _post(kube, f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{namespace}/leaderworkersets", lws)
+    members = wl.wait_pods(kube, namespace, f"{wl.LWS_NAME}=route", 3, timeout=90)
+    ranks = _placed(kube, namespace, [p["metadata"]["name"] for p in members], "lws/route/0")
+    assert len({leaf[n] for n in ranks.values()}) == 1, "leader and workers under one leaf"
+    assert ranks[0] == ranks[1], "the GPU-less leader (rank 0) sits on its nearest GPU rank's node"
+    leader = parse_placement(kube.get_pod(namespace, "route-0")["metadata"]["annotations"][PLACEMENT_ANNOTATION])
+    assert (leader.stage, list(leader.gpus)) == (0, [])
+    _sentence(kube, namespace, "route-0", "group lws/route/0, rank 0 of 3, from LeaderWorkerSet labels")
 
 
 # ---------------------------------------------------------------- Kueue

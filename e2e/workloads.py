@@ -22,6 +22,7 @@ JSON = dict[str, Any]
 JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
 JOB_INDEX = "jobset.sigs.k8s.io/job-index"
 JOB_GLOBAL_INDEX = "jobset.sigs.k8s.io/job-global-index"
+REPLICATED_JOB = "jobset.sigs.k8s.io/replicatedjob-name"
 EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 
 # ---------------------------------------------------------------- keys LeaderWorkerSet v0.8.0 writes

@@ -1,0 +1,56 @@
+"""Free GPUs per fabric domain: how many GPUs are free under each switch of each tier (a leaf, a spine,
+an NVLink domain), over the nodes given. Pure: the engine's best fit above the node reads it to keep large
+empty domains whole for the next big gang ("fill the fullest domain that still fits").
+
+A node whose topology is missing, invalid or stale counts no free GPU (it takes no gputopo pod). A node
+with no label for a tier is a domain of its own at that tier (`?<node>`), as group packing counts it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from gputopo.engine.snapshot import NodeState
+from gputopo.tiers import DEFAULT_TIERS, TierConfig
+
+
+def domain_of(node: NodeState, tier: str) -> str:
+    """The node's switch at `tier`, or a domain of its own when no label names one."""
+    return node.location.get(tier) or f"?{node.name}"
+
+
+def free_gpus(node: NodeState) -> int:
+    """GPUs on the node that no pod holds and that have not failed; 0 for a node with a problem."""
+    return 0 if node.problem is not None else node.free_mask.bit_count()
+
+
+@dataclass(frozen=True)
+class DomainFree:
+    """Free GPUs per domain, per tier (tier -> domain -> free GPUs), and per node."""
+
+    by_tier: Mapping[str, Mapping[str, int]]
+    by_node: Mapping[str, int]
+
+    def of(self, node: NodeState, tier: str) -> int:
+        """Free GPUs in the node's domain at `tier` (0 for a tier not counted)."""
+        return self.by_tier.get(tier, {}).get(domain_of(node, tier), 0)
+
+    def path(self, node: NodeState, tiers: Iterable[str]) -> tuple[int, ...]:
+        """Free GPUs of the node's domains at `tiers`, in the order given (e.g. narrowest first)."""
+        return tuple(self.of(node, t) for t in tiers)
+
+
+def domain_free(nodes: Iterable[NodeState], tiers: TierConfig = DEFAULT_TIERS) -> DomainFree:
+    """Free GPUs per domain of every tier in `tiers` (network tiers and the NVLink domain), over `nodes`."""
+    names = tiers.names
+    by_tier: dict[str, dict[str, int]] = {t: {} for t in names}
+    by_node: dict[str, int] = {}
+    for node in nodes:
+        free = free_gpus(node)
+        by_node[node.name] = free
+        for t in names:
+            d = by_tier[t]
+            key = domain_of(node, t)
+            d[key] = d.get(key, 0) + free
+    return DomainFree(by_tier, by_node)

@@ -1,0 +1,39 @@
+"""Free GPUs per fabric domain: the figure best fit above the node reads."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from gputopo.engine.domains import domain_free, domain_of, free_gpus
+from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.systems import build_system
+
+
+def node(name: str, leaf: str | None, spine: str | None, in_use: Sequence[int] = ()) -> NodeState:
+    labels = {k: v for k, v in (("gputopo.io/network-leaf", leaf), ("gputopo.io/network-spine", spine)) if v}
+    return node_state(name, build_system("dgx-h100", name), labels=labels, in_use=frozenset(in_use))
+
+
+@pytest.mark.parametrize(
+    ("nodes", "tier", "expected"),
+    [
+        pytest.param([node("a", "l1", "s1"), node("b", "l1", "s1", [0, 1])], "leaf", [14, 14], id="a leaf sums"),
+        pytest.param([node("a", "l1", "s1"), node("b", "l2", "s1", range(8))], "spine", [8, 8], id="full node adds 0"),
+        pytest.param([node("a", "l1", "s1"), node("b", "l2", "s1", [0])], "leaf", [8, 7], id="two leaves apart"),
+        pytest.param([node("a", None, None, [3]), node("b", None, None)], "leaf", [7, 8], id="unlabelled: own domain"),
+    ],
+)
+def test_free_gpus_are_summed_per_domain_of_each_tier(nodes: list[NodeState], tier: str, expected: list[int]) -> None:
+    free = domain_free(nodes)
+    assert [free.of(n, tier) for n in nodes] == expected
+    assert free.by_node == {n.name: free_gpus(n) for n in nodes}
+    assert sum(free.by_tier[tier].values()) == sum(free.by_node.values())
+    assert {domain_of(n, tier) for n in nodes} == set(free.by_tier[tier])
+
+
+def test_a_node_with_a_problem_counts_no_free_gpu() -> None:
+    stale = node_state("x", None, labels={"gputopo.io/network-leaf": "l1"})
+    assert free_gpus(stale) == 0
+    assert domain_free([stale]).of(stale, "leaf") == 0
