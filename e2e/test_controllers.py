@@ -15,7 +15,14 @@ import pytest
 import workloads as wl
 
 from conftest import StackNodes, serve
-from gputopo.localcluster import TEST_LABEL, ControlPlane, ControlPlaneError, KubeClient, pod_manifest
+from gputopo.localcluster import (
+    TEST_LABEL,
+    ControlPlane,
+    ControlPlaneError,
+    KubeApiError,
+    KubeClient,
+    pod_manifest,
+)
 from gputopo.localcluster.controllermanifests import KUEUE_MANAGED_LABEL, KUEUE_MANAGED_VALUE, start_order
 from gputopo.localcluster.controllers import JobControllers, controllers_missing
 from gputopo.localcluster.stack import GpuNode, Stack
@@ -89,6 +96,23 @@ def _jobset(name: str, namespace: str, test_id: str, *, replicas: int, pods: int
 
 def _post(kube: KubeClient, path: str, obj: dict[str, Any]) -> Any:
     return kube.request("POST", path, obj)
+
+
+def _post_once_seen(kube: KubeClient, path: str, obj: dict[str, Any], timeout: float = 60) -> Any:
+    """POST ``obj`` once the controller's webhook has seen what it refers to: Trainer's validating
+    webhook reads the TrainingRuntime from its informer cache, which learns a runtime created a moment
+    earlier only a moment later ("must be created before the TrainJob is created")."""
+
+    def attempt() -> Any:
+        try:
+            return _post(kube, path, obj)
+        except KubeApiError as e:
+            if e.status == 403 and "must be created before" in str(e):
+                return None
+            raise
+
+    what = f"the webhook to admit {obj['kind']} {obj['metadata']['name']}"
+    return KubeClient._wait(attempt, timeout, what, lambda: "refused: what it names is not in its cache yet")
 
 
 def _fabric(spine: str, leaf: str) -> dict[str, str]:
@@ -536,7 +560,7 @@ def test_controllers_trainjob_with_the_torch_runtime_binds_its_nodes_as_one_grou
             "trainer": {"numNodes": 2, "resourcesPerNode": {"limits": {"nvidia.com/gpu": "8"}}},
         },
     }
-    _post(kube, f"/apis/trainer.kubeflow.org/v1alpha1/namespaces/{namespace}/trainjobs", trainjob)
+    _post_once_seen(kube, f"/apis/trainer.kubeflow.org/v1alpha1/namespaces/{namespace}/trainjobs", trainjob)
     names = [p["metadata"]["name"] for p in wl.wait_pods(kube, namespace, f"{wl.JOBSET_NAME}=tune", 2, timeout=90)]
     ranks = _placed(kube, namespace, names, "jobset/tune")
     assert len(set(ranks.values())) == 2
