@@ -59,4 +59,4 @@ def place_beside(
                 plan.group, f"group {plan.group}: no node beside stage {near} ({home.name}) takes {member.name}"
             )
     out.sort(key=lambda a: a.stage)
-    return GroupPlan(plan.group, tuple(out), switches_of(out, tiers), plan.rails, plan.alongside, plan.placed)
+    return GroupPlan(plan.group, tuple(out), switches_of(out, tiers), plan.rails, plan.alongside, plan.placed, plan.fit)

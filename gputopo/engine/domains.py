@@ -8,7 +8,8 @@ with no label for a tier is a domain of its own at that tier (`?<node>`), as gro
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import sys
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gputopo.engine.snapshot import NodeState
@@ -39,6 +40,34 @@ class DomainFree:
     def path(self, node: NodeState, tiers: Iterable[str]) -> tuple[int, ...]:
         """Free GPUs of the node's domains at `tiers`, in the order given (e.g. narrowest first)."""
         return tuple(self.of(node, t) for t in tiers)
+
+    def tie_key(self, node: NodeState, narrow: Sequence[str]) -> TieKey:
+        """Best fit above the node, the one order among nodes of equal engine score (`placement.rank`, the
+        extender's wire order): the node whose domains hold the fewest free GPUs, tier by tier from the
+        closest (`narrow`, see `narrow_first`), then its name. A fitting node's domains all have room for
+        the pod, so the fullest of them that still fits comes first and large empty domains stay whole."""
+        return (*self.path(node, narrow), node.name)
+
+
+TieKey = tuple[int | str, ...]  # free GPUs of the node's domains, closest tier first, then the node's name
+
+
+def narrow_first(tiers: TierConfig = DEFAULT_TIERS) -> tuple[str, ...]:
+    """The tiers closest first (NVLink domain, leaf, spine, ...): the order best fit compares them in."""
+    return tuple(reversed(tiers.names))
+
+
+class TieKeys(dict[str, TieKey]):
+    """Each known node's `DomainFree.tie_key`: a caller ranking thousands of names at one score reads one
+    C-level lookup per name. A node not known when the keys were taken comes after every known one."""
+
+    def __missing__(self, name: str) -> TieKey:
+        return (sys.maxsize, name)
+
+
+def tie_keys(nodes: Iterable[NodeState], free: DomainFree, narrow: Sequence[str]) -> TieKeys:
+    """`TieKeys` of `nodes`."""
+    return TieKeys((n.name, free.tie_key(n, narrow)) for n in nodes)
 
 
 def domain_free(nodes: Iterable[NodeState], tiers: TierConfig = DEFAULT_TIERS) -> DomainFree:

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from functools import partial
 
 from gputopo.engine.cost import format_bytes, format_ms
+from gputopo.engine.domains import DomainFree, domain_of, narrow_first
 from gputopo.engine.estimate import group_allreduce_seconds, member_estimate
-from gputopo.engine.groupplan import Assignment, GroupPlan
+from gputopo.engine.groupplan import Assignment, BestFit, GroupPlan
 from gputopo.engine.placement import NodeVerdict, Outcome
 from gputopo.engine.rails import RailAlignment, assess, rail_ranges, rails_of
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
@@ -72,20 +73,48 @@ _LOSS = {
 }
 
 
-def why_lost(winner: Outcome, runner: Outcome, weights: ScoreWeights = DEFAULT_WEIGHTS) -> str:
-    """The score component that cost the runner-up most, in words."""
+def why_lost(winner: Outcome, runner: Outcome, weights: ScoreWeights = DEFAULT_WEIGHTS, *, packing: str = "") -> str:
+    """The score component that cost the runner-up most, in words; at an equal score, `packing` (what best
+    fit above the node said, `packing_clause`) or else the name."""
     best_name, best_gap = "", 0.0
     for name, value in winner.components.items():
         gap = float(getattr(weights, name)) * (value - runner.components.get(name, 0.0))
         if gap > best_gap + 1e-9:
             best_name, best_gap = name, gap
     if not best_name:
-        return "scored the same; the first name wins"
+        return f"scored the same; {packing or 'the first name wins'}"
     if best_name == "pack" and runner.choice is not None and runner.choice.remaining_clique < runner.free_clique:
         return f"would split its free {runner.free_clique}-GPU clique"
     if best_name == "bandwidth" and winner.bandwidth and runner.bandwidth:
         return f"has weaker GPU links (NV{runner.bandwidth.min_links} vs NV{winner.bandwidth.min_links})"
     return _LOSS[best_name]
+
+
+def packing_clause(
+    node: NodeState, outcome: Outcome, runner: NodeVerdict | None, free: DomainFree, tiers: TierConfig = DEFAULT_TIERS
+) -> str:
+    """Why a lone pod's node beat a runner-up of the same engine score by best fit above the node
+    (`DomainFree.tie_key`), at the closest tier where their domains differ in free GPUs, e.g. 'leaf leaf-3 is
+    the fullest with room (2 free GPUs): keeps leaf leaf-1's 32 free GPUs whole'. "" when the scores differ
+    or only the name decided."""
+    if runner is None or runner.outcome.score != outcome.score:
+        return ""
+    for tier in narrow_first(tiers):
+        mine, theirs = free.of(node, tier), free.of(runner.node, tier)
+        if mine != theirs:
+            if mine > theirs:  # not the order rank gave: say nothing rather than a wrong reason
+                return ""
+            return (
+                f"{_domain_words(node, tier)} is the fullest with room ({mine} free GPUs): keeps "
+                f"{_domain_words(runner.node, tier)}'s {theirs} free GPUs whole"
+            )
+    return ""
+
+
+def _domain_words(node: NodeState, tier: str) -> str:
+    """'leaf leaf-3' (the switch's own name, not its path), or 'node gpu-7' where no label names one."""
+    domain = domain_of(node, tier)
+    return f"node {node.name}" if domain.startswith("?") else f"{tier} {domain.rsplit('/', 1)[-1]}"
 
 
 def score_pair(a: float, b: float) -> tuple[str, str]:
@@ -115,8 +144,10 @@ def placement_sentence(
     *,
     origin: str = "",
     at: NodeState | None = None,
+    packing: str = "",
 ) -> str:
-    """`origin`: where a group inferred from a controller's labels came from, e.g. 'group
+    """`packing`: why a lone pod's node beat a runner-up of the same score (`packing_clause`).
+    `origin`: where a group inferred from a controller's labels came from, e.g. 'group
     jobset/llama-pretrain, rank 5 of 16, from JobSet labels' (gputopo.model.InferredGroup.words).
     `at`: the member's node when it is not the planned one (a member without GPUs may be bound to
     another node under the same switch)."""
@@ -128,15 +159,16 @@ def placement_sentence(
             if origin:
                 parts.append(origin)
             parts.append(stage_clause(plan, a, at))
+            if plan.fit is not None:
+                parts.append(fit_clause(plan.fit))
             staged = True
             rails = rail_clause(plan, a, outcome) if outcome.gpus else ""  # no GPUs: no rails of its own
             if rails:
                 parts.append(rails)
     if runner is not None and not staged:  # a group member's node comes from the plan, not a race
         parts.append(
-            f"runner-up {runner.name} {why_lost(outcome, runner.outcome, weights)} (score {{}} vs {{}})".format(
-                *score_pair(runner.outcome.score, outcome.score)
-            )
+            f"runner-up {runner.name} {why_lost(outcome, runner.outcome, weights, packing=packing)}"
+            " (score {} vs {})".format(*score_pair(runner.outcome.score, outcome.score))
         )
     estimate = placement_estimate(outcome, runner, plan, member, tiers)
     if estimate is not None:
@@ -241,6 +273,15 @@ def stage_clause(plan: GroupPlan, a: Assignment, at: NodeState | None = None) ->
     if size == 1:
         return f"stage {a.stage}/{size}"
     return f"stage {a.stage}/{size} shares no switch with the other stages"
+
+
+def fit_clause(fit: BestFit) -> str:
+    """'leaf leaf-3 is the fullest with room for the group: keeps leaf leaf-1's 32 free GPUs whole'."""
+    here, runner = fit.domain.rsplit("/", 1)[-1], fit.runner.rsplit("/", 1)[-1]
+    return (
+        f"{fit.tier} {here} is the fullest with room for the group: "
+        f"keeps {fit.tier} {runner}'s {fit.runner_free} free GPUs whole"
+    )
 
 
 def _stages_under(plan: GroupPlan, tier: str) -> dict[str, list[int]]:

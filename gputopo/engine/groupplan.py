@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from functools import cached_property
+from typing import Any, Generic, Protocol, TypeVar
 
+from gputopo.engine.domains import DomainFree, domain_of
 from gputopo.engine.placement import Outcome
 from gputopo.engine.rails import NOT_APPLICABLE, RailAlignment
 from gputopo.engine.snapshot import NodeState
@@ -69,6 +71,18 @@ Before = tuple[tuple[tuple[NodeState, tuple[int, ...]], ...], tuple[Placed, ...]
 
 
 @dataclass(frozen=True)
+class BestFit:
+    """Why the group went to `domain` of `tier`: of the domains there that held it at equal packing cost,
+    the one with the fewest free GPUs (`free`); `runner`, the next fullest, keeps its `runner_free`."""
+
+    tier: str
+    domain: str
+    free: int
+    runner: str
+    runner_free: int
+
+
+@dataclass(frozen=True)
 class GroupPlan:
     group: str
     assignments: tuple[Assignment, ...]  # in stage order
@@ -78,6 +92,7 @@ class GroupPlan:
     # for rail alignment.
     alongside: tuple[tuple[NodeState, tuple[int, ...]], ...] = ()
     placed: tuple[Placed, ...] = ()  # members placed before this plan: the group is they and `assignments`
+    fit: BestFit | None = None  # the domain best fit chose, when it chose one among several that held the group
     # What every member's bind reads of the whole plan (its position, the group's all-reduce), derived
     # once: computed per bind, a 1,024-member group cost each bind O(members), the group O(members^2).
     _positions: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -153,3 +168,197 @@ def switches_of(assignments: Sequence[Assignment], tiers: TierConfig) -> dict[st
 
 def group_waiting_message(group: str, present: int, size: int) -> str:
     return f"group {group}: {present}/{size} pods exist, waiting"
+
+
+# Packing members above the node: one rule for both planners (one member per node, members sharing nodes).
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """What packing reads above the node. `free`: free GPUs per domain over the nodes planned over (best
+    fit); `fit`: the tiers best fit compares, the group's tightest constraint first, then outward;
+    `placed`: the nodes of members placed before (their domains are spanned already); `network`: the
+    network tiers, widest first; `best_fit=False` keeps the choice before best fit (names and scores)."""
+
+    free: DomainFree
+    fit: tuple[str, ...]
+    network: tuple[str, ...]
+    placed: tuple[NodeState, ...] = ()
+    best_fit: bool = True
+
+    @cached_property
+    def _seated(self) -> dict[str, set[str]]:
+        return {t: {domain_of(p, t) for p in self.placed} for t in self.network}
+
+    def holds(self, tier: str, domain: str) -> bool:
+        """Whether a member placed before sits in `domain` of `tier`."""
+        return domain in self._seated.get(tier, ())
+
+    def within(self, tier: str, domain: str) -> bool:
+        """Whether every member placed before sits in `domain` (so the domain can hold the whole group)."""
+        return self._seated.get(tier, set()) <= {domain}
+
+    def wider(self, tier: str, order: Sequence[str]) -> list[str]:
+        """The network tiers wider than `tier` still to pack (in `order`), narrowest first: where a
+        preferred tier that no domain meets falls back to."""
+        if tier not in self.network:
+            return []
+        return [t for t in reversed(self.network[: self.network.index(tier)]) if t in order]
+
+    def spent(self, nodes: Iterable[NodeState]) -> tuple[int, ...]:
+        """Best fit's measure of a choice: tier by tier in `fit` order, the free GPUs of the one domain it
+        lies in (with the placed members), 0 where it spans several. Choices of equal packing cost span
+        one domain at the same tiers, so the least is the fullest enclosing domain that holds the group."""
+        if not self.best_fit:
+            return ()
+        chosen = [*nodes, *self.placed]
+        out = []
+        for t in self.fit:
+            spanned = {domain_of(x, t) for x in chosen}
+            out.append(self.free.by_tier[t].get(spanned.pop(), 0) if len(spanned) == 1 else 0)
+        return tuple(out)
+
+
+def fit_tiers(tiers: TierConfig, constraint: str | None) -> tuple[str, ...]:
+    """The network tiers best fit compares, the group's tightest constraint (its required or preferred
+    tier, else the narrowest network tier) first, then the wider ones outward, then the narrower ones."""
+    net = list(tiers.network_tiers())
+    if not net:
+        return ()
+    at = net.index(constraint) if constraint in net else len(net) - 1
+    return (*reversed(net[: at + 1]), *net[at + 1 :])
+
+
+class _Packable(Protocol):
+    @property
+    def node(self) -> NodeState: ...
+
+
+P = TypeVar("P", bound=_Packable)
+
+
+@dataclass(frozen=True)
+class Packing(Generic[P]):
+    """How one planner's items pack: `room` (members the items hold between them), `score` (one item's),
+    `base` (n members on items when no tier is left), `nodes_count` (fewer nodes is packing too)."""
+
+    fabric: Fabric
+    order: tuple[str, ...]  # the tiers packed, in packing order (pack_order)
+    room: Callable[[Sequence[P]], int]
+    score: Callable[[P], float]
+    base: Callable[[Sequence[P], int], list[P]]
+    nodes_count: bool = False
+
+    def cost(self, chosen: Sequence[P]) -> tuple[int, ...]:
+        """Switches spanned per tier in packing order (with the placed members'), then nodes where counted."""
+        nodes = [c.node for c in chosen]
+        spans = [len({domain_of(x, t) for x in (*nodes, *self.fabric.placed)}) for t in self.order]
+        return (*spans, len(chosen)) if self.nodes_count else tuple(spans)
+
+    def best(self, options: Iterable[list[P]]) -> list[P]:
+        """Fewest switches; then best fit (the fullest domains that hold the group); then scores, names."""
+        return min(
+            options,
+            key=lambda c: (
+                self.cost(c),
+                self.fabric.spent(c.node for c in c),
+                -sum(self.score(x) for x in c),
+                # Node names as ranked (one member per node) or sorted (shared nodes): each planner's order.
+                sorted(x.node.name for x in c) if self.nodes_count else [x.node.name for x in c],
+            ),
+        )
+
+    def note(self, items: Sequence[P], chosen: Sequence[P], n: int) -> BestFit | None:
+        """The best-fit choice `chosen` made, at the first tier (in `fit` order) where it lies in one domain
+        and another domain held the group too; None when best fit chose nothing there (one domain held
+        it, or the chosen domain is no fuller than the next: packing cost, scores or names decided)."""
+        fab = self.fabric
+        if not fab.best_fit:
+            return None
+        nodes = [*(c.node for c in chosen), *fab.placed]
+        for tier in fab.fit:
+            spanned = {domain_of(x, tier) for x in nodes}
+            if len(spanned) != 1:
+                continue
+            (domain,) = spanned
+            free = fab.free.by_tier.get(tier, {})
+            others = [
+                k
+                for k, b in _buckets(items, tier).items()
+                if k != domain and self.room(b) >= n and fab.within(tier, k) and not k.startswith("?")
+            ]
+            if not others:
+                continue
+            runner = min(others, key=lambda k: (free.get(k, 0), k))
+            if domain.startswith("?") or free.get(domain, 0) >= free.get(runner, 0):
+                return None
+            return BestFit(tier, domain, free.get(domain, 0), runner, free.get(runner, 0))
+        return None
+
+    def cover(self, items: Sequence[P], n: int, order: Sequence[str]) -> list[P]:
+        """Items for n members under as few switches as possible, tier by tier in `order`."""
+        if not order:
+            return self.base(items, n)
+        tier, rest = order[0], order[1:]
+        buckets = _buckets(items, tier)
+        whole = [b for k, b in buckets.items() if self.room(b) >= n and self.fabric.within(tier, k)]
+        if whole:
+            return self.best(self.cover(b, n, rest) for b in whole)
+        for wider in self.fabric.wider(tier, rest) if self.fabric.best_fit else ():
+            # No domain of the preferred tier holds the group: the smallest domain of the next wider tier
+            # that does, split over the fewest domains below it.
+            outer = _buckets(items, wider)
+            fits = [b for k, b in outer.items() if self.room(b) >= n and self.fabric.within(wider, k)]
+            if fits:
+                return self.best(self.fill(b, n, tier, rest) for b in fits)
+        return self.fill(items, n, tier, rest)
+
+    def fill(self, items: Sequence[P], n: int, tier: str, rest: Sequence[str]) -> list[P]:
+        """n members over as few domains of `tier` as hold them: those holding placed members first (spanned
+        already), then the roomiest; the last part goes to the fullest domain that holds it (best fit)."""
+        buckets = _buckets(items, tier)
+        pool = sorted(
+            buckets.items(),
+            key=lambda kv: (
+                not self.fabric.holds(tier, kv[0]),
+                -min(n, self.room(kv[1])),
+                -sum(self.score(x) for x in kv[1]),
+                kv[0],
+            ),
+        )
+        picked: list[P] = []
+        need = n
+        for i, (key, bucket) in enumerate(pool):
+            if need <= 0:
+                break
+            room = self.room(bucket)
+            if self.fabric.best_fit and room >= need and not self.fabric.holds(tier, key):
+                tail = [kv for kv in pool[i:] if self.room(kv[1]) >= need]
+                return picked + self._tail(picked, tail, need, tier, rest)
+            picked.extend(bucket if room <= need else self.cover(bucket, need, rest))
+            need -= room
+        return picked
+
+    def _tail(
+        self, picked: Sequence[P], tail: Sequence[tuple[str, list[P]]], need: int, tier: str, rest: Sequence[str]
+    ) -> list[P]:
+        """The last `need` members, in one of the `tail` domains of `tier` (each holds them): the one that
+        adds the fewest switches to `picked`, then the fullest (best fit), then the first in pool order."""
+        base = {t: {domain_of(x, t) for x in (*(p.node for p in picked), *self.fabric.placed)} for t in self.order}
+        free = self.fabric.free.by_tier.get(tier, {})
+        best: tuple[tuple[object, ...], list[P]] | None = None
+        for i, (key, bucket) in enumerate(tail):
+            part = self.cover(bucket, need, rest)
+            spans = tuple(len(base[t]) + len({domain_of(x.node, t) for x in part} - base[t]) for t in self.order)
+            rank = (spans, free.get(key, 0), i)
+            if best is None or rank < best[0]:
+                best = (rank, part)
+        assert best is not None  # the caller passes at least one domain
+        return best[1]
+
+
+def _buckets(items: Iterable[P], tier: str) -> dict[str, list[P]]:
+    out: dict[str, list[P]] = {}
+    for x in items:
+        out.setdefault(domain_of(x.node, tier), []).append(x)
+    return out

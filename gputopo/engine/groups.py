@@ -20,16 +20,20 @@ from collections.abc import Mapping, Sequence
 
 from gputopo.engine.beside import place_beside
 from gputopo.engine.cliques import bits, mask_of
+from gputopo.engine.domains import domain_free
 from gputopo.engine.gpusets import RailOption, rail_options
 from gputopo.engine.groupplan import (
     Assignment,
     Before,
+    Fabric,
     GroupFailure,
     GroupPlan,
     Member,
+    Packing,
     Placed,
     alongside_of,
     assign_stages,
+    fit_tiers,
     pack_order,
     requirement_words,
     switches_of,
@@ -44,35 +48,10 @@ from gputopo.model import PodRequest, Spread
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 
-def _cost(chosen: Sequence[NodeVerdict], order: Sequence[str]) -> tuple[float, ...]:
-    counts = []
-    for tier in order:
-        ids = {v.node.location.get(tier) or f"?{v.name}" for v in chosen}
-        counts.append(float(len(ids)))
-    return (*counts, -sum(v.outcome.score for v in chosen))
-
-
-def _pack(cands: list[NodeVerdict], n: int, order: Sequence[str]) -> list[NodeVerdict]:
-    """Pick n nodes spanning as few switches as possible, tier by tier, best scores within a switch."""
-    if not order:
-        return cands[:n]
-    tier, rest = order[0], order[1:]
-    buckets: dict[str, list[NodeVerdict]] = {}
-    for v in cands:
-        buckets.setdefault(v.node.location.get(tier) or f"?{v.name}", []).append(v)
-    whole = [b for b in buckets.values() if len(b) >= n]
-    if whole:
-        options = [_pack(b, n, rest) for b in whole]
-        return min(options, key=lambda c: (_cost(c, order), [v.name for v in c]))
-    # No single switch holds the group: fill the fullest switches first (fewest switches overall).
-    ordered = sorted(buckets.items(), key=lambda kv: (-len(kv[1]), -sum(v.outcome.score for v in kv[1]), kv[0]))
-    picked: list[NodeVerdict] = []
-    for _, bucket in ordered:
-        need = n - len(picked)
-        if need <= 0:
-            break
-        picked.extend(bucket if len(bucket) <= need else _pack(bucket, need, rest))
-    return picked
+def _packing(lead: PodRequest, tiers: TierConfig, fabric: Fabric) -> Packing[NodeVerdict]:
+    """One member per node: a node holds one member; with no tier left, the best-ranked nodes."""
+    order = tuple(pack_order(tiers, lead.preferred_tier))
+    return Packing(fabric, order, len, lambda v: v.outcome.score, lambda cands, n: list(cands[:n]))
 
 
 def _stage_order(chosen: Sequence[NodeVerdict], tiers: TierConfig) -> list[NodeVerdict]:
@@ -91,6 +70,7 @@ def plan_group(
     alongside: Sequence[tuple[NodeState, Sequence[int]]] = (),
     placed: Sequence[Placed] = (),
     align_rails: bool = True,
+    best_fit: bool = True,
 ) -> GroupPlan | GroupFailure:
     """Place every member or none. Members carry their own GPU counts; group-level settings (network,
     tiers, spread) come from the first member, as all members of one job share them.
@@ -99,6 +79,8 @@ def plan_group(
     `placed`: members placed already (a re-plan's pinned ones): the group is they and `members`, their
     stages (where known) are taken, and their GPUs count as `alongside`'s.
     `align_rails=False` keeps each node's own GPU choice (the figures before rail alignment).
+    `best_fit=False` chooses among domains as before best fit (scores and names; gputopo.engine.groupplan
+    `Fabric`), for comparison.
 
     Members that ask for no GPUs (a job's driver, a leader) take their stage but neither a GPU nor a
     node of their own: the others are planned as if they were not there, then each goes beside its
@@ -119,10 +101,18 @@ def plan_group(
     holders = [(s, m) for s, m in staged if m.request.gpus > 0]
     if not holders or len(holders) == len(staged):
         holders = staged
-    if members[0].request.spread is Spread.NONE:
-        plan = plan_packed(group, holders, nodes, tiers, weights, before)
+    lead = members[0].request
+    fabric = Fabric(
+        domain_free(nodes, tiers),
+        fit_tiers(tiers, lead.required_tier or lead.preferred_tier),
+        tiers.network_tiers(),
+        tuple(p.node for p in held if p.node is not None),
+        best_fit,
+    )
+    if lead.spread is Spread.NONE:
+        plan = plan_packed(group, holders, nodes, tiers, weights, before, fabric)
     else:
-        plan = _plan_spread(group, members[0].request, holders, nodes, tiers, weights, before, align_rails)
+        plan = _plan_spread(group, lead, holders, nodes, tiers, weights, before, align_rails, fabric)
     if isinstance(plan, GroupFailure) or len(holders) == len(staged):
         return plan
     return place_beside(plan, [(s, m) for s, m in staged if m.request.gpus == 0], nodes, tiers, weights)
@@ -137,6 +127,7 @@ def _plan_spread(
     weights: ScoreWeights,
     before: Before,
     align_rails: bool,
+    fabric: Fabric,
 ) -> GroupPlan | GroupFailure:
     """`spread: node`: one member per node, each on its own clique."""
     n = len(staged)
@@ -159,7 +150,8 @@ def _plan_spread(
         return GroupFailure(
             group, f"group needs {n} nodes with {requirement_words(demanding)}; {len(feasible)} have it"
         )
-    chosen = _select(feasible, n, lead, tiers)
+    pack = _packing(lead, tiers, fabric)
+    chosen = _select(feasible, n, lead, pack)
     assert chosen is not None  # enough nodes, under one switch of the required tier where one is named
 
     def assemble(chosen: Sequence[NodeVerdict]) -> GroupPlan:
@@ -173,7 +165,8 @@ def _plan_spread(
             assignments, rails = _align_rails(assignments, requests, fixed, weights)
         else:
             rails = assess([*((a.node, a.outcome.gpus) for a in assignments), *fixed])
-        return GroupPlan(group, tuple(assignments), switches_of(assignments, tiers), rails, fixed, held)
+        fit = pack.note(feasible, chosen, n)
+        return GroupPlan(group, tuple(assignments), switches_of(assignments, tiers), rails, fixed, held, fit)
 
     plan = assemble(chosen)
     unstaged = demanding.model_copy(update={"stage": None})
@@ -181,7 +174,7 @@ def _plan_spread(
     if align_rails and not plan.rails.aligned and alike:
         # No common rails on these nodes: other nodes that offer one rail set may do, as long as the
         # group spans no more switches than it does now.
-        other = _rail_nodes(feasible, chosen, n, lead, tiers, demanding.gpus, fixed)
+        other = _rail_nodes(feasible, chosen, n, lead, pack, demanding.gpus, fixed)
         if other is not None:
             retry = assemble(other)
             if retry.rails.aligned:
@@ -189,15 +182,16 @@ def _plan_spread(
     return plan
 
 
-def _select(feasible: list[NodeVerdict], n: int, lead: PodRequest, tiers: TierConfig) -> list[NodeVerdict] | None:
+def _select(
+    feasible: list[NodeVerdict], n: int, lead: PodRequest, pack: Packing[NodeVerdict]
+) -> list[NodeVerdict] | None:
     """The n nodes for a spread-node group among `feasible` (ranked), or None when there are too few."""
-    order = pack_order(tiers, lead.preferred_tier)
     required = lead.required_tier
     if not required:
-        return _pack(feasible, n, order) if len(feasible) >= n else None
+        return pack.cover(feasible, n, pack.order) if len(feasible) >= n else None
     domains = under_switches(feasible, required)
-    options = [_pack(d, n, order) for d in domains.values() if len(d) >= n]
-    return min(options, key=lambda c: (_cost(c, order), [v.name for v in c])) if options else None
+    options = [pack.cover(d, n, pack.order) for d in domains.values() if len(d) >= n]
+    return pack.best(options) if options else None
 
 
 # Rail sets tried when re-choosing a group's nodes for common rails: the ones most nodes offer.
@@ -223,15 +217,14 @@ def _rail_nodes(
     chosen: Sequence[NodeVerdict],
     n: int,
     lead: PodRequest,
-    tiers: TierConfig,
+    pack: Packing[NodeVerdict],
     k: int,
     fixed: Sequence[tuple[NodeState, tuple[int, ...]]],
 ) -> list[NodeVerdict] | None:
     """Nodes on which every member can have one common rail set, spanning as many switches per tier as
     `chosen` does (rails never spread a group wider); the best node scores among them, then the lowest
     rails. None when no rail set tried gives that."""
-    order = pack_order(tiers, lead.preferred_tier)
-    span = _cost(chosen, order)[:-1]
+    span = pack.cost(chosen)
     offers = [_offers(v, k) for v in feasible]
     wild = sum(1 for o in offers if o is None)
     counts: dict[int, int] = {}
@@ -244,8 +237,8 @@ def _rail_nodes(
     best: tuple[tuple[float, list[str]], list[NodeVerdict]] | None = None
     for r in tries[:RAIL_NODE_TRIES]:
         pool = [v for v, o in zip(feasible, offers, strict=True) if o is None or r in o]
-        picked = _select(pool, n, lead, tiers)
-        if picked is None or _cost(picked, order)[:-1] != span:
+        picked = _select(pool, n, lead, pack)
+        if picked is None or pack.cost(picked) != span:
             continue
         key = (-sum(v.outcome.score for v in picked), sorted(v.name for v in picked))
         if best is None or key < best[0]:

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 from gputopo.engine.groupplan import (
     Assignment,
     Before,
+    Fabric,
     GroupFailure,
     GroupPlan,
     Member,
+    Packing,
     pack_order,
     requirement_words,
     switches_of,
@@ -33,7 +36,8 @@ def plan_packed(
     nodes: Sequence[NodeState],
     tiers: TierConfig,
     weights: ScoreWeights,
-    before: Before = ((), ()),
+    before: Before,
+    fabric: Fabric,
 ) -> GroupPlan | GroupFailure:
     """`spread: none`: members may share a node. The tiers hold as for `spread: node`: `required-tier`
     keeps every member under one switch of that tier or places none; otherwise members go under as few
@@ -51,23 +55,23 @@ def plan_packed(
         cap, score = memo[node.key]
         if cap > 0:
             holds.append(_Holds(node, cap, score))
-    order = pack_order(tiers, lead.preferred_tier)
+    pack = Packing(fabric, tuple(pack_order(tiers, lead.preferred_tier)), _members, _score, _fewest_nodes, True)
     words = requirement_words(demanding)
     required = lead.required_tier
     if required:
         domains = under_switches(holds, required)
-        options = [_cover(d, n, order) for d in domains.values() if _room(d, n) >= n]
+        options = [pack.cover(d, n, pack.order) for d in domains.values() if _room(d, n) >= n]
         if not options:
             best = max((_room(d, n) for d in domains.values()), default=0)
             return GroupFailure(
                 group,
                 f"group needs room for {n} members with {words} under one {required}; best {required} holds {best}",
             )
-        chosen = min(options, key=lambda c: _packed_cost(c, order))
+        chosen = pack.best(options)
     else:
         if _room(holds, n) < n:
             return GroupFailure(group, f"group needs room for {n} members with {words}; {_room(holds, n)} fit")
-        chosen = _cover(holds, n, order)
+        chosen = pack.cover(holds, n, pack.order)
     # Each node's share: the roomiest (chosen first) full, the last the rest. Stages then fill the nodes
     # in fabric order, one node's share before the next, so consecutive stages share the nearest switch.
     share: dict[str, int] = {}
@@ -80,10 +84,13 @@ def plan_packed(
     current = [h.node for h in path]
     want = [share[h.node.name] for h in path]
     assignments: list[Assignment] = []
+    first = 0  # the nodes before it have no share left (shares only shrink): not scanned again per member
     for stage, member in staged:
         # The first node with share left; failing that (members of different sizes: the room counted
         # for the largest did not hold) any chosen node that still fits this member.
-        tries = [j for j in range(len(current)) if want[j] > 0] + list(range(len(current)))
+        while first < len(current) and want[first] <= 0:
+            first += 1
+        tries = chain((j for j in range(first, len(current)) if want[j] > 0), range(len(current)))
         for j in tries:
             outcome = evaluate_node(current[j], member.request, weights)
             if outcome.fits:
@@ -95,7 +102,8 @@ def plan_packed(
             return GroupFailure(group, f"group needs room for {n} members with {words}; {len(assignments)} fit")
     fixed, held = before
     rails = assess([*((a.node, a.outcome.gpus) for a in assignments), *fixed])
-    return GroupPlan(group, tuple(assignments), switches_of(assignments, tiers), rails, fixed, held)
+    fit = pack.note(holds, chosen, n)
+    return GroupPlan(group, tuple(assignments), switches_of(assignments, tiers), rails, fixed, held, fit)
 
 
 @dataclass(frozen=True)
@@ -130,35 +138,12 @@ def _room(holds: Sequence[_Holds], n: int) -> int:
     return min(n, sum(h.members for h in holds))
 
 
-def _packed_cost(chosen: Sequence[_Holds], order: Sequence[str]) -> tuple[object, ...]:
-    """Switches per tier (in packing order), then nodes, then the best scores, then names."""
-    counts = [len({h.node.location.get(t) or f"?{h.node.name}" for h in chosen}) for t in order]
-    return (*counts, len(chosen), -sum(h.score for h in chosen), sorted(h.node.name for h in chosen))
+def _members(holds: Sequence[_Holds]) -> int:
+    return sum(h.members for h in holds)
 
 
-def _cover(cands: Sequence[_Holds], n: int, order: Sequence[str]) -> list[_Holds]:
-    """Nodes that hold n members between them, under as few switches as possible tier by tier, then
-    as few nodes as possible. The caller has checked that `cands` hold n."""
-    if not order:
-        return _fewest_nodes(cands, n)
-    tier, rest = order[0], order[1:]
-    buckets: dict[str, list[_Holds]] = {}
-    for h in cands:
-        buckets.setdefault(h.node.location.get(tier) or f"?{h.node.name}", []).append(h)
-    whole = [b for b in buckets.values() if _room(b, n) >= n]
-    if whole:
-        return min((_cover(b, n, rest) for b in whole), key=lambda c: _packed_cost(c, order))
-    # No single switch holds the group: fill the roomiest switches first (fewest switches overall).
-    ordered = sorted(buckets.items(), key=lambda kv: (-_room(kv[1], n), -sum(h.score for h in kv[1]), kv[0]))
-    picked: list[_Holds] = []
-    need = n
-    for _, bucket in ordered:
-        if need <= 0:
-            break
-        room = _room(bucket, n)
-        picked.extend(bucket if room <= need else _cover(bucket, need, rest))
-        need -= room
-    return picked
+def _score(h: _Holds) -> float:
+    return h.score
 
 
 def _fewest_nodes(cands: Sequence[_Holds], n: int) -> list[_Holds]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from gputopo.engine.cliques import bits, mask_of, popcount
 from gputopo.engine.cost import REFERENCE_BUSBW_GBPS, Estimate, SetBandwidth, intra_node_bandwidth, tp_estimate
+from gputopo.engine.domains import DomainFree, narrow_first
 from gputopo.engine.gpusets import (
     GpuChoice,
     Kind,
@@ -20,6 +21,7 @@ from gputopo.engine.reasons import Code, Reason, code_for, message
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.snapshot import NodeState
 from gputopo.model import NetworkKind, NvlinkPolicy, PodRequest, format_mib
+from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 # A pod that names no HBM minimum is steered gently off GPUs with more than this, keeping large-HBM
 # GPUs (H200, B200) free for the pods that need them.
@@ -277,10 +279,18 @@ def evaluate_pod(
     return out
 
 
-def rank(verdicts: Sequence[NodeVerdict]) -> list[NodeVerdict]:
-    """Feasible verdicts best first; ties broken by node name so every run decides the same."""
+def rank(
+    verdicts: Sequence[NodeVerdict], fabric: DomainFree | None = None, tiers: TierConfig = DEFAULT_TIERS
+) -> list[NodeVerdict]:
+    """Feasible verdicts best first. Equal scores: with `fabric` (free GPUs per domain over every node
+    known) best fit above the node (`DomainFree.tie_key`: the fullest domains with room, then the name),
+    as the extender ranks on the wire; without it by name. Either way every run decides the same."""
     ok = Code.SUCCESS
-    return sorted((v for v in verdicts if v.outcome.code is ok), key=lambda v: (-v.outcome.score, v.node.name))
+    feasible = (v for v in verdicts if v.outcome.code is ok)
+    if fabric is None:
+        return sorted(feasible, key=lambda v: (-v.outcome.score, v.node.name))
+    narrow = narrow_first(tiers)
+    return sorted(feasible, key=lambda v: (-v.outcome.score, fabric.tie_key(v.node, narrow)))
 
 
 def fail_invalid(nodes: Iterable[NodeState], text: str) -> list[NodeVerdict]:

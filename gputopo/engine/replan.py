@@ -73,10 +73,9 @@ def replan(
 
     `members` must hold `me` with its request. Fewer members than `size` wait; more fail. `nodes` are
     the asking pod's candidates; `extra`, nodes beyond them that other members' selectors name."""
-    if len(members) < size:
-        return GroupWaiting(group, group_waiting_message(group, len(members), size))
-    if len(members) > size:
-        return GroupFailure(group, f"group {group}: {len(members)}/{size} pods exist, more than gputopo.io/group-size")
+    miscounted = counted(group, len(members), size)
+    if miscounted is not None:
+        return miscounted
     lead = members[me].request
     assert lead is not None, "the asking member's request parsed"
     pinned = {n: m for n, m in sorted(members.items()) if n != me and m.node}
@@ -111,6 +110,15 @@ def replan(
         assert m.node is not None
         slots[name] = Slot(name, m.node, m.gpus, m.stage, True)
     return Replan(slots, plan)
+
+
+def counted(group: str, present: int, size: int) -> GroupWaiting | GroupFailure | None:
+    """Fewer members than `size` wait; more fail; None when they are as many."""
+    if present < size:
+        return GroupWaiting(group, group_waiting_message(group, present, size))
+    if present > size:
+        return GroupFailure(group, f"group {group}: {present}/{size} pods exist, more than gputopo.io/group-size")
+    return None
 
 
 def _stage(m: MemberView) -> int | None:

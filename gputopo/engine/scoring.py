@@ -67,7 +67,12 @@ def grade(score: float) -> int:
     return max(0, min(MAX_EXTENDER_SCORE, round(score * 10)))
 
 
-def wire_scores(names: Sequence[str], kinds: Sequence[K], scores: Mapping[K, float]) -> list[int]:
+def wire_scores(
+    names: Sequence[str],
+    kinds: Sequence[K],
+    scores: Mapping[K, float],
+    order: Mapping[str, tuple[int | str, ...]] | None = None,
+) -> list[int]:
     """The one place internal scores become kube-scheduler's extender scores, per request: the engine's
     order of the request's fitting nodes (`placement.rank`: score, then name) as ranks, the first node
     10, the second 9, down to the tenth 1; every other node 0.
@@ -77,11 +82,17 @@ def wire_scores(names: Sequence[str], kinds: Sequence[K], scores: Mapping[K, flo
     best levels. Rank, not magnitude: kube-scheduler adds `score x 10 x weight` to its plugins' sum and
     binds to the highest total, so only the order can carry the engine's choice, and 11 absolute steps
     put 0.71 and 0.74 on the same 7. Ties go by name, as the simulator breaks them: what `gputopo
-    simulate` decides is what kube-scheduler does, not its random pick among equals."""
+    simulate` decides is what kube-scheduler does, not its random pick among equals.
+
+    `order`: each node's key in best fit above the node (`domains.TieKeys`: `DomainFree.tie_key`, the
+    fullest domains with room first, then the name), which breaks ties instead of the name alone, as
+    `placement.rank` does when given the same free GPUs per domain."""
     top: dict[str, int] = {}
+    key = None if order is None else order.__getitem__
     for level in sorted({s for s in scores.values() if s == s}, reverse=True):
         at = {k for k, s in scores.items() if s == level}
-        for name in heapq.nsmallest(MAX_EXTENDER_SCORE - len(top), compress(names, map(at.__contains__, kinds))):
+        fitting = compress(names, map(at.__contains__, kinds))
+        for name in heapq.nsmallest(MAX_EXTENDER_SCORE - len(top), fitting, key=key):
             top[name] = MAX_EXTENDER_SCORE - len(top)
         if len(top) >= MAX_EXTENDER_SCORE:
             break

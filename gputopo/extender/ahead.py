@@ -13,22 +13,25 @@ extender keep between the two calls lives here, in one place:
   as prioritize ranks them), handed out once by `take` when the prioritize that arrives is the one it
   was computed for and none of its nodes changed since.
 
-The ledger is only read: its generation, its clock and which nodes changed kind since a generation
-(`Ledger.unchanged_since`).
+The ledger is only read: its generation, its clock, which nodes changed kind since a generation
+(`Ledger.unchanged_since`) and its figures for best fit above the node (`Ledger.fabric`: equal scores
+are ranked by them, as of the prepare; another node's change since moves no prepared answer).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import orjson
 
+from gputopo.engine.domains import TieKey
 from gputopo.engine.placement import Outcome
 from gputopo.engine.reasons import Code
 from gputopo.engine.scoring import wire_scores
+from gputopo.extender.fabric import FabricFigures
 from gputopo.extender.ledger import Kinds
 from gputopo.extender.wire import PodInfo
 from gputopo.model import AnnotationError, PodRequest, is_gputopo_pod, parse_pod_request
@@ -43,6 +46,9 @@ class ChangeLog(Protocol):
 
     @property
     def tier_names(self) -> tuple[str, ...]: ...
+
+    @property
+    def fabric(self) -> FabricFigures: ...
 
     def clock(self) -> float: ...
 
@@ -76,10 +82,13 @@ Decode = Callable[[bytes], tuple[PodInfo, list[str]] | None]  # a prioritize bod
 _NODE_NAMES = b',"NodeNames":'
 
 
-def ranked(names: Sequence[str], outcomes: list[Outcome], kinds: Kinds | None) -> list[int]:
+def ranked(
+    names: Sequence[str], outcomes: list[Outcome], kinds: Kinds | None, order: Mapping[str, TieKey] | None = None
+) -> list[int]:
     """The wire scores (0..10) prioritize gives `names` from their evaluated outcomes. Outcomes are shared
     between equivalent nodes: one engine score per kind, ranked over the fitting nodes (`wire_scores`
-    reads names only at the best levels)."""
+    reads names only at the best levels), equal scores by `order` (the ledger's `fabric` keys: best fit
+    above the node; None: by name)."""
     scores: dict[int, float]  # kind -> engine score, fitting kinds only
     ids: list[int]
     if kinds is not None:  # the ledger's kinds: ints, and which of them fit
@@ -90,7 +99,7 @@ def ranked(names: Sequence[str], outcomes: list[Outcome], kinds: Kinds | None) -
         ids = list(map(id, outcomes))
         distinct = dict(zip(ids, outcomes, strict=True))
         scores = {k: o.score for k, o in distinct.items() if o.code is Code.SUCCESS}
-    return wire_scores(names, ids, scores)
+    return wire_scores(names, ids, scores, order)
 
 
 def prioritize_body(filter_body: bytes, names: list[str], passed: list[str]) -> bytes | None:
@@ -177,7 +186,8 @@ class Ahead:
         passed, outcomes, kinds = fresh.passed
         try:
             expect = prioritize_body(fresh.raw, fresh.names, passed)
-            self._prepared = _Prepared(fresh, expect, encode(passed, ranked(passed, outcomes, kinds)))
+            order = self._ledger.fabric.now().order
+            self._prepared = _Prepared(fresh, expect, encode(passed, ranked(passed, outcomes, kinds, order)))
         except Exception:  # prioritize itself then answers (and logs) when it is asked
             log.debug("prioritize ahead failed", exc_info=True)
 

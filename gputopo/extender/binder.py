@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 
 from gputopo.engine.cliques import mask_of
-from gputopo.engine.explain import placement_estimate, placement_sentence, why_lost
+from gputopo.engine.explain import packing_clause, placement_estimate, placement_sentence, why_lost
 from gputopo.engine.placement import NodeVerdict, Outcome, evaluate_node, outcome_on
 from gputopo.engine.scoring import grade
 from gputopo.extender.events import EventPoster
@@ -173,12 +173,13 @@ class Binder:
                 outcome = planned
         runner = self._runner_up(node, req)
         plan = res.plan if res is not None else None
+        fill = packing_clause(state, outcome, runner, ledger.fabric.now().free, ledger.tiers) if plan is None else ""
         rec = ledger.pods.get(info.uid) if info.uid else None
         inferred = rec.inferred if rec is not None else None
         origin = inferred.words() if inferred is not None and inferred.group == req.group else ""
         # `at`: a member without GPUs may be bound beside its planned node, under the same switch.
         sentence = placement_sentence(
-            node, outcome, runner, plan, info.name, ledger.weights, ledger.tiers, origin=origin, at=state
+            node, outcome, runner, plan, info.name, ledger.weights, ledger.tiers, origin=origin, at=state, packing=fill
         )
         stage = req.stage
         if res is not None and info.name in res.slots:
@@ -191,7 +192,7 @@ class Binder:
             runner_up=RunnerUp(
                 node=runner.name,
                 score=grade(runner.outcome.score),
-                why=why_lost(outcome, runner.outcome, ledger.weights),
+                why=why_lost(outcome, runner.outcome, ledger.weights, packing=fill),
             )
             if runner is not None
             else None,

@@ -19,12 +19,13 @@ from collections.abc import Callable, Sequence
 
 from gputopo.engine.assigned import HOSTNAME, Selector, selects
 from gputopo.engine.groupplan import GroupFailure
-from gputopo.engine.replan import GroupWaiting, MemberView, Replan, Slot, replan
+from gputopo.engine.replan import GroupWaiting, MemberView, Replan, Slot, counted, replan
 from gputopo.engine.snapshot import NodeState, taking
 from gputopo.extender.exclusive import ExclusiveDesk
 from gputopo.extender.ledger import Ledger
 from gputopo.extender.locks import StripedLocks
 from gputopo.extender.objects import PodRecord
+from gputopo.extender.podindex import GroupTally
 from gputopo.extender.reservations import Reservation
 from gputopo.extender.wire import KUEUE_TOPOLOGY_GATE, PodInfo
 from gputopo.model import NO_FACTS, ControllerFacts, PodRequest
@@ -55,20 +56,15 @@ def member_view(rec: PodRecord) -> MemberView:
     )
 
 
-def _rank_clash(group: str, records: Sequence[PodRecord], members: dict[str, MemberView]) -> GroupFailure | None:
-    """Two members of an inferred group with one rank: a controller's labels are never guessed at, so
-    every member is told which label repeats (plan_group would only say the stage does)."""
-    labels = sorted({r.inferred.rank_label for r in records if r.inferred is not None and r.inferred.rank_label})
-    if not labels:
+def _rank_clash(group: str, tally: GroupTally, name: str, stage: int | None) -> GroupFailure | None:
+    """Two members of an inferred group with one rank (the asking pod `name` at its request's `stage`): a
+    controller's labels are never guessed at, so every member is told which label repeats (plan_group
+    would only say the stage does). Read from the group's counts, not a view of every member."""
+    labels = sorted(tally.labels)
+    clash = tally.clash(name, stage) if labels else None
+    if clash is None:
         return None
-    by_rank: dict[int, list[str]] = {}
-    for m in members.values():
-        if m.request is not None and m.request.stage is not None:
-            by_rank.setdefault(m.request.stage, []).append(m.name)
-    dup = sorted((r, sorted(names)) for r, names in by_rank.items() if len(names) > 1)
-    if not dup:
-        return None
-    rank, names = dup[0]
+    rank, names = clash
     return GroupFailure(
         group,
         f"group {group}: rank {rank} ({' / '.join(labels)}) is claimed by more than one pod: {', '.join(names[:4])}",
@@ -88,29 +84,31 @@ class GroupDesk:
         assert req.group is not None and req.group_size is not None
         ledger = self.ledger
         key = (info.namespace, req.group)
-        records = ledger.group_members(key)
         size = req.group_size
         if req.group_size_at_least:  # a PodGroup's minCount: every member present, once there are that many
-            size = max(size, len(records) + (not any(r.name == info.name for r in records)))
+            with ledger.lock:
+                tally = ledger.pods.tally(key)
+                size = max(size, len(tally.uids) + (info.name not in tally.names))
             req = req.model_copy(update={"group_size": size})
         with self.locks(key):
-            held = self._held(key, info.name, records, size)
+            held = self._held(key, info.name, size)
         if held is not None:
             return held
         if JOBSET_EXCLUSIVE in info.annotations:  # a JobSet's followers come after their leaders are placed
             with self.locks(key):
-                found = self.exclusive.slot_for(info, req, names, records)
+                found = self.exclusive.slot_for(info, req, names, ledger.group_members(key))
             if found is not None:
                 return found
+        # Ranks that clash, or members still missing (or too many), are told from the group's counts: each
+        # member's first filters, while its gang still arrives, cost the same in a gang of 4,096 as of 8.
+        with ledger.lock:  # the counts and the members read together
+            tally = ledger.pods.tally(key)
+            early = _rank_clash(key[1], tally, info.name, req.stage) or counted(key[1], tally.present(info.name), size)
+            records = ledger.group_members(key) if early is None else []
+        if early is not None:
+            return early
         members = {r.name: member_view(r) for r in records}
         members[info.name] = MemberView(info.name, req)  # the asking pod is always planned afresh
-        clash = _rank_clash(key[1], records, members)
-        if clash is not None:
-            return clash
-        if len(members) != size:
-            counted = replan(key[1], size, info.name, members, ())
-            assert not isinstance(counted, Replan)
-            return counted
         with self.locks(key):
             res = ledger.reservations.get(key)
             if res is not None and res.members != frozenset(members):
@@ -198,10 +196,11 @@ class GroupDesk:
         )
         return out.slots[info.name]
 
-    def _held(self, key: tuple[str, str], name: str, records: Sequence[PodRecord], size: int) -> Slot | None:
-        """The asking member's slot when the group's reservation stands for exactly these members and its
-        node is still good: what `slot_for` would return, without a view of every member (per filter,
-        that made a group's filters cost O(members^2)). The rank check ran when this plan was made."""
+    def _held(self, key: tuple[str, str], name: str, size: int) -> Slot | None:
+        """The asking member's slot when the group's reservation stands for exactly its members (and the
+        asking pod) and its node is still good: what `slot_for` would return, without a view of every
+        member. The members are compared with the slots once per version of the group's members (not per
+        filter: that made a group's filters cost O(members^2)). The rank check ran when this plan was made."""
         ledger = self.ledger
         res = ledger.reservations.get(key)
         if res is None or len(res.slots) != size:
@@ -209,10 +208,13 @@ class GroupDesk:
         slot = res.slots.get(name)
         if slot is None:
             return None
-        names = {r.name for r in records}
-        names.add(name)
-        if names != res.slots.keys():
-            return None
+        version = ledger.pods.tally(key).version  # read before the members: a change meanwhile moves it
+        if res.members_checked != version or not version:
+            names = {r.name for r in ledger.group_members(key)}
+            if names == res.slots.keys():
+                res.members_checked = version
+            elif names | {name} != res.slots.keys():  # the asking pod is not in the ledger yet
+                return None
         if not slot.pinned and ledger.resolve(slot.node, ledger.clock()).problem:
             return None
         return slot

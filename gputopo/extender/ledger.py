@@ -21,6 +21,7 @@ from gputopo.engine.reasons import Code
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.snapshot import NodeState
 from gputopo.extender import mismatch
+from gputopo.extender.fabric import FabricFigures
 from gputopo.extender.mismatch import Mismatch
 from gputopo.extender.nodestates import NodeStates
 from gputopo.extender.objects import NodeEntry, NodeFacts, PodRecord
@@ -93,19 +94,17 @@ class Ledger:
     ) -> None:
         self.scheduler_name = scheduler_name  # only its pods are group members, and only theirs are inferred
         self.node_states = NodeStates(tiers=tiers, clock=clock, reservation_timeout_seconds=reservation_timeout_seconds)
-        self.tiers, self.clock = tiers, clock
+        self.tiers, self.clock, self.tier_names = tiers, clock, tiers.names
         self.lock = self.node_states.lock  # one lock for the ledger and its cache
-        self.tier_names = tiers.names
-        self.weights = weights
-        self.stale_after = stale_after_seconds
+        self.weights, self.stale_after = weights, stale_after_seconds
         self.static = False  # --snapshot: no Leases, nothing goes stale
-        self.pods = PodTable()  # with the pods that name each Job, JobSet and PodGroup
+        self.pods = PodTable(scheduler_name=scheduler_name)  # also each group's members, each controller's pods
         self.leases: dict[str, float] = {}  # node -> renew time
-        self._groups: dict[GroupKey, set[str]] = {}
         self.mismatches: dict[str, Mismatch] = {}  # pod uid -> its current mismatch
         self._announced: set[str] = set()  # pod uids already handed to on_mismatch
         self.on_mismatch: Callable[[Mismatch], None] | None = None
         self._verdicts: OrderedDict[PodRequest, Verdicts] = OrderedDict()
+        self.fabric = FabricFigures(tiers, lambda: self.node_states.generation, self.states)  # best fit by domain
 
     @property
     def reservations(self) -> Mapping[GroupKey, Reservation]:
@@ -211,14 +210,14 @@ class Ledger:
 
     def runner_up(self, node: str, req: PodRequest) -> tuple[NodeState, Outcome] | None:
         """The best feasible node other than `node` over every cached node: the highest score, then the
-        first name (what ranking the whole cluster would put first). Reads each kind of node once (the
-        nodes of a kind share one verdict), not every node: a bind pays for a few hundred kinds at most,
-        however many nodes there are."""
+        first in best fit above the node (`fabric`; what ranking the whole cluster would put first). Reads
+        each kind of node once (the nodes of a kind share one verdict), not every node: a bind pays for a
+        few hundred kinds at most, however many nodes there are."""
+        order = self.fabric.now().order.__getitem__
         now = self.clock()
         self.expire(now)
         memo = self._memo(req)
-        weights, success = self.weights, Code.SUCCESS
-        ns = self.node_states
+        weights, success, ns = self.weights, Code.SUCCESS, self.node_states
         with self.lock:  # the kinds and their nodes read together; a kind not seen for `req` is evaluated here
             ns.current(now)
             feasible: dict[float, list[set[str]]] = {}
@@ -229,7 +228,7 @@ class Ledger:
                 if o.code is success:
                     feasible.setdefault(o.score, []).append(members)
             for score in sorted(feasible, reverse=True):
-                pick = min(filter(node.__ne__, chain.from_iterable(feasible[score])), default=None)
+                pick = min(filter(node.__ne__, chain.from_iterable(feasible[score])), key=order, default=None)
                 if pick is not None:
                     state = _cached(ns, pick)
                     return state, memo[state.key]
@@ -310,12 +309,14 @@ class Ledger:
     def put_pod(self, uid: str, rec: PodRecord | None) -> None:
         """Record a pod (None: deleted, or not a gputopo pod any more)."""
         with self.lock:
-            old = self.pods.pop(uid, None)
+            old = self.pods.get(uid)  # replaced in place, not popped: a member bound stays the same member
             if old is not None:
                 self._unindex(old)
             if rec is not None:
                 self.pods[uid] = rec
                 self._index(rec)
+            elif old is not None:
+                del self.pods[uid]
             self.node_states.rebuild({old.placed_node if old else None, rec.placed_node if rec else None})
             if rec is not None:
                 self._check_mismatch(uid)
@@ -326,9 +327,8 @@ class Ledger:
     def replace_pods(self, records: Mapping[str, PodRecord]) -> None:
         with self.lock:
             touched = {p.placed_node for p in self.pods.values()} | {p.placed_node for p in records.values()}
-            self.pods = PodTable(records)
+            self.pods = PodTable(records, self.scheduler_name)
             self.node_states.clear_assumed()
-            self._groups = {}
             for rec in self.pods.values():
                 self._index(rec)
             self.node_states.rebuild(touched)
@@ -345,19 +345,13 @@ class Ledger:
         node = rec.placed_node
         if node and rec.placement is not None:
             self.node_states.assume(node, rec.uid, frozenset(rec.placement.gpus))
-        if rec.group and rec.scheduler_name == self.scheduler_name:  # another scheduler's pod is no member
-            self._groups.setdefault((rec.namespace, rec.group), set()).add(rec.uid)
-            if node:
-                self.node_states.rebuild(self.book.pin((rec.namespace, rec.group), rec.name))
+        key = self.pods.group_of(rec)  # another scheduler's pod is no member
+        if node and key is not None:
+            self.node_states.rebuild(self.book.pin(key, rec.name))
 
     def _unindex(self, rec: PodRecord) -> None:
         if rec.placed_node:
             self.node_states.unassume(rec.placed_node, rec.uid)
-        members = self._groups.get((rec.namespace, rec.group)) if rec.group else None
-        if members is not None:
-            members.discard(rec.uid)
-            if not members:
-                del self._groups[(rec.namespace, rec.group)]  # type: ignore[arg-type]
 
     def forget_reported(self, uid: str) -> None:
         """Drop what nodes report for `uid` (what-if views: the cluster as if the pod had never run)."""
@@ -416,7 +410,7 @@ class Ledger:
 
     def group_members(self, key: GroupKey) -> list[PodRecord]:
         with self.lock:
-            return [self.pods[u] for u in self._groups.get(key, ()) if u in self.pods and self.pods[u].active]
+            return self.pods.members(key)
 
     def reserve(self, res: Reservation) -> bool:
         """Hold the plan's GPUs; False (nothing held) when one of them was taken since it was planned."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from gputopo.engine.groupplan import GroupPlan
 from gputopo.engine.replan import Slot
@@ -24,10 +24,19 @@ SlotKey = tuple[GroupKey, str]  # (group, member)
 
 @dataclass
 class Reservation:
+    """A plan's slots; `slots` changes only through the book (`ReservationBook.pin`), which keeps `unpinned`."""
+
     key: GroupKey
     created: float
     slots: dict[str, Slot]
     plan: GroupPlan | None = None
+    unpinned: int = field(init=False, compare=False)  # slots not bound yet: counted, not scanned, per bind
+    # The version of the group's members (`PodTable.version`) at which they were found to be exactly the
+    # slots' members: the group desk checks that once per version, not on every member's filter.
+    members_checked: int = field(default=0, init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.unpinned = sum(not s.pinned for s in self.slots.values())
 
     @property
     def members(self) -> frozenset[str]:
@@ -35,7 +44,7 @@ class Reservation:
 
     @property
     def waiting(self) -> bool:
-        return any(not s.pinned for s in self.slots.values())
+        return self.unpinned > 0
 
 
 class ReservationBook:
@@ -81,6 +90,7 @@ class ReservationBook:
         if res is None or member not in res.slots or res.slots[member].pinned:
             return set()
         slot = res.slots[member] = replace(res.slots[member], pinned=True)
+        res.unpinned -= 1
         touched = {slot.node} if self._unreserve(slot.node, (key, member)) else set()
         if not res.waiting:
             self.reservations.pop(key, None)  # every member bound

@@ -310,7 +310,7 @@ class Extender:
             return names, [NEUTRAL_SCORE] * len(names), d
         if d.priorities is not None:
             return names, list(d.priorities), d
-        return d.names, ranked(d.names, d.outcomes, d.kinds), d
+        return d.names, ranked(d.names, d.outcomes, d.kinds, self.ledger.fabric.now().order), d
 
     def _group_decision(self, info: PodInfo, req: PodRequest, names: Sequence[str]) -> Decision:
         slot = self.groups.slot_for(info, req, names)

@@ -3,7 +3,8 @@
 Policies:
 
 - `gputopo`: the placement engine. A single pod is evaluated on every node (`evaluate_pod`), the best
-  verdict wins (`rank`), and the explanation names the runner-up. A job of several pods is one group,
+  verdict wins (`rank`; equal scores by best fit above the node over every node's free GPUs, as the
+  extender ranks them on the wire), and the explanation names the runner-up. A job of several pods is one group,
   planned all at once with `plan_group` and placed all-or-nothing.
 - `default`: what Kubernetes does today without gputopo. kube-scheduler keeps the nodes with enough
   free `nvidia.com/gpu` and scores them with NodeResourcesFit LeastAllocated configured on
@@ -30,7 +31,8 @@ from dataclasses import dataclass
 from gputopo.clusterfile import JobSpec
 from gputopo.engine.besteffort import ScoreMatrix, best_effort_scores, pair_scores
 from gputopo.engine.cliques import bits, mask_of, popcount
-from gputopo.engine.explain import gpu_ranges, placement_sentence, runner_up
+from gputopo.engine.domains import domain_free
+from gputopo.engine.explain import gpu_ranges, packing_clause, placement_sentence, runner_up
 from gputopo.engine.groupplan import GroupFailure, Member, group_waiting_message
 from gputopo.engine.groups import plan_group
 from gputopo.engine.placement import evaluate_pod, rank
@@ -153,14 +155,18 @@ class _Run:
 
     def gputopo_single(self, pod: SimPod) -> None:
         verdicts = evaluate_pod(self.nodes, pod.request, self.weights)
-        ranked = rank(verdicts)
+        free = domain_free(self.nodes, self.tiers)  # over every node, as the extender counts them
+        ranked = rank(verdicts, free, self.tiers)
         if not ranked:
             reasons = summarize_failures([v.outcome.message for v in verdicts], len(verdicts))
             self.unplaced.append(UnplacedPod(pod.name, pod.job, reasons))
             return
         best = ranked[0]
         runner = runner_up(best.name, ranked)
-        sentence = placement_sentence(best.name, best.outcome, runner, weights=self.weights, tiers=self.tiers)
+        packing = packing_clause(best.node, best.outcome, runner, free, self.tiers)
+        sentence = placement_sentence(
+            best.name, best.outcome, runner, weights=self.weights, tiers=self.tiers, packing=packing
+        )
         if runner is None and len(verdicts) > 1:
             sentence += "; no other node fits"
         score = grade(best.outcome.score)

@@ -20,6 +20,7 @@ from typing import Literal
 
 from gputopo.clusterfile import JobSpec
 from gputopo.engine.cliques import popcount
+from gputopo.engine.domains import domain_free
 from gputopo.engine.dra import (
     ATTR_CLIQUES,
     PARTITIONS,
@@ -245,7 +246,9 @@ class _DraRun:
 
     def engine_single(self, pod: SimPod) -> None:
         claim = claim_for(pod.request, self.encoding, opted_in=pod.opted_in)
-        for v in rank(evaluate_pod(self.nodes, pod.request, self.weights)):
+        verdicts = evaluate_pod(self.nodes, pod.request, self.weights)
+        ranked = rank(verdicts, domain_free(self.nodes, self.tiers), self.tiers)  # ties as the extender breaks them
+        for v in ranked:
             i = self.index[v.name]
             got = self.try_node(i, claim)
             if got is not None:

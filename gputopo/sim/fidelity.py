@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from gputopo.clusterfile import JobSpec
 from gputopo.engine.besteffort import best_effort_scores, pair_scores
+from gputopo.engine.domains import domain_free
 from gputopo.engine.groupplan import GroupFailure, GroupPlan, Member
 from gputopo.engine.groups import plan_group
 from gputopo.engine.placement import evaluate_node, evaluate_pod, rank
@@ -126,7 +127,7 @@ class Follower:
                 return EngineChoice(pods, {}, None, {}, failure=plan.message)
             gpus = {a.member: a.outcome.gpus for a in plan.assignments}
             return EngineChoice(pods, {}, None, gpus, plan=plan)
-        ranked = rank(evaluate_pod(nodes, pods[0].request, self.weights))
+        ranked = rank(evaluate_pod(nodes, pods[0].request, self.weights), domain_free(nodes, self.tiers), self.tiers)
         if not ranked:
             return EngineChoice(pods, {}, None, {}, failure="no node fits")
         scores = {v.name: v.outcome.score for v in ranked}

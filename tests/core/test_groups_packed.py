@@ -80,11 +80,12 @@ def test_required_spine_group_may_span_leaves_of_that_spine() -> None:
             {},
             {"a1": 3, "a2": 3, "a3": 2},
         ),
-        # ... preferred-tier leaf takes fewer leaves over fewer spines: the roomiest leaf, then one more.
+        # ... and so does preferred-tier leaf when no leaf holds it: the smallest spine that does, split over
+        # its fewest leaves (not the roomiest leaf, then one more under another spine).
         (
             [("a1", "sa", "l1", 5), ("a2", "sa", "l2", 5), ("a3", "sa", "l3", 6), ("b1", "sb", "l1", 1)],
             {"preferred_tier": "leaf"},
-            {"b1": 7, "a1": 1},
+            {"a1": 3, "a2": 3, "a3": 2},
         ),
         # Required tier leaf with room in one leaf only: that leaf, even though it spans two nodes.
         (

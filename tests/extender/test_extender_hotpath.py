@@ -14,7 +14,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gputopo.engine.domains import domain_free, narrow_first
 from gputopo.engine.reasons import Code, Reason
+from gputopo.engine.snapshot import NodeState
 from gputopo.extender import nodestates
 from gputopo.extender.door import _priorities
 from gputopo.extender.wire import MAX_JSON_DEPTH, ExtenderArgs, fast_extender_args, pod_info
@@ -107,7 +109,7 @@ def _cluster(env: Env) -> list[str]:
         fixture = ("dgx-h100", "hgx-h200", "l40s-4", "dgx-a100")[i % 4]
         gpus = 4 if fixture == "l40s-4" else 8
         in_use = sorted(rng.sample(range(gpus), rng.randint(0, gpus))) if i % 3 else None
-        nodes.append(node_obj(f"n{i:02d}", fixture, in_use=in_use))
+        nodes.append(node_obj(f"n{i:02d}", fixture, in_use=in_use, leaf=f"leaf-{i % 5}", spine=f"spine-{i % 2}"))
     env.add_nodes(*nodes)
     return [f"n{i:02d}" for i in range(40)]
 
@@ -149,11 +151,16 @@ def test_filter_splits_outcomes_as_a_node_by_node_loop_would(env: Env) -> None:
         assert list(answer.unresolvable.items()) == list(unresolvable.items())
 
 
-def _runner_up_by_walking_every_node(env: Env, node: str, req: Any) -> tuple[str, Any] | None:
-    verdicts = env.ledger.evaluate_states(list(env.ledger.nodes), req)
-    feasible = [(-o.score, st.name, o) for st, o in verdicts if o.code is Code.SUCCESS and st.name != node]
+def _by_score_then_fill(env: Env, verdicts: list[tuple[NodeState, Any]], node: str) -> tuple[str, Any] | None:
+    """The reference runner-up: the highest score, then best fit above the node over every known node."""
+    free, narrow = domain_free(env.ledger.states(), env.ledger.tiers), narrow_first(env.ledger.tiers)
+    feasible = [(-o.score, free.tie_key(st, narrow), o) for st, o in verdicts if o.fits and st.name != node]
     best = min(feasible, key=lambda t: (t[0], t[1]), default=None)
-    return (best[1], best[2]) if best is not None else None
+    return (str(best[1][-1]), best[2]) if best is not None else None
+
+
+def _runner_up_by_walking_every_node(env: Env, node: str, req: Any) -> tuple[str, Any] | None:
+    return _by_score_then_fill(env, env.ledger.evaluate_states(list(env.ledger.nodes), req), node)
 
 
 def test_runner_up_follows_binds_dropped_nodes_and_lease_deadlines(env: Env) -> None:
@@ -183,19 +190,16 @@ def test_runner_up_follows_binds_dropped_nodes_and_lease_deadlines(env: Env) -> 
     check()
 
 
-def test_runner_up_is_the_best_other_node_by_score_then_name(env: Env) -> None:
+def test_runner_up_is_the_best_other_node_by_score_then_best_fit_then_name(env: Env) -> None:
     names = _cluster(env)
     env.add_pods(pod_obj("busy", 2, {"gputopo.io/nvlink": "required"}))
     for gpus in (1, 2, 4, 8):
         req = parse_pod_request({"gputopo.io/nvlink": "required"}, gpus, env.ledger.tier_names)
         verdicts = env.ledger.evaluate_states(names, req)
         for node in [*names[:6], "elsewhere"]:
-            feasible = [(-o.score, st.name, o) for st, o in verdicts if o.code is Code.SUCCESS and st.name != node]
-            want = min(feasible, key=lambda t: (t[0], t[1]), default=None)
+            want = _by_score_then_fill(env, verdicts, node)
             got = env.ledger.runner_up(node, req)
-            assert (got is None) == (want is None)
-            if got is not None and want is not None:
-                assert (got[0].name, got[1]) == (want[1], want[2])
+            assert (None if got is None else (got[0].name, got[1])) == want
 
 
 def _take_gpus(env: Env, name: str) -> None:

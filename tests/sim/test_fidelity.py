@@ -157,5 +157,5 @@ def test_random_ties_spread_single_pods_over_equal_nodes() -> None:
     nodes = [node(f"h{i}", "dgx-h100", leaf=f"leaf-{i % 2}") for i in range(8)]
     jobs = [job(f"tp8-{i}", 8) for i in range(4)]
     used = {frozenset(p.node for p in follow_engine(nodes, jobs, seed).placements) for seed in range(6)}
-    assert len(used) > 1  # the simulator itself always takes h0..h3
-    assert {p.node for p in simulate(nodes, jobs, "gputopo", exhaustive=False).placements} == {"h0", "h1", "h2", "h3"}
+    assert len(used) > 1  # the simulator itself always fills leaf-0 (the fullest with room), leaving leaf-1 whole
+    assert {p.node for p in simulate(nodes, jobs, "gputopo", exhaustive=False).placements} == {"h0", "h2", "h4", "h6"}
