@@ -347,7 +347,7 @@ class Ledger:
             self.node_states.assume(node, rec.uid, frozenset(rec.placement.gpus))
         key = self.pods.group_of(rec)  # another scheduler's pod is no member
         if node and key is not None:
-            self.node_states.rebuild(self.book.pin(key, rec.name))
+            self.node_states.rebuild(self.book.pin(key, rec.name, self.clock()))
 
     def _unindex(self, rec: PodRecord) -> None:
         if rec.placed_node:
@@ -430,7 +430,7 @@ class Ledger:
 
     def pin(self, key: GroupKey, member: str) -> None:
         with self.lock:
-            self.node_states.rebuild(self.book.pin(key, member))
+            self.node_states.rebuild(self.book.pin(key, member, self.clock()))
 
     def expire(self, now: float) -> list[GroupKey]:
         """Release reservations whose unbound members did not bind within the timeout."""

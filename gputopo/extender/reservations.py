@@ -1,6 +1,8 @@
 """Group reservations: the GPUs a group plan holds for members not bound yet, bounded in time and count.
 
-A reservation is released when its unbound members did not bind within the timeout, or to make room
+A reservation is released when no member bound within the timeout (counted from the plan, and again
+from each member's bind: a big gang that keeps binding keeps its hold, however long binding all of it
+takes on a loaded control plane), or to make room
 when `max_groups` reservations exist already (the oldest goes: filter calls can name any group, so the
 book must not grow with them). Methods return the nodes whose reserved GPUs changed; the ledger
 rebuilds those.
@@ -34,9 +36,14 @@ class Reservation:
     # The version of the group's members (`PodTable.version`) at which they were found to be exactly the
     # slots' members: the group desk checks that once per version, not on every member's filter.
     members_checked: int = field(default=0, init=False, compare=False)
+    progressed: float = field(default=0.0, init=False, compare=False)  # the plan, or a member's bind since
 
     def __post_init__(self) -> None:
         self.unpinned = sum(not s.pinned for s in self.slots.values())
+        self.progressed = self.created
+
+    def expires(self, timeout: float) -> float:
+        return self.progressed + timeout
 
     @property
     def members(self) -> frozenset[str]:
@@ -84,13 +91,16 @@ class ReservationBook:
         self._schedule()
         return touched
 
-    def pin(self, key: GroupKey, member: str) -> set[str]:
-        """The member is bound: its placement carries its GPUs from now on."""
+    def pin(self, key: GroupKey, member: str, now: float | None = None) -> set[str]:
+        """The member is bound: its placement carries its GPUs from now on, and the rest's hold runs from
+        `now` again."""
         res = self.reservations.get(key)
         if res is None or member not in res.slots or res.slots[member].pinned:
             return set()
         slot = res.slots[member] = replace(res.slots[member], pinned=True)
         res.unpinned -= 1
+        if now is not None:
+            res.progressed = max(res.progressed, now)
         touched = {slot.node} if self._unreserve(slot.node, (key, member)) else set()
         if not res.waiting:
             self.reservations.pop(key, None)  # every member bound
@@ -118,11 +128,12 @@ class ReservationBook:
             moved = tuple(replace(a, member=names[a.member]) if a.member in names else a for a in plan.assignments)
             plan = replace(plan, assignments=moved)
         self.reservations[key] = renamed = Reservation(key, res.created, slots, plan)
+        renamed.progressed = res.progressed
         return renamed
 
     def due(self, now: float) -> list[GroupKey]:
-        """Reservations whose unbound members did not bind within the timeout."""
-        return [k for k, r in self.reservations.items() if r.created + self.timeout <= now and r.waiting]
+        """Reservations no member of which bound within the timeout."""
+        return [k for k, r in self.reservations.items() if r.expires(self.timeout) <= now and r.waiting]
 
     def _unreserve(self, node: str, key: SlotKey) -> bool:
         per = self._by_node.get(node)
@@ -133,5 +144,5 @@ class ReservationBook:
         return True
 
     def _schedule(self) -> None:
-        waiting = (r.created + self.timeout for r in self.reservations.values() if r.waiting)
+        waiting = (r.expires(self.timeout) for r in self.reservations.values() if r.waiting)
         self.next_expiry = min(waiting, default=math.inf)
