@@ -9,6 +9,7 @@ no agent processes), then the Job. Its pods come from one of two places (`--via`
   controller  kube-controller-manager's Job controller creates them (the default when the binary is built)
   pods        this script creates exactly what the Job controller would (labels, completion index
               annotation, owner reference), all at once: the extender's and kube-scheduler's part alone
+  plain       as `pods`, under a kube-scheduler with no extender: the same pods without gputopo
   jobset      a JobSet of Jobs of --per-job pods through the real JobSet controller (its webhooks on),
               then the Job controller; needs gputopo/localcluster/build_controllers.sh
 
@@ -22,6 +23,8 @@ bounds the run; teardown stops only the processes this script started.
     .venv/bin/python bench/gang_scale.py --pods 256 --nodes 1000 --leaves 8 --via pods
     .venv/bin/python bench/gang_scale.py --via jobset,pods      # the real JobSet controller, then the
                                                                 # same pods created at once, side by side
+    .venv/bin/python bench/gang_scale.py --pods 1024,4096 --leaves 157 --via pods,plain
+                                                                # both sizes, gputopo and kube-scheduler alone
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from throughput_run import Deadline, say
 from gputopo.agent.labels import node_labels
 from gputopo.localcluster import (
     GPUTOPO_PROFILE,
+    PLAIN_PROFILE,
     ControlPlane,
     ControlPlaneError,
     KubeApiError,
@@ -83,8 +87,8 @@ def sim_nodes(count: int, leaves: int, leaves_per_spine: int) -> list[SimNode]:
     return out
 
 
-def job_manifest(pods: int) -> dict[str, Any]:
-    template = pod_manifest("x", namespace=NAMESPACE, scheduler_name=GPUTOPO_PROFILE, gpus=GPUS)
+def job_manifest(pods: int, scheduler: str = GPUTOPO_PROFILE) -> dict[str, Any]:
+    template = pod_manifest("x", namespace=NAMESPACE, scheduler_name=scheduler, gpus=GPUS)
     spec = template["spec"]
     spec["restartPolicy"] = "Never"
     return {
@@ -101,7 +105,7 @@ def job_manifest(pods: int) -> dict[str, Any]:
     }
 
 
-def member_manifest(job: dict[str, Any], index: int) -> dict[str, Any]:
+def member_manifest(job: dict[str, Any], index: int, scheduler: str = GPUTOPO_PROFILE) -> dict[str, Any]:
     """Pod `index` as the Job controller makes it (pkg/controller/job: `<job>-<index>-<random>` names,
     the job-name, controller-uid and completion-index labels, the index annotation, a controller
     owner reference)."""
@@ -110,7 +114,7 @@ def member_manifest(job: dict[str, Any], index: int) -> dict[str, Any]:
     pod = pod_manifest(
         f"{JOB}-{index}-{uuid.uuid4().hex[:5]}",
         namespace=NAMESPACE,
-        scheduler_name=GPUTOPO_PROFILE,
+        scheduler_name=scheduler,
         gpus=GPUS,
         labels={
             "app": "gang-scale",
@@ -147,6 +151,7 @@ def bound_pods(kube: KubeClient) -> dict[str, str]:
 @dataclass
 class Result:
     via: str
+    pods: int
     bound: dict[str, str]
     wall: float
     cpu: dict[str, float]
@@ -182,20 +187,21 @@ def jobset_manifest(pods: int, per_job: int) -> dict[str, Any]:
     }
 
 
-def _submit(kube: KubeClient, args: argparse.Namespace, via: str) -> None:
+def _submit(kube: KubeClient, args: argparse.Namespace, via: str, pods: int) -> None:
     if via == "jobset":
         kube.request(
             "POST",
             f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NAMESPACE}/jobsets",
-            jobset_manifest(args.pods, args.per_job),
+            jobset_manifest(pods, args.per_job),
         )
         return
-    job = kube.request("POST", f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs", job_manifest(args.pods))
-    if via == "pods":
-        kube.create_pods([member_manifest(job, i) for i in range(args.pods)], workers=args.workers)
+    scheduler = PLAIN_PROFILE if via == "plain" else GPUTOPO_PROFILE
+    job = kube.request("POST", f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs", job_manifest(pods, scheduler))
+    if via in ("pods", "plain"):
+        kube.create_pods([member_manifest(job, i, scheduler) for i in range(pods)], workers=args.workers)
 
 
-def run_one(args: argparse.Namespace, bin_dir: Path, via: str, deadline: Deadline) -> Result:
+def run_one(args: argparse.Namespace, bin_dir: Path, via: str, pods: int, deadline: Deadline) -> Result:
     with ControlPlane(bin_dir, keep=args.keep) as cp:
         say(f"[{via}] control plane up in {cp.dir}")
         kube = KubeClient(cp.kubeconfig, kubectl=cp.kubectl, pool_size=max(32, args.workers))
@@ -207,8 +213,11 @@ def run_one(args: argparse.Namespace, bin_dir: Path, via: str, deadline: Deadlin
         kube.create_nodes(nodes, workers=args.workers)
         create_leases(kube, stack.namespace, [n.name for n in nodes], args.workers)
         say(f"[{via}] {args.nodes} nodes and Leases in {time.monotonic() - t:.1f}s")
-        stack.start_extender()
-        wait_scheduler_ready(cp, stack.start_scheduler(client_qps=args.qps, client_burst=args.burst), deadline)
+        if via == "plain":  # kube-scheduler alone: no extender process at all
+            wait_scheduler_ready(cp, cp.start_plain_scheduler(client_qps=args.qps, client_burst=args.burst), deadline)
+        else:
+            stack.start_extender()
+            wait_scheduler_ready(cp, stack.start_scheduler(client_qps=args.qps, client_burst=args.burst), deadline)
         if via in ("controller", "jobset"):
             cp.start_controller_manager()
         if via == "jobset":
@@ -220,23 +229,23 @@ def run_one(args: argparse.Namespace, bin_dir: Path, via: str, deadline: Deadlin
         time.sleep(2.0)
         cpu0 = cpu_snapshot(cp, "this benchmark")
         t0 = time.monotonic()
-        _submit(kube, args, via)
-        say(f"[{via}] {JOB} created ({args.pods} pods)")
+        _submit(kube, args, via, pods)
+        say(f"[{via}] {JOB} created ({pods} pods)")
         bound: dict[str, str] = {}
         last_report = t0
         while not deadline.expired():
             bound = bound_pods(kube)
-            if len(bound) >= args.pods:
+            if len(bound) >= pods:
                 break
             if time.monotonic() - last_report >= 5:
-                say(f"[{via}] {len(bound)}/{args.pods} bound after {time.monotonic() - t0:.1f}s")
+                say(f"[{via}] {len(bound)}/{pods} bound after {time.monotonic() - t0:.1f}s")
                 last_report = time.monotonic()
             time.sleep(0.25)
         wall = time.monotonic() - t0
         cpu1 = cpu_snapshot(cp, "this benchmark")
         kube.close()
     cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu1.items()}
-    return Result(via, bound, wall, cpu, len({leaf_of[n] for n in bound.values()}))
+    return Result(via, pods, bound, wall, cpu, len({leaf_of[n] for n in bound.values()}))
 
 
 def _cpu_of(r: Result, *prefixes: str) -> float:
@@ -253,41 +262,35 @@ def _cpu_cell(prefixes: tuple[str, ...]) -> Callable[[Result], str]:
 
 def report(args: argparse.Namespace, results: list[Result]) -> None:
     per_leaf = math.ceil(args.nodes / args.leaves)
-    fewest = math.ceil(args.pods / per_leaf)
     print()
-    print(f"gang_scale: a gang of {args.pods} pods x {GPUS} GPUs on {args.nodes} nodes in {args.leaves} leaves")
+    print(f"gang_scale: one gang of pods x {GPUS} GPUs on {args.nodes} nodes in {args.leaves} leaves")
     made = {
-        "jobset": f"JobSet controller ({args.pods // args.per_job} Jobs x {args.per_job})",
-        "controller": "Job controller (one Indexed Job)",
-        "pods": "created at once (one Indexed Job's pods)",
+        "jobset": f"JobSet controller (Jobs of {args.per_job})",
+        "controller": "Job controller (Indexed Job)",
+        "pods": "created at once, gputopo",
+        "plain": "created at once, kube-scheduler alone",
     }
 
     def row(label: str, cell: Callable[[Result], str]) -> None:
-        print(f"  {label:<24}" + "".join(f"{cell(r):<42}" for r in results))
+        print(f"  {label:<24}" + "".join(f"{cell(r):<38}" for r in results))
 
     row("pods made by", lambda r: made[r.via])
-    row("bound", lambda r: f"{len(r.bound)}/{args.pods}")
-    row(
-        "creation to last bind",
-        lambda r: f"{r.wall:.1f} s (target {TARGET_S:.0f} s: {'met' if r.wall <= TARGET_S else 'not met'})",
-    )
-    row("leaves spanned", lambda r: f"{r.leaves} (fewest possible {fewest})")
+    row("members", lambda r: str(r.pods))
+    row("bound", lambda r: f"{len(r.bound)}/{r.pods}")
+    row("creation to last bind", lambda r: f"{r.wall:.1f} s")
+    row("leaves spanned", lambda r: f"{r.leaves} (fewest possible {math.ceil(r.pods / per_leaf)})")
     row("nodes used", lambda r: str(len(set(r.bound.values()))))
     for label, prefixes in (
         ("extender CPU", ("gputopo-extender",)),
-        ("kube-scheduler CPU", ("kube-scheduler", "gputopo-scheduler")),
+        ("kube-scheduler CPU", ("kube-scheduler", "gputopo-scheduler", PLAIN_PROFILE)),
         ("controller-manager CPU", ("kube-controller-manager",)),
         ("JobSet controller CPU", ("jobset",)),
         ("kube-apiserver CPU", ("kube-apiserver",)),
     ):
         row(label, _cpu_cell(prefixes))
     row("all components' CPU", lambda r: f"{sum(v for k, v in r.cpu.items() if k != 'this benchmark'):.1f} s")
-    if len(results) == 2 and results[1].wall > 0:
-        a, b = results
-        print(
-            f"  ratio {a.via}/{b.via}: time to last bind {a.wall / b.wall:.2f}x, "
-            f"extender CPU {_cpu_of(a, 'gputopo-extender') / max(1e-9, _cpu_of(b, 'gputopo-extender')):.2f}x"
-        )
+    print(f"  (target: the last bind within {TARGET_S:.0f} s for 1,024 members; the fewest leaves; the extender's")
+    print("   CPU per member flat from 1,024 to 4,096 members)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -300,8 +303,8 @@ def run(args: argparse.Namespace) -> int:
     has_kcm = (bin_dir / "kube-controller-manager").is_file()
     vias = [("controller" if has_kcm else "pods") if v == "auto" else v for v in vias]
     for via in vias:
-        if via not in ("controller", "pods", "jobset"):
-            print(f"--via {via}: must be auto, controller, pods or jobset", file=sys.stderr)
+        if via not in ("controller", "pods", "jobset", "plain"):
+            print(f"--via {via}: must be auto, controller, pods, jobset or plain", file=sys.stderr)
             return 2
         if via in ("controller", "jobset") and not has_kcm:
             print(f"--via {via}: no kube-controller-manager in {bin_dir}", file=sys.stderr)
@@ -311,14 +314,23 @@ def run(args: argparse.Namespace) -> int:
             if missing is not None:
                 print(f"--via jobset: {missing}", file=sys.stderr)
                 return 2
-    results = [run_one(args, bin_dir, via, deadline) for via in vias]
+    results = [run_one(args, bin_dir, via, pods, deadline) for pods in args.pods for via in vias]
     report(args, results)
-    return 0 if all(len(r.bound) == args.pods for r in results) else 1
+    return 0 if all(len(r.bound) == r.pods for r in results) else 1
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of members, or several joined by commas") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="One big Indexed Job through the real kube-scheduler and gputopo.")
-    p.add_argument("--pods", type=int, default=1024, help="the Job's completions = parallelism (1024)")
+    p.add_argument(
+        "--pods", type=_sizes, default=[1024], help="the gang's members, or several side by side: 1024,4096 (1024)"
+    )
     p.add_argument("--nodes", type=int, default=5000, help="simulated 8-GPU nodes (5000)")
     p.add_argument("--leaves", type=int, default=40, help="leaves the nodes are spread over in order (40)")
     p.add_argument("--leaves-per-spine", type=int, default=8, help="leaves under one spine (8)")
@@ -334,9 +346,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--deadline", type=float, default=600.0, help="global time budget in seconds (600)")
     p.add_argument("--keep", action="store_true", help="keep the control plane's folder (logs)")
     args = p.parse_args(argv)
-    if args.per_job < 1 or args.pods % args.per_job:
+    if args.per_job < 1 or any(n % args.per_job for n in args.pods):
         p.error("--per-job must be positive and divide --pods")
-    if min(args.pods, args.nodes, args.leaves, args.leaves_per_spine) < 1 or args.pods > args.nodes:
+    if min(*args.pods, args.nodes, args.leaves, args.leaves_per_spine) < 1 or max(args.pods) > args.nodes:
         p.error("--pods, --nodes, --leaves must be positive and --pods at most --nodes (a pod takes a node)")
     try:
         return run(args)
