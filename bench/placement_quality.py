@@ -55,6 +55,13 @@ gputopo/sim/core.py and docs/simulator.md for what each policy does and what eac
    pods (45%), TP-2 (35%) and TP-4 (20%), two in three `nvlink: required`, the rest `preferred`;
    the total asks for `--load` times the cluster's GPUs.
 
+5. **Fabric packing** (printed after part 2b): mixes at `--fabric-load` (0.6) of the LLM cluster, so room is
+   left, placed by gputopo, by gputopo before fabric-level best fit (ties by node name, groups by score) and
+   by the default policy; per tier, the largest free domain and the domains left empty, how many copies of
+   the mix's largest job still fit, and how many gangs that need one leaf (as many 8-GPU nodes as the
+   smallest and as the most common leaf has) still fit. Once with the cluster's node names in fabric order
+   and once shuffled, since a name tie-break fills leaf by leaf only by accident of naming.
+
 3. **Decision time** at scale: one 8-GPU decision (`evaluate_pod` + `rank`) over 5,000 nodes of mixed
    named systems with random in-use GPUs and Lingjun switch labels, and one 32-stage group plan
    (`plan_group`) over the same nodes; printed against the targets (20 ms and 200 ms), not asserted.
@@ -69,10 +76,12 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import random
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -81,10 +90,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from gputopo.clusterfile import JobSpec  # noqa: E402
-from gputopo.engine.groupplan import Member  # noqa: E402
+from gputopo.engine.domains import domain_free, domain_of, free_gpus  # noqa: E402
+from gputopo.engine.groupplan import GroupFailure, Member  # noqa: E402
 from gputopo.engine.groups import plan_group  # noqa: E402
 from gputopo.engine.placement import evaluate_pod, rank  # noqa: E402
-from gputopo.engine.snapshot import NodeState, node_state  # noqa: E402
+from gputopo.engine.snapshot import NodeState, node_state, with_in_use  # noqa: E402
 from gputopo.model import (  # noqa: E402
     LABEL_NETWORK_LEAF,
     LABEL_NETWORK_SPINE,
@@ -94,6 +104,7 @@ from gputopo.model import (  # noqa: E402
     parse_pod_request,
 )
 from gputopo.sim import SimResult, simulate  # noqa: E402
+from gputopo.sim.core import prepare_pods  # noqa: E402
 from gputopo.sim.dra import NodeChoice, expressiveness, simulate_dra  # noqa: E402
 from gputopo.sim.draallocator import ENCODINGS, Encoding  # noqa: E402
 from gputopo.systems import SYSTEMS, build_system  # noqa: E402
@@ -517,12 +528,110 @@ def scale_section(count: int, seed: int) -> list[str]:
 # --------------------------------------------------------------------------------------------------
 
 
+# --------------------------------------------------------------------------------------------------
+# Fabric packing: what a mix leaves whole for the next big gang
+
+
+def largest_job(jobs: Sequence[JobSpec]) -> JobSpec:
+    """The mix's largest job by GPUs (a group counts all its pods)."""
+    return max(jobs, key=lambda j: (j.pods * j.gpus_per_pod, j.pods, j.name))
+
+
+def gangs_that_fit(final: Sequence[NodeState], job: JobSpec, cap: int = 500) -> int:
+    """How many copies of `job` still fit, one after the other, on what the mix left (each placed as
+    gputopo would place it)."""
+    nodes = list(final)
+    (pods,) = prepare_pods([job], DEFAULT_TIERS)
+    members = [Member(p.name, p.request) for p in pods]
+    by_name = {n.name: i for i, n in enumerate(nodes)}
+    count = 0
+    while count < cap:
+        if len(members) > 1 or members[0].request.is_group:
+            plan = plan_group(job.name, members, nodes, DEFAULT_TIERS)
+            if isinstance(plan, GroupFailure):
+                break
+            taken = [(a.node.name, a.outcome.gpus) for a in plan.assignments]
+        else:
+            ranked = rank(evaluate_pod(nodes, members[0].request))
+            if not ranked:
+                break
+            taken = [(ranked[0].name, ranked[0].outcome.gpus)]
+        for name, gpus in taken:
+            i = by_name[name]
+            nodes[i] = with_in_use(nodes[i], frozenset(gpus), DEFAULT_TIERS)
+        count += 1
+    return count
+
+
+FABRIC_RUNS: tuple[tuple[str, str, bool], ...] = (
+    ("gputopo", "gputopo", True),
+    ("gputopo before best fit", "gputopo", False),
+    ("default", "default", True),
+)
+
+
+def fabric_table(name: str, nodes: list[NodeState], jobs: list[JobSpec], seed: int) -> list[str]:
+    """Per tier, the largest free domain the mix leaves and how many of its largest job still fit."""
+    big = largest_job(jobs)
+    tiers = [t for t in DEFAULT_TIERS.network_tiers() if any(n.location.get(t) for n in nodes)]
+    finals = {}
+    for label, policy, best_fit in FABRIC_RUNS:
+        finals[label] = simulate(nodes, jobs, policy, DEFAULT_TIERS, seed, exhaustive=False, best_fit=best_fit).final
+    head = f"  {'after the mix':<44}" + "".join(f"{label:>26}" for label, _, _ in FABRIC_RUNS)
+    out = [f"  {name}: largest job {big.name} ({big.pods} x {big.gpus_per_pod} GPUs)", head]
+    for tier in tiers:
+        cells = []
+        for label, _, _ in FABRIC_RUNS:
+            free = domain_free(finals[label], DEFAULT_TIERS).by_tier[tier]
+            whole = sum(1 for d, f in free.items() if f == _capacity(finals[label], tier, d))
+            cells.append(f"{max(free.values(), default=0)} GPUs, {whole} whole")
+        what = f"largest free {tier}; {tier} domains left empty"
+        out.append(f"  {what:<44}" + "".join(f"{c:>26}" for c in cells))
+    fits = [str(gangs_that_fit(finals[label], big)) for label, _, _ in FABRIC_RUNS]
+    out.append(f"  {'copies of the largest job that still fit':<44}" + "".join(f"{c:>26}" for c in fits))
+    # Gangs that need one leaf: as many nodes as the smallest leaf has, and as the most common leaf has.
+    sizes = Counter(Counter(domain_of(n, "leaf") for n in nodes).values())
+    for leaf_nodes in sorted({min(sizes, default=1), sizes.most_common(1)[0][0] if sizes else 1}):
+        gang = JobSpec(
+            name="leaf-gang", pods=leaf_nodes, gpus_per_pod=8, annotations={"gputopo.io/required-tier": "leaf"}
+        )
+        fits = [str(gangs_that_fit(finals[label], gang)) for label, _, _ in FABRIC_RUNS]
+        what = f"{leaf_nodes} x 8-GPU gangs in one leaf that still fit"
+        out.append(f"  {what:<44}" + "".join(f"{c:>26}" for c in fits))
+    free_all = [str(sum(free_gpus(n) for n in finals[label])) for label, _, _ in FABRIC_RUNS]
+    out.append(f"  {'free GPUs in all':<44}" + "".join(f"{c:>26}" for c in free_all))
+    return out
+
+
+def _capacity(nodes: Sequence[NodeState], tier: str, domain: str) -> int:
+    return sum(n.gpu_count for n in nodes if n.problem is None and domain_of(n, tier) == domain)
+
+
+def fabric_section(load: float, seed: int, quick: bool) -> list[str]:
+    out = [f"  each mix asks {load:.2f}x the cluster's GPUs, so room is left; the same jobs under each policy"]
+    llm = llm_cluster()
+    out += fabric_table("LLM mix", llm, llm_jobs(sum(n.gpu_count for n in llm), load, seed), seed)
+    small = [j for j in llm_jobs(sum(n.gpu_count for n in llm), load, seed + 1) if j.pods * j.gpus_per_pod <= 16]
+    out += fabric_table("lone pods and groups of up to 16 GPUs", llm, small, seed)
+    # The same cluster with node names that do not follow the fabric (as on most clusters): ties by name
+    # no longer fill leaf by leaf by accident.
+    names = [n.name for n in llm]
+    random.Random(seed).shuffle(names)
+    renamed = [dataclasses.replace(n, name=name) for n, name in zip(llm, names, strict=True)]
+    out += fabric_table("lone pods and groups of up to 16 GPUs, node names shuffled", renamed, small, seed)
+    if not quick:
+        nodes, _ = alibaba_cluster()
+        out += fabric_table("Alibaba replay", nodes, alibaba_jobs(sum(n.gpu_count for n in nodes), load), seed)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--load", type=float, default=1.05, help="requested GPUs / cluster GPUs (default 1.05)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="a quarter of the Alibaba pods, 1,000 nodes at scale")
-    ap.add_argument("--skip", choices=("alibaba", "llm", "scale", "dra"), action="append", default=[])
+    ap.add_argument("--skip", choices=("alibaba", "llm", "scale", "dra", "fabric"), action="append", default=[])
+    ap.add_argument("--fabric-load", type=float, default=0.6, help="the fabric-packing mixes' load (default 0.6)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
 
@@ -582,6 +691,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = run_policies(nodes, jobs, args.seed)
         print("\n".join(quality_table(results, DRA_ROWS)))
         print("\n".join(dra_tables(nodes, jobs, results)))
+        print()
+
+    if "fabric" not in args.skip:
+        print("== 5. Fabric packing: the largest free domains a mix leaves, and the next big gang")
+        print("\n".join(fabric_section(args.fabric_load, args.seed, args.quick)))
         print()
 
     if "scale" not in args.skip:

@@ -128,8 +128,15 @@ def _clique_note(shape: Shape | None, gpus: Sequence[int]) -> str:
 
 class _Run:
     def __init__(
-        self, nodes: Sequence[NodeState], policy: str, tiers: TierConfig, seed: int, weights: ScoreWeights
+        self,
+        nodes: Sequence[NodeState],
+        policy: str,
+        tiers: TierConfig,
+        seed: int,
+        weights: ScoreWeights,
+        best_fit: bool = True,
     ) -> None:
+        self.best_fit = best_fit
         self.nodes = list(nodes)
         self.index = {n.name: i for i, n in enumerate(self.nodes)}
         self.hw = [_hw(n) for n in self.nodes]
@@ -155,7 +162,8 @@ class _Run:
 
     def gputopo_single(self, pod: SimPod) -> None:
         verdicts = evaluate_pod(self.nodes, pod.request, self.weights)
-        free = domain_free(self.nodes, self.tiers)  # over every node, as the extender counts them
+        # Over every node, as the extender counts them; without best fit, ties go by name (as before it).
+        free = domain_free(self.nodes, self.tiers) if self.best_fit else None
         ranked = rank(verdicts, free, self.tiers)
         if not ranked:
             reasons = summarize_failures([v.outcome.message for v in verdicts], len(verdicts))
@@ -163,7 +171,7 @@ class _Run:
             return
         best = ranked[0]
         runner = runner_up(best.name, ranked)
-        packing = packing_clause(best.node, best.outcome, runner, free, self.tiers)
+        packing = packing_clause(best.node, best.outcome, runner, free, self.tiers) if free is not None else ""
         sentence = placement_sentence(
             best.name, best.outcome, runner, weights=self.weights, tiers=self.tiers, packing=packing
         )
@@ -182,7 +190,7 @@ class _Run:
             self._fail_all(pods, msg)
             return
         members = [Member(p.name, p.request) for p in pods]
-        plan = plan_group(group, members, self.nodes, self.tiers, self.weights)
+        plan = plan_group(group, members, self.nodes, self.tiers, self.weights, best_fit=self.best_fit)
         if isinstance(plan, GroupFailure):
             self._fail_all(pods, plan.message)
             return
@@ -273,15 +281,18 @@ def simulate(
     tp_message_bytes: float = DEFAULT_TP_MESSAGE_BYTES,
     pp_message_bytes: float = DEFAULT_PP_MESSAGE_BYTES,
     exhaustive: bool = True,
+    best_fit: bool = True,
 ) -> SimResult:
     """Place `jobs` in order on `nodes` under `policy`; GPUs taken by earlier pods stay taken.
+    `best_fit=False` is gputopo before fabric-level best fit (ties by node name, groups by score), for
+    the benchmarks' before/after.
 
     Raises JobInputError on a malformed annotation and ValueError on an unknown policy.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
     pods_per_job = prepare_pods(jobs, tiers)
-    run = _Run(nodes, policy, tiers, seed, weights)
+    run = _Run(nodes, policy, tiers, seed, weights, best_fit)
     for pods in pods_per_job:
         if not pods:
             continue
