@@ -161,29 +161,13 @@ class Result:
 def jobset_manifest(pods: int, per_job: int) -> dict[str, Any]:
     """A JobSet of `pods // per_job` Jobs of `per_job` pods, as a user writes it: no gputopo annotation,
     JobSet's defaults (Indexed Jobs) added by its own webhook."""
-    template = pod_manifest("x", namespace=NAMESPACE, scheduler_name=GPUTOPO_PROFILE, gpus=GPUS)
-    spec = template["spec"]
-    spec["restartPolicy"] = "Never"
+    job = job_manifest(per_job)["spec"]
+    del job["completionMode"]
     return {
         "apiVersion": "jobset.x-k8s.io/v1alpha2",
         "kind": "JobSet",
         "metadata": {"name": JOB, "namespace": NAMESPACE},
-        "spec": {
-            "replicatedJobs": [
-                {
-                    "name": "workers",
-                    "replicas": pods // per_job,
-                    "template": {
-                        "spec": {
-                            "completions": per_job,
-                            "parallelism": per_job,
-                            "backoffLimit": 0,
-                            "template": {"metadata": {"labels": {"app": "gang-scale"}}, "spec": spec},
-                        }
-                    },
-                }
-            ]
-        },
+        "spec": {"replicatedJobs": [{"name": "workers", "replicas": pods // per_job, "template": {"spec": job}}]},
     }
 
 

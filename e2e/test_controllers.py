@@ -239,25 +239,32 @@ def test_controllers_jobset_driver_and_workers_rank_across_replicated_jobs_in_sp
 # ---------------------------------------------------------------- LeaderWorkerSet
 
 
+LWS_PATH = "/apis/leaderworkerset.x-k8s.io/v1/namespaces/{namespace}/leaderworkersets"
+
+
+def _lws(name: str, namespace: str, test_id: str, *, replicas: int, size: int, leader_gpus: int | None = None) -> Any:
+    """A LeaderWorkerSet of 8-GPU workers; with `leader_gpus`, a leader template of its own."""
+    template: dict[str, Any] = {
+        "size": size,
+        "workerTemplate": {"spec": _pod_spec(test_id, 8) | {"restartPolicy": "Always"}},
+    }
+    if leader_gpus is not None:
+        template["leaderTemplate"] = {"spec": _pod_spec(test_id, leader_gpus) | {"restartPolicy": "Always"}}
+    return {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"replicas": replicas, "leaderWorkerTemplate": template},
+    }
+
+
 def test_controllers_lws_groups_are_each_their_own_gang_leader_first(
     controllers: Callable[..., None], kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
     controllers("lws")
     added = nodes.add(*[GpuNode(f"rlw-{i}", "dgx-h100", labels=_fabric("spine-a", f"leaf-{i % 2}")) for i in range(4)])
     leaf = {n: i % 2 for i, n in enumerate(added)}
-    lws = {
-        "apiVersion": "leaderworkerset.x-k8s.io/v1",
-        "kind": "LeaderWorkerSet",
-        "metadata": {"name": "serve", "namespace": namespace},
-        "spec": {
-            "replicas": 2,
-            "leaderWorkerTemplate": {
-                "size": 2,
-                "workerTemplate": {"spec": _pod_spec(test_id, 8) | {"restartPolicy": "Always"}},
-            },
-        },
-    }
-    _post(kube, f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{namespace}/leaderworkersets", lws)
+    _post(kube, LWS_PATH.format(namespace=namespace), _lws("serve", namespace, test_id, replicas=2, size=2))
     for g in range(2):
         members = wl.wait_pods(kube, namespace, f"{wl.LWS_NAME}=serve,{wl.LWS_GROUP_INDEX}={g}", 2, timeout=90)
         names = [p["metadata"]["name"] for p in members]
@@ -275,20 +282,8 @@ def test_controllers_lws_leader_without_gpus_is_placed_beside_its_workers(
     added = nodes.add(*[GpuNode(f"rll-{i}", "dgx-h100", labels=_fabric("spine-a", f"leaf-{i % 2}")) for i in range(4)])
     leaf = {n: i % 2 for i, n in enumerate(added)}
     # A CPU-only leader (a router) and two 8-GPU workers per group.
-    lws = {
-        "apiVersion": "leaderworkerset.x-k8s.io/v1",
-        "kind": "LeaderWorkerSet",
-        "metadata": {"name": "route", "namespace": namespace},
-        "spec": {
-            "replicas": 1,
-            "leaderWorkerTemplate": {
-                "size": 3,
-                "leaderTemplate": {"spec": _pod_spec(test_id, 0) | {"restartPolicy": "Always"}},
-                "workerTemplate": {"spec": _pod_spec(test_id, 8) | {"restartPolicy": "Always"}},
-            },
-        },
-    }
-    _post(kube, f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{namespace}/leaderworkersets", lws)
+    lws = _lws("route", namespace, test_id, replicas=1, size=3, leader_gpus=0)
+    _post(kube, LWS_PATH.format(namespace=namespace), lws)
     members = wl.wait_pods(kube, namespace, f"{wl.LWS_NAME}=route", 3, timeout=90)
     ranks = _placed(kube, namespace, [p["metadata"]["name"] for p in members], "lws/route/0")
     assert len({leaf[n] for n in ranks.values()}) == 1, "leader and workers under one leaf"

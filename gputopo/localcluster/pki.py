@@ -67,20 +67,23 @@ def kubeconfig_text(server: str, *, token: str, user: str, ca_file: Path | None,
     return json.dumps(doc, indent=2) + "\n"
 
 
-def generate_client_certificate(directory: Path, common_name: str) -> tuple[Path, Path, Path]:
-    """A throwaway CA and a client certificate (CN `common_name`, clientAuth) it signed, in `directory`:
-    (ca.crt, client.crt, client.key). Needs the openssl command."""
+def _signed_by_new_ca(
+    directory: Path, *, ca_cn: str, cn: str, stem: str, extension: str, purpose: str
+) -> tuple[Path, Path, Path]:
+    """A throwaway CA (CN `ca_cn`) and a certificate it signed (CN `cn`, the openssl `extension` line), in
+    `directory`: (ca.crt, <stem>.crt, <stem>.key). Needs the openssl command (`purpose` says what for)."""
     openssl = shutil.which("openssl")
     if openssl is None:
-        raise ControlPlaneError("need the openssl command to create the API server's webhook client certificate")
+        raise ControlPlaneError(f"need the openssl command to create {purpose}")
+    directory.mkdir(parents=True, exist_ok=True)
     ca_key, ca, key, csr, crt, ext = (
-        directory / n for n in ("ca.key", "ca.crt", "client.key", "client.csr", "client.crt", "client.ext")
+        directory / n for n in ("ca.key", "ca.crt", f"{stem}.key", f"{stem}.csr", f"{stem}.crt", f"{stem}.ext")
     )
-    ext.write_text("extendedKeyUsage=clientAuth\n")
+    ext.write_text(extension + "\n")
     steps = [
-        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=gputopo-local-webhook-client-ca",
+        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={ca_cn}",
          "-keyout", ca_key, "-out", ca],
-        ["req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={common_name}", "-keyout", key, "-out", csr],
+        ["req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}", "-keyout", key, "-out", csr],
         ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-days", "2", "-out", crt,
          "-extfile", ext],
     ]  # fmt: skip
@@ -89,6 +92,19 @@ def generate_client_certificate(directory: Path, common_name: str) -> tuple[Path
     for private in (ca_key, key):
         private.chmod(0o600)
     return ca, crt, key
+
+
+def generate_client_certificate(directory: Path, common_name: str) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a client certificate (CN `common_name`, clientAuth) it signed, in `directory`:
+    (ca.crt, client.crt, client.key). Needs the openssl command."""
+    return _signed_by_new_ca(
+        directory,
+        ca_cn="gputopo-local-webhook-client-ca",
+        cn=common_name,
+        stem="client",
+        extension="extendedKeyUsage=clientAuth",
+        purpose="the API server's webhook client certificate",
+    )
 
 
 def admission_configuration(webhook_kubeconfig: Path) -> str:
@@ -122,22 +138,11 @@ def generate_serving_certificate(directory: Path, common_name: str) -> tuple[Pat
     """A throwaway CA and a serving certificate for 127.0.0.1 and localhost (CN `common_name`) it signed,
     in `directory`: (ca.crt, tls.crt, tls.key), the names controller-runtime's webhook servers read.
     Needs the openssl command."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        raise ControlPlaneError("need the openssl command to create a webhook serving certificate")
-    directory.mkdir(parents=True, exist_ok=True)
-    ca_key, ca, key, csr, crt = (directory / n for n in ("ca.key", "ca.crt", "tls.key", "tls.csr", "tls.crt"))
-    ext = directory / "san.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    steps = [
-        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "2",
-         "-subj", "/CN=gputopo-local-ca"],
-        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", f"/CN={common_name}"],
-        ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", crt, "-days", "2",
-         "-extfile", ext],
-    ]  # fmt: skip
-    for argv in steps:
-        subprocess.run([openssl, *map(str, argv)], check=True, capture_output=True)
-    for private in (ca_key, key):
-        private.chmod(0o600)
-    return ca, crt, key
+    return _signed_by_new_ca(
+        directory,
+        ca_cn="gputopo-local-ca",
+        cn=common_name,
+        stem="tls",
+        extension="subjectAltName=IP:127.0.0.1,DNS:localhost",
+        purpose="a webhook serving certificate",
+    )

@@ -244,6 +244,16 @@ class Env:
         out: JSON = r.json()
         return out
 
+    def passed(self, pod: JSON, names: list[str]) -> list[str]:
+        """The nodes the pod's filter passes."""
+        return list(self.filter(pod, names)["NodeNames"])
+
+    def reasons(self, pod: JSON, names: list[str]) -> set[str]:
+        """Why the pod's filter passes no node: every distinct message, resolvable or not."""
+        out = self.filter(pod, names)
+        assert out["NodeNames"] == []
+        return set(out["FailedNodes"].values()) | set(out["FailedAndUnresolvableNodes"].values())
+
     def prioritize(self, pod: JSON, names: list[str], *, lower: bool = False) -> dict[str, int]:
         r = self.call("prioritize", args(pod, names, lower=lower))
         assert r.status == 200, r.text

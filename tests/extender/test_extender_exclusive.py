@@ -68,13 +68,11 @@ def with_jobs(env: Env, pods: int = 2, replicas: int = 2) -> None:
 
 
 def passed(env: Env, pod: JSON, names: list[str] = NODES) -> list[str]:
-    return list(env.filter(pod, names)["NodeNames"])
+    return env.passed(pod, names)
 
 
 def reasons(env: Env, pod: JSON, names: list[str] = NODES) -> set[str]:
-    out = env.filter(pod, names)
-    assert out["NodeNames"] == []
-    return set(out["FailedNodes"].values()) | set(out["FailedAndUnresolvableNodes"].values())
+    return env.reasons(pod, names)
 
 
 def leaf_of(node: str) -> str:

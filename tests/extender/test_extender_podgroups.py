@@ -34,13 +34,11 @@ def member(name: str, group: str, gpus: int = 2, annotations: dict[str, str] | N
 
 
 def passed(env: Env, pod: JSON, names: list[str] = NODES) -> list[str]:
-    return list(env.filter(pod, names)["NodeNames"])
+    return env.passed(pod, names)
 
 
 def reasons(env: Env, pod: JSON, names: list[str] = NODES) -> set[str]:
-    out = env.filter(pod, names)
-    assert out["NodeNames"] == []
-    return set(out["FailedNodes"].values()) | set(out["FailedAndUnresolvableNodes"].values())
+    return env.reasons(pod, names)
 
 
 def with_podgroup(env: Env, pg: JSON) -> None:
