@@ -1,4 +1,5 @@
-"""The network hierarchy read from node labels (docs/annotations.md, "Network tiers")."""
+"""The network hierarchy read from node labels (docs/annotations.md, "Network tiers"; the labelers whose
+keys the defaults read: docs/configuration.md, "Topology labelers")."""
 
 from __future__ import annotations
 
@@ -8,15 +9,32 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gputopo.model import LABEL_NETWORK_LEAF, LABEL_NETWORK_SPINE
 
+# EKS numbers its layers from the top and only some instance types have a fourth: the bottom layer is the
+# leaf, so layer-3 is the spine only where layer-4 exists (Tier.only_with) and the leaf otherwise.
+EKS_LAYER = "topology.k8s.aws/network-node-layer-"
+
 
 class Tier(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     name: str
     labels: tuple[str, ...] = Field(min_length=1)
+    # label -> another label: the first counts for this tier only on a node that carries the second too.
+    only_with: dict[str, str] = Field(default_factory=dict)
     # Downlink to uplink capacity of this tier's switches (2.0 = 2:1). Only the communication-time
     # estimate reads it (docs/cost-model.md): traffic leaving a switch of this tier gets 1/ratio.
     oversubscription: float = Field(1.0, ge=1.0, le=1000.0, allow_inf_nan=False)
+
+    def __hash__(self) -> int:  # frozen, so hashable like before only_with (a dict) was added
+        return hash((self.name, self.labels, tuple(sorted(self.only_with.items())), self.oversubscription))
+
+    def switch(self, labels: Mapping[str, str]) -> str | None:
+        """The value of the first of this tier's labels present (and non-empty) on a node, or None."""
+        for key in self.labels:
+            value = labels.get(key)
+            if value and (key not in self.only_with or labels.get(self.only_with[key])):
+                return value
+        return None
 
 
 class TierConfig(BaseModel):
@@ -24,6 +42,10 @@ class TierConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
+    # Per tier: gputopo's own key, then topograph before 1.0 and from 1.0 (switch tiers closest first),
+    # EKS, GKE, Nebius, CoreWeave. Keys above the spine (topograph tier-3, EKS layer-1 of four, Nebius
+    # gpu-cluster-id) are not read: a third network tier would count every node without its label as a
+    # domain of its own, so groups on two-tier fabrics would be packed by node count first.
     tiers: tuple[Tier, ...] = (
         Tier(
             name="spine",
@@ -31,20 +53,37 @@ class TierConfig(BaseModel):
             labels=(
                 LABEL_NETWORK_SPINE,
                 "network.topology.nvidia.com/spine",
-                "topology.k8s.aws/network-node-layer-2",
+                "fabric.topograph.run/tier-2",
+                f"{EKS_LAYER}3",
+                f"{EKS_LAYER}2",
                 "cloud.google.com/gce-topology-block",
+                "topology.nebius.com/tier-2",
             ),
+            only_with={f"{EKS_LAYER}3": f"{EKS_LAYER}4"},
         ),
         Tier(
             name="leaf",
             labels=(
                 LABEL_NETWORK_LEAF,
                 "network.topology.nvidia.com/leaf",
-                "topology.k8s.aws/network-node-layer-3",
+                "fabric.topograph.run/tier-1",
+                f"{EKS_LAYER}4",
+                f"{EKS_LAYER}3",
                 "cloud.google.com/gce-topology-subblock",
+                "topology.nebius.com/tier-1",
             ),
         ),
-        Tier(name="nvlink-domain", labels=("nvidia.com/gpu.clique",)),
+        Tier(
+            name="nvlink-domain",
+            labels=(
+                "nvidia.com/gpu.clique",
+                "network.topology.nvidia.com/accelerator",
+                "accelerator.topograph.run/sub-domain",  # an NVLink partition of the domain: the narrower
+                "accelerator.topograph.run/domain",
+                "topology.nebius.com/tier-0",
+                "ds.coreweave.com/nvlink.domain",
+            ),
+        ),
     )
 
     @property
@@ -55,15 +94,11 @@ class TierConfig(BaseModel):
         """The switch (or domain) a node sits under at `tier`, or None when no label says."""
         for t in self.tiers:
             if t.name == tier:
-                for key in t.labels:
-                    value = labels.get(key)
-                    if value:
-                        return value
-                return None
+                return t.switch(labels)
         raise KeyError(tier)
 
     def locate(self, labels: Mapping[str, str]) -> dict[str, str | None]:
-        return {t.name: self.switch_of(labels, t.name) for t in self.tiers}
+        return {t.name: t.switch(labels) for t in self.tiers}
 
     def network_tiers(self) -> tuple[str, ...]:
         """Tiers that describe the RDMA fabric (everything except the NVLink domain), widest first."""

@@ -108,8 +108,10 @@ _SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a
 
 
 def tier_of_label(tiers: Sequence[tuple[str, Sequence[str]]], key: str) -> str | None:
-    """The tier (name, labels; widest first) whose labels contain the node label `key`, or None."""
-    for name, labels in tiers:
+    """The tier (name, labels; widest first) whose labels contain the node label `key`, or None. A key that
+    two tiers read (EKS layer-3: the spine of 4-layer nodes, else the leaf) names the narrower: one switch
+    of it is within one domain of the key on every node."""
+    for name, labels in reversed(tiers):
         if key in labels:
             return name
     return None
