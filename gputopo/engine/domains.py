@@ -70,6 +70,28 @@ def tie_keys(nodes: Iterable[NodeState], free: DomainFree, narrow: Sequence[str]
     return TieKeys((n.name, free.tie_key(n, narrow)) for n in nodes)
 
 
+class FreeTracker:
+    """`domain_free` kept current while nodes change one at a time (a simulator's run): `figures` is a view
+    over the tracker's own sums, which `replace` moves by one node's change instead of recounting every
+    node for every pod."""
+
+    def __init__(self, nodes: Iterable[NodeState], tiers: TierConfig = DEFAULT_TIERS) -> None:
+        start = domain_free(nodes, tiers)
+        self._by_tier = {t: dict(d) for t, d in start.by_tier.items()}
+        self._by_node = dict(start.by_node)
+        self.figures = DomainFree(self._by_tier, self._by_node)
+
+    def replace(self, old: NodeState, new: NodeState) -> None:
+        """`old` became `new` (its GPUs in use changed; its name and location did not)."""
+        free = free_gpus(new)
+        delta = free - self._by_node.get(old.name, 0)
+        self._by_node[new.name] = free
+        if delta:
+            for tier, sums in self._by_tier.items():
+                key = domain_of(new, tier)
+                sums[key] = sums.get(key, 0) + delta
+
+
 def domain_free(nodes: Iterable[NodeState], tiers: TierConfig = DEFAULT_TIERS) -> DomainFree:
     """Free GPUs per domain of every tier in `tiers` (network tiers and the NVLink domain), over `nodes`."""
     names = tiers.names

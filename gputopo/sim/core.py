@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from gputopo.clusterfile import JobSpec
 from gputopo.engine.besteffort import ScoreMatrix, best_effort_scores, pair_scores
 from gputopo.engine.cliques import bits, mask_of, popcount
-from gputopo.engine.domains import domain_free
+from gputopo.engine.domains import FreeTracker
 from gputopo.engine.explain import gpu_ranges, packing_clause, placement_sentence, runner_up
 from gputopo.engine.groupplan import GroupFailure, Member, group_waiting_message
 from gputopo.engine.groups import plan_group
@@ -138,6 +138,7 @@ class _Run:
     ) -> None:
         self.best_fit = best_fit
         self.nodes = list(nodes)
+        self.free = FreeTracker(self.nodes, tiers)  # over every node, as the extender counts them
         self.index = {n.name: i for i, n in enumerate(self.nodes)}
         self.hw = [_hw(n) for n in self.nodes]
         self.policy = policy
@@ -153,7 +154,8 @@ class _Run:
     def take(self, node: str, gpus: Sequence[int]) -> None:
         i = self.index[node]
         if gpus:
-            self.nodes[i] = with_in_use(self.nodes[i], frozenset(gpus), self.tiers)
+            old, self.nodes[i] = self.nodes[i], with_in_use(self.nodes[i], frozenset(gpus), self.tiers)
+            self.free.replace(old, self.nodes[i])
 
     def free_mask(self, i: int) -> int:
         return self.hw[i].usable & ~mask_of(self.nodes[i].in_use)
@@ -162,8 +164,7 @@ class _Run:
 
     def gputopo_single(self, pod: SimPod) -> None:
         verdicts = evaluate_pod(self.nodes, pod.request, self.weights)
-        # Over every node, as the extender counts them; without best fit, ties go by name (as before it).
-        free = domain_free(self.nodes, self.tiers) if self.best_fit else None
+        free = self.free.figures if self.best_fit else None  # without best fit, ties go by name (as before it)
         ranked = rank(verdicts, free, self.tiers)
         if not ranked:
             reasons = summarize_failures([v.outcome.message for v in verdicts], len(verdicts))

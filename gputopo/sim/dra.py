@@ -20,7 +20,7 @@ from typing import Literal
 
 from gputopo.clusterfile import JobSpec
 from gputopo.engine.cliques import popcount
-from gputopo.engine.domains import domain_free
+from gputopo.engine.domains import FreeTracker
 from gputopo.engine.dra import (
     ATTR_CLIQUES,
     PARTITIONS,
@@ -168,6 +168,7 @@ class _DraRun:
         weights: ScoreWeights,
     ) -> None:
         self.nodes = list(nodes)
+        self.free = FreeTracker(self.nodes, tiers)
         self.index = {n.name: i for i, n in enumerate(self.nodes)}
         self.by_name = sorted(range(len(self.nodes)), key=lambda i: self.nodes[i].name)
         self.encoding = encoding_
@@ -206,7 +207,8 @@ class _DraRun:
         return self.memo[key]
 
     def take(self, i: int, gpus: Sequence[int]) -> None:
-        self.nodes[i] = with_in_use(self.nodes[i], frozenset(gpus), self.tiers)
+        old, self.nodes[i] = self.nodes[i], with_in_use(self.nodes[i], frozenset(gpus), self.tiers)
+        self.free.replace(old, self.nodes[i])
 
     def record(self, pod: SimPod, i: int, got: Allocation, why: str) -> None:
         node = self.nodes[i]
@@ -247,7 +249,7 @@ class _DraRun:
     def engine_single(self, pod: SimPod) -> None:
         claim = claim_for(pod.request, self.encoding, opted_in=pod.opted_in)
         verdicts = evaluate_pod(self.nodes, pod.request, self.weights)
-        ranked = rank(verdicts, domain_free(self.nodes, self.tiers), self.tiers)  # ties as the extender breaks them
+        ranked = rank(verdicts, self.free.figures, self.tiers)  # ties as the extender breaks them
         for v in ranked:
             i = self.index[v.name]
             got = self.try_node(i, claim)

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from gputopo.engine.domains import domain_free, domain_of, free_gpus
-from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.engine.domains import FreeTracker, domain_free, domain_of, free_gpus
+from gputopo.engine.snapshot import NodeState, node_state, with_in_use
 from gputopo.systems import build_system
 
 
@@ -37,3 +39,17 @@ def test_a_node_with_a_problem_counts_no_free_gpu() -> None:
     stale = node_state("x", None, labels={"gputopo.io/network-leaf": "l1"})
     assert free_gpus(stale) == 0
     assert domain_free([stale]).of(stale, "leaf") == 0
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.sets(st.integers(0, 7))), max_size=12))
+def test_the_tracker_equals_a_recount_after_any_sequence_of_changes(changes: list[tuple[int, set[int]]]) -> None:
+    nodes = [node(f"n{i}", f"l{i % 2}", "s1") for i in range(4)]
+    tracker = FreeTracker(nodes)
+    for i, gpus in changes:
+        old, nodes[i] = nodes[i], with_in_use(nodes[i], frozenset(gpus))
+        tracker.replace(old, nodes[i])
+        recount = domain_free(nodes)
+        assert tracker.figures.by_node == recount.by_node
+        assert {t: dict(d) for t, d in tracker.figures.by_tier.items()} == {
+            t: dict(d) for t, d in recount.by_tier.items()
+        }
