@@ -15,7 +15,7 @@ EKS_LAYER = "topology.k8s.aws/network-node-layer-"
 
 
 class Tier(BaseModel):
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, populate_by_name=True)
 
     name: str
     labels: tuple[str, ...] = Field(min_length=1)
@@ -24,9 +24,14 @@ class Tier(BaseModel):
     # Downlink to uplink capacity of this tier's switches (2.0 = 2:1). Only the communication-time
     # estimate reads it (docs/cost-model.md): traffic leaving a switch of this tier gets 1/ratio.
     oversubscription: float = Field(1.0, ge=1.0, le=1000.0, allow_inf_nan=False)
+    # The most nodes of one domain of this tier that one group may take (the nvlink-domain tier: trays of
+    # a rack, the rest kept as spares); a node label `gputopo.io/nvlink-domain-cap` overrides it per domain.
+    group_cap: int | None = Field(None, alias="groupCap", ge=1, le=4096)
 
     def __hash__(self) -> int:  # frozen, so hashable like before only_with (a dict) was added
-        return hash((self.name, self.labels, tuple(sorted(self.only_with.items())), self.oversubscription))
+        return hash(
+            (self.name, self.labels, tuple(sorted(self.only_with.items())), self.oversubscription, self.group_cap)
+        )
 
     def switch(self, labels: Mapping[str, str]) -> str | None:
         """The value of the first of this tier's labels present (and non-empty) on a node, or None."""

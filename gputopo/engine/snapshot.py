@@ -15,7 +15,16 @@ from dataclasses import dataclass, replace
 from gputopo.engine.cliques import mask_of
 from gputopo.engine.reasons import Reason
 from gputopo.engine.scoring import NEAR_NIC
-from gputopo.model import Health, LabelError, NetworkKind, NodeTopology, gpu_rail_masks, nic_rails
+from gputopo.model import (
+    FabricHealth,
+    Health,
+    LabelError,
+    NetworkKind,
+    NodeTopology,
+    gpu_rail_masks,
+    nic_rails,
+    tray_health,
+)
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 
@@ -118,6 +127,10 @@ class NodeState:
     # Per GPU, the fabric rails of its nearest NICs (bit r: rail r; gputopo.model.gpu_rail_masks).
     gpu_rails: tuple[int, ...] = ()
     key: int = 0  # equivalence class: nodes with equal keys get equal verdicts for any pod
+    # The multi-node NVLink fabric of the node's GPUs (gputopo.model.tray_health) and, unless healthy,
+    # why: only a TP group spanning nodes reads it, so it is not part of `key`.
+    fabric: FabricHealth = FabricHealth.UNKNOWN
+    fabric_detail: str = "no fabric info"
 
     @property
     def gpu_count(self) -> int:
@@ -213,6 +226,7 @@ def node_state(
         for nic in topology.nics
     )
     key = _kind_key(shape, failed, impaired, in_use_mask, memory, nics, rails)
+    fabric, fabric_detail = tray_health(topology.gpus)
     return NodeState(
         name=name,
         labels=labels,
@@ -230,6 +244,8 @@ def node_state(
         nics=nics,
         gpu_rails=rails,
         key=key,
+        fabric=fabric,
+        fabric_detail=fabric_detail,
     )
 
 

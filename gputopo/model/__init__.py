@@ -5,14 +5,19 @@ the simulator. They validate strictly: an unknown schema version or a malformed 
 names the annotation and the value, never a guess. The model imports nothing else from gputopo: the
 engine, the agent and the extender all sit above it.
 
-Modules: `names` (keys and shared names), `base` (AnnotationError, the wire base), `topology`,
-`inuse` (gpus-in-use), `rails`, `quantity`, `request` (pod annotations) and `placement`. Import from
-`gputopo.model`; every public name is here.
+Modules: `names` (keys and shared names), `base` (AnnotationError, the wire base), `topology`, `fabric`
+(NVLink fabric health), `inuse` (gpus-in-use), `rails`, `quantity`, `request` (pod annotations) and
+`placement`. Import from `gputopo.model`; every public name is here.
 """
 
 from gputopo.model.base import (
     AnnotationError,
     LabelError,
+)
+from gputopo.model.fabric import (
+    HEALTHY_MASK,
+    decode_health,
+    tray_health,
 )
 from gputopo.model.inuse import (
     IN_USE_VERSION,
@@ -106,7 +111,10 @@ from gputopo.model.topology import (
     MAX_TEXT_LENGTH,
     MAX_TOPOLOGY_BYTES,
     DegradedLink,
+    FabricHealth,
     FabricInfo,
+    FabricState,
+    GpuFabric,
     GpuInfo,
     Health,
     LinkLayer,
@@ -137,6 +145,7 @@ __all__ = [
     "EXTENDER_COMPONENT",
     "GPUS_IN_USE_ANNOTATION",
     "GPU_RESOURCE",
+    "HEALTHY_MASK",
     "IN_USE_VERSION",
     "LABEL_GPU_MEMORY_GIB",
     "LABEL_NETWORK_LEAF",
@@ -175,7 +184,10 @@ __all__ = [
     "CommEstimate",
     "ControllerFacts",
     "DegradedLink",
+    "FabricHealth",
     "FabricInfo",
+    "FabricState",
+    "GpuFabric",
     "GpuInfo",
     "GpusInUse",
     "Health",
@@ -196,6 +208,7 @@ __all__ = [
     "RunnerUp",
     "Spread",
     "agent_lease_name",
+    "decode_health",
     "format_gpus_in_use",
     "format_mib",
     "gpu_rail_masks",
@@ -210,4 +223,5 @@ __all__ = [
     "parse_quantity_bytes",
     "parse_rails_label",
     "parse_topology",
+    "tray_health",
 ]

@@ -87,6 +87,32 @@ _Gbps = Annotated[float, Field(ge=0, le=MAX_LINK_GBPS, allow_inf_nan=False)]
 _NumaNode = Annotated[int, Field(ge=-1, le=4096)]  # -1: the kernel does not know
 
 
+class FabricState(StrEnum):
+    """NVML's GPU fabric registration state (nvmlGpuFabricState_t)."""
+
+    NOT_SUPPORTED = "not-supported"
+    NOT_STARTED = "not-started"
+    IN_PROGRESS = "in-progress"
+    COMPLETED = "completed"
+
+
+class FabricHealth(StrEnum):
+    """A GPU's multi-node NVLink fabric as placement reads it; anything not shown healthy is unknown."""
+
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"
+    UNKNOWN = "unknown"
+
+
+class GpuFabric(Wire):
+    """One GPU's NVML fabric info as the agent publishes it: registration state, its return status
+    (0 = success) and the raw `healthMask` (decoded by `gputopo.model.fabric_health`)."""
+
+    state: FabricState
+    status: Annotated[int, Field(ge=0, le=0xFFFFFFFF)] = 0
+    health_mask: Annotated[int, Field(alias="healthMask", ge=0, le=0xFFFFFFFF)] = 0
+
+
 class GpuInfo(Wire):
     index: Annotated[int, Field(ge=0, lt=MAX_GPUS_PER_NODE)]
     uuid: Name
@@ -96,6 +122,7 @@ class GpuInfo(Wire):
     numa_node: _NumaNode | None = Field(alias="numaNode", default=None)
     health: Health = Health.OK
     reasons: Annotated[tuple[Text, ...], Field(max_length=MAX_REASONS)] = ()
+    fabric: GpuFabric | None = None  # multi-node NVLink fabric (NVL72 trays); None where NVML reports none
 
     @model_validator(mode="after")
     def _memory_known_unless_failed(self) -> GpuInfo:
