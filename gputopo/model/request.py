@@ -26,6 +26,7 @@ ANN_SPREAD = "gputopo.io/spread"
 ANN_REQUIRED_TIER = "gputopo.io/required-tier"
 ANN_PREFERRED_TIER = "gputopo.io/preferred-tier"
 ANN_MESSAGE_SIZE = "gputopo.io/message-size"
+ANN_TP_SIZE = "gputopo.io/tp-size"
 POD_OPT_IN_ANNOTATIONS = (
     ANN_NVLINK,
     ANN_MIN_GPU_MEMORY,
@@ -37,6 +38,7 @@ POD_OPT_IN_ANNOTATIONS = (
     ANN_REQUIRED_TIER,
     ANN_PREFERRED_TIER,
     ANN_MESSAGE_SIZE,
+    ANN_TP_SIZE,
 )
 # Written by gputopo itself; present on pods but not part of the user's request.
 POD_OUTPUT_ANNOTATIONS = (PLACEMENT_ANNOTATION,)
@@ -95,6 +97,12 @@ class PodRequest(BaseModel):
     required_tier: str | None = None
     preferred_tier: str | None = None
     message_bytes: int = DEFAULT_MESSAGE_BYTES
+    # GPUs per tensor-parallel group (`gputopo.io/tp-size`): consecutive members (in stage order) whose
+    # GPUs add up to it form one TP group, which must lie in one NVLink domain. None: each member's own.
+    tp_size: int | None = None
+    # The ComputeDomain whose IMEX channel the pod claims (namespace/ResourceClaimTemplate), read from the
+    # pod's resource claims by the extender, never from an annotation: its pods share one NVLink domain.
+    compute_domain: str | None = None
 
     @property
     def is_group(self) -> bool:
