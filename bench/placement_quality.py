@@ -70,6 +70,11 @@ gputopo/sim/core.py and docs/simulator.md for what each policy does and what eac
    hold them all, the cliques the 4 published partitions leave out, and for k = 2, 4, 8 the share of
    the node's fully connected k-sets a claim can ask for under each encoding (two synthetic layouts
    at the end show what the partitions lose when cliques overlap more than on DGX-1V).
+
+6. **Rack-scale NVLink** (bench/rack_quality.py, printed last): GB200 NVL72 racks beside H100 nodes, TP
+   groups of 8-64 GPUs over 4-GPU trays and pipelines bigger than a rack, placed by gputopo, the default
+   policy and a first-fit NVLink-domain choice; TP groups in one domain, balanced splits, stranded GPUs
+   and the predicted TP all-reduce.
 """
 
 from __future__ import annotations
@@ -88,6 +93,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+import rack_quality  # noqa: E402  (beside this script)
 
 from gputopo.clusterfile import JobSpec  # noqa: E402
 from gputopo.engine.domains import domain_free, domain_of, free_gpus  # noqa: E402
@@ -630,7 +637,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--load", type=float, default=1.05, help="requested GPUs / cluster GPUs (default 1.05)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="a quarter of the Alibaba pods, 1,000 nodes at scale")
-    ap.add_argument("--skip", choices=("alibaba", "llm", "scale", "dra", "fabric"), action="append", default=[])
+    ap.add_argument("--skip", choices=("alibaba", "llm", "scale", "dra", "fabric", "rack"), action="append", default=[])
     ap.add_argument("--fabric-load", type=float, default=0.6, help="the fabric-packing mixes' load (default 0.6)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -707,6 +714,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "dra" not in args.skip:
         print("== 4. DRA clique encodings per named system")
         print("\n".join(encoding_section()))
+        print()
+
+    if "rack" not in args.skip:
+        print("== 6. Rack-scale NVLink: GB200 NVL72 racks beside H100 nodes")
+        print("\n".join(rack_quality.section(args.load, args.seed)))
         print()
 
     print(f"total wall time {time.perf_counter() - t_start:.0f} s")

@@ -11,14 +11,16 @@ real run's (the same definitions, `gputopo.sim.metrics`), and the engine's own d
 kube-scheduler's tie-break, a random node among those the engine scores equal (`--tie-seeds`, offline).
 
 Mixes: `examples` (examples/cluster.yaml + examples/jobs.yaml), `llm` (bench/placement_quality.py part
-2) and `alibaba` (the first `--pods` pods of bench/placement_quality.py part 1, on its 1,213 nodes).
+2), `alibaba` (the first `--pods` pods of bench/placement_quality.py part 1, on its 1,213 nodes) and
+`rack` (bench/rack_quality.py's mix of seed `--seed`: GB200 NVL72 racks beside H100 nodes, TP groups
+across trays).
 The last line is `agreement N/M pods (P%)` over every pod fed. Every wait is bounded, each mix by
 `--deadline` seconds (a mix cut short says so); everything listens on 127.0.0.1, and teardown stops
 only the processes this script started.
 
     .venv/bin/python bench/sim_vs_real.py                    # every mix (about 10 min on 2 cores)
     .venv/bin/python bench/sim_vs_real.py --mix examples
-    .venv/bin/python bench/sim_vs_real.py --quick            # a smaller llm load and 200 Alibaba pods
+    .venv/bin/python bench/sim_vs_real.py --quick            # a smaller llm and rack load, 200 Alibaba pods
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import placement_quality as pq  # noqa: E402  (beside this script)
+import rack_quality  # noqa: E402  (beside this script)
 
 from gputopo.clusterfile import JobSpec, cluster_states, load_cluster, load_jobs  # noqa: E402
 from gputopo.engine.snapshot import NodeState  # noqa: E402
@@ -46,7 +49,7 @@ from gputopo.sim import SimResult, Summary, simulate  # noqa: E402
 from gputopo.sim.fidelity import follow_engine  # noqa: E402
 from gputopo.tiers import DEFAULT_TIERS  # noqa: E402
 
-MIXES = ("examples", "llm", "alibaba")
+MIXES = ("examples", "llm", "alibaba", "rack")
 
 
 def say(msg: str) -> None:
@@ -72,6 +75,12 @@ def alibaba_mix(pods: int) -> tuple[list[NodeState], list[JobSpec], str]:
     nodes, _ = pq.alibaba_cluster()
     jobs = pq.alibaba_jobs(sum(n.gpu_count for n in nodes), 1.05)[:pods]
     return nodes, jobs, f"placement_quality.py part 1 (Alibaba v2023), the first {len(jobs)} pods"
+
+
+def rack_mix(load: float, seed: int) -> tuple[list[NodeState], list[JobSpec], str]:
+    nodes = rack_quality.rack_cluster()
+    jobs = rack_quality.rack_jobs(nodes, load, seed)
+    return nodes, jobs, f"rack_quality.py (placement_quality.py part 6), seed {seed}, load {load:g}"
 
 
 # ----------------------------------------------------------------------------------- report
@@ -186,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
         "examples": examples_mix,
         "llm": lambda: llm_mix(0.5 if args.quick else args.load, args.seed),
         "alibaba": lambda: alibaba_mix(min(args.pods, 200) if args.quick else args.pods),
+        "rack": lambda: rack_mix(0.5 if args.quick else args.load, args.seed),
     }
     t_start = time.monotonic()
     agreed = total = 0
@@ -223,9 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="The simulator against the real kube-scheduler and extender, pod by pod.")
     p.add_argument("--mix", choices=(*MIXES, "all"), default="all")
     p.add_argument("--pods", type=int, default=1000, help="pods of the Alibaba slice (default 1000)")
-    p.add_argument("--load", type=float, default=1.05, help="the LLM mix's requested GPUs / cluster GPUs (1.05)")
+    p.add_argument("--load", type=float, default=1.05, help="the LLM and rack mixes' requested GPUs / GPUs (1.05)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="LLM load 0.5 and at most 200 Alibaba pods")
+    p.add_argument("--quick", action="store_true", help="LLM and rack load 0.5, at most 200 Alibaba pods")
     p.add_argument(
         "--tie-seeds", type=int, default=3, help="seeds of the engine with random tie-breaks, offline (default 3)"
     )

@@ -306,6 +306,10 @@ def test_helm_upgrade_keeps_the_generated_webhook_certificate_and_the_webhook_tr
             "own", {"metadata": {"annotations": {"gputopo.io/gpus-in-use": None}}}, None, id="own drop gputopo ann"
         ),
         pytest.param("own", {"metadata": {"labels": {"gputopo.io/nvswitch": "true"}}}, None, id="own gputopo label"),
+        # What the agent sends when a node stops reporting a label it owns (gputopo.io/nvlink-fabric).
+        pytest.param(
+            "own", {"metadata": {"labels": {"gputopo.io/simulated": None}}}, None, id="own drop gputopo label"
+        ),
         pytest.param(
             "own", {"metadata": {"annotations": {"example.com/x": "1"}}}, ANN, id="own add foreign annotation"
         ),

@@ -45,6 +45,8 @@ EXPECTED: dict[str, tuple[str, ...]] = {
         "pods placed.",
         "TopologyPlacement",
         "5/5 pods of JobSet llama-pretrain placed.",
+        "TP group 0/1 (16 GPUs, ranks 0-3) in NVLink domain",
+        "4/4 pods of TP group tp16 placed in one NVLink domain.",
         "tearing down",
     ),
     "./scripts/demo.sh --installed": ("pods placed.", "helm install", "helm uninstall"),

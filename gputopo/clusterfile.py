@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from gputopo.engine.snapshot import NodeState, node_state
 from gputopo.model import ANN_GROUP, ANN_GROUP_SIZE, ANN_STAGE, NodeTopology
-from gputopo.systems import UnknownSystemError, build_system
+from gputopo.systems import RACKS, UnknownSystemError, build_system, check_tray_numbers, rack_trays, tray_count
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 M = TypeVar("M", bound=BaseModel)
@@ -45,18 +45,78 @@ class NodeSpec(BaseModel):
         return build_system(self.fixture, self.name)
 
 
+class RackSpec(BaseModel):
+    """A named rack (`gb200-nvl72`, `gb300-nvl72`): its trays are nodes `<name>-tray-NN` of one NVLink domain."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    system: str
+    trays: int | None = None  # default: the rack's full count (18)
+    labels: dict[str, str] = Field(default_factory=dict)  # on every tray
+    degraded: list[int] = Field(default_factory=list)  # tray numbers whose GPU 2 reports degraded fabric
+    gpus_in_use: dict[int, list[int]] = Field(alias="gpusInUse", default_factory=dict)  # tray number -> GPUs
+
+    @field_validator("system")
+    @classmethod
+    def _known(cls, system: str) -> str:
+        if system not in RACKS:
+            raise ValueError(f"unknown rack system {system!r}; known: {', '.join(sorted(RACKS))}")
+        return system
+
+    @field_validator("trays")
+    @classmethod
+    def _tray_count(cls, trays: int | None, info: ValidationInfo) -> int | None:
+        if trays is not None and info.data.get("system") in RACKS:
+            tray_count(info.data["system"], trays)
+        return trays
+
+    @field_validator("degraded", "gpus_in_use")
+    @classmethod
+    def _trays_exist(cls, value: list[int] | dict[int, list[int]], info: ValidationInfo) -> object:
+        if info.data.get("system") not in RACKS or "trays" not in info.data:
+            return value  # the system or the count is already reported
+        count = tray_count(info.data["system"], info.data["trays"])
+        check_tray_numbers(count, value, "degraded" if info.field_name == "degraded" else "in-use")
+        if isinstance(value, dict):
+            gpus = len(build_system(RACKS[info.data["system"]].tray).gpus)
+            for tray, in_use in value.items():
+                bad = [g for g in in_use if not 0 <= g < gpus]
+                if bad:
+                    raise ValueError(f"tray {tray}: {bad} out of range for {gpus} GPUs")
+        return value
+
+    def expand(self) -> list[NodeSpec]:
+        """One node per tray, named `<name>-tray-NN`, with the rack's labels."""
+        return [
+            NodeSpec(name=node, fixture=tray, labels=self.labels, gpus_in_use=self.gpus_in_use.get(t, []))
+            for t, (node, tray) in enumerate(rack_trays(self.system, self.name, self.trays, self.degraded), start=1)
+        ]
+
+
 class ClusterSpec(BaseModel):
+    """The file's `nodes`, then every rack's trays (expanded when the file is read)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    nodes: list[NodeSpec]
+    nodes: list[NodeSpec] = Field(default_factory=list)
+    racks: list[RackSpec] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _unique(self) -> ClusterSpec:
-        seen: set[str] = set()
-        for n in self.nodes:
+        seen: dict[str, str] = {}
+        for i, n in enumerate(self.nodes):
             if n.name in seen:
                 raise ValueError(f"node name {n.name!r} appears twice")
-            seen.add(n.name)
+            seen[n.name] = f"nodes[{i}]"
+        trays = []
+        for i, r in enumerate(self.racks):
+            for t in r.expand():
+                if t.name in seen:
+                    raise ValueError(f"racks[{i}] ({r.name}).name: tray node {t.name!r} is also {seen[t.name]}")
+                seen[t.name] = f"racks[{i}] ({r.name})"
+                trays.append(t)
+        self.nodes = [*self.nodes, *trays]
         return self
 
 
@@ -112,42 +172,45 @@ def _load_yaml(path: Path) -> Any:
         raise ClusterFileError(f"{path}: not valid YAML{where} ({problem})") from None
 
 
-def _explain(path: Path, err: ValidationError, data: Any, list_key: str) -> ClusterFileError:
+def _explain(path: Path, err: ValidationError, data: Any) -> ClusterFileError:
     msgs = []
     for e in err.errors()[:3]:
         loc = list(e["loc"])
         where = ".".join(str(p) for p in loc)
-        if len(loc) >= 2 and loc[0] == list_key and isinstance(loc[1], int):
+        if len(loc) >= 2 and isinstance(loc[1], int):
             try:
-                name = data[list_key][loc[1]].get("name")
-                where = f"{list_key}[{loc[1]}] ({name})." + ".".join(str(p) for p in loc[2:])
+                name = data[loc[0]][loc[1]].get("name")
+                where = f"{loc[0]}[{loc[1]}] ({name})." + ".".join(str(p) for p in loc[2:])
             except (KeyError, IndexError, TypeError, AttributeError):
                 pass
         msgs.append(f"{where.rstrip('.')}: {str(e['msg']).removeprefix('Value error, ')}")
     return ClusterFileError(f"{path}: " + "; ".join(msgs))
 
 
-def _load(p: Path, model: type[M], list_key: str) -> M:
+def _load(p: Path, model: type[M], list_key: str, *other_keys: str) -> M:
     """Read, check the top-level shape, validate; every error names the file and the entry."""
     data = _load_yaml(p)
-    if not isinstance(data, Mapping) or list_key not in data:
-        raise ClusterFileError(f"{p}: expected a mapping with a '{list_key}' list")
+    keys = (list_key, *other_keys)
+    if not isinstance(data, Mapping) or not any(k in data for k in keys):
+        lists = " or ".join(f"'{k}'" for k in keys)
+        raise ClusterFileError(f"{p}: expected a mapping with a {lists} list")
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise _explain(p, e, data, list_key) from None
+        raise _explain(p, e, data) from None
 
 
 def load_cluster(path: Path | str) -> ClusterSpec:
+    """The file's nodes, then its racks' trays; errors name the file, the entry and the field."""
     p = Path(path)
-    spec = _load(p, ClusterSpec, "nodes")
+    spec = _load(p, ClusterSpec, "nodes", "racks")
     for i, n in enumerate(spec.nodes):
         try:
             topo = n.resolve_topology()
         except UnknownSystemError as e:
             raise ClusterFileError(f"{p}: nodes[{i}] ({n.name}).fixture: {e}") from None
         bad = [g for g in n.gpus_in_use if not 0 <= g < len(topo.gpus)]
-        if bad:
+        if bad:  # a rack's trays were checked with the rack
             raise ClusterFileError(
                 f"{p}: nodes[{i}] ({n.name}).gpusInUse: {bad} out of range for {len(topo.gpus)} GPUs"
             )

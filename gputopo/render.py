@@ -5,14 +5,15 @@ optionally the GPUs in use) in, a string out.
 
 GPU pairs with NVLink show `NV#`. For pairs without NVLink the topology document carries no PCIe
 path, so the cell is derived from NUMA placement: `NODE` on the same known NUMA node, else `SYS`.
-NIC columns come from each NIC's `gpuAffinity` (`SYS` where unknown).
+NIC columns come from each NIC's `gpuAffinity` (`SYS` where unknown). On an NVL72 tray each GPU's
+multi-node NVLink fabric health follows its legend line, and the tray's health (the worst) its own line.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
 
-from gputopo.model import Health, NodeTopology
+from gputopo.model import FabricHealth, GpuInfo, Health, NodeTopology, decode_health, on_fabric, tray_health
 
 
 def gpu_pair_cell(topology: NodeTopology, i: int, j: int) -> str:
@@ -39,6 +40,16 @@ def _matrix(topology: NodeTopology) -> list[list[str]]:
     return rows
 
 
+def _fabric_phrase(health: FabricHealth, why: str) -> str:
+    return health.value + (f" ({why})" if why else "")
+
+
+def _gpu_legend(gpu: GpuInfo) -> str:
+    bus = f", {gpu.pci_bus_id}" if gpu.pci_bus_id else ""
+    fabric = f", NVLink fabric {_fabric_phrase(*decode_health(gpu.fabric))}" if gpu.fabric is not None else ""
+    return f"GPU{gpu.index}: {gpu.model}, {gpu.memory_mib} MiB{bus}{fabric}"
+
+
 def _fmt_indices(indices: Collection[int]) -> str:
     return ", ".join(str(i) for i in sorted(indices)) if indices else "none"
 
@@ -55,9 +66,7 @@ def render_topology(topology: NodeTopology, gpus_in_use: Collection[int] | None 
         numa = f", NUMA {nic.numa_node}" if nic.numa_node is not None else ""
         bus = f", {nic.pci_bus_id}" if nic.pci_bus_id else ""
         lines.append(f"NIC{k}: {nic.name} ({kind}, {rate}, {nic.state}{numa}{bus})")
-    for gpu in topology.gpus:
-        bus = f", {gpu.pci_bus_id}" if gpu.pci_bus_id else ""
-        lines.append(f"GPU{gpu.index}: {gpu.model}, {gpu.memory_mib} MiB{bus}")
+    lines.extend(_gpu_legend(gpu) for gpu in topology.gpus)
     lines.append("")
     nv = topology.nvlink
     if any(any(row) for row in nv.links):
@@ -67,6 +76,8 @@ def render_topology(topology: NodeTopology, gpus_in_use: Collection[int] | None 
         lines.append("NVLink: none (PCIe only)")
     if topology.fabric is not None:
         lines.append(f"Fabric clique: {topology.fabric.clique}")
+    if on_fabric(topology.gpus):
+        lines.append(f"NVLink fabric: {_fabric_phrase(*tray_health(topology.gpus))}")
     for d in topology.degraded_links:
         detail = f" ({d.detail})" if d.detail else ""
         lines.append(f"Degraded link: GPU{d.gpu} link {d.link} {d.state.value}{detail}")

@@ -2,21 +2,32 @@
 
 Each builder returns a `NodeTopology` exactly as the agent would publish it for a healthy node of that
 kind. Details that no public capture provides (marked synthetic there) are chosen plainly and noted.
+Named racks (RACKS) are trays of one NVLink domain: a tray built for a node named `<rack>-tray-NN`
+takes that rack's clique, so the agent's fixture backend and the cluster files agree on racks.
 """
 
 from __future__ import annotations
 
+import re
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
+from functools import partial
 
 from gputopo.model import (
+    HEALTHY_MASK,
     FabricInfo,
+    FabricState,
+    GpuFabric,
     GpuInfo,
+    Health,
     LinkLayer,
     NicInfo,
     NodeTopology,
     NvlinkInfo,
     PcieDistance,
+    decode_health,
+    degraded_reason,
 )
 
 _UUID_NS = uuid.UUID("6c1d0e3c-8a55-4b0e-9d55-6770757470f0")
@@ -40,6 +51,9 @@ H200_MIB = 143771  # NVIDIA H200 141GB: "0MiB / 143771MiB" (public HGX H200 capt
 L40S_MIB = 46068  # NVIDIA L40S (modal-labs/modal-client #2797)
 RTX4090_MIB = 24564  # NVIDIA GeForce RTX 4090 (RLinf/RLinf #255)
 GB200_MIB = 189471  # NVIDIA GB200 "186GB": "0MiB / 189471MiB" (public GB200 NVL72 tray captures)
+# NVIDIA GB300 (B300, 288 GB HBM3e): synthetic, no public nvidia-smi capture gives the figure. 288 GiB
+# less the 7137 MiB GB200 keeps back from its 192 GiB.
+GB300_MIB = 288 * 1024 - (192 * 1024 - GB200_MIB)
 
 P, X, B, N, S = PcieDistance.PIX, PcieDistance.PXB, PcieDistance.PHB, PcieDistance.NODE, PcieDistance.SYS
 
@@ -262,11 +276,46 @@ def rtx4090_8(node: str = "rtx4090-8") -> NodeTopology:
 
 
 GB200_CLIQUE = "9c6f5af3-53bf-49b5-a436-b66766c413c3.4026"
+# The cliqueId every named rack's GPUs report; the public GB200 capture's (one partition per rack).
+RACK_CLIQUE_ID = 4026
+TRAYS_PER_RACK = 18  # GB200/GB300 NVL72: 18 compute trays of 4 GPUs in one NVLink domain
+_TRAY_NODE = re.compile(r"^(?P<rack>.+)-tray-(?P<tray>[0-9]{2})$")
+# nvml.h healthMask with every field FALSE except DEGRADED_BW = TRUE (bits 0-1 = 1): 0b10101001.
+DEGRADED_BW_MASK = 0xA9
+_DEGRADED_GPU = 2  # the GPU whose fabric reports degraded bandwidth on a degraded tray
 
 
-def gb200_tray(node: str = "gb200-tray", clique: str = GB200_CLIQUE) -> NodeTopology:
-    """One GB200 NVL72 compute tray: 4x B200 186GB, NV18 every pair through the rack's NVSwitches, a
-    multi-node NVLink clique, 4x NDR InfiniBand (per-GPU PCIe distances unpublished: NODE/SYS by socket)."""
+def rack_clique(rack: str) -> str:
+    """The NVLink domain (GFD's `<clusterUUID>.<cliqueId>`) of the rack named `rack`: one per name."""
+    return f"{uuid.uuid5(_UUID_NS, f'rack/{rack}')}.{RACK_CLIQUE_ID}"
+
+
+def _tray_clique(node: str, default: str) -> str:
+    """A node named `<rack>-tray-NN` is a tray of that rack; any other tray is in the system's default domain."""
+    m = _TRAY_NODE.match(node)
+    return rack_clique(m["rack"]) if m else default
+
+
+def _fabric_gpus(gpus: Sequence[GpuInfo], degraded: Collection[int]) -> tuple[GpuInfo, ...]:
+    """Each GPU's fabric as the agent publishes it: registered, healthy unless its index is `degraded`
+    (degraded bandwidth, so the agent also marks the GPU degraded with the decoded reason)."""
+    out = []
+    for g in gpus:
+        mask = DEGRADED_BW_MASK if g.index in degraded else HEALTHY_MASK
+        fabric = GpuFabric(state=FabricState.COMPLETED, status=0, health_mask=mask)
+        update: dict[str, object] = {"fabric": fabric}
+        if g.index in degraded:
+            update |= {"health": Health.DEGRADED, "reasons": (degraded_reason(decode_health(fabric)[1]),)}
+        out.append(g.model_copy(update=update))
+    return tuple(out)
+
+
+def _grace_tray(
+    system: str, node: str, model: str, memory_mib: int, nic_gbps: float, clique: str, degraded: Collection[int]
+) -> NodeTopology:
+    """A Grace Blackwell NVL72 compute tray: 4 GPUs on two Grace sockets, NV18 every pair through the
+    rack's NVSwitches, a multi-node NVLink clique, 4 InfiniBand NICs (per-GPU PCIe distances unpublished:
+    NODE/SYS by socket)."""
     numa = [0, 0, 1, 1]
     buses = ["0008:01:00.0", "0009:01:00.0", "0018:01:00.0", "0019:01:00.0"]
     nic_spec = [
@@ -276,15 +325,33 @@ def gb200_tray(node: str = "gb200-tray", clique: str = GB200_CLIQUE) -> NodeTopo
         ("mlx5_5", "0012:03:00.0", 1),
     ]
     nics = [
-        _nic(name, LinkLayer.INFINIBAND, 400, nn, bus, [N if numa[g] == nn else S for g in range(4)])
+        _nic(name, LinkLayer.INFINIBAND, nic_gbps, nn, bus, [N if numa[g] == nn else S for g in range(4)])
         for name, bus, nn in nic_spec
     ]
     return NodeTopology(
-        gpus=_gpus("gb200-tray", node, "NVIDIA GB200", GB200_MIB, buses, numa),
+        gpus=_fabric_gpus(_gpus(system, node, model, memory_mib, buses, numa), degraded),
         nvlink=NvlinkInfo(generation=5, gbps_per_link=NVLINK_GBPS_PER_LINK[5], nvswitch=True, links=_uniform(4, 18)),
         fabric=FabricInfo(clique=clique),
         nics=tuple(nics),
     )
+
+
+def gb200_tray(node: str = "gb200-tray", clique: str | None = None, degraded: Collection[int] = ()) -> NodeTopology:
+    """One GB200 NVL72 compute tray: 4x B200 186GB, 4x NDR InfiniBand. Its clique is its rack's when the
+    node is named `<rack>-tray-NN`, else GB200_CLIQUE; `degraded` GPUs report degraded fabric bandwidth."""
+    clique = clique or _tray_clique(node, GB200_CLIQUE)
+    return _grace_tray("gb200-tray", node, "NVIDIA GB200", GB200_MIB, 400, clique, degraded)
+
+
+# Synthetic: the domain of GB300 trays whose node names name no rack.
+GB300_CLIQUE = f"{uuid.uuid5(_UUID_NS, 'gb300-tray')}.{RACK_CLIQUE_ID}"
+
+
+def gb300_tray(node: str = "gb300-tray", clique: str | None = None, degraded: Collection[int] = ()) -> NodeTopology:
+    """One GB300 NVL72 compute tray: 4x B300 288GB HBM3e, NVLink 5 as on GB200, 4x 800G ConnectX-8
+    InfiniBand (one per GPU; bus addresses synthetic, as GB200's). Clique and `degraded` as gb200_tray."""
+    clique = clique or _tray_clique(node, GB300_CLIQUE)
+    return _grace_tray("gb300-tray", node, "NVIDIA GB300", GB300_MIB, 800, clique, degraded)
 
 
 SYSTEMS: dict[str, Callable[[str], NodeTopology]] = {
@@ -297,22 +364,41 @@ SYSTEMS: dict[str, Callable[[str], NodeTopology]] = {
     "l40s-4": l40s_4,
     "rtx4090-8": rtx4090_8,
     "gb200-tray": gb200_tray,
+    "gb300-tray": gb300_tray,
 }
 
 # Test variants: not among the named systems above but accepted by name.
 VARIANTS: dict[str, Callable[[str], NodeTopology]] = {
     "dgx-h100-sys-nics": dgx_h100_sys_nics,
     "a100-pcie-bridged-nonadjacent": a100_pcie_bridged_nonadjacent,
+    # GPU 2's fabric reports degraded bandwidth (healthMask 0xa9): a tray NVLink placement avoids.
+    "gb200-tray-degraded": partial(gb200_tray, degraded=(_DEGRADED_GPU,)),
+    "gb300-tray-degraded": partial(gb300_tray, degraded=(_DEGRADED_GPU,)),
+}
+
+
+@dataclass(frozen=True)
+class RackSystem:
+    """A named rack: `trays` compute trays of the named system `tray`, all in one NVLink domain."""
+
+    tray: str  # VARIANTS holds `<tray>-degraded`, whose GPU 2 reports degraded fabric bandwidth
+    trays: int = TRAYS_PER_RACK
+
+
+RACKS: dict[str, RackSystem] = {
+    "gb200-nvl72": RackSystem("gb200-tray"),
+    "gb300-nvl72": RackSystem("gb300-tray"),
 }
 
 
 class UnknownSystemError(KeyError):
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, known: Collection[str] | None = None) -> None:
         self.name = name
+        self.known = sorted(SYSTEMS if known is None else known)
         super().__init__(name)
 
     def __str__(self) -> str:
-        return f"unknown system {self.name!r}; known: {', '.join(sorted(SYSTEMS))}"
+        return f"unknown system {self.name!r}; known: {', '.join(self.known)}"
 
 
 def build_system(name: str, node: str | None = None) -> NodeTopology:
@@ -321,3 +407,37 @@ def build_system(name: str, node: str | None = None) -> NodeTopology:
     if builder is None:
         raise UnknownSystemError(name)
     return builder(node or name)
+
+
+def tray_count(name: str, trays: int | None = None) -> int:
+    """How many trays rack system `name` offers: `trays` (1 to the full rack) or, by default, the full rack."""
+    system = RACKS.get(name)
+    if system is None:
+        raise UnknownSystemError(name, RACKS)
+    count = system.trays if trays is None else trays
+    if not 1 <= count <= system.trays:
+        raise ValueError(f"a {name} rack holds 1 to {system.trays} trays, not {count}")
+    return count
+
+
+def check_tray_numbers(count: int, numbers: Iterable[int], what: str) -> None:
+    """ValueError naming `what` trays unless every tray number is among 1..`count`."""
+    outside = sorted(set(numbers) - set(range(1, count + 1)))
+    if outside:
+        raise ValueError(f"{what} trays {outside} are not among the rack's trays 1-{count}")
+
+
+def rack_trays(name: str, rack: str, trays: int | None = None, degraded: Collection[int] = ()) -> list[tuple[str, str]]:
+    """(node name `<rack>-tray-NN`, tray system name) of each tray of rack `rack`, a named rack `name`:
+    trays 1..`trays` (default all), those in `degraded` (tray numbers) as the degraded variant."""
+    count = tray_count(name, trays)
+    check_tray_numbers(count, degraded, "degraded")
+    tray = RACKS[name].tray
+    return [(f"{rack}-tray-{t:02d}", f"{tray}-degraded" if t in degraded else tray) for t in range(1, count + 1)]
+
+
+def build_rack(
+    name: str, rack: str, trays: int | None = None, degraded: Collection[int] = ()
+) -> list[tuple[str, NodeTopology]]:
+    """Each tray of rack `rack` (see rack_trays) with its topology: one NVLink domain per rack name."""
+    return [(node, build_system(tray, node)) for node, tray in rack_trays(name, rack, trays, degraded)]

@@ -1,11 +1,13 @@
 """The network hierarchy read from node labels (docs/annotations.md, "Network tiers"; the labelers whose
-keys the defaults read: docs/configuration.md, "Topology labelers")."""
+keys the defaults read: docs/configuration.md, "Topology labelers"), and the tier sets that read it differently
+per hardware shape (docs/configuration.md, "Tier sets per hardware shape")."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gputopo.model import LABEL_NETWORK_LEAF, LABEL_NETWORK_SPINE
 
@@ -27,10 +29,20 @@ class Tier(BaseModel):
     # The most nodes of one domain of this tier that one group may take (the nvlink-domain tier: trays of
     # a rack, the rest kept as spares); a node label `gputopo.io/nvlink-domain-cap` overrides it per domain.
     group_cap: int | None = Field(None, alias="groupCap", ge=1, le=4096)
+    # All-reduce bus bandwidth (GB/s) inside one domain of this tier where it is a multi-node NVLink domain;
+    # None: the calibrated NVL72 default (gputopo.engine.cost); `gputopo calibrate --domain` fits it.
+    busbw_gbps: float | None = Field(None, alias="busbwGbps", gt=0, le=100_000.0, allow_inf_nan=False)
 
     def __hash__(self) -> int:  # frozen, so hashable like before only_with (a dict) was added
         return hash(
-            (self.name, self.labels, tuple(sorted(self.only_with.items())), self.oversubscription, self.group_cap)
+            (
+                self.name,
+                self.labels,
+                tuple(sorted(self.only_with.items())),
+                self.oversubscription,
+                self.group_cap,
+                self.busbw_gbps,
+            )
         )
 
     def switch(self, labels: Mapping[str, str]) -> str | None:
@@ -42,8 +54,25 @@ class Tier(BaseModel):
         return None
 
 
+class TierSet(BaseModel):
+    """The tiers of one hardware shape: they read the nodes whose labels hold every pair of `match`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1, max_length=63)
+    match: dict[Annotated[str, Field(min_length=1)], str] = Field(min_length=1)  # label key -> value
+    tiers: tuple[Tier, ...] = Field(min_length=1)
+
+    def __hash__(self) -> int:  # frozen; `match` is a dict
+        return hash((self.name, tuple(sorted(self.match.items())), self.tiers))
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        return all(labels.get(key) == value for key, value in self.match.items())
+
+
 class TierConfig(BaseModel):
-    """Tiers widest first; for each tier the first label present on a node names its switch."""
+    """Tiers widest first; for each tier the first label present on a node names its switch. A node that
+    matches one of `sets` is read by the first such set's tiers instead (same names, other labels)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -91,19 +120,55 @@ class TierConfig(BaseModel):
         ),
     )
 
+    # Tier sets per hardware shape, first match wins; a node matching none takes `tiers` (the set "").
+    sets: tuple[TierSet, ...] = ()
+
+    @model_validator(mode="after")
+    def _sets_name_the_same_tiers(self) -> TierConfig:
+        seen: set[str] = set()
+        for s in self.sets:
+            if s.name in seen:
+                raise ValueError(f"tier set {s.name!r} is named twice: each tier set needs a name of its own")
+            seen.add(s.name)
+            names = tuple(t.name for t in s.tiers)
+            if names != self.names:
+                # Annotations (required-tier, preferred-tier) name tiers: a set may change what labels
+                # mean a tier, not which tiers there are.
+                raise ValueError(
+                    f"tier set {s.name!r} has tiers {', '.join(names)}; every set needs the top-level tiers' "
+                    f"names in their order: {', '.join(self.names)}"
+                )
+        return self
+
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.tiers)
 
+    def for_labels(self, labels: Mapping[str, str]) -> tuple[str, tuple[Tier, ...]]:
+        """The tier set that reads a node with these labels (its name, "" for the top-level tiers) and its tiers."""
+        for s in self.sets:
+            if s.matches(labels):
+                return s.name, s.tiers
+        return "", self.tiers
+
+    def of_set(self, name: str) -> TierConfig:
+        """The tiers of the set `name` alone: what a group planned within that set reads, its group caps and
+        oversubscription among them. These tiers for "" and for a name no set has (a node state built under
+        another configuration)."""
+        for s in self.sets:
+            if s.name == name:
+                return TierConfig.model_construct(tiers=s.tiers)  # valid: a set's tiers, no sets of its own
+        return self
+
     def switch_of(self, labels: Mapping[str, str], tier: str) -> str | None:
         """The switch (or domain) a node sits under at `tier`, or None when no label says."""
-        for t in self.tiers:
+        for t in self.for_labels(labels)[1]:
             if t.name == tier:
                 return t.switch(labels)
         raise KeyError(tier)
 
     def locate(self, labels: Mapping[str, str]) -> dict[str, str | None]:
-        return {t.name: t.switch(labels) for t in self.tiers}
+        return {t.name: t.switch(labels) for t in self.for_labels(labels)[1]}
 
     def network_tiers(self) -> tuple[str, ...]:
         """Tiers that describe the RDMA fabric (everything except the NVLink domain), widest first."""

@@ -7,7 +7,16 @@ engine's clique search, and the model sits below the engine.
 from __future__ import annotations
 
 from gputopo.engine.cliques import max_clique_size
-from gputopo.model import LABEL_GPU_MEMORY_GIB, LABEL_NVLINK_DOMAIN, LABEL_NVSWITCH, LABEL_RDMA, NodeTopology
+from gputopo.model import (
+    LABEL_GPU_MEMORY_GIB,
+    LABEL_NVLINK_DOMAIN,
+    LABEL_NVLINK_FABRIC,
+    LABEL_NVSWITCH,
+    LABEL_RDMA,
+    NodeTopology,
+    on_fabric,
+    tray_health,
+)
 
 
 def largest_clique_size(topology: NodeTopology) -> int:
@@ -27,9 +36,12 @@ def node_labels(topology: NodeTopology) -> dict[str, str]:
     kinds = {n.rdma_kind for n in active}
     rdma = "infiniband" if "infiniband" in kinds else ("roce" if "roce" in kinds else "none")
     memory = min((g.memory_mib for g in topology.gpus), default=0)
-    return {
+    labels = {
         LABEL_NVLINK_DOMAIN: str(largest_clique_size(topology) if topology.gpus else 0),
         LABEL_NVSWITCH: "true" if topology.nvlink.nvswitch else "false",
         LABEL_RDMA: rdma,
         LABEL_GPU_MEMORY_GIB: str(round(memory / 1024)),
     }
+    if on_fabric(topology.gpus):  # a tray: any GPU in a multi-node NVLink fabric
+        labels[LABEL_NVLINK_FABRIC] = tray_health(topology.gpus)[0].value
+    return labels

@@ -1,7 +1,7 @@
 """NVML adapter: the only module that imports `pynvml` (package nvidia-ml-py).
 
 Everything read through NVML passes here: GPUs, memory, PCIe bus and NUMA node, MIG mode, row
-remapping, NVLink state and error counters, fabric registration. The readings are judged by
+remapping, NVLink state and error counters, fabric registration and health. The readings are judged by
 `gputopo.agent.nvml_health` (error counters) and assembled by `gputopo.agent.nvml_topology` into a
 `gputopo.model.NodeTopology` (without NICs; those come from sysfs). The library is reached through
 the `NvmlLib` protocol so tests pass a fake module.
@@ -31,17 +31,28 @@ from pydantic import ValidationError
 from gputopo.agent.nvml_health import COUNTERS, HealthTracker, LinkCounters
 from gputopo.agent.nvml_topology import (
     DEVICE_TYPE_GPU,
+    FABRIC_STATE_COMPLETED,
     GpuReading,
     LinkReading,
     assemble,
     decode_fabric_info,
     fabric_clique,
+    gpu_fabric,
     normalize_bus_id,
     nvlink_generation,
     worst_health,
 )
 from gputopo.agent.sysfs import pci_numa_node
-from gputopo.model import MAX_NAME_LENGTH, MAX_TEXT_LENGTH, GpuInfo, Health, NodeTopology
+from gputopo.model import (
+    MAX_NAME_LENGTH,
+    MAX_TEXT_LENGTH,
+    FabricHealth,
+    GpuInfo,
+    Health,
+    NodeTopology,
+    decode_health,
+    degraded_reason,
+)
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +140,7 @@ def _as_wire(gpu: GpuReading) -> GpuInfo:
         pci_bus_id=gpu.bus_id,
         numa_node=gpu.numa,
         health=gpu.health,
+        fabric=gpu.fabric,
     )
 
 
@@ -325,7 +337,11 @@ class NvmlAdapter:
             self._notes.append("GPU fabric: the binding's fabric-info struct is smaller than NVML's v2")
             return
         gpu.clique = fabric_clique(fabric.state, fabric.status, fabric.cluster_uuid, fabric.clique_id)
-        if gpu.clique is not None and fabric.health_mask & 0x3 == 1:
-            # healthMask bits 0-1 are DEGRADED_BW: 1 = TRUE, 2 = FALSE, 0 = not supported.
+        gpu.fabric = gpu_fabric(fabric)
+        if fabric.state > FABRIC_STATE_COMPLETED:
+            self._notes.append(f"GPU fabric: unknown registration state {fabric.state}")
+        health, why = decode_health(gpu.fabric)
+        if health is FabricHealth.DEGRADED:
+            # The GPU still works inside its tray, but its multi-node NVLink does not at full strength.
             gpu.health = worst_health(gpu.health, Health.DEGRADED)
-            gpu.reasons.append("NVLink fabric reports degraded bandwidth")
+            gpu.reasons.append(degraded_reason(why))

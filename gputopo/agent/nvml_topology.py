@@ -4,6 +4,8 @@
   unresolvable remote counted as a switch link;
 - a fabric clique only for state COMPLETED, status SUCCESS and a non-zero cluster UUID, decoded from
   the fabric-info struct's C layout whatever the binding declares;
+- each GPU's fabric info (state, status, healthMask) published as read, except where it says the GPU is
+  in no multi-node NVLink domain (`gpu_fabric`);
 - each link's health verdict (`gputopo.agent.nvml_health`) becomes a degraded link and a GPU reason, one
   reason per kind so a 36-link GPU stays within the wire model's bounds.
 
@@ -26,6 +28,8 @@ from gputopo.model import (
     MAX_REASONS,
     DegradedLink,
     FabricInfo,
+    FabricState,
+    GpuFabric,
     GpuInfo,
     Health,
     LinkState,
@@ -45,6 +49,8 @@ DEVICE_TYPE_SWITCH = 0x02
 DEVICE_TYPE_UNKNOWN = 0xFF
 FABRIC_STATE_COMPLETED = 3
 NVML_SUCCESS = 0
+# nvmlGpuFabricState_t, in the C enum's order.
+_FABRIC_STATES = (FabricState.NOT_SUPPORTED, FabricState.NOT_STARTED, FabricState.IN_PROGRESS, FabricState.COMPLETED)
 
 # nvmlDeviceGetNvLinkVersion returns an enum, not the generation (1.0, 2.0, 2.2, 3.0, 3.1, 4.0, 5.0, 6.0).
 _NVLINK_VERSION_TO_GENERATION = {1: 1, 2: 2, 3: 2, 4: 3, 5: 3, 6: 4, 7: 5, 8: 6}
@@ -133,6 +139,21 @@ def fabric_clique(state: int, status: int, cluster_uuid: bytes, clique_id: int) 
     return f"{uuid.UUID(bytes=bytes(cluster_uuid))}.{clique_id}"
 
 
+def gpu_fabric(reading: FabricReading) -> GpuFabric | None:
+    """The GPU's fabric info as published, or None where it is in no multi-node NVLink domain.
+
+    None for state NOT_SUPPORTED (the same as NVML raising NotSupported), for a state this gputopo does
+    not know (a newer driver's), and for a registration completed with an all-zero cluster UUID: an HGX
+    board's own NVSwitches, not a tray. A tray still registering, or one whose registration failed,
+    publishes its state: unknown, never healthy."""
+    if not 0 < reading.state < len(_FABRIC_STATES):
+        return None
+    state = _FABRIC_STATES[reading.state]
+    if state is FabricState.COMPLETED and reading.status == NVML_SUCCESS and not any(reading.cluster_uuid):
+        return None
+    return GpuFabric(state=state, status=reading.status, health_mask=reading.health_mask)
+
+
 def _links_phrase(links: Sequence[int]) -> str:
     """`link 5`, `links 3, 5` or `links 0-17`: consecutive runs folded."""
     if len(links) == 1:
@@ -186,6 +207,7 @@ class GpuReading:
     links: list[LinkReading] = field(default_factory=list)
     generation: int = 0
     clique: str | None = None
+    fabric: GpuFabric | None = None
 
 
 def _fabric(gpus: Sequence[GpuReading]) -> FabricInfo | None:
@@ -197,6 +219,20 @@ def _fabric(gpus: Sequence[GpuReading]) -> FabricInfo | None:
     if len(cliques) > 1:
         log.warning("GPUs report different fabric cliques", extra={"cliques": sorted(cliques)})
     return FabricInfo(clique=clique)
+
+
+def _gpu_info(g: GpuReading) -> GpuInfo:
+    return GpuInfo(
+        index=g.index,
+        uuid=g.uuid,
+        model=g.model,
+        memory_mib=g.memory_mib,
+        pci_bus_id=g.bus_id,
+        numa_node=g.numa,
+        health=g.health,
+        reasons=_bounded(g.reasons),
+        fabric=g.fabric,
+    )
 
 
 def assemble(gpus: Sequence[GpuReading], ever_active: Container[tuple[str, int]]) -> NodeTopology:
@@ -257,19 +293,7 @@ def assemble(gpus: Sequence[GpuReading], ever_active: Container[tuple[str, int]]
     generations = [g.generation for g in gpus if g.generation]
     generation = max(generations, default=0)
     return NodeTopology(
-        gpus=tuple(
-            GpuInfo(
-                index=g.index,
-                uuid=g.uuid,
-                model=g.model,
-                memory_mib=g.memory_mib,
-                pci_bus_id=g.bus_id,
-                numa_node=g.numa,
-                health=g.health,
-                reasons=_bounded(g.reasons),
-            )
-            for g in gpus
-        ),
+        gpus=tuple(_gpu_info(g) for g in gpus),
         nvlink=NvlinkInfo(
             generation=generation,
             gbps_per_link=NVLINK_GBPS_PER_LINK.get(generation, 0.0),

@@ -2,10 +2,11 @@
 
 The Node is written only when the content of `gputopo.io/topology`, `gputopo.io/gpus-in-use` or a
 `gputopo.io/*` label differs from what the Node carries (nothing time-varying is published), so a
-steady node causes no Node writes at all. Liveness is the Lease `gputopo-agent-<node>`, renewed
-every heartbeatSeconds; heartbeats never touch the Node. A stopping agent deletes its Lease
-(`release_lease`) unless another agent of the node renewed it since: a node whose agent is gone is
-stale at once (its device plugin is gone too), and `helm uninstall` leaves no Lease behind.
+steady node causes no Node writes at all; a label the agent owns but no longer publishes is removed.
+Liveness is the Lease `gputopo-agent-<node>`, renewed every heartbeatSeconds; heartbeats never touch
+the Node. A stopping agent deletes its Lease (`release_lease`) unless another agent of the node
+renewed it since: a node whose agent is gone is stale at once (its device plugin is gone too), and
+`helm uninstall` leaves no Lease behind.
 
 The Kubernetes client sits behind the small `NodeApi` protocol so unit tests use a fake. API errors
 are retried with `gputopo.kube`'s capped exponential backoff and then reported as a result: nothing
@@ -60,7 +61,7 @@ class NodeApi(Protocol):
 
     def read_node_meta(self, name: str) -> NodeMeta: ...
 
-    def patch_node_meta(self, name: str, annotations: Mapping[str, str], labels: Mapping[str, str]) -> None: ...
+    def patch_node_meta(self, name: str, annotations: Mapping[str, str], labels: Mapping[str, str | None]) -> None: ...
 
     def renew_lease(self, namespace: str, name: str, spec: LeaseSpec) -> None:
         """Update an existing Lease; KubeError(status=404) when it does not exist."""
@@ -87,6 +88,8 @@ def desired_metadata(topology: NodeTopology, gpus_in_use: GpusInUse | None) -> t
 
 
 Metadata = tuple[dict[str, str], dict[str, str]]  # (annotations, labels)
+# As compared and patched: every label the agent owns, None where it publishes none (the patch removes it).
+Owned = tuple[dict[str, str], dict[str, str | None]]
 
 
 def _same_json(a: str | None, b: str) -> bool:
@@ -101,7 +104,7 @@ def _same_json(a: str | None, b: str) -> bool:
         return False
 
 
-def metadata_changes(current: NodeMeta, annotations: Mapping[str, str], labels: Mapping[str, str]) -> Metadata:
+def metadata_changes(current: NodeMeta, annotations: Mapping[str, str], labels: Mapping[str, str | None]) -> Owned:
     """The annotations and labels whose content differs from the Node (JSON compared as values)."""
     ann = {k: v for k, v in annotations.items() if not _same_json(current.annotations.get(k), v)}
     lab = {k: v for k, v in labels.items() if k in NODE_LABEL_KEYS and current.labels.get(k) != v}
@@ -121,23 +124,27 @@ class NodeMetaTarget:
         self._node = node
         self._sleep = sleep
         self._backoff = backoff
-        self._diff: tuple[NodeMeta, Metadata] | None = None  # what `holds` found differing, for `write`
+        self._diff: tuple[NodeMeta, Owned] | None = None  # what `holds` found differing, for `write`
 
-    def comparable(self, desired: Metadata) -> Metadata:
+    def comparable(self, desired: Metadata) -> Owned:
         annotations, labels = desired
-        return dict(annotations), {k: v for k, v in labels.items() if k in NODE_LABEL_KEYS}
+        return dict(annotations), {k: labels.get(k) for k in NODE_LABEL_KEYS}
 
     def read(self) -> NodeMeta:
         return retry(lambda: self._api.read_node_meta(self._node), self._backoff, self._sleep, "get node")
 
-    def holds(self, current: NodeMeta, want: Metadata) -> Metadata:
+    def holds(self, current: NodeMeta, want: Owned) -> Owned:
         ann, lab = metadata_changes(current, *want)
         self._diff = (current, (ann, lab))
         return {k: v for k, v in want[0].items() if k not in ann}, {k: v for k, v in want[1].items() if k not in lab}
 
-    def write(self, current: NodeMeta, desired: Metadata) -> Metadata:
+    def write(self, current: NodeMeta, desired: Metadata) -> Owned:
         found = self._diff
-        ann, lab = found[1] if found is not None and found[0] is current else metadata_changes(current, *desired)
+        ann, lab = (
+            found[1]
+            if found is not None and found[0] is current
+            else metadata_changes(current, *self.comparable(desired))
+        )
         retry(lambda: self._api.patch_node_meta(self._node, ann, lab), self._backoff, self._sleep, "patch node")
         log.info("published topology", extra={"node": self._node, "annotations": sorted(ann), "labels": sorted(lab)})
         return self.comparable(desired)  # a merge patch is kept as sent
@@ -240,7 +247,7 @@ class KubeNodeApi:
         meta = self._api.get(node_path(name)).get("metadata") or {}
         return NodeMeta(annotations=dict(meta.get("annotations") or {}), labels=dict(meta.get("labels") or {}))
 
-    def patch_node_meta(self, name: str, annotations: Mapping[str, str], labels: Mapping[str, str]) -> None:
+    def patch_node_meta(self, name: str, annotations: Mapping[str, str], labels: Mapping[str, str | None]) -> None:
         self._api.patch_node_metadata(name, annotations=annotations, labels=labels)
 
     def renew_lease(self, namespace: str, name: str, spec: LeaseSpec) -> None:

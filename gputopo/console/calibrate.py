@@ -202,6 +202,16 @@ def settings_for(result: Fit, system: str | None) -> list[Setting]:
     ]
 
 
+def domain_setting(result: Fit) -> Setting:
+    """A run whose ranks all sat in one multi-node NVLink domain (an NVL72 rack): its bus bandwidth is the
+    `nvlink-domain` tier's `busbwGbps`, which the TP-group estimate reads (gputopo.engine.rack)."""
+    why = (
+        f"{result.busbw_gbps:.1f} GB/s measured over {result.ranks} GPUs of one NVLink domain vs "
+        f"{cost.NVLINK_DOMAIN_BUSBW_GBPS:g} GB/s default"
+    )
+    return Setting("tiers: nvlink-domain busbwGbps", round(result.busbw_gbps, 1), why)
+
+
 def report(result: Fit, system: str | None, settings: Iterable[Setting]) -> str:
     f = result
     lines = [
@@ -211,10 +221,15 @@ def report(result: Fit, system: str | None, settings: Iterable[Setting]) -> str:
         f"fit error: rms {f.rms_error * 100:.1f}%, max {f.max_error * 100:.1f}% (at {cost.format_bytes(f.worst_size)})",
     ]
     settings = list(settings)
+    tiers = [s for s in settings if s.name.startswith("tiers: ")]
+    settings = [s for s in settings if not s.name.startswith("tiers: ")]
+    if tiers:
+        lines.append("setting (the chart's tiers value or GPUTOPO_TIERS, tier nvlink-domain):")
+        lines += [f"  {s.name.removeprefix('tiers: nvlink-domain ')}: {s.value:g}  # {s.why}" for s in tiers]
     if settings:
         lines.append("settings (constants of gputopo.engine.cost):")
         lines += [f"  {s.name} = {s.value:g}  # {s.why}" for s in settings]
-    else:
+    elif not tiers:
         lines.append("settings: pass --system NAME (gputopo simulate's system names) to map the fit onto the constants")
     return "\n".join(lines)
 
@@ -225,6 +240,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("file", type=Path, help="all_reduce_perf output ('-' for standard input)")
     p.add_argument("--system", default=None, help="the named system it ran on (e.g. hgx-h200), to print settings")
+    p.add_argument(
+        "--domain",
+        action="store_true",
+        help="the ranks all sat in one multi-node NVLink domain (an NVL72 rack): print the nvlink-domain "
+        "tier's busbwGbps",
+    )
     p.set_defaults(_run=run)
     return p
 
@@ -243,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
         rows, ranks = parse(text)
         result = fit(rows, ranks_of(rows, ranks))
         settings = settings_for(result, args.system)
+        if args.domain:
+            settings.append(domain_setting(result))
     except UnknownSystemError as e:
         sys.stderr.write(f"gputopo calibrate: {e}\n")
         return 2

@@ -3,7 +3,9 @@ starts etcd, kube-apiserver, kube-controller-manager and kube-scheduler, runs th
 one real agent per simulated GPU node from `examples/cluster.yaml`, submits `examples/jobs.yaml` as
 pods, and prints where each pod went and what `kubectl describe pod` says about it. Then a JobSet with
 no gputopo annotation goes through the real JobSet controller (built once, like the binaries) and
-the demo prints where its driver and workers went, rank by rank. As root, with
+the demo prints where its driver and workers went, rank by rank. Then two small NVL72-style racks of
+GB200 trays join, and a TP-16 group of 4 pods lands in one NVLink domain, its sentence naming the TP
+group, the domain and the predicted TP all-reduce. As root, with
 the kubelet built, it adds one node run by a real kubelet, so the whole path shows: placement, the
 kubelet's device manager asking the agent's device plugin, PodResources, and the agent's per-pod
 report. With --installed (root, with containerd and runc) it then installs the packaged chart with
@@ -20,6 +22,7 @@ from typing import Any
 
 from gputopo.clusterfile import ClusterFileError, load_cluster, load_jobs
 from gputopo.console.demojobset import jobset_part
+from gputopo.console.demorack import rack_part
 from gputopo.engine.explain import gpu_ranges
 from gputopo.model import LABEL_NETWORK_LEAF, PLACEMENT_ANNOTATION, SCHEDULER_NAME, AnnotationError, parse_placement
 
@@ -97,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         for name in pods:
             kube.delete_pod(ns, name)
         jobset_part(cp, kube, ns, args.timeout, _say, _report_pod)
+        rack_part(stack, kube, ns, args.timeout, _say, _report_pod)
         _real_kubelet_part(stack, kube, bin_dir, ns, args.timeout)
         if args.keep:
             cp.detach()

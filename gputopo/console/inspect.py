@@ -49,9 +49,14 @@ def _common(p: argparse.ArgumentParser) -> None:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Registers `topo` and `explain`; returns the `explain` parser (the CLI wires both)."""
     topo: argparse.ArgumentParser = subparsers.add_parser(
-        "topo", help="a node's GPU topology from its annotations, like nvidia-smi topo -m"
+        "topo",
+        help="a node's GPU topology from its annotations, like nvidia-smi topo -m",
+        description="Show NODE of the live cluster, or with --system a named system or rack as gputopo builds it.",
     )
-    topo.add_argument("node")
+    topo.add_argument("node", nargs="?")
+    topo.add_argument(
+        "--system", metavar="NAME", help="a named system (gb200-tray) or rack (gb200-nvl72) instead of a live node"
+    )
     _common(topo)
     topo.set_defaults(_run=run_topo)
     explain: argparse.ArgumentParser = subparsers.add_parser(
@@ -82,7 +87,20 @@ def _lease_age(source: Any, node: str) -> float | None:
 
 
 def run_topo(args: argparse.Namespace) -> int:
+    system = getattr(args, "system", None)  # callers that build the namespace may leave it out
+    if (args.node is None) == (system is None):
+        print("gputopo topo: give either NODE or --system NAME", file=sys.stderr)
+        return 2
+    if system is not None:
+        from gputopo.console.systemview import system_text
+        from gputopo.systems import UnknownSystemError
 
+        try:
+            sys.stdout.write(system_text(system))
+        except UnknownSystemError as e:
+            print(f"gputopo topo: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         source = _source(args)
         node = source.get_node(args.node)

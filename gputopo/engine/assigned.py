@@ -92,6 +92,14 @@ def plan_held(
     by_nodes = _sets(members, nodes, extra, mine)
     # The most constrained set first (it has the fewest choices), then in Kueue's rank order.
     sets = sorted(by_nodes.items(), key=lambda kv: (len(kv[0]), min(stage_of[h.member.name] for h in kv[1])))
+    lead = members[0].member.request
+    if len(sets) == 1 and (lead.tp_size or lead.compute_domain):
+        # TP groups across nodes (gputopo.engine.rack) must see the whole group: its stages and where the
+        # placed members are, which a set renumbered alone would lose. One set: plan it as the group.
+        ((allowed, _),) = sets
+        taken = {p.node.name for p in pinned if p.node is not None and p.gpus} if lead.spread is Spread.NODE else set()
+        whole = [n for n in (*nodes, *extra) if n.name in allowed and n.name not in taken]
+        return plan_group(group, [h.member for h in members], whole, tiers, weights, placed=pinned)
     seen = Counter(n for allowed in by_nodes for n in allowed)
     current = {n.name: n for n in (*nodes, *extra)}
     # What later sets line their rails up with: one member per rail set and size is all alignment reads
@@ -121,7 +129,12 @@ def plan_held(
         return spanned
     rails = assess([*((a.node, a.outcome.gpus) for a in assignments), *alongside_of(pinned)])
     return GroupPlan(
-        group, tuple(assignments), switches_of(assignments, tiers), rails, alongside=alongside_of(pinned), placed=pinned
+        group,
+        tuple(assignments),
+        switches_of(assignments, tiers),
+        rails,
+        alongside=alongside_of(pinned),
+        placed=pinned,
     )
 
 

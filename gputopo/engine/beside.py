@@ -8,6 +8,7 @@ engine's, so any node under the same narrowest switch as that node may take it a
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 from gputopo.engine.groupplan import Assignment, GroupFailure, GroupPlan, Member, switches_of
 from gputopo.engine.placement import evaluate_node
@@ -59,4 +60,4 @@ def place_beside(
                 plan.group, f"group {plan.group}: no node beside stage {near} ({home.name}) takes {member.name}"
             )
     out.sort(key=lambda a: a.stage)
-    return GroupPlan(plan.group, tuple(out), switches_of(out, tiers), plan.rails, plan.alongside, plan.placed, plan.fit)
+    return replace(plan, assignments=tuple(out), switches_used=switches_of(out, tiers))

@@ -28,6 +28,10 @@ PCIE_STEP_LATENCY_S = 8e-6
 NETWORK_HOP_LATENCY_S = 1.5e-6
 # Per ring step over the network: a NIC's own send/receive latency (NCCL over InfiniBand; rough).
 NIC_STEP_LATENCY_S = 5e-6
+# All-reduce bus bandwidth inside one multi-node NVLink domain (a GB200 NVL72 rack): nccl-tests over the
+# rack's 72 GPUs reach 835-847 GB/s at 4-8 GiB and 745 GB/s on average over 0.5-8 GiB (public captures);
+# the average is taken, as gputopo's default message is 1 GiB. A tier's `busbwGbps` overrides it.
+NVLINK_DOMAIN_BUSBW_GBPS = 745.0
 # Reference for the bandwidth score: NVLink 4, NV18 (H100/H200 through NVSwitch).
 REFERENCE_BUSBW_GBPS = 18 * 25.0 * NVLINK_EFFICIENCY
 
@@ -74,6 +78,12 @@ def allreduce_seconds(message_bytes: float, ranks: int, busbw_gbps: float, step_
 def tp_allreduce_seconds(message_bytes: float, ranks: int, bw: SetBandwidth) -> float:
     latency = PCIE_STEP_LATENCY_S if bw.via == "pcie" else NVLINK_STEP_LATENCY_S
     return allreduce_seconds(message_bytes, ranks, bw.gbps, latency)
+
+
+def domain_allreduce_seconds(message_bytes: float, ranks: int, busbw_gbps: float = NVLINK_DOMAIN_BUSBW_GBPS) -> float:
+    """A ring all-reduce over `ranks` GPUs of one NVLink domain (or, given the trays' NIC bandwidth,
+    over a TP group that straddles two domains: NCCL then crosses at the trays' NICs)."""
+    return allreduce_seconds(message_bytes, ranks, busbw_gbps, NVLINK_STEP_LATENCY_S)
 
 
 def nic_gbps(rate_gbit: float) -> float:

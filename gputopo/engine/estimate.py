@@ -12,9 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gputopo.engine.cost import (
+    NVLINK_DOMAIN_BUSBW_GBPS,
     NVLINK_STEP_LATENCY_S,
     PCIE_STEP_LATENCY_S,
     allreduce_seconds,
+    domain_allreduce_seconds,
     intra_node_bandwidth,
     network_allreduce_seconds,
     nic_gbps,
@@ -51,6 +53,13 @@ def best_nics(node: NodeState, kind: NetworkKind = NetworkKind.ANY) -> tuple[flo
     return best, sum(1 for r in rates if r == best)
 
 
+def domain_busbw(tiers: TierConfig) -> float:
+    """The bus bandwidth inside one multi-node NVLink domain: the nvlink-domain tier's, else the default."""
+    return next(
+        (t.busbw_gbps for t in tiers.tiers if t.name == "nvlink-domain" and t.busbw_gbps), NVLINK_DOMAIN_BUSBW_GBPS
+    )
+
+
 def stage_transfer_seconds(
     a: NodeState,
     gpus_a: Sequence[int],
@@ -68,6 +77,9 @@ def stage_transfer_seconds(
             return 0.0
         bw = intra_node_bandwidth(shape.links, shape.nvswitch, shape.gbps_per_link, shape.numa, (gpus_a[0], gpus_b[0]))
         return message_bytes / (bw.gbps * 1e9)
+    domain = a.location.get("nvlink-domain")
+    if domain is not None and domain == b.location.get("nvlink-domain"):
+        return message_bytes / (domain_busbw(tiers) * 1e9)  # trays of one NVLink domain: over NVLink
     crossed = tiers_crossed(dict(a.location), dict(b.location), tiers.network_tiers())
     rate = min(best_nics(a, kind)[0], best_nics(b, kind)[0])
     return pp_transfer_seconds(message_bytes, rate, crossed, tiers.narrow_first_oversubscription())
@@ -96,6 +108,10 @@ def group_allreduce_seconds(
         bw = intra_node_bandwidth(shape.links, shape.nvswitch, shape.gbps_per_link, shape.numa, firsts)
         latency = PCIE_STEP_LATENCY_S if bw.via == "pcie" else NVLINK_STEP_LATENCY_S
         return allreduce_seconds(message_bytes, m, bw.gbps, latency)
+    domains = {node.location.get("nvlink-domain") for node, _ in members}
+    if len(domains) == 1 and None not in domains:
+        # Trays of one multi-node NVLink domain: the ring runs over NVLink, not the NICs.
+        return domain_allreduce_seconds(message_bytes, m, domain_busbw(tiers))
     sharing = Counter(node.name for node, _ in members)
     per_member = []
     for node, gpus in members:

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import partial
 
-from gputopo.engine.cost import format_bytes, format_ms
+from gputopo.engine.cost import DEFAULT_MESSAGE_BYTES, format_bytes, format_ms
 from gputopo.engine.domains import DomainFree, domain_of, narrow_first
 from gputopo.engine.estimate import group_allreduce_seconds, member_estimate
-from gputopo.engine.groupplan import Assignment, BestFit, GroupPlan
+from gputopo.engine.groupplan import Assignment, BestFit, DomainSplit, GroupPlan
 from gputopo.engine.placement import NodeVerdict, Outcome
 from gputopo.engine.rails import RailAlignment, assess, rail_ranges, rails_of
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
@@ -161,6 +161,10 @@ def placement_sentence(
             parts.append(stage_clause(plan, a, at))
             if plan.fit is not None:
                 parts.append(fit_clause(plan.fit))
+            if plan.split is not None:
+                rank = _rank(plan, member)
+                if rank is not None:
+                    parts.append(tp_clause(plan.split, rank, plan.assignments[0].outcome))
             staged = True
             rails = rail_clause(plan, a, outcome) if outcome.gpus else ""  # no GPUs: no rails of its own
             if rails:
@@ -275,6 +279,34 @@ def stage_clause(plan: GroupPlan, a: Assignment, at: NodeState | None = None) ->
     return f"stage {a.stage}/{size} shares no switch with the other stages"
 
 
+def tp_clause(split: DomainSplit, rank: int, outcome: Outcome) -> str:
+    """'TP group 2/8 (16 GPUs, ranks 4-7) in NVLink domain rack-a; 4+4 TP groups over 2 domains (cap 16
+    trays); est. 1 GiB TP all-reduce 2.8 ms in one domain vs 10.8 ms across two; a fill by trays (18+14)
+    would straddle 1 TP group'. `rank`: the member's index among the GPU-holding members."""
+    t = rank // split.per_group
+    groups = sum(s.tp_groups for s in split.shares)
+    share = split.domain_of_group(t)
+    first = t * split.per_group
+    ranks = f"rank {first}" if split.per_group == 1 else f"ranks {first}-{first + split.per_group - 1}"
+    text = f"TP group {t}/{groups} ({split.tp_gpus} GPUs, {ranks}) in NVLink domain {share.domain if share else '?'}"
+    if len(split.shares) > 1:
+        caps = {s.cap for s in split.shares if s.cap is not None}
+        text += "; " + "+".join(str(s.tp_groups) for s in split.shares) + f" TP groups over {len(split.shares)} domains"
+        text += f" (cap {min(caps)} trays)" if caps else ""
+    skipped = sum(s.skipped for s in split.shares)
+    if skipped:
+        text += f"; {skipped} tray{'s' if skipped > 1 else ''} of these domains left out for their NVLink fabric"
+    message = outcome.estimate.message_bytes if outcome.estimate is not None else DEFAULT_MESSAGE_BYTES
+    text += f"; est. {format_bytes(message)} TP all-reduce {format_ms(split.inside_s)} in one domain"
+    if split.across_s is not None:
+        text += f" vs {format_ms(split.across_s)} across two"
+    if split.straddling:
+        fill = "+".join(str(f) for f in split.fill)
+        plural = "s" if split.straddling > 1 else ""
+        text += f"; a fill by trays ({fill}) would straddle {split.straddling} TP group{plural}"
+    return text
+
+
 def fit_clause(fit: BestFit) -> str:
     """'leaf leaf-3 is the fullest with room for the group: keeps leaf leaf-1's 32 free GPUs whole'."""
     here, runner = fit.domain.rsplit("/", 1)[-1], fit.runner.rsplit("/", 1)[-1]
@@ -315,4 +347,5 @@ def rail_clause(plan: GroupPlan, a: Assignment, outcome: Outcome) -> str:
 
 def _narrowest_first(node: NodeState) -> list[tuple[str, str]]:
     loc = node.location
-    return [(t, sw) for t, sw in reversed(list(loc.items())) if sw is not None and t != "nvlink-domain"]
+    # The NVLink domain first (trays of one NVL72 rack), then the network switches, narrowest first.
+    return [(t, sw) for t, sw in reversed(list(loc.items())) if sw is not None]

@@ -83,6 +83,43 @@ class BestFit:
 
 
 @dataclass(frozen=True)
+class DomainShare:
+    """One NVLink domain's part of a TP split (gputopo.engine.rack): its TP groups, the trays they take,
+    its cap (None: none), its free GPUs before the plan and the trays left out for their fabric."""
+
+    domain: str
+    tp_groups: int
+    trays: int
+    cap: int | None
+    free: int
+    skipped: int
+
+
+@dataclass(frozen=True)
+class DomainSplit:
+    """How a group's TP groups lie over NVLink domains, in stage order, and the predicted TP all-reduce
+    (seconds) inside a domain and across two; `fill`, members per domain of a fill by trays that
+    ignores TP boundaries, and how many TP groups that fill would straddle two domains."""
+
+    tp_gpus: int
+    per_group: int
+    shares: tuple[DomainShare, ...]
+    inside_s: float
+    across_s: float | None
+    fill: tuple[int, ...]
+    straddling: int
+
+    def domain_of_group(self, tp_group: int) -> DomainShare | None:
+        """The share holding TP group `tp_group` (0-based, stage order)."""
+        start = 0
+        for share in self.shares:
+            if tp_group < start + share.tp_groups:
+                return share
+            start += share.tp_groups
+        return None
+
+
+@dataclass(frozen=True)
 class GroupPlan:
     group: str
     assignments: tuple[Assignment, ...]  # in stage order
@@ -93,6 +130,7 @@ class GroupPlan:
     alongside: tuple[tuple[NodeState, tuple[int, ...]], ...] = ()
     placed: tuple[Placed, ...] = ()  # members placed before this plan: the group is they and `assignments`
     fit: BestFit | None = None  # the domain best fit chose, when it chose one among several that held the group
+    split: DomainSplit | None = None  # TP groups over NVLink domains (gputopo.engine.rack), when they span nodes
     # What every member's bind reads of the whole plan (its position, the group's all-reduce), derived
     # once: computed per bind, a 1,024-member group cost each bind O(members), the group O(members^2).
     _positions: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)

@@ -41,9 +41,11 @@ from gputopo.engine.groupplan import (
 )
 from gputopo.engine.packed import plan_packed
 from gputopo.engine.placement import NodeVerdict, evaluate_node, evaluate_pod, outcome_on, rank
+from gputopo.engine.rack import plan_rack
 from gputopo.engine.rails import RailAlignment, assess, is_partial, rails_of
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.snapshot import NodeState
+from gputopo.engine.tiersets import plan_in_one_tier_set
 from gputopo.model import PodRequest, Spread
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
@@ -84,7 +86,34 @@ def plan_group(
 
     Members that ask for no GPUs (a job's driver, a leader) take their stage but neither a GPU nor a
     node of their own: the others are planned as if they were not there, then each goes beside its
-    nearest GPU-holding stage (gputopo.engine.beside). A group of such members alone is planned whole."""
+    nearest GPU-holding stage (gputopo.engine.beside). A group of such members alone is planned whole.
+
+    Within one tier set's nodes (gputopo.engine.tiersets): a group never spans two hardware shapes. A
+    group whose TP groups span nodes (`gputopo.io/tp-size`, a ComputeDomain) is gputopo.engine.rack's."""
+    fixed = [node for node, _ in alongside] + [p.node for p in placed if p.node is not None]
+    return plan_in_one_tier_set(
+        group,
+        nodes,
+        fixed,
+        tiers,
+        lambda name, part: _plan_shape(
+            group, members, part, tiers.of_set(name), weights, (alongside, placed), (align_rails, best_fit)
+        ),
+    )
+
+
+def _plan_shape(
+    group: str,
+    members: Sequence[Member],
+    nodes: Sequence[NodeState],
+    tiers: TierConfig,
+    weights: ScoreWeights,
+    before_plan: tuple[Sequence[tuple[NodeState, Sequence[int]]], Sequence[Placed]],
+    options: tuple[bool, bool],
+) -> GroupPlan | GroupFailure:
+    """`plan_group` over nodes of one tier set (`tiers` that set's)."""
+    alongside, placed = before_plan
+    align_rails, best_fit = options
     if not members:
         return GroupFailure(group, f"group {group}: no members")
     held = tuple(placed)
@@ -109,7 +138,10 @@ def plan_group(
         tuple(p.node for p in held if p.node is not None),
         best_fit,
     )
-    if lead.spread is Spread.NONE:
+    rack = plan_rack(group, holders, nodes, tiers, weights, before)
+    if rack is not None:  # TP groups that span nodes: each in one NVLink domain
+        plan = rack
+    elif lead.spread is Spread.NONE:
         plan = plan_packed(group, holders, nodes, tiers, weights, before, fabric)
     else:
         plan = _plan_spread(group, lead, holders, nodes, tiers, weights, before, align_rails, fabric)

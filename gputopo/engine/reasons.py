@@ -33,6 +33,7 @@ class Reason(StrEnum):
     GROUP_WAITING = "group_waiting"
     GROUP_NO_PLAN = "group_no_plan"
     GROUP_PLANNED_ELSEWHERE = "group_planned_elsewhere"
+    COMPUTE_DOMAIN = "compute_domain"  # outside the pod's ComputeDomain's NVLink domain, or another's channel
 
 
 # Reasons that no amount of preemption can fix.
@@ -49,6 +50,7 @@ UNRESOLVABLE = frozenset(
         Reason.NVLINK_DEGRADED,
         Reason.NO_NETWORK,
         Reason.GROUP_PLANNED_ELSEWHERE,
+        Reason.COMPUTE_DOMAIN,
     }
 )
 
@@ -60,7 +62,7 @@ def code_for(reason: Reason) -> Code:
 def message(reason: Reason, *, k: int = 0, memory: str = "", network: str = "", text: str = "") -> str:
     """The categorical message for a reason; numbers and kinds only, never a node name."""
     match reason:
-        case Reason.INVALID_POD_ANNOTATION | Reason.GROUP_WAITING | Reason.GROUP_NO_PLAN:
+        case Reason.INVALID_POD_ANNOTATION | Reason.GROUP_WAITING | Reason.GROUP_NO_PLAN | Reason.COMPUTE_DOMAIN:
             return text
         case Reason.TOPOLOGY_MISSING:
             return "GPU topology not reported"

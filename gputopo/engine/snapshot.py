@@ -131,6 +131,9 @@ class NodeState:
     # why: only a TP group spanning nodes reads it, so it is not part of `key`.
     fabric: FabricHealth = FabricHealth.UNKNOWN
     fabric_detail: str = "no fabric info"
+    # The tier set (hardware shape) whose tiers read the node's labels; "" for the top-level tiers. A group
+    # is planned within one set (gputopo.engine.tiersets).
+    tier_set: str = ""
 
     @property
     def gpu_count(self) -> int:
@@ -154,11 +157,12 @@ class NodeState:
 
 
 def locate(labels: Mapping[str, str], topology: NodeTopology | None, tiers: TierConfig) -> dict[str, str | None]:
-    """Each tier's switch id, qualified by the wider tiers above it (ToR names repeat per spine)."""
+    """Each tier's switch id, qualified by the wider tiers above it (ToR names repeat per spine), read by
+    the node's tier set."""
     out: dict[str, str | None] = {}
     path: list[str] = []
-    for t in tiers.tiers:
-        sw = tiers.switch_of(labels, t.name)
+    for t in tiers.for_labels(labels)[1]:
+        sw = t.switch(labels)
         if sw is None and t.name == "nvlink-domain" and topology is not None and topology.fabric is not None:
             sw = topology.fabric.clique
         if t.name == "nvlink-domain":
@@ -184,6 +188,7 @@ def node_state(
 ) -> NodeState:
     labels = dict(labels or {})
     location = locate(labels, topology, tiers)
+    tier_set = tiers.for_labels(labels)[0]
     if topology is None or problem is not None:
         return NodeState(
             name=name,
@@ -194,6 +199,7 @@ def node_state(
             in_use=in_use,
             location=location,
             key=_intern_key(("problem", problem or Reason.TOPOLOGY_MISSING)),
+            tier_set=tier_set,
         )
     try:
         rails = gpu_rail_masks(topology, nic_rails(topology, labels))
@@ -246,6 +252,7 @@ def node_state(
         key=key,
         fabric=fabric,
         fabric_detail=fabric_detail,
+        tier_set=tier_set,
     )
 
 
@@ -264,8 +271,9 @@ def taking(node: NodeState, in_use: frozenset[int]) -> NodeState:
 
 
 def with_in_use(node: NodeState, extra: frozenset[int], tiers: TierConfig = DEFAULT_TIERS) -> NodeState:
-    """The same node with more GPUs taken (used when planning several pods onto one node)."""
-    return node_state(
+    """The same node with more GPUs taken (used when planning several pods onto one node). It keeps its tier
+    set: a group planned within one set reads that set's tiers alone (TierConfig.of_set)."""
+    state = node_state(
         node.name,
         node.topology,
         labels=node.labels,
@@ -274,3 +282,4 @@ def with_in_use(node: NodeState, extra: frozenset[int], tiers: TierConfig = DEFA
         problem_detail=node.problem_detail,
         tiers=tiers,
     )
+    return state if state.tier_set == node.tier_set else replace(state, tier_set=node.tier_set)

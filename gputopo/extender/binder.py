@@ -17,6 +17,7 @@ from gputopo.engine.cliques import mask_of
 from gputopo.engine.explain import packing_clause, placement_estimate, placement_sentence, why_lost
 from gputopo.engine.placement import NodeVerdict, Outcome, evaluate_node, outcome_on
 from gputopo.engine.scoring import grade
+from gputopo.extender.computedomains import ChannelReader, no_channels
 from gputopo.extender.events import EventPoster
 from gputopo.extender.kube import JSON, ClusterSource
 from gputopo.extender.ledger import Ledger
@@ -61,6 +62,7 @@ class Binder:
         self.events = events
         self.recall = recall  # the pod as its filter carried it moments ago (by uid, else namespace/name)
         self.locks = StripedLocks()
+        self.channels: ChannelReader = no_channels  # which ComputeDomain a pod's claims join (the cache's)
 
     def bind(self, namespace: str, name: str, uid: str, node: str) -> str:
         """Bind the pod; returns '' on success or the error text for the Error field."""
@@ -106,7 +108,11 @@ class Binder:
             self.ledger.put_pod(
                 pid,
                 record_of(
-                    bound, self.ledger.tier_names, self.facts(info.namespace), scheduler=self.ledger.scheduler_name
+                    bound,
+                    self.ledger.tier_names,
+                    self.facts(info.namespace),
+                    scheduler=self.ledger.scheduler_name,
+                    channels=self.channels,
                 ),
             )
         finally:
@@ -131,7 +137,7 @@ class Binder:
         """A gputopo pod: annotated, or a member of a group its controller's labels give."""
         if is_gputopo_pod(info.annotations):
             return True
-        return resolve_pod(info, self.ledger.tier_names, scheduler=info.scheduler_name).opted_in
+        return resolve_pod(info, self.ledger.tier_names, scheduler=info.scheduler_name, channels=self.channels).opted_in
 
     def placement_for(self, info: PodInfo, node: str) -> tuple[Placement, PodRequest] | str:
         """The placement this pod gets on `node` now, or why it cannot have one."""
@@ -141,7 +147,7 @@ class Binder:
         if rec is not None and rec.inferred is not None and rec.request is not None:
             req = rec.request
         else:
-            resolved = resolve_pod(info, self.ledger.tier_names, scheduler=info.scheduler_name)
+            resolved = resolve_pod(info, self.ledger.tier_names, scheduler=info.scheduler_name, channels=self.channels)
             if resolved.request is None:
                 return resolved.problem or f"pod {info.ref} is no gputopo pod"
             req = resolved.request

@@ -22,6 +22,7 @@ from typing import Any, Protocol, Unpack
 
 from gputopo.engine.reasons import Reason
 from gputopo.engine.snapshot import NodeState
+from gputopo.extender.computedomains import ChannelTemplates, Key
 from gputopo.extender.controllerfacts import Controllers
 from gputopo.extender.dramerge import DraMerge
 from gputopo.extender.kindhandlers import KindHandler, each_readable
@@ -106,6 +107,7 @@ class ClusterCache:
         self.pod_hook: PodHook | None = None  # sees the pods as the API server holds them, nothing else
         self.controllers = Controllers(self.ledger, self._bad)
         self.dra = DraMerge(self.ledger, self._bad)
+        self.channels = self.controllers.channels = ChannelTemplates(self._bad, self._templates_changed)
         self.handlers = check_handlers(
             {
                 NODES.name: KindHandler(self._replace_nodes, self._apply_node),
@@ -113,6 +115,7 @@ class ClusterCache:
                 LEASES.name: KindHandler(self._replace_leases, self._apply_lease),
                 **self.controllers.handlers(),
                 **self.dra.handlers(),
+                **self.channels.handlers(),
             }
         )
 
@@ -139,6 +142,7 @@ class ClusterCache:
 
     def load_static(self, states: Iterable[NodeState]) -> None:
         self.readiness.static = True
+        self.channels.listed = True  # a static cluster has no templates to wait for
         for st in states:
             self.ledger.put_static(st)
         _freeze()
@@ -216,9 +220,18 @@ class ClusterCache:
             self.pod_hook.pod_changed(obj, deleted=event_type == "DELETED")
 
     def _pod_record(self, obj: JSON) -> PodRecord | None:
-        return pod_record(
-            obj, self.ledger.tier_names, self.controllers.facts_for(obj), scheduler=self.ledger.scheduler_name
-        )
+        facts, scheduler = self.controllers.facts_for(obj), self.ledger.scheduler_name
+        return pod_record(obj, self.ledger.tier_names, facts, scheduler=scheduler, channels=self.channels)
+
+    def _templates_changed(self, keys: set[Key] | None) -> None:
+        """Read again the pods that name a template whose answer changed (None: every one naming one)."""
+        with self.ledger.lock:
+            stale = [
+                r
+                for r in self.ledger.pods.values()
+                if r.claim_templates and (keys is None or any((r.namespace, t) in keys for t in r.claim_templates))
+            ]
+        self.controllers.read_again(stale)
 
     def upsert_pod(self, obj: JSON, *, deleted: bool = False) -> PodRecord | None:
         """Apply a pod object (from a watch, or one the extender built after its own bind). A pending

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 from collections.abc import Iterable
 
+from gputopo.extender.computedomains import ChannelReader, no_channels
 from gputopo.extender.kindhandlers import Bad, KindHandler, each_readable
 from gputopo.extender.ledger import Ledger
 from gputopo.extender.objects import PodRecord, job_shape, podgroup_of, record_of
@@ -38,6 +39,7 @@ class Controllers:
         # One object's event infers again only the pods that name it (the ledger's index); False: every
         # labelled pod of its namespace, the reference the index is checked and measured against.
         self.by_object = True
+        self.channels: ChannelReader = no_channels  # the cache's templates: a record read again keeps its CD
 
     def handlers(self) -> dict[str, KindHandler]:
         return {
@@ -149,7 +151,7 @@ class Controllers:
             return
         with self.ledger.lock:
             stale = [r for r in self.ledger.pods.values() if (r.job_keys or r.pod_group) and r.namespace in spaces]
-        self._put_again(stale)
+        self.read_again(stale)
 
     def _reinfer_naming(self, namespace: str, refs: list[ControllerRef]) -> None:
         """Infer again the pods that name one of `refs` (one object's event): no other pod reads it."""
@@ -158,9 +160,10 @@ class Controllers:
             return
         with self.ledger.lock:
             stale = self.ledger.pods.naming(refs)
-        self._put_again(stale)
+        self.read_again(stale)
 
-    def _put_again(self, stale: list[PodRecord]) -> None:
+    def read_again(self, stale: list[PodRecord]) -> None:
+        """Record each pod again (its controller's facts or its claim templates changed)."""
         for rec in stale:
             fresh = self._record_again(rec)
             if fresh != rec:
@@ -183,8 +186,12 @@ class Controllers:
             node_selector=rec.node_selector,
             selector_problem=rec.selector_problem,
             topology_gated=rec.topology_gated,
+            claim_templates=rec.claim_templates,
         )
-        again = record_of(info, self.ledger.tier_names, self.facts(rec.namespace), scheduler=self.ledger.scheduler_name)
+        facts = self.facts(rec.namespace)
+        again = record_of(
+            info, self.ledger.tier_names, facts, scheduler=self.ledger.scheduler_name, channels=self.channels
+        )
         return again if again is None or rec.placement is None else dataclasses.replace(again, placement=rec.placement)
 
 

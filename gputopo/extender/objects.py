@@ -11,10 +11,11 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from gputopo.engine.reasons import Reason
 from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.extender.computedomains import ChannelReader, no_channels
 from gputopo.extender.wire import PodInfo, WireError, pod_info
 from gputopo.kube import parse_time
 from gputopo.model import (
@@ -191,6 +192,7 @@ class PodRecord:
     node_selector: tuple[tuple[str, str], ...] = ()  # where it may go (PodInfo's, bounded there): group planning
     selector_problem: str = ""  # why node_selector was not kept (PodInfo's)
     topology_gated: bool = False  # Kueue has not written its topology domain yet
+    claim_templates: tuple[str, ...] = ()  # PodInfo's: its ComputeDomain is read again when a template changes
 
     @property
     def active(self) -> bool:
@@ -232,13 +234,20 @@ class Resolved:
     group: str | None = None  # the group, even when `request` is None
 
 
+class How(TypedDict, total=False):
+    scheduler: str  # the scheduler whose pods opt in by their controller's labels (SCHEDULER_NAME)
+    channels: ChannelReader  # which ComputeDomain a pod's claims join (none)
+
+
 def resolve_pod(
-    info: PodInfo, tiers: tuple[str, ...], facts: ControllerFacts = NO_FACTS, *, scheduler: str = SCHEDULER_NAME
+    info: PodInfo, tiers: tuple[str, ...], facts: ControllerFacts = NO_FACTS, **how: Unpack[How]
 ) -> Resolved:
     """Read a pod's request: its `gputopo.io/` annotations and, for a pod under `scheduler`, its
-    controller's labels with `facts` (the controller objects of its namespace)."""
-    ann = info.annotations
+    controller's labels with `facts` (the controller objects of its namespace), and the ComputeDomain whose
+    IMEX channel its claims name (`channels`; such a claim alone opts a pod under `scheduler` in)."""
+    ann, scheduler, channels = info.annotations, how.get("scheduler", SCHEDULER_NAME), how.get("channels", no_channels)
     annotated = any(k.startswith(PREFIX) and k != PLACEMENT_ANNOTATION for k in ann)
+    cd, wait = channels(info.namespace, info.claim_templates) if info.claim_templates else (None, "")
     inferred: InferredGroup | None = None
     if annotated or info.scheduler_name == scheduler:
         try:
@@ -246,8 +255,10 @@ def resolve_pod(
         except AnnotationError as e:
             group = ann.get(ANN_GROUP, "").strip() or group_identity(info.labels, info.pod_group)
             return Resolved(True, None, None, str(e), group=group)
-    if not annotated and inferred is None:
+    if not annotated and inferred is None and not (info.scheduler_name == scheduler and (cd or wait)):
         return Resolved(False, None)
+    if wait:
+        return Resolved(True, None, inferred, wait, waiting=True, group=ann.get(ANN_GROUP, "").strip() or None)
     if inferred is not None and inferred.size is None and ANN_GROUP_SIZE not in ann:
         why = f"group {inferred.group}: waiting: {inferred.waiting}"
         return Resolved(True, None, inferred, why, waiting=True, group=ann.get(ANN_GROUP, "").strip() or inferred.group)
@@ -258,27 +269,28 @@ def resolve_pod(
         return Resolved(True, None, inferred, str(e), group=group)
     if info.selector_problem and request.is_group:  # its nodeSelector cannot be planned with: say which field
         return Resolved(True, None, inferred, info.selector_problem, group=request.group)
+    request = request.model_copy(update={"compute_domain": cd}) if cd else request
     return Resolved(True, request, inferred, group=request.group)
 
 
 def pod_record(
-    obj: Any, tiers: tuple[str, ...], facts: ControllerFacts = NO_FACTS, *, scheduler: str = SCHEDULER_NAME
+    obj: Any, tiers: tuple[str, ...], facts: ControllerFacts = NO_FACTS, **how: Unpack[How]
 ) -> PodRecord | None:
     """None when the pod is no gputopo pod (plain pods are not tracked); BadObject when unreadable."""
     try:
         info = pod_info(obj)
     except WireError as e:
         raise BadObject(short(str(e))) from None
-    return record_of(info, tiers, facts, scheduler=scheduler)
+    return record_of(info, tiers, facts, **how)
 
 
 def record_of(
-    info: PodInfo, tiers: tuple[str, ...], facts: ControllerFacts = NO_FACTS, *, scheduler: str = SCHEDULER_NAME
+    info: PodInfo, tiers: tuple[str, ...], facts: ControllerFacts = NO_FACTS, **how: Unpack[How]
 ) -> PodRecord | None:
     ann = {k: v for k, v in info.annotations.items() if k.startswith(PREFIX)}
     if sum(len(k) + len(v) for k, v in ann.items()) > MAX_VALUE_BYTES:
         raise BadObject(f"gputopo.io/ annotations are over {MAX_VALUE_BYTES // 1024} KiB")
-    resolved = resolve_pod(info, tiers, facts, scheduler=scheduler)
+    resolved = resolve_pod(info, tiers, facts, **how)
     if not resolved.opted_in:
         if not ann:
             return None
@@ -318,13 +330,14 @@ def record_of(
         problem=short(resolved.problem),
         job_keys=keys,
         own=tuple(sorted((k, v) for k, v in ann.items() if k != PLACEMENT_ANNOTATION))
-        if keys or info.pod_group
+        if keys or info.pod_group or info.claim_templates
         else (),
         scheduler_name=info.scheduler_name,
         pod_group=info.pod_group,
         node_selector=info.node_selector,
         selector_problem=info.selector_problem,
         topology_gated=info.topology_gated,
+        claim_templates=info.claim_templates,
     )
 
 

@@ -93,6 +93,17 @@ class GroupTally:
         return None
 
 
+def _serve(channels: dict[str, Counter[str]], rec: PodRecord, step: int) -> None:
+    """Count a bound active pod of a ComputeDomain in (1) or out (-1) of its node's channel."""
+    cd = rec.request.compute_domain if rec.request is not None else None
+    if cd is None or not rec.node_name or not rec.active:
+        return
+    counts = channels.setdefault(rec.node_name, Counter())
+    _count(counts, cd, step)
+    if not counts:
+        del channels[rec.node_name]
+
+
 _NO_MEMBERS = GroupTally()  # what a group without members reads (never written)
 
 
@@ -105,6 +116,8 @@ class PodTable(dict[str, PodRecord]):
         self.scheduler_name = scheduler_name  # only its pods are group members
         self.by_controller: dict[ControllerRef, set[str]] = {}
         self.groups: dict[GroupKey, GroupTally] = {}  # only groups with members
+        # node -> the ComputeDomains whose IMEX channel its bound active pods claim (gputopo.engine.imex)
+        self.channels: dict[str, Counter[str]] = {}
         for uid, rec in (records or {}).items():
             self[uid] = rec
 
@@ -127,6 +140,7 @@ class PodTable(dict[str, PodRecord]):
         if old is not None:
             self._unindex(uid, old, rec)
         super().__setitem__(uid, rec)
+        _serve(self.channels, rec, 1)
         for ref in controller_refs(rec):
             self.by_controller.setdefault(ref, set()).add(uid)
         key = self.group_of(rec)
@@ -169,7 +183,12 @@ class PodTable(dict[str, PodRecord]):
         """One member before and after a write (bound, say): its group's version stays."""
         return old.name == new.name and self.group_of(old) == self.group_of(new)
 
+    def serving(self) -> dict[str, frozenset[str]]:
+        """Which ComputeDomains' channels each node serves now (read it under the ledger's lock)."""
+        return {node: frozenset(cds) for node, cds in self.channels.items()}
+
     def _unindex(self, uid: str, rec: PodRecord, new: PodRecord | None) -> None:
+        _serve(self.channels, rec, -1)
         for ref in controller_refs(rec):
             uids = self.by_controller.get(ref)
             if uids is not None:

@@ -22,6 +22,7 @@ from pydantic_core import to_json
 
 from gputopo.engine.beside import beside
 from gputopo.engine.groupplan import GroupFailure
+from gputopo.engine.imex import nvlink_domain, with_compute_domains
 from gputopo.engine.placement import Outcome, evaluate_node, fail_invalid
 from gputopo.engine.preempt import Victim, choose_victims
 from gputopo.engine.reasons import Code, Reason, code_for, message
@@ -145,6 +146,7 @@ class Extender:
         self.events = EventPoster(lambda: self.source)
         self.groups = GroupDesk(self.ledger, cache.facts)
         self.binder = Binder(self.ledger, lambda: self.source, self.events, cache.facts, self.recent.recall)
+        self.binder.channels = cache.channels
         self.ledger.on_mismatch = self._on_mismatch
         cache.on_bad_object = self._on_bad_object
         if metrics is not None:
@@ -183,7 +185,8 @@ class Extender:
         ledger = self.ledger
         # kube-scheduler sends only its gputopo profile's pods: a known controller's labels make one a
         # group member without annotations (gputopo.model.jobs; annotations override).
-        resolved = resolve_pod(info, ledger.tier_names, self.cache.facts(info.namespace), scheduler=info.scheduler_name)
+        facts, channels = self.cache.facts(info.namespace), self.cache.channels
+        resolved = resolve_pod(info, ledger.tier_names, facts, scheduler=info.scheduler_name, channels=channels)
         if not resolved.opted_in:
             return Decision("pass_through")
         if resolved.waiting:
@@ -203,8 +206,24 @@ class Extender:
             return Decision("evaluated", names, recalled[0], request=req, kinds=recalled[1])
         kept = names if isinstance(names, list) else list(names)  # a request's own list: no copy of thousands
         outcomes, kinds = ledger.evaluate_kinds(kept, req)
+        imex = self._compute_domains(req, kept, outcomes)
+        if imex is not None:  # per node, not per kind of node: the kinds no longer sort them
+            outcomes, kinds = imex, None
         self.ahead.keep(key, now, info, kept, outcomes, kinds)
         return Decision("evaluated", names, outcomes, request=req, kinds=kinds)
+
+    def _compute_domains(self, req: PodRequest, names: list[str], outcomes: list[Outcome]) -> list[Outcome] | None:
+        """The outcomes under the ComputeDomain rules (gputopo.engine.imex): which nodes serve which ComputeDomain's
+        IMEX channel comes from the pods bound there. None when no ComputeDomain is involved."""
+        ledger = self.ledger
+        if req.compute_domain is None and not ledger.pods.channels:  # the common case: no lock taken
+            return None
+        with ledger.lock:
+            serving = ledger.pods.serving()
+        if req.compute_domain is None and not serving:
+            return None
+        served = {s.name: nvlink_domain(s) for s in ledger.states(serving)}
+        return with_compute_domains(req, ledger.states(names), outcomes, serving, served)
 
     def filter(self, info: PodInfo, names: Sequence[str], raw: bytes = b"") -> FilterAnswer:
         """Which nodes pass; `raw` is the request's body, kept with the evaluation for the prioritize

@@ -190,6 +190,10 @@ class Settings(BaseSettings):
         return frozenset(n.strip() for n in self.webhook_client_names.split(",") if n.strip())
 
 
+# Settings read from the environment only (JSON documents, hidden from the flags).
+ENV_ONLY = frozenset({"score_weights", "tiers"})
+
+
 def flag_of(field: str) -> str:
     return "--" + field.replace("_", "-")
 
@@ -204,7 +208,10 @@ def describe_error(err: ValidationError) -> str:
     for e in err.errors():
         msg = str(e["msg"]).removeprefix("Value error, ")
         field = str(e["loc"][0]) if e["loc"] else ""
-        if field in Settings.model_fields:
+        if field in ENV_ONLY:  # a JSON document: name the variable and where in it
+            inside = ".".join(str(p) for p in e["loc"][1:])
+            parts.append(f"{env_of(field)}{' at ' + inside if inside else ''}: {msg}")
+        elif field in Settings.model_fields:
             parts.append(f"{flag_of(field)} ({env_of(field)}): {msg}")
         else:
             parts.append(msg)

@@ -231,6 +231,8 @@ class PodInfo:
     node_selector: tuple[tuple[str, str], ...] = ()
     selector_problem: str = ""  # why node_selector was not kept (over the bounds); its group cannot plan
     topology_gated: bool = False  # still held by Kueue's topology gate: its domain is not written yet
+    # The ResourceClaimTemplates its spec.resourceClaims name (a ComputeDomain's IMEX channel is one).
+    claim_templates: tuple[str, ...] = ()
 
     @property
     def terminated(self) -> bool:
@@ -300,8 +302,26 @@ def pod_info(pod: Mapping[str, Any], where: str = "Pod") -> PodInfo:
         phase=_opt_str(status.get("phase"), f"{where}.status.phase"),
         priority=_priority(spec.get("priority")),
         pod_group=_pod_group(spec.get("schedulingGroup"), f"{where}.spec.schedulingGroup"),
+        claim_templates=_claim_templates(spec.get("resourceClaims"), f"{where}.spec.resourceClaims"),
         **_placement_limits(spec, f"{where}.spec"),
     )
+
+
+MAX_POD_CLAIMS = 32  # the API server's cap on a pod's spec.resourceClaims
+
+
+def _claim_templates(value: Any, where: str) -> tuple[str, ...]:
+    """The template names of spec.resourceClaims (a claim named directly, resourceClaimName, is not read)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_POD_CLAIMS:
+        raise WireError(f"{where} must be a list of at most {MAX_POD_CLAIMS} claims")
+    out = []
+    for i, claim in enumerate(value):
+        name = claim.get("resourceClaimTemplateName") if isinstance(claim, Mapping) else None
+        if name is not None:
+            out.append(_opt_str(name, f"{where}[{i}].resourceClaimTemplateName"))
+    return tuple(n for n in out if n)
 
 
 # A nodeSelector gputopo plans with: Kueue writes one key per topology level (at most 16 levels). A tenant's

@@ -368,9 +368,9 @@ class Kube:
         self.create(events_path(namespace), event)
 
     def patch_node_metadata(
-        self, name: str, *, annotations: Mapping[str, str] | None = None, labels: Mapping[str, str] | None = None
+        self, name: str, *, annotations: Mapping[str, str] | None = None, labels: Mapping[str, str | None] | None = None
     ) -> JSON:
-        """Merge-patch a Node's annotations and labels: only the named keys change."""
+        """Merge-patch a Node's annotations and labels: only the named keys change (a label None is removed)."""
         metadata: JSON = {}
         if annotations:
             metadata["annotations"] = dict(annotations)

@@ -58,7 +58,22 @@ RESOURCESLICES = WatchedKind(
     "resourceslices", "resource.k8s.io", "v1", "resourceslices", namespaced=False, optional=True, rbac_optional=True
 )
 
-WATCHED: tuple[WatchedKind, ...] = (NODES, PODS, LEASES, JOBS, PODGROUPS, RESOURCECLAIMS, RESOURCESLICES)
+# Which templates are NVIDIA ComputeDomains' IMEX channel templates (read only, granted with or without DRA:
+# NVIDIA's driver serves the ComputeDomains beside gputopo's GPUs either way).
+RESOURCECLAIMTEMPLATES = WatchedKind(
+    "resourceclaimtemplates", "resource.k8s.io", "v1", "resourceclaimtemplates", namespaced=True, optional=True
+)
+
+WATCHED: tuple[WatchedKind, ...] = (
+    NODES,
+    PODS,
+    LEASES,
+    JOBS,
+    PODGROUPS,
+    RESOURCECLAIMS,
+    RESOURCESLICES,
+    RESOURCECLAIMTEMPLATES,
+)
 KIND_NAMES: tuple[KindName, ...] = tuple(k.name for k in WATCHED)
 _BY_NAME = {k.name: k for k in WATCHED}
 

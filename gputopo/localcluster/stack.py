@@ -14,7 +14,7 @@ from __future__ import annotations
 import ssl
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,7 +83,8 @@ class Stack(NodeAgents):
     (replica i > 0 adds ``-<i>`` to both). ``webhook`` also serves the mutating webhook over HTTPS
     (``webhook_url``, trusted through ``ca_file``), answering only kube-apiserver's client certificate
     unless ``webhook_client_auth`` is False. ``dra`` renders the chart with the agents as DRA
-    drivers (their RBAC and the DeviceClass; `add_kubelet_node(dra=True)` starts such an agent)."""
+    drivers (their RBAC and the DeviceClass; `add_kubelet_node(dra=True)` starts such an agent).
+    ``values``: more chart values over the local layout's (e.g. ``tiers``, ``tierSets``)."""
 
     def __init__(
         self,
@@ -103,6 +104,7 @@ class Stack(NodeAgents):
         webhook: bool = False,
         webhook_client_auth: bool = True,
         dra: bool = False,
+        values: Mapping[str, Any] | None = None,
         progress: Callable[[str], None] | None = None,
     ) -> None:
         if replicas < 1:
@@ -122,6 +124,7 @@ class Stack(NodeAgents):
         self.webhook = webhook
         self.webhook_client_auth = webhook_client_auth
         self.dra = dra
+        self.values = dict(values or {})
         self.ca_file: Path | None = None
         self.webhook_url = ""
         self.nodes: dict[str, GpuNode] = {}
@@ -149,6 +152,7 @@ class Stack(NodeAgents):
                 reservation_timeout_seconds=self.reservation_timeout_seconds,
                 dra=self.dra,
             )
+            values = {**values, **self.values}
             self._chart = render(helm_binary(self.cp.bin_dir), values, release=self.release, namespace=self.namespace)
         return self._chart
 

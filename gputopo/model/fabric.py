@@ -52,6 +52,16 @@ def decode_health(fabric: GpuFabric | None) -> tuple[FabricHealth, str]:
     return FabricHealth.HEALTHY, ""
 
 
+def on_fabric(gpus: Sequence[GpuInfo]) -> bool:
+    """Whether any GPU reports multi-node NVLink fabric info: the node is a tray (an NVL72 rack's)."""
+    return any(g.fabric is not None for g in gpus)
+
+
+def degraded_reason(why: str) -> str:
+    """The GPU reason a degraded fabric gives (`why`: decode_health's detail), as the agent publishes it."""
+    return f"NVLink fabric degraded: {why}"
+
+
 def tray_health(gpus: Sequence[GpuInfo]) -> tuple[FabricHealth, str]:
     """A node's (a tray's) fabric health: degraded if any GPU is, else unknown if any GPU is, else
     healthy; the detail names the first GPU that decided it."""

@@ -17,7 +17,11 @@ LABEL_NVLINK_DOMAIN = "gputopo.io/nvlink-domain"
 LABEL_NVSWITCH = "gputopo.io/nvswitch"
 LABEL_RDMA = "gputopo.io/rdma"
 LABEL_GPU_MEMORY_GIB = "gputopo.io/gpu-memory-gib"
-NODE_LABEL_KEYS = (LABEL_NVLINK_DOMAIN, LABEL_NVSWITCH, LABEL_RDMA, LABEL_GPU_MEMORY_GIB)
+# Only on nodes whose GPUs report multi-node NVLink fabric info (NVL72 trays): healthy, degraded, unknown.
+# For people (`kubectl get nodes -L`); placement reads the fabric from the topology annotation instead.
+LABEL_NVLINK_FABRIC = "gputopo.io/nvlink-fabric"
+# Every label the agent owns: one it no longer publishes is removed from the Node.
+NODE_LABEL_KEYS = (LABEL_NVLINK_DOMAIN, LABEL_NVSWITCH, LABEL_RDMA, LABEL_GPU_MEMORY_GIB, LABEL_NVLINK_FABRIC)
 # Set by the operator (or the cloud's own labels, gputopo.tiers lists them): the node's network switches.
 LABEL_NETWORK_SPINE = "gputopo.io/network-spine"
 LABEL_NETWORK_LEAF = "gputopo.io/network-leaf"

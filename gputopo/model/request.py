@@ -167,6 +167,8 @@ def parse_pod_request(
         if not 1 <= size <= MAX_MESSAGE_BYTES:
             raise AnnotationError(ANN_MESSAGE_SIZE, v, "must be between 1 byte and 1Ti")
         fields["message_bytes"] = size
+    if ANN_TP_SIZE in ann:
+        fields["tp_size"] = _tp_size(ann[ANN_TP_SIZE], gpus)
     if ANN_NETWORK in ann:
         fields["network"] = _enum(ANN_NETWORK, ann[ANN_NETWORK], NetworkKind)
     if ANN_SPREAD in ann:
@@ -183,6 +185,17 @@ def parse_pod_request(
     if not 0 <= gpus <= MAX_QUANTITY:
         raise AnnotationError(GPU_RESOURCE, str(gpus), f"GPU count must be between 0 and {MAX_QUANTITY}")
     return PodRequest(**fields)
+
+
+def _tp_size(value: str, gpus: int) -> int:
+    """`gputopo.io/tp-size`: a TP group is whole pods (a multiple of the pod's GPUs) or lies in one pod
+    (a divisor of them); a pod without GPUs (a driver) takes part in none, so any size passes there."""
+    tp = _int(ANN_TP_SIZE, value, 1, 4096)
+    if gpus > 0 and tp % gpus and gpus % tp:
+        raise AnnotationError(
+            ANN_TP_SIZE, value, f"must be a multiple of the pod's {gpus} GPUs (whole pods) or divide them"
+        )
+    return tp
 
 
 def _group_fields(ann: Mapping[str, str], inferred: InferredGroup | None) -> dict[str, Any]:

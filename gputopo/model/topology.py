@@ -106,7 +106,7 @@ class FabricHealth(StrEnum):
 
 class GpuFabric(Wire):
     """One GPU's NVML fabric info as the agent publishes it: registration state, its return status
-    (0 = success) and the raw `healthMask` (decoded by `gputopo.model.fabric_health`)."""
+    (0 = success) and the raw `healthMask` (decoded by `gputopo.model.decode_health`)."""
 
     state: FabricState
     status: Annotated[int, Field(ge=0, le=0xFFFFFFFF)] = 0

@@ -24,7 +24,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "and summary figures of placement quality."
         ),
     )
-    p.add_argument("--cluster", required=True, metavar="FILE", help="cluster.yaml: nodes (fixture or topology)")
+    p.add_argument(
+        "--cluster", required=True, metavar="FILE", help="cluster.yaml: nodes (fixture or topology) and racks"
+    )
     p.add_argument("--jobs", required=True, metavar="FILE", help="jobs.yaml: jobs placed in order")
     p.add_argument("--output", choices=("text", "json"), default="text", help="output format (default: text)")
     p.add_argument(

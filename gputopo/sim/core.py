@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gputopo.clusterfile import JobSpec
@@ -33,7 +33,7 @@ from gputopo.engine.besteffort import ScoreMatrix, best_effort_scores, pair_scor
 from gputopo.engine.cliques import bits, mask_of, popcount
 from gputopo.engine.domains import FreeTracker
 from gputopo.engine.explain import gpu_ranges, packing_clause, placement_sentence, runner_up
-from gputopo.engine.groupplan import GroupFailure, Member, group_waiting_message
+from gputopo.engine.groupplan import GroupFailure, GroupPlan, Member, group_waiting_message
 from gputopo.engine.groups import plan_group
 from gputopo.engine.placement import evaluate_pod, rank
 from gputopo.engine.reasons import summarize_failures
@@ -46,6 +46,12 @@ from gputopo.sim.records import Decision, PodPlacement, SimPod, UnplacedPod
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 POLICIES = ("gputopo", "default", "random")
+
+# What plans a group in plan_group's place (a benchmark's other domain choice), called with the group's
+# name, members, the nodes now, the tiers and the weights.
+GroupPlanner = Callable[
+    [str, Sequence[Member], Sequence[NodeState], TierConfig, ScoreWeights], GroupPlan | GroupFailure
+]
 
 
 # kube-scheduler's own FailedScheduling entry when a node lacks the extended resource.
@@ -135,8 +141,10 @@ class _Run:
         seed: int,
         weights: ScoreWeights,
         best_fit: bool = True,
+        planner: GroupPlanner | None = None,
     ) -> None:
         self.best_fit = best_fit
+        self.planner = planner
         self.nodes = list(nodes)
         self.free = FreeTracker(self.nodes, tiers)  # over every node, as the extender counts them
         self.index = {n.name: i for i, n in enumerate(self.nodes)}
@@ -191,7 +199,10 @@ class _Run:
             self._fail_all(pods, msg)
             return
         members = [Member(p.name, p.request) for p in pods]
-        plan = plan_group(group, members, self.nodes, self.tiers, self.weights, best_fit=self.best_fit)
+        if self.planner is not None:
+            plan = self.planner(group, members, self.nodes, self.tiers, self.weights)
+        else:
+            plan = plan_group(group, members, self.nodes, self.tiers, self.weights, best_fit=self.best_fit)
         if isinstance(plan, GroupFailure):
             self._fail_all(pods, plan.message)
             return
@@ -283,17 +294,18 @@ def simulate(
     pp_message_bytes: float = DEFAULT_PP_MESSAGE_BYTES,
     exhaustive: bool = True,
     best_fit: bool = True,
+    group_planner: GroupPlanner | None = None,
 ) -> SimResult:
     """Place `jobs` in order on `nodes` under `policy`; GPUs taken by earlier pods stay taken.
     `best_fit=False` is gputopo before fabric-level best fit (ties by node name, groups by score), for
-    the benchmarks' before/after.
+    the benchmarks' before/after; `group_planner` plans gputopo's groups in plan_group's place.
 
     Raises JobInputError on a malformed annotation and ValueError on an unknown policy.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
     pods_per_job = prepare_pods(jobs, tiers)
-    run = _Run(nodes, policy, tiers, seed, weights, best_fit)
+    run = _Run(nodes, policy, tiers, seed, weights, best_fit, group_planner)
     for pods in pods_per_job:
         if not pods:
             continue

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from gputopo.model import NodeTopology
+from gputopo.model import FabricState, NodeTopology
 from gputopo.systems import build_system
 
 MIB = 1024 * 1024
@@ -30,6 +31,8 @@ NVML_NVLINK_DEVICE_TYPE_GPU = 0x00
 NVML_NVLINK_DEVICE_TYPE_IBMNPU = 0x01
 NVML_NVLINK_DEVICE_TYPE_SWITCH = 0x02
 NVML_NVLINK_DEVICE_TYPE_UNKNOWN = 0xFF
+NVML_GPU_FABRIC_STATE_NOT_SUPPORTED = 0
+NVML_GPU_FABRIC_STATE_NOT_STARTED = 1
 NVML_GPU_FABRIC_STATE_IN_PROGRESS = 2
 NVML_GPU_FABRIC_STATE_COMPLETED = 3
 NVML_SUCCESS = 0
@@ -474,10 +477,34 @@ SYSTEM_WIRING: dict[str, tuple[int, Wiring | None]] = {
     "l40s-4": (0, None),
     "rtx4090-8": (0, None),
     "gb200-tray": (VERSION_B200, invisible_switch_wiring(18)),
+    "gb200-tray-degraded": (VERSION_B200, invisible_switch_wiring(18)),
+    "gb300-tray": (VERSION_B200, invisible_switch_wiring(18)),  # NVLink 5 as on GB200
+    "gb300-tray-degraded": (VERSION_B200, invisible_switch_wiring(18)),
 }
 
 GB200_CLUSTER_UUID = bytes.fromhex("9c6f5af353bf49b5a436b66766c413c3")
 GB200_CLIQUE_ID = 4026
+_FABRIC_STATE = {
+    FabricState.NOT_SUPPORTED: NVML_GPU_FABRIC_STATE_NOT_SUPPORTED,
+    FabricState.NOT_STARTED: NVML_GPU_FABRIC_STATE_NOT_STARTED,
+    FabricState.IN_PROGRESS: NVML_GPU_FABRIC_STATE_IN_PROGRESS,
+    FabricState.COMPLETED: NVML_GPU_FABRIC_STATE_COMPLETED,
+}
+
+
+def _tray_fabric(topology: NodeTopology, gpus: Sequence[FakeGpu]) -> None:
+    """Each GPU's fabric info as NVML would report what the system publishes (its clique, state, mask)."""
+    assert topology.fabric is not None
+    cluster, clique_id = topology.fabric.clique.rsplit(".", 1)
+    for fake, gpu in zip(gpus, topology.gpus, strict=True):
+        assert gpu.fabric is not None
+        fake.fabric = FakeFabric(
+            state=_FABRIC_STATE[gpu.fabric.state],
+            status=gpu.fabric.status,
+            cluster_uuid=uuid.UUID(cluster).bytes,
+            clique_id=int(clique_id),
+            health_mask=gpu.fabric.health_mask,
+        )
 
 
 def fake_system(name: str) -> FakeNvml:
@@ -485,14 +512,13 @@ def fake_system(name: str) -> FakeNvml:
     topology = build_system(name)
     version, wiring = SYSTEM_WIRING[name]
     gpus = _gpus_like(topology, version, wiring)
-    if name == "gb200-tray":
-        for g in gpus:
-            g.fabric = FakeFabric(cluster_uuid=GB200_CLUSTER_UUID, clique_id=GB200_CLIQUE_ID, health_mask=0xAA)
+    if topology.fabric is not None:
+        _tray_fabric(topology, gpus)
     elif name in ("dgx-h100", "hgx-h200"):
         # H100 HGX boards report COMPLETED with an all-zero cluster UUID: not a multi-node domain.
         for g in gpus:
             g.fabric = FakeFabric(cluster_uuid=bytes(16), clique_id=0)
-    if name.startswith(("dgx-a100", "dgx-h100", "hgx", "a100")) or name == "gb200-tray":
+    if name.startswith(("dgx-a100", "dgx-h100", "hgx", "a100", "gb")):
         for g in gpus:
             g.mig = (0, 0)
             g.remapped = (0, 0, 0, 0)

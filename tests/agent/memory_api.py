@@ -22,7 +22,7 @@ class InMemoryNodeApi:
     labels: dict[str, str] = field(default_factory=dict)
     leases: dict[tuple[str, str], LeaseSpec] = field(default_factory=dict)
     calls: Counter[str] = field(default_factory=Counter)
-    patches: list[tuple[dict[str, str], dict[str, str]]] = field(default_factory=list)
+    patches: list[tuple[dict[str, str], dict[str, str | None]]] = field(default_factory=list)
     fail_next: list[BaseException] = field(default_factory=list)
 
     def _enter(self, call: str) -> None:
@@ -39,11 +39,15 @@ class InMemoryNodeApi:
         self._check(name)
         return NodeMeta(annotations=dict(self.annotations), labels=dict(self.labels))
 
-    def patch_node_meta(self, name: str, annotations: Mapping[str, str], labels: Mapping[str, str]) -> None:
+    def patch_node_meta(self, name: str, annotations: Mapping[str, str], labels: Mapping[str, str | None]) -> None:
         self._enter("patch_node")
         self._check(name)
         self.annotations.update(annotations)
-        self.labels.update(labels)
+        for key, value in labels.items():  # a JSON merge patch: null removes the label
+            if value is None:
+                self.labels.pop(key, None)
+            else:
+                self.labels[key] = value
         self.patches.append((dict(annotations), dict(labels)))
 
     def renew_lease(self, namespace: str, name: str, spec: LeaseSpec) -> None:

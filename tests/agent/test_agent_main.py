@@ -145,7 +145,7 @@ def test_once_without_output_publishes_and_heartbeats(tmp_path: Path) -> None:
 class SigtermOnPatch(InMemoryNodeApi):
     """Sends SIGTERM to this process on the first Node patch, as the kubelet would on pod deletion."""
 
-    def patch_node_meta(self, name: str, annotations: Mapping[str, str], labels: Mapping[str, str]) -> None:
+    def patch_node_meta(self, name: str, annotations: Mapping[str, str], labels: Mapping[str, str | None]) -> None:
         super().patch_node_meta(name, annotations, labels)
         os.kill(os.getpid(), signal.SIGTERM)
 

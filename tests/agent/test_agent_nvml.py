@@ -77,6 +77,9 @@ def discover(fake: FakeNvml, sysfs: Path) -> NodeTopology:
         pytest.param("l40s-4", id="l40s NVLink NotSupported: no links, health ok"),
         pytest.param("rtx4090-8", id="rtx4090 PCIe only: no links"),
         pytest.param("gb200-tray", id="gb200 tray: invisible switches count as NVSwitch, fabric clique"),
+        pytest.param("gb200-tray-degraded", id="gb200 tray, GPU 2's fabric healthMask 0xa9: degraded as published"),
+        pytest.param("gb300-tray", id="gb300 tray: NVLink 5 as gb200, healthy fabric"),
+        pytest.param("gb300-tray-degraded", id="gb300 tray with a degraded fabric GPU"),
     ],
 )
 def test_adapter_rebuilds_named_system(system: str, tmp_path: Path) -> None:
@@ -576,14 +579,6 @@ def test_old_binding_attributes_cannot_be_trusted_for_fabric_info(
     with pytest.raises(UnicodeDecodeError):
         _ = info.clusterUuid  # char arrays come back decoded to str, and 0x9c... is not UTF-8
     assert ((info.state, info.cliqueId) == (3, 4026)) is fields_right
-
-
-def test_fabric_degraded_bandwidth_degrades_the_gpu(tmp_path: Path) -> None:
-    fake = fake_system("gb200-tray")
-    fake.gpus[2].fabric = FakeFabric(cluster_uuid=GB200_CLUSTER_UUID, clique_id=4026, health_mask=0xA9)
-    got = discover(fake, tmp_path)
-    assert got.gpus[2].health is Health.DEGRADED
-    assert got.gpus[0].health is Health.OK
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,
     LABEL_GPU_MEMORY_GIB,
     LABEL_NVLINK_DOMAIN,
+    LABEL_NVLINK_FABRIC,
     LABEL_NVSWITCH,
     LABEL_RDMA,
     TOPOLOGY_ANNOTATION,
@@ -167,6 +168,30 @@ def test_same_json_with_other_spacing_is_not_a_change() -> None:
     pub, _, _ = make(api)
     assert pub.publish(H100, used(2)) is PublishResult.UNCHANGED
     assert api.calls["patch_node"] == 0
+
+
+def test_the_fabric_label_follows_the_tray_and_is_removed_when_it_stops_reporting() -> None:
+    pub, api, _ = make()
+    assert pub.publish(build_system("gb200-tray", NODE), used()) is PublishResult.CHANGED
+    assert api.labels[LABEL_NVLINK_FABRIC] == "healthy"
+    assert pub.publish(build_system("gb200-tray-degraded", NODE), used()) is PublishResult.CHANGED
+    assert api.labels[LABEL_NVLINK_FABRIC] == "degraded"
+    assert pub.publish(H100, used()) is PublishResult.CHANGED
+    assert LABEL_NVLINK_FABRIC not in api.labels
+    assert api.patches[-1][1][LABEL_NVLINK_FABRIC] is None  # a merge patch's null removes it
+    assert api.labels["gputopo.io/network-leaf"] == "leaf-3"  # the operator's labels stay
+    assert pub.publish(H100, used()) is PublishResult.UNCHANGED
+
+
+def test_a_node_without_the_fabric_label_gets_no_patch_to_remove_it() -> None:
+    pub, api, _ = make()
+    pub.publish(H100, used())
+    assert LABEL_NVLINK_FABRIC not in api.patches[0][1]
+    api.labels[LABEL_NVLINK_FABRIC] = "unknown"  # left by an earlier agent, or set by hand
+    fresh, _, _ = make(api)
+    assert fresh.publish(H100, used()) is PublishResult.CHANGED
+    assert api.patches[-1] == ({}, {LABEL_NVLINK_FABRIC: None})
+    assert LABEL_NVLINK_FABRIC not in api.labels
 
 
 def test_metadata_changes_ignores_foreign_labels() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gputopo.model import DegradedLink, GpuInfo, Health, LinkState, NodeTopology
+from gputopo.model import DegradedLink, FabricState, GpuFabric, GpuInfo, Health, LinkState, NodeTopology
 from gputopo.render import gpu_pair_cell, render_topology
 from gputopo.systems import build_system
 
@@ -101,3 +101,36 @@ def test_in_use_line(in_use: set[int] | None, line: str | None) -> None:
         assert "GPUs in use" not in text
     else:
         assert line in text
+
+
+def _fabric_in_progress(system: str, gpu: int) -> NodeTopology:
+    topo = build_system(system)
+    gpus = list(topo.gpus)
+    gpus[gpu] = gpus[gpu].model_copy(update={"fabric": GpuFabric(state=FabricState.IN_PROGRESS)})
+    return topo.model_copy(update={"gpus": tuple(gpus)})
+
+
+@pytest.mark.parametrize(
+    ("topology", "gpu_line", "tray_line"),
+    [
+        pytest.param(build_system("gb200-tray"), "GPU2: NVIDIA GB200, 189471 MiB, 0018:01:00.0, NVLink fabric healthy",
+                     "NVLink fabric: healthy", id="healthy tray"),
+        pytest.param(build_system("gb200-tray-degraded"),
+                     "GPU2: NVIDIA GB200, 189471 MiB, 0018:01:00.0, NVLink fabric degraded "
+                     "(healthMask 0xa9: degraded bandwidth)",
+                     "NVLink fabric: degraded (GPU 2: healthMask 0xa9: degraded bandwidth)", id="degraded GPU 2"),
+        pytest.param(_fabric_in_progress("gb200-tray", 1),
+                     "GPU1: NVIDIA GB200, 189471 MiB, 0009:01:00.0, NVLink fabric unknown "
+                     "(fabric registration in-progress)",
+                     "NVLink fabric: unknown (GPU 1: fabric registration in-progress)", id="one GPU still registering"),
+        pytest.param(build_system("dgx-h100"), "GPU2: NVIDIA H100 80GB HBM3, 81559 MiB, 0000:52:00.0", None,
+                     id="no fabric info: no fabric lines"),
+    ],
+)  # fmt: skip
+def test_fabric_health_per_gpu_and_per_tray(topology: NodeTopology, gpu_line: str, tray_line: str | None) -> None:
+    lines = render_topology(topology).splitlines()
+    assert gpu_line in lines
+    if tray_line is None:
+        assert not any("NVLink fabric" in line for line in lines)
+    else:
+        assert tray_line in lines

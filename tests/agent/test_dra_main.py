@@ -85,7 +85,7 @@ class StopAfterPatch(InMemoryNodeApi):
         self.check = check
         self.seen: Any = None
 
-    def patch_node_meta(self, name: str, annotations: Mapping[str, str], labels: Mapping[str, str]) -> None:
+    def patch_node_meta(self, name: str, annotations: Mapping[str, str], labels: Mapping[str, str | None]) -> None:
         super().patch_node_meta(name, annotations, labels)
         if self.seen is None:
             self.seen = self.check()

@@ -71,6 +71,10 @@ def test_the_device_class_selects_our_driver_only_and_only_with_dra() -> None:
     assert dc["spec"] == {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]}
 
 
+# What a component is granted on a DRA kind without agent.dra.enabled (nothing elsewhere).
+WITHOUT_DRA = {("extender", "resourceclaimtemplates"): {"get", "list", "watch"}}
+
+
 @pytest.mark.parametrize(
     ("component", "resource", "verbs"),
     [
@@ -79,14 +83,16 @@ def test_the_device_class_selects_our_driver_only_and_only_with_dra() -> None:
         ("agent", "resourceclaimtemplates", set()),
         ("extender", "resourceclaims", {"get", "list", "watch"}),
         ("extender", "resourceslices", {"get", "list", "watch"}),
-        # create for the pods it sees, list and delete for the ones no pod names any more (the collector)
-        ("extender", "resourceclaimtemplates", {"create", "get", "list", "delete"}),
+        # create for the pods it sees, list and delete for the ones no pod names any more (the collector);
+        # get, list and watch with or without DRA: which are ComputeDomains' IMEX channel templates
+        ("extender", "resourceclaimtemplates", {"create", "get", "list", "watch", "delete"}),
     ],
 )
 def test_dra_rbac_is_what_each_side_uses(component: str, resource: str, verbs: set[str]) -> None:
     role = one(render(**DRA), "ClusterRole", component=component)
     assert _rules_on(role, "resource.k8s.io", resource) == verbs
-    assert not _rules_on(one(render(), "ClusterRole", component=component), "resource.k8s.io", resource)
+    without = _rules_on(one(render(), "ClusterRole", component=component), "resource.k8s.io", resource)
+    assert without == WITHOUT_DRA.get((component, resource), set())
 
 
 def test_the_webhook_makes_claims_with_the_agents_encoding_and_sees_pods_under_our_scheduler() -> None:

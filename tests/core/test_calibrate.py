@@ -143,3 +143,20 @@ def test_cli_errors_go_to_stderr(
 def test_cli_missing_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["calibrate", str(tmp_path / "nope.txt")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_cli_domain_prints_the_nvlink_domain_tiers_bus_bandwidth(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An NVL72 rack's 72 ranks, drawn exactly from t = 40 us + 2(n-1)/n * S / 800 GB/s.
+    rows = [f"# Rank {r} Group 0 Pid 1 on tray device {r % 4} [0x01] NVIDIA GB200" for r in range(72)]
+    for size in (1 << 20, 1 << 24, 1 << 28, 1 << 30, 1 << 32):
+        t = 40.0 + 2 * 71 / 72 * size / (800.0 * 1e3)
+        rows.append(f"{size} {size // 4} float sum -1 {t:.4f} 1 1 0 {t:.4f} 1 1 0")
+    path = tmp_path / "rack.txt"
+    path.write_text("\n".join(rows) + "\n")
+    assert main(["calibrate", str(path), "--domain"]) == 0
+    out = capsys.readouterr().out
+    assert "all_reduce over 72 ranks" in out
+    assert "tier nvlink-domain" in out
+    assert "busbwGbps: 800  # 800.0 GB/s measured over 72 GPUs of one NVLink domain vs 745 GB/s default" in out

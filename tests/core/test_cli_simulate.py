@@ -83,6 +83,11 @@ BAD_JOB = "jobs:\n  - name: bad\n    gpusPerPod: 2\n    annotations: {gputopo.io
         ("nodes:\n  - name: n1\n    fixture: dgx-h900\n", None, "nodes[0] (n1).fixture: unknown system 'dgx-h900'"),
         (None, BAD_JOB, 'jobs[0] (bad).annotations: invalid annotation gputopo.io/nvlink="maybe"'),
         (None, "jobs:\n  - name: x\n", "jobs[0] (x).gpusPerPod"),
+        (
+            "racks:\n  - {name: r1, system: gb200-nvl72, trays: 20}\n",
+            None,
+            "racks[0] (r1).trays: a gb200-nvl72 rack holds 1 to 18 trays, not 20",
+        ),
     ],
 )
 def test_bad_input_gives_one_error_line_and_exit_code_2(
@@ -114,3 +119,35 @@ def test_unknown_policy_is_an_argument_error(capsys: pytest.CaptureFixture[str])
 def test_no_subcommand_prints_help_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert "simulate" in capsys.readouterr().err
+
+
+RACKS_CLUSTER = """
+nodes:
+  - {name: h100-1, fixture: dgx-h100}
+racks:
+  - {name: rack-a, system: gb200-nvl72, degraded: [1]}
+  - {name: rack-b, system: gb300-nvl72, trays: 16}
+"""
+RACK_JOBS = """
+jobs:
+  - name: tp16
+    pods: 4
+    gpusPerPod: 4
+    annotations: {gputopo.io/required-tier: nvlink-domain}
+"""
+
+
+def test_simulate_reads_racks_from_the_cluster_file_and_keeps_a_domain_group_in_one_rack(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "cluster.yaml").write_text(RACKS_CLUSTER)
+    (tmp_path / "jobs.yaml").write_text(RACK_JOBS)
+    rc, out, err = _run(capsys, "--cluster", str(tmp_path / "cluster.yaml"), "--jobs", str(tmp_path / "jobs.yaml"))
+    assert (rc, err) == (0, "")
+    assert "Cluster 35 nodes, 144 GPUs (0 already in use)" in out
+    rc, out, _ = _run(
+        capsys, "--cluster", str(tmp_path / "cluster.yaml"), "--jobs", str(tmp_path / "jobs.yaml"), "--output", "json"
+    )
+    nodes = {p["node"] for p in json.loads(out)["placements"]}
+    assert len(nodes) == 4
+    assert {n.rsplit("-tray-", 1)[0] for n in nodes} in ({"rack-a"}, {"rack-b"})

@@ -228,7 +228,7 @@ def test_the_claims_docs_show_what_the_builder_makes() -> None:
 
 
 def test_a_min_gpu_memory_above_every_class_is_refused_naming_the_value_and_the_largest() -> None:
-    with pytest.raises(ClaimError, match=r"gputopo.io/min-gpu-memory: 2048Gi .*189471Mi"):
+    with pytest.raises(ClaimError, match=r"gputopo.io/min-gpu-memory: 2048Gi .*287775Mi"):
         claim_template(_req(4, "required", 2 * 1024 * 1024), list_attributes=False)
 
 

@@ -26,15 +26,18 @@ from gputopo.model import (
     MAX_GPUS_PER_NODE,
     POD_OPT_IN_ANNOTATIONS,
     AnnotationError,
+    FabricHealth,
     GpusInUse,
     NodeTopology,
     PodRequest,
+    decode_health,
     parse_gpus_in_use_report,
     parse_placement,
     parse_pod_request,
     parse_quantity,
     parse_quantity_bytes,
     parse_topology,
+    tray_health,
 )
 from gputopo.systems import build_system
 
@@ -250,6 +253,38 @@ def test_any_topology_either_parses_into_a_usable_node_or_is_an_annotation_error
     state = node_state("n", topo)  # what the cache builds; then a 2-GPU request, which divides by memory
     for policy in ("required", "ignore"):
         evaluate_node(state, parse_pod_request({ANN_NVLINK: policy, ANN_MIN_GPU_MEMORY: "1Gi"}, 2))
+
+
+_fabric_ints = st.one_of(st.integers(min_value=-1, max_value=2**32), st.integers(min_value=-(2**70), max_value=2**70))
+fabric_values = st.one_of(
+    st.none(),
+    json_values,
+    st.dictionaries(
+        st.sampled_from(["state", "status", "healthMask", "health_mask", "clusterUuid", "other"]),
+        st.one_of(
+            st.sampled_from(["not-supported", "not-started", "in-progress", "completed", "COMPLETED", "done"]),
+            _fabric_ints,
+            json_values,
+        ),
+        max_size=5,
+    ),
+)
+
+
+@FUZZ
+@given(fabrics=st.lists(fabric_values, min_size=4, max_size=4))
+def test_any_gpu_fabric_either_parses_into_a_fabric_health_or_is_an_annotation_error(fabrics: list[Any]) -> None:
+    doc: Any = json.loads(build_system("gb200-tray", "n").to_annotation())
+    for gpu, fabric in zip(doc["gpus"], fabrics, strict=True):
+        gpu["fabric"] = fabric
+    try:
+        topo = parse_topology(json.dumps(doc))
+    except AnnotationError as e:
+        assert e.key == "gputopo.io/topology"
+        return
+    for gpu in topo.gpus:
+        assert decode_health(gpu.fabric)[0] in FabricHealth
+    assert node_state("n", topo).fabric is tray_health(topo.gpus)[0]
 
 
 @FUZZ

@@ -83,6 +83,10 @@ PATHS: dict[str, tuple[str | None, str | None]] = {
         "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims",
     ),
     "resourceslices": ("/apis/resource.k8s.io/v1/resourceslices", None),
+    "resourceclaimtemplates": (
+        "/apis/resource.k8s.io/v1/resourceclaimtemplates",
+        "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaimtemplates",
+    ),
 }
 
 

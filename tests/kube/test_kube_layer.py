@@ -448,6 +448,12 @@ WRITES: list[Any] = [
         id="node-metadata-merge-patch",
     ),
     pytest.param(
+        lambda k: k.patch_node_metadata("n1", labels={"l": None}),
+        ("PATCH", "/api/v1/nodes/n1", "application/merge-patch+json"),
+        {"metadata": {"labels": {"l": None}}},
+        id="node-label-removed-by-null",
+    ),
+    pytest.param(
         lambda k: k.create_lease("gs", "agent-n1", holder="n1", renew_time=WHEN, duration_s=40, labels={"x": "y"}),
         ("POST", "/apis/coordination.k8s.io/v1/namespaces/gs/leases", "application/json"),
         {

@@ -1,0 +1,178 @@
+"""End to end, ComputeDomains on NVL72 racks (docs/install.md, "Beside NVIDIA's DRA driver on NVL72 racks"):
+the pods of one ComputeDomain, each claiming its IMEX channel through the ComputeDomain's ResourceClaimTemplate,
+land in one NVLink domain even where best fit alone would take another rack's free tray.
+
+There is no NVIDIA DRA driver here (nor GPUs): the test makes what it would. The DeviceClass
+`compute-domain-default-channel.nvidia.com`, the channel ResourceClaimTemplate its controller makes per
+ComputeDomain, and per tray a ResourceSlice of driver `compute-domain.nvidia.com` with its one device
+`channel-0` (spec.nodeName = the tray), standing in for NVIDIA's kubelet plugin on hardware we lack, so that
+kube-scheduler's DRA plugin allocates the claims as it would there. The trays (GB200, one real gputopo-agent
+each) have no kubelet: pods are only bound. Needs resource.k8s.io/v1 (Kubernetes 1.34 and later).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from conftest import StackNodes, serve
+from gputopo.extender.computedomains import CHANNEL_DEVICE_CLASS, CHANNEL_DRIVER
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster.stack import GpuNode, Stack
+
+pytestmark = pytest.mark.e2e
+
+CLIQUE = "nvidia.com/gpu.clique"
+TRAY = "e2e.gputopo.io/tray"
+
+
+@pytest.fixture(scope="module")
+def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
+    kube.apply(
+        [
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "DeviceClass",
+                "metadata": {"name": CHANNEL_DEVICE_CLASS},
+                "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{CHANNEL_DRIVER}"'}}]},
+            }
+        ]
+    )
+    yield from serve(Stack(control_plane, kube, heartbeat_seconds=2, interval_seconds=1))
+
+
+def channel_slices(kube: KubeClient, trays: list[str]) -> None:
+    """Each tray's `channel-0`, as NVIDIA's kubelet plugin publishes it."""
+    kube.apply(
+        [
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceSlice",
+                "metadata": {"name": f"{tray}-channels"},
+                "spec": {
+                    "driver": CHANNEL_DRIVER,
+                    "nodeName": tray,
+                    "pool": {"name": tray, "generation": 1, "resourceSliceCount": 1},
+                    "devices": [{"name": "channel-0", "attributes": {"type": {"string": "channel"}}}],
+                },
+            }
+            for tray in trays
+        ]
+    )
+
+
+def add_trays(kube: KubeClient, nodes: StackNodes, test_id: str, racks: dict[str, str]) -> dict[str, str]:
+    """GB200 trays (short name -> rack), each labelled with its rack's clique and its own tray label, with
+    their channel slices; short name -> node name."""
+    suffix = test_id[-6:]
+    trays = nodes.add(
+        *(
+            GpuNode(t, "gb200-tray", labels={CLIQUE: f"rack-{r}-{suffix}", TRAY: f"{t}-{suffix}"})
+            for t, r in racks.items()
+        )
+    )
+    channel_slices(kube, trays)
+    return dict(zip(racks, trays, strict=True))
+
+
+def channel_template(kube: KubeClient, namespace: str, name: str) -> str:
+    """The ResourceClaimTemplate NVIDIA's ComputeDomain controller makes for a ComputeDomain."""
+    request = {"name": "channel", "exactly": {"deviceClassName": CHANNEL_DEVICE_CLASS}}
+    kube.apply(
+        [
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaimTemplate",
+                "metadata": {"name": name, "namespace": namespace},
+                "spec": {"spec": {"devices": {"requests": [request]}}},
+            }
+        ]
+    )
+    return name
+
+
+def pod(kube: KubeClient, namespace: str, name: str, gpus: int, selector: dict[str, str], cd: str | None) -> str:
+    manifest = pod_manifest(
+        name,
+        namespace=namespace,
+        scheduler_name="gputopo-scheduler",
+        gpus=gpus,
+        annotations={"gputopo.io/nvlink": "required"},
+        node_selector=selector,
+    )
+    if cd is not None:
+        manifest["spec"]["resourceClaims"] = [{"name": "imex", "resourceClaimTemplateName": cd}]
+        manifest["spec"]["containers"][0]["resources"]["claims"] = [{"name": "imex"}]
+    kube.create_pod(manifest)
+    return name
+
+
+def test_rack_compute_domain_pods_one_domain(kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str) -> None:
+    name = add_trays(kube, nodes, test_id, {"a0": "a", "a1": "a", "a2": "a", "b0": "b", "b1": "b"})
+    cd = channel_template(kube, namespace, "train-channel")
+    mine = {TEST_LABEL: test_id}
+
+    # The ComputeDomain's first pod on a0 (its selector), a plain pod filling b0: rack b is now the fuller
+    # rack with room, where best fit alone would put the next whole-tray pod.
+    pod(kube, namespace, "train-0", 4, {**mine, TRAY: f"a0-{test_id[-6:]}"}, cd)
+    pod(kube, namespace, "other", 4, {**mine, TRAY: f"b0-{test_id[-6:]}"}, None)
+    assert kube.wait_pods_bound(namespace, ["train-0", "other"], timeout=60) == {
+        "train-0": name["a0"],
+        "other": name["b0"],
+    }
+    pod(kube, namespace, "plain", 4, mine, None)
+    assert kube.wait_pod_bound(namespace, "plain", timeout=60) == name["b1"]  # best fit, as without CDs
+    kube.delete_pod(namespace, "plain")
+    deadline = time.monotonic() + 30
+    while any(p["metadata"]["name"] == "plain" for p in kube.list_pods(namespace)):  # b1 free again
+        assert time.monotonic() < deadline, "pod plain not deleted"
+        time.sleep(0.2)
+
+    later = [pod(kube, namespace, f"train-{i}", 4, mine, cd) for i in (1, 2)]
+    bound = kube.wait_pods_bound(namespace, later, timeout=60)
+    assert sorted(bound.values()) == [name["a1"], name["a2"]]  # the ComputeDomain's rack, not b1
+
+
+def test_rack_compute_domain_keeps_its_free_tray_whole_for_its_next_pod(
+    kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
+) -> None:
+    name = add_trays(kube, nodes, test_id, {"a0": "a", "a1": "a", "b0": "b", "b1": "b"})
+    cd = channel_template(kube, namespace, "serve-channel")
+    mine = {TEST_LABEL: test_id}
+
+    # Rack a is the fuller rack with room once the ComputeDomain's first pod holds a0: best fit alone would
+    # put a one-GPU pod on a1 and leave the ComputeDomain no whole tray in its rack.
+    pod(kube, namespace, "serve-0", 4, {**mine, TRAY: f"a0-{test_id[-6:]}"}, cd)
+    assert kube.wait_pod_bound(namespace, "serve-0", timeout=60) == name["a0"]
+    pod(kube, namespace, "small", 1, mine, None)
+    assert kube.wait_pod_bound(namespace, "small", timeout=60) in (name["b0"], name["b1"])
+    pod(kube, namespace, "serve-1", 4, mine, cd)
+    assert kube.wait_pod_bound(namespace, "serve-1", timeout=60) == name["a1"]
+
+
+def test_rack_compute_domain_gang_is_planned_in_one_domain_whole(
+    kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
+) -> None:
+    """A gang whose members claim one ComputeDomain's channel: the whole gang in one NVLink domain, the
+    rack that holds all four (b), never split over the two racks (gputopo.engine.rack, one domain)."""
+    name = add_trays(kube, nodes, test_id, {"a0": "a", "a1": "a", "b0": "b", "b1": "b", "b2": "b", "b3": "b"})
+    cd = channel_template(kube, namespace, "gang-channel")
+    mine = {TEST_LABEL: test_id}
+    members = []
+    for i in range(4):
+        manifest = pod_manifest(
+            f"gang-{i}",
+            namespace=namespace,
+            scheduler_name="gputopo-scheduler",
+            gpus=4,
+            annotations={"gputopo.io/group": "gang", "gputopo.io/group-size": "4", "gputopo.io/stage": str(i)},
+            node_selector=mine,
+        )
+        manifest["spec"]["resourceClaims"] = [{"name": "imex", "resourceClaimTemplateName": cd}]
+        manifest["spec"]["containers"][0]["resources"]["claims"] = [{"name": "imex"}]
+        kube.create_pod(manifest)
+        members.append(f"gang-{i}")
+    bound = kube.wait_pods_bound(namespace, members, timeout=90)
+    assert sorted(bound.values()) == sorted(name[t] for t in ("b0", "b1", "b2", "b3"))

@@ -1,0 +1,125 @@
+"""ComputeDomains in placement: NVIDIA's IMEX domains over multi-node NVLink.
+
+A ComputeDomain (NVIDIA's DRA driver) gives each of its pods an IMEX channel through a claim on the node's one
+channel device (`channel-0`); its pods reach each other's GPU memory only inside one multi-node NVLink domain
+(the nodes' `nvlink-domain` location). So here:
+
+- a pod of a ComputeDomain goes only to a node of the NVLink domain its ComputeDomain's placed pods occupy
+  (any domain while none is placed), and never to a node whose channel serves another ComputeDomain;
+- a pod of no ComputeDomain that needs fewer GPUs than a node has is steered first onto nodes already serving a
+  channel (their free GPUs can take no other channel pod: the channel is taken) and last onto whole free
+  nodes of a domain a ComputeDomain occupies (its next pods need a whole node there).
+
+`Serving` (which ComputeDomain each node's channel serves now) is the extender's, from the pods bound there.
+A ComputeDomain is named `namespace/template`: the ResourceClaimTemplate its pods name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+from gputopo.engine.placement import Outcome
+from gputopo.engine.reasons import Code, Reason
+from gputopo.engine.snapshot import NodeState
+from gputopo.model import PodRequest
+
+DOMAIN_TIER = "nvlink-domain"
+Serving = Mapping[str, frozenset[str]]  # node -> the ComputeDomains whose IMEX channel it serves now
+# Scores are in [0, 1]: a whole step orders the steering classes first, the engine's score within each.
+FIRST, LAST = 1.0, -1.0
+
+
+def nvlink_domain(state: NodeState) -> str | None:
+    """The node's multi-node NVLink domain (any labeler's key, as the tiers read it); None when it has none."""
+    return state.location.get(DOMAIN_TIER)
+
+
+def domains_of(cd: str, serving: Serving, domain: Mapping[str, str | None]) -> Counter[str]:
+    """The NVLink domains the ComputeDomain's placed pods occupy, with how many of its nodes each holds."""
+    out: Counter[str] = Counter()
+    for node, cds in serving.items():
+        where = domain.get(node)
+        if cd in cds and where is not None:
+            out[where] += 1
+    return out
+
+
+def pinned_domain(cd: str, serving: Serving, domain: Mapping[str, str | None]) -> str | None:
+    """The NVLink domain the ComputeDomain's next pods must join (what a group planner pins a group whose
+    members claim `cd` to): the one its placed pods occupy; should they already span several, through no
+    choice of gputopo's, the one holding most of its nodes, then the first by name. None while none is placed."""
+    held = domains_of(cd, serving, domain)
+    if not held:
+        return None
+    return min(held, key=lambda d: (-held[d], d))
+
+
+def refusal(cd: str, node: str, here: str | None, serves: frozenset[str], pinned: str | None) -> tuple[str, str] | None:
+    """Why a pod of ComputeDomain `cd` may not go to `node` (in NVLink domain `here`, its channel serving
+    `serves`), as (the categorical message, the node's sentence); None when it may."""
+    others = sorted(serves - {cd})
+    if others:
+        return (
+            f"IMEX channel serves another ComputeDomain than {cd}",
+            f"node {node} serves the IMEX channel of ComputeDomain {others[0]}; one channel per node, and the "
+            f"pod's ComputeDomain is {cd}",
+        )
+    if pinned is not None and here != pinned:
+        return (
+            f"outside NVLink domain {pinned} of ComputeDomain {cd}",
+            f"ComputeDomain {cd} runs in NVLink domain {pinned}; node {node} is in "
+            + (f"NVLink domain {here}" if here else "no NVLink domain"),
+        )
+    return None
+
+
+def steer(req: PodRequest, state: NodeState, serves: frozenset[str], occupied: frozenset[str]) -> float:
+    """The offset a pod of no ComputeDomain gets on a node: FIRST on a node serving a channel, LAST on a
+    whole free node of an NVLink domain a ComputeDomain occupies, else 0. Only for pods that need fewer GPUs
+    than the node has: a whole-node pod strands nothing."""
+    total = len(state.topology.gpus) if state.topology is not None else 0
+    if req.compute_domain is not None or not 0 < req.gpus < total:
+        return 0.0
+    if serves:
+        return FIRST
+    if not state.in_use and nvlink_domain(state) in occupied:
+        return LAST
+    return 0.0
+
+
+def with_compute_domains(
+    req: PodRequest,
+    states: Sequence[NodeState],
+    outcomes: Sequence[Outcome],
+    serving: Serving,
+    served: Mapping[str, str | None],
+) -> list[Outcome] | None:
+    """The outcomes (parallel to `states`) with the ComputeDomain rules applied: refusals for a pod of a
+    ComputeDomain, score offsets for a pod of none. `served`: the NVLink domain of each node in `serving`
+    (full ones are rarely among the candidates). None when no ComputeDomain is involved."""
+    cd = req.compute_domain
+    if cd is None and not serving:
+        return None
+    domain = {s.name: nvlink_domain(s) for s in states}
+    none: frozenset[str] = frozenset()
+    out: list[Outcome] = []
+    if cd is not None:
+        pinned = pinned_domain(cd, serving, served)
+        for state, o in zip(states, outcomes, strict=True):
+            why = refusal(cd, state.name, domain[state.name], serving.get(state.name, none), pinned) if o.fits else None
+            out.append(o if why is None else Outcome(Code.UNRESOLVABLE, Reason.COMPUTE_DOMAIN, why[0], why[1]))
+        return out
+    occupied = frozenset(d for d in served.values() if d is not None)
+    moved: dict[tuple[int, float], Outcome] = {}  # equal outcomes stay one object (the filter's kinds)
+    for state, o in zip(states, outcomes, strict=True):
+        shift = steer(req, state, serving.get(state.name, none), occupied) if o.fits else 0.0
+        if not shift:
+            out.append(o)
+            continue
+        key = (id(o), shift)
+        if key not in moved:
+            moved[key] = dataclasses.replace(o, score=o.score + shift)
+        out.append(moved[key])
+    return out

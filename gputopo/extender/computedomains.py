@@ -1,0 +1,128 @@
+"""Which ResourceClaimTemplates are NVIDIA ComputeDomains' IMEX channel templates (the ResourceClaimTemplates
+informer), and so which ComputeDomain a pod's claims join.
+
+NVIDIA's DRA driver makes one such template per ComputeDomain (`spec.channel.resourceClaimTemplate.name`, in
+the ComputeDomain's namespace): one request of the device class `compute-domain-default-channel.nvidia.com`.
+A pod joins the ComputeDomain by naming the template in `spec.resourceClaims`; gputopo names the
+ComputeDomain `namespace/template`. Only the templates are read: not the ComputeDomain objects (their node
+count and status), nor whether a node's IMEX daemon is ready.
+
+Until the templates have been listed once, a pod that names a template other than gputopo's waits with that
+reason rather than being placed as a pod of no ComputeDomain. A template not seen after the list is no channel
+template; when one arrives or changes, the pods naming it are read again (`on_change`: those keys, or None
+after the first list: every pod that names a template).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from gputopo.extender.kindhandlers import Bad, KindHandler, each_readable
+from gputopo.kube import JSON, RESOURCECLAIMTEMPLATES
+from gputopo.model.dra import TEMPLATE_PREFIX
+
+log = logging.getLogger("gputopo.extender.computedomains")
+
+CHANNEL_DEVICE_CLASS = "compute-domain-default-channel.nvidia.com"
+CHANNEL_DRIVER = "compute-domain.nvidia.com"  # the driver of the `channel-0` devices that class selects
+MAX_CHANNEL_TEMPLATES = 65_536  # one per ComputeDomain; past it new ones are not kept (said once)
+MAX_REQUESTS = 128  # resource.k8s.io's cap on a claim's requests
+
+Key = tuple[str, str]  # (namespace, template)
+# (namespace, the templates a pod's claims name) -> (its ComputeDomain or None, why it must wait or "").
+ChannelReader = Callable[[str, tuple[str, ...]], tuple[str | None, str]]
+
+
+def no_channels(_namespace: str, _templates: tuple[str, ...]) -> tuple[str | None, str]:
+    """The reader where no templates are watched (snapshot mode, `gputopo explain` offline): no channels."""
+    return None, ""
+
+
+def _map(obj: Any, where: str) -> Mapping[str, Any]:
+    if obj is None:
+        return {}
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"{where} is not an object")
+    return obj
+
+
+def channel_template(obj: JSON) -> tuple[Key, bool]:
+    """A ResourceClaimTemplate's (namespace, name) and whether it asks for a ComputeDomain's IMEX channel
+    (a request, exactly or among firstAvailable, of CHANNEL_DEVICE_CLASS); ValueError naming the field."""
+    meta = _map(_map(obj, "the object").get("metadata"), "metadata")
+    name, namespace = meta.get("name"), meta.get("namespace")
+    if not isinstance(name, str) or not name or not isinstance(namespace, str) or not namespace:
+        raise ValueError("metadata.name or metadata.namespace is missing or not a string")
+    devices = _map(_map(_map(obj.get("spec"), "spec").get("spec"), "spec.spec").get("devices"), "spec.spec.devices")
+    requests = devices.get("requests", [])
+    if not isinstance(requests, list) or len(requests) > MAX_REQUESTS:
+        raise ValueError(f"spec.spec.devices.requests is not a list of at most {MAX_REQUESTS}")
+    classes: list[Any] = []
+    for i, request in enumerate(requests):
+        where = f"spec.spec.devices.requests[{i}]"
+        exactly = _map(_map(request, where).get("exactly"), f"{where}.exactly")
+        classes.append(exactly.get("deviceClassName"))
+        alternatives = request.get("firstAvailable", [])
+        if not isinstance(alternatives, list) or len(alternatives) > MAX_REQUESTS:
+            raise ValueError(f"{where}.firstAvailable is not a list of at most {MAX_REQUESTS}")
+        classes += [_map(a, f"{where}.firstAvailable[]").get("deviceClassName") for a in alternatives]
+    return (namespace, name), CHANNEL_DEVICE_CLASS in classes
+
+
+class ChannelTemplates:
+    """The channel templates by (namespace, name): a `ChannelReader` over the templates informer (module doc)."""
+
+    def __init__(self, bad: Bad, on_change: Callable[[set[Key] | None], None] = lambda keys: None) -> None:
+        self._bad = bad
+        self.on_change = on_change
+        self.channels: set[Key] = set()
+        self.listed = False
+        self._full_said = False
+
+    def handlers(self) -> dict[str, KindHandler]:
+        return {RESOURCECLAIMTEMPLATES.name: KindHandler(self.replace, self.apply)}
+
+    def __call__(self, namespace: str, templates: tuple[str, ...]) -> tuple[str | None, str]:
+        for name in templates:
+            if name.startswith(TEMPLATE_PREFIX + "-"):
+                continue  # gputopo's own GPU templates
+            if (namespace, name) in self.channels:
+                return f"{namespace}/{name}", ""
+            if not self.listed:
+                return None, (
+                    f"waiting: ResourceClaimTemplates not read yet (the pod names {namespace}/{name}, which may be "
+                    "a ComputeDomain's IMEX channel)"
+                )
+        return None, ""
+
+    def _keep(self, key: Key) -> bool:
+        if len(self.channels) < MAX_CHANNEL_TEMPLATES or key in self.channels:
+            self.channels.add(key)
+            return True
+        if not self._full_said:
+            self._full_said = True
+            log.warning("too many ComputeDomain channel templates; later ones are not read", extra={"template": key})
+        return False
+
+    def replace(self, items: list[JSON]) -> None:
+        before, self.channels = self.channels, set()
+        for _, (key, channel) in each_readable(RESOURCECLAIMTEMPLATES.name, items, channel_template, self._bad):
+            if channel:
+                self._keep(key)
+        first, self.listed = not self.listed, True
+        if first:
+            self.on_change(None)  # every pod that names a template: those waiting for this list among them
+        elif before != self.channels:
+            self.on_change(before ^ self.channels)
+
+    def apply(self, event_type: str, obj: JSON) -> None:
+        key, channel = channel_template(obj)
+        was = key in self.channels
+        if event_type == "DELETED" or not channel:
+            self.channels.discard(key)
+        elif not self._keep(key):
+            return
+        if was != (key in self.channels):
+            self.on_change({key})
