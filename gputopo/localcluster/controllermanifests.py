@@ -117,8 +117,13 @@ SPECS: dict[str, ControllerSpec] = {
             extra={
                 "integrations": {"frameworks": list(KUEUE_FRAMEWORKS)},
                 "managedJobsNamespaceSelector": KUEUE_NAMESPACE_SELECTOR,
-                # VisibilityOnDemand starts an API server on 0.0.0.0; TAS is what the tests use.
-                "featureGates": {"VisibilityOnDemand": False, "TopologyAwareScheduling": True},
+                # VisibilityOnDemand starts an API server on 0.0.0.0; TAS is what the tests use, and
+                # TASBalancedPlacement (alpha, off by default in v0.17) is what e2e/test_rack_kueue.py compares.
+                "featureGates": {
+                    "VisibilityOnDemand": False,
+                    "TopologyAwareScheduling": True,
+                    "TASBalancedPlacement": True,
+                },
             },
         ),
     )

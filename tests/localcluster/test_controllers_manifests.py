@@ -167,7 +167,11 @@ def test_kueue_config_manages_only_labelled_namespaces_with_tas_and_no_visibilit
     doc = manager_config(SPECS["kueue"], webhook_port=1, cert_dir="/c", probe_port=2, namespace="ns")
     assert doc["namespace"] == "ns"
     assert doc["managedJobsNamespaceSelector"] == KUEUE_NAMESPACE_SELECTOR
-    assert doc["featureGates"] == {"VisibilityOnDemand": False, "TopologyAwareScheduling": True}
+    assert doc["featureGates"] == {
+        "VisibilityOnDemand": False,
+        "TopologyAwareScheduling": True,
+        "TASBalancedPlacement": True,
+    }
     assert set(doc["integrations"]["frameworks"]) == {
         "batch/job", "pod", "jobset.x-k8s.io/jobset", "leaderworkerset.x-k8s.io/leaderworkerset",
         "trainer.kubeflow.org/trainjob",
