@@ -38,6 +38,7 @@ from gputopo.agent.nvml_topology import (
     decode_fabric_info,
     fabric_clique,
     gpu_fabric,
+    gpu_info,
     normalize_bus_id,
     nvlink_generation,
     worst_health,
@@ -47,7 +48,6 @@ from gputopo.model import (
     MAX_NAME_LENGTH,
     MAX_TEXT_LENGTH,
     FabricHealth,
-    GpuInfo,
     Health,
     NodeTopology,
     decode_health,
@@ -128,20 +128,6 @@ class NvmlDiscovery:
 
     topology: NodeTopology
     notes: tuple[str, ...] = ()
-
-
-def _as_wire(gpu: GpuReading) -> GpuInfo:
-    """The GPU as it will be published; raises ValidationError for a value the model refuses."""
-    return GpuInfo(
-        index=gpu.index,
-        uuid=gpu.uuid,
-        model=gpu.model,
-        memory_mib=gpu.memory_mib,
-        pci_bus_id=gpu.bus_id,
-        numa_node=gpu.numa,
-        health=gpu.health,
-        fabric=gpu.fabric,
-    )
 
 
 def _first_error(e: ValidationError) -> str:
@@ -238,7 +224,7 @@ class NvmlAdapter:
             # Anything else (OSError from sysfs, a binding's decode or type error): this GPU only.
             return self._unreadable(gpu, f"reading it failed: {type(e).__name__}: {e}")
         try:
-            _as_wire(gpu)
+            gpu_info(gpu, reasons=False)
         except ValidationError as e:  # a value out of the model's range (memory, NUMA node, a name's length)
             return self._unreadable(gpu, f"a reading is out of range: {_first_error(e)}")
         self._uuids[index] = gpu.uuid

@@ -221,7 +221,9 @@ def _fabric(gpus: Sequence[GpuReading]) -> FabricInfo | None:
     return FabricInfo(clique=clique)
 
 
-def _gpu_info(g: GpuReading) -> GpuInfo:
+def gpu_info(g: GpuReading, *, reasons: bool = True) -> GpuInfo:
+    """The GPU as it is published (`reasons=False`: without its reasons, to check the other values while
+    they are still being gathered); raises ValidationError for a value the model refuses."""
     return GpuInfo(
         index=g.index,
         uuid=g.uuid,
@@ -230,7 +232,7 @@ def _gpu_info(g: GpuReading) -> GpuInfo:
         pci_bus_id=g.bus_id,
         numa_node=g.numa,
         health=g.health,
-        reasons=_bounded(g.reasons),
+        reasons=_bounded(g.reasons) if reasons else (),
         fabric=g.fabric,
     )
 
@@ -293,7 +295,7 @@ def assemble(gpus: Sequence[GpuReading], ever_active: Container[tuple[str, int]]
     generations = [g.generation for g in gpus if g.generation]
     generation = max(generations, default=0)
     return NodeTopology(
-        gpus=tuple(_gpu_info(g) for g in gpus),
+        gpus=tuple(gpu_info(g) for g in gpus),
         nvlink=NvlinkInfo(
             generation=generation,
             gbps_per_link=NVLINK_GBPS_PER_LINK.get(generation, 0.0),
