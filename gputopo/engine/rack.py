@@ -133,6 +133,7 @@ def _domains(
     default = next((t.group_cap for t in tiers.tiers if t.name == DOMAIN), None)
     out: dict[str, _Domain] = {}
     problems: list[str] = []
+    memo: dict[int, tuple[int, float]] = {}  # equivalent nodes (equal keys) hold the same: count once per key
     for name, members in by.items():
         cap = _cap(members, default)
         if isinstance(cap, str):
@@ -143,7 +144,9 @@ def _domains(
             if node.fabric is not FabricHealth.HEALTHY:  # counted even when full: its domain comes later
                 skipped.append(node)
                 continue
-            room, score = _room(node, req, spread, limit, weights, tiers)
+            if node.key not in memo:
+                memo[node.key] = _room(node, req, spread, limit, weights, tiers)
+            room, score = memo[node.key]
             if room > 0:
                 trays.append(_Tray(node, room, score))
         trays.sort(key=lambda t: (-t.score, t.node.name))
