@@ -209,7 +209,7 @@ def test_rack_kueue_36_trays_of_tp8_with_a_cap_of_16_gputopo_waits_kueue_takes_t
         kube.patch_node(t, {"metadata": {"labels": {CAP_LABEL: "16"}}})
     try:
         waiting = gang.create("big", 36, 8)
-        event = kube.wait_pod_event(namespace, waiting[0], "FailedScheduling", contains="cap of 16 trays", timeout=90)
+        event = kube.wait_pod_event(namespace, waiting[-1], "FailedScheduling", contains="cap of 16 trays", timeout=90)
         assert "needs 18 TP groups of 8 GPUs" in event.message
         gang.delete()
         kueue.run("big", 36, 8)
