@@ -51,7 +51,7 @@ def plan_packed(
     holds: list[_Holds] = []
     for node in nodes:
         if node.key not in memo:
-            memo[node.key] = _capacity(node, demanding, n, weights, tiers)
+            memo[node.key] = capacity(node, demanding, n, weights, tiers)
         cap, score = memo[node.key]
         if cap > 0:
             holds.append(_Holds(node, cap, score))
@@ -115,7 +115,7 @@ class _Holds:
     score: float  # the first member's score there
 
 
-def _capacity(
+def capacity(
     node: NodeState, req: PodRequest, limit: int, weights: ScoreWeights, tiers: TierConfig
 ) -> tuple[int, float]:
     """How many members like `req` fit on `node` one after another (at most `limit`), and the first one's

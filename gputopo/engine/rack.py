@@ -29,6 +29,7 @@ from gputopo.engine.groupplan import (
     Placed,
     switches_of,
 )
+from gputopo.engine.packed import capacity
 from gputopo.engine.placement import evaluate_node
 from gputopo.engine.rails import assess
 from gputopo.engine.scoring import ScoreWeights
@@ -145,7 +146,7 @@ def _domains(
                 skipped.append(node)
                 continue
             if node.key not in memo:
-                memo[node.key] = _room(node, req, spread, limit, weights, tiers)
+                memo[node.key] = capacity(node, req, 1 if spread is Spread.NODE else limit, weights, tiers)
             room, score = memo[node.key]
             if room > 0:
                 trays.append(_Tray(node, room, score))
@@ -153,21 +154,6 @@ def _domains(
         free = sum(t.node.free_mask.bit_count() for t in trays)
         out[name] = _Domain(name, trays, cap, skipped, free)
     return out, problems
-
-
-def _room(
-    node: NodeState, req: PodRequest, spread: Spread, limit: int, weights: ScoreWeights, tiers: TierConfig
-) -> tuple[int, float]:
-    """How many members like `req` the node holds (one under `spread: node`), and the first one's score."""
-    count, score, state = 0, 0.0, node
-    while count < (1 if spread is Spread.NODE else limit):
-        outcome = evaluate_node(state, req, weights)
-        if not outcome.fits:
-            break
-        score = outcome.score if count == 0 else score
-        count += 1
-        state = with_in_use(state, frozenset(outcome.gpus), tiers)
-    return count, score
 
 
 def balanced(capacities: Sequence[int], groups: int) -> list[int] | None:
