@@ -187,7 +187,8 @@ def test_jobs_high_priority_podgroup_preempts_low_priority_gpu_holders_and_binds
     members = [f"big-{i}" for i in range(2)]
     for m in members:
         kube.create_pod(gpu_pod(m, namespace, test_id, 8, group="big", priority="high"))
-    assert set(kube.wait_pods_bound(namespace, members, timeout=180).values()) == set(names)
+    # past kube-scheduler's 5-minute unschedulable flush: a preemptor can wait for it (kubernetes#141694)
+    assert set(kube.wait_pods_bound(namespace, members, timeout=360).values()) == set(names)
     assert all(gone(kube, namespace, h) for h in holders)
 
 
