@@ -160,6 +160,16 @@ class TierConfig(BaseModel):
                 return TierConfig.model_construct(tiers=s.tiers)  # valid: a set's tiers, no sets of its own
         return self
 
+    def labels_by_tier(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """Each tier's name (widest first) and every label any set reads for it, the top-level tiers' first:
+        what a topology key written by another component (a PodGroup, JobSet exclusive placement) may
+        name, whichever hardware shape the nodes it means are."""
+        out: dict[str, list[str]] = {t.name: list(t.labels) for t in self.tiers}
+        for s in self.sets:
+            for t in s.tiers:
+                out[t.name].extend(key for key in t.labels if key not in out[t.name])
+        return tuple((name, tuple(keys)) for name, keys in out.items())
+
     def switch_of(self, labels: Mapping[str, str], tier: str) -> str | None:
         """The switch (or domain) a node sits under at `tier`, or None when no label says."""
         for t in self.for_labels(labels)[1]:

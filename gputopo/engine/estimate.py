@@ -70,7 +70,9 @@ def stage_transfer_seconds(
     kind: NetworkKind = NetworkKind.ANY,
 ) -> float:
     """One activation transfer between consecutive stages on `a` and `b`: over the GPUs' own link when
-    both share a node, else over the slower node's best NIC and the switch tiers between them."""
+    both share a node, else over the slower node's best NIC and the switch tiers between them, as the
+    tiers of `a`'s set read them (both stages are in one set: a group never spans two)."""
+    tiers = tiers.of_set(a.tier_set)
     if a.name == b.name:
         shape = node_shape(a)
         if shape is None or not gpus_a or not gpus_b or gpus_a[0] == gpus_b[0]:
@@ -94,10 +96,11 @@ def group_allreduce_seconds(
     """A ring all-reduce of `message_bytes` with one rank per member (data parallelism across the
     group). Across nodes each member sends over its rail NICs (one per GPU, at most as many as the
     node has at its best rate), shared by the members on the same node; the slowest member and the
-    widest tier between any two members bound the ring."""
+    widest tier between any two members bound the ring. The tiers are those of the first member's set."""
     m = len(members)
     if m < 2:
         return 0.0
+    tiers = tiers.of_set(members[0][0].tier_set)
     names = {node.name for node, _ in members}
     if len(names) == 1:
         node = members[0][0]

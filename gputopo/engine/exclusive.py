@@ -49,7 +49,7 @@ Options = dict[int, dict[str, float]]
 
 def domain_words(key: str, tiers: TierConfig) -> str:
     """'domain of gputopo.io/network-leaf (tier leaf)': what one value of `key` is, for reasons."""
-    tier = tier_of_label([(t.name, t.labels) for t in tiers.tiers], key)
+    tier = tier_of_label(tiers.labels_by_tier(), key)
     return f"domain of {key}" + (f" (tier {tier})" if tier else "")
 
 
@@ -81,7 +81,7 @@ def plan_exclusive(
     options, failed = _options(jobs, key, fixed, domains, tiers, weights)
     if failed:
         return GroupFailure(group, f"group {group}: {failed}")
-    tier = tier_of_label([(t.name, t.labels) for t in tiers.tiers], key)
+    tier = tier_of_label(tiers.labels_by_tier(), key)
     wider = tiers.names[: tiers.names.index(tier)] if tier is not None else tiers.names
     order = [t for t in tiers.network_tiers() if t in wider]
     where = {d: ns[0].location for d, ns in domains.items()}

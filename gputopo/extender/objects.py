@@ -424,8 +424,7 @@ def podgroup_of(obj: Any, tiers: TierConfig) -> tuple[str, PodGroupShape]:
         if not isinstance(key, str) or not 0 < len(key) <= 317:  # a label key: prefix 253 + "/" + name 63
             raise BadObject(f"spec.schedulingConstraints.topology[{i}].key is not a label key")
         keys.append(key)
-    by_tier = [(t.name, t.labels) for t in tiers.tiers]
-    return namespace, podgroup_shape(name, min_count, keys, by_tier)
+    return namespace, podgroup_shape(name, min_count, keys, tiers.labels_by_tier())
 
 
 # ------------------------------------------------------------------------------------------ leases

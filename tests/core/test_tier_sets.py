@@ -12,11 +12,15 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from gputopo.clusterfile import JobSpec
+from gputopo.engine.cost import NVLINK_DOMAIN_BUSBW_GBPS, domain_allreduce_seconds
+from gputopo.engine.estimate import group_allreduce_seconds, stage_transfer_seconds
+from gputopo.engine.exclusive import domain_words
 from gputopo.engine.groupplan import GroupFailure, GroupPlan, Member, Placed
 from gputopo.engine.groups import plan_group
 from gputopo.engine.snapshot import NodeState, locate, node_state, taking, with_in_use
 from gputopo.engine.tiersets import by_tier_set
 from gputopo.model import parse_pod_request
+from gputopo.model.jobs import podgroup_shape
 from gputopo.sim.core import simulate
 from gputopo.systems import build_system
 from gputopo.tiers import DEFAULT_TIERS, Tier, TierConfig, TierSet
@@ -305,3 +309,62 @@ def test_the_documented_example_is_a_valid_setting_read_as_it_says() -> None:
     tray_labels = {PRODUCT: GB200, TG_TIER2: "s", TG_TIER1: "l", TG_DOMAIN: "rack-1"}
     assert example.locate(tray_labels) == {"spine": "s", "leaf": "l", "nvlink-domain": "rack-1"}
     assert example.of_set("gb200").tiers[2].group_cap == 16
+
+
+# A GB200 set whose fabric differs from the top-level tiers' defaults: spines 4:1, a measured domain.
+GB200_MEASURED = TierSet(
+    name="gb200",
+    match={PRODUCT: GB200},
+    tiers=(
+        Tier(name="spine", labels=(TG_TIER2,), oversubscription=4.0),
+        Tier(name="leaf", labels=(TG_TIER1,)),
+        Tier(name="nvlink-domain", labels=(TG_DOMAIN,), busbw_gbps=900.0),
+    ),
+)
+
+
+def _tray(name: str, spine: str, leaf: str, rack: str, tiers: TierConfig) -> NodeState:
+    labels = {PRODUCT: GB200, TG_TIER2: spine, TG_TIER1: leaf, TG_DOMAIN: rack}
+    return node_state(name, build_system("gb200-tray", name), labels=labels, tiers=tiers)
+
+
+def test_estimates_read_the_tier_set_of_the_nodes_they_are_for() -> None:
+    mixed = TierConfig(sets=(GB200_MEASURED,))
+    alone = TierConfig(tiers=GB200_MEASURED.tiers)
+    a, b = _tray("t1", "s1", "l1", "rack-1", mixed), _tray("t2", "s1", "l1", "rack-1", mixed)
+    c = _tray("t3", "s2", "l9", "rack-2", mixed)
+    gib = float(1 << 30)
+    # Trays of one rack: the set's measured domain bandwidth, not the default's.
+    ring = group_allreduce_seconds([(a, (0, 1, 2, 3)), (b, (0, 1, 2, 3))], gib, mixed)
+    assert ring == pytest.approx(domain_allreduce_seconds(gib, 2, 900.0))
+    assert ring < domain_allreduce_seconds(gib, 2, NVLINK_DOMAIN_BUSBW_GBPS)
+    # Across spines: the set's 4:1 uplinks, not the top-level tiers' 2:1.
+    across = stage_transfer_seconds(a, (0,), c, (0,), gib, mixed)
+    assert across == pytest.approx(stage_transfer_seconds(a, (0,), c, (0,), gib, alone))
+    assert across > stage_transfer_seconds(a, (0,), c, (0,), gib, DEFAULT_TIERS)
+    two_racks = group_allreduce_seconds([(a, (0, 1, 2, 3)), (c, (0, 1, 2, 3))], gib, mixed)
+    assert two_racks == pytest.approx(group_allreduce_seconds([(a, (0, 1, 2, 3)), (c, (0, 1, 2, 3))], gib, alone))
+
+
+@pytest.mark.parametrize(
+    ("key", "tier"),
+    [
+        pytest.param(IB_LEAF, "leaf", id="a-key-only-the-h100-set-reads-names-its-tier"),
+        pytest.param(TG_TIER2, "spine", id="a-key-the-top-level-tiers-read-too"),
+        pytest.param(TG_DOMAIN, "nvlink-domain", id="a-domain-key-of-the-gb200-set"),
+        pytest.param("example.com/rack", None, id="a-key-no-set-reads"),
+    ],
+)
+def test_a_topology_key_of_any_tier_set_names_its_tier(key: str, tier: str | None) -> None:
+    # A PodGroup's or a JobSet's topology key means the nodes of whichever shape it names.
+    shape = podgroup_shape("pg", 2, [key], MIXED.labels_by_tier())
+    assert (shape.required_tier, bool(shape.problem)) == (tier, tier is None)
+    assert domain_words(key, MIXED) == f"domain of {key}" + (f" (tier {tier})" if tier else "")
+
+
+def test_every_tier_lists_the_top_level_labels_first_then_each_sets_new_ones() -> None:
+    by_tier = dict(MIXED.labels_by_tier())
+    assert list(by_tier) == list(MIXED.names)
+    assert by_tier["leaf"][: len(DEFAULT_TIERS.tiers[1].labels)] == DEFAULT_TIERS.tiers[1].labels
+    assert by_tier["leaf"][-1] == IB_LEAF and by_tier["leaf"].count(TG_TIER1) == 1
+    assert DEFAULT_TIERS.labels_by_tier() == tuple((t.name, t.labels) for t in DEFAULT_TIERS.tiers)
