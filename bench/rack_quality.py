@@ -45,9 +45,9 @@ from gputopo.engine.estimate import node_shape  # noqa: E402
 from gputopo.engine.groupplan import Assignment, GroupFailure, GroupPlan, Member, switches_of  # noqa: E402
 from gputopo.engine.groups import plan_group  # noqa: E402
 from gputopo.engine.placement import evaluate_node  # noqa: E402
-from gputopo.engine.rack import DOMAIN, TpShape, straddle_gbps, tp_shape  # noqa: E402
 from gputopo.engine.scoring import ScoreWeights  # noqa: E402
 from gputopo.engine.snapshot import NodeState, node_state, with_in_use  # noqa: E402
+from gputopo.engine.tpgroups import DOMAIN, TpShape, straddle_gbps, tp_shape  # noqa: E402
 from gputopo.model import LABEL_NETWORK_LEAF, LABEL_NETWORK_SPINE  # noqa: E402
 from gputopo.sim import SimResult, simulate  # noqa: E402
 from gputopo.sim.comm import tp_seconds  # noqa: E402

@@ -39,7 +39,7 @@ from test_rack import CAP_LABEL, DEGRADED, RACKS, Gang, rack_of, tray_topology
 from gputopo.localcluster import KubeApiError, KubeClient
 from gputopo.localcluster.controllermanifests import start_order
 from gputopo.localcluster.controllers import JobControllers, controllers_missing
-from gputopo.model import LABEL_NETWORK_SPINE
+from gputopo.model import LABEL_NETWORK_SPINE, PLACEMENT_ANNOTATION, parse_placement
 
 pytestmark = pytest.mark.e2e
 
@@ -54,6 +54,7 @@ HOSTNAME = "kubernetes.io/hostname"
 SLICE_SIZE = "kueue.x-k8s.io/podset-slice-size"
 SLICE_TOPOLOGY = "kueue.x-k8s.io/podset-slice-required-topology"
 PREFERRED = "kueue.x-k8s.io/podset-preferred-topology"
+TP_SIZE = "gputopo.io/tp-size"
 
 
 class Kueue:
@@ -64,12 +65,16 @@ class Kueue:
         self.kube, self.namespace, self.label, self.queue = kube, namespace, label, queue
         self.jobs: list[str] = []
 
-    def run(self, name: str, pods: int, tp: int | None, preferred: str = LABEL_NETWORK_SPINE) -> None:
+    def run(
+        self, name: str, pods: int, tp: int | None, preferred: str = LABEL_NETWORK_SPINE, tp_size: int | None = None
+    ) -> None:
         """A Job of `pods` 4-GPU pods preferring one domain of `preferred`; with `tp`, slices of tp/4 pods each
-        in one clique."""
+        in one clique; with `tp_size`, gputopo's `gputopo.io/tp-size` on the pod template too."""
         ann = {PREFERRED: preferred}
         if tp is not None:
             ann |= {SLICE_SIZE: str(tp // 4), SLICE_TOPOLOGY: CLIQUE}
+        if tp_size is not None:
+            ann |= {TP_SIZE: str(tp_size)}
         job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "namespace": self.namespace,
                "labels": {QUEUE_NAME: self.queue}}} | _job_template(self.label, 4, pods, ann)  # fmt: skip
         _post(self.kube, f"/apis/batch/v1/namespaces/{self.namespace}/jobs", job)
@@ -199,6 +204,31 @@ def test_rack_kueue_preferring_the_clique_itself_refuses_slices_and_straddles_wi
     unsliced = kueue.placed("pods", 32)
     assert sorted(per_rack(unsliced).values()) == [14, 18]
     assert len(straddling(unsliced, 4)) == 1, unsliced
+
+
+def test_rack_kueue_job_with_tp_size_waits_where_kueue_straddles_a_tp_group_and_binds_its_slices(
+    kube: KubeClient, kueue: Kueue
+) -> None:
+    # The Job's pods ask gputopo for TP-16: its inferred group job/<name> checks Kueue's trays as a whole.
+    ns = kueue.namespace
+    kueue.run("straddled", 32, None, preferred=CLIQUE, tp_size=16)
+    made = wl.wait_pods(kube, ns, f"{JOB_NAME}=straddled", 32, timeout=120)
+    last = max(made, key=lambda p: int(p["metadata"]["labels"][wl.JOB_COMPLETION_INDEX]))["metadata"]["name"]
+    event = kube.wait_pod_event(ns, last, "FailedScheduling", contains="on trays of NVLink domains", timeout=120)
+    assert "group job/straddled: the members' spec.nodeSelector (Kueue's topology assignment) puts TP group" in (
+        event.message
+    )
+    assert "gputopo.io/nvlink: required keeps each TP group in one NVLink domain" in event.message
+    assert not any(kube.get_pod(ns, p["metadata"]["name"])["spec"].get("nodeName") for p in made)
+    kueue.delete()
+    # Slices of 4 pods in one clique: Kueue's trays keep every TP group whole, and gputopo says the split.
+    kueue.run("sliced-tp", 32, 16, tp_size=16)
+    theirs = kueue.placed("sliced-tp", 32)
+    assert per_rack(theirs) == Counter({"ra": 16, "rb": 16}) and straddling(theirs, 4) == []
+    pods = {int(p["metadata"]["labels"][wl.JOB_COMPLETION_INDEX]): p["metadata"]["name"] for p in kube.list_pods(ns)}
+    reason = parse_placement(kube.get_pod(ns, pods[20])["metadata"]["annotations"][PLACEMENT_ANNOTATION]).reason
+    assert "TP group 5/8 (16 GPUs, ranks 20-23) in NVLink domain " in reason, reason
+    assert "4+4 TP groups over 2 domains" in reason
 
 
 def test_rack_kueue_36_trays_of_tp8_with_a_cap_of_16_gputopo_waits_kueue_takes_the_spares(

@@ -8,6 +8,12 @@ selectors allow the same nodes are planned together with `plan_group`; the most 
 members first, each set on the nodes as the earlier ones left them, so that members held to one node take
 its GPUs one after the other. A set that has fewer nodes than members (Kueue put two on one node) shares
 them, whatever the group's spread. Ranks stay Kueue's: every member keeps the stage it asked for.
+
+TP groups across nodes (`gputopo.io/tp-size`, gputopo.engine.rack) are kept whole where the selectors
+allow: a set of members that are whole TP groups of the group is planned with them; a set that holds part
+of a TP group is planned as members alone, and the TP groups are checked over the whole group afterwards.
+Where the selectors put a TP group over two NVLink domains (or a ComputeDomain's pods over two), a group
+that requires NVLink is told so; one that prefers it is placed as the selectors say, without a split.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass
 
 from gputopo.engine.groupplan import (
     Assignment,
+    DomainSplit,
     GroupFailure,
     GroupPlan,
     Member,
@@ -30,7 +37,8 @@ from gputopo.engine.groups import plan_group
 from gputopo.engine.rails import assess, is_partial, rails_of
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.snapshot import NodeState, with_in_use
-from gputopo.model import Spread
+from gputopo.engine.tpgroups import TpShape, placed_split, tp_shape
+from gputopo.model import NvlinkPolicy, PodRequest, Spread
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 Selector = tuple[tuple[str, str], ...]  # spec.nodeSelector, sorted
@@ -100,6 +108,10 @@ def plan_held(
         taken = {p.node.name for p in pinned if p.node is not None and p.gpus} if lead.spread is Spread.NODE else set()
         whole = [n for n in (*nodes, *extra) if n.name in allowed and n.name not in taken]
         return plan_group(group, [h.member for h in members], whole, tiers, weights, placed=pinned)
+    tp = _tp(group, members, pinned, stage_of)
+    if isinstance(tp, GroupFailure):
+        return tp
+    shape, tp_groups = tp
     seen = Counter(n for allowed in by_nodes for n in allowed)
     current = {n.name: n for n in (*nodes, *extra)}
     # What later sets line their rails up with: one member per rail set and size is all alignment reads
@@ -113,7 +125,10 @@ def plan_held(
         if not allowed:
             return _failure(group, held, "matches none of the nodes gputopo may use")
         held = sorted(held, key=lambda h: (stage_of[h.member.name], h.member.name))
-        plan = _plan_set(group, held, [current[n] for n in allowed], used, tiers, weights, list(fixed.values()))
+        keep_tp = tp_groups is None or tp_groups.whole(held)
+        plan = _plan_set(
+            group, held, [current[n] for n in allowed], used, tiers, weights, list(fixed.values()), keep_tp
+        )
         if isinstance(plan, GroupFailure):
             return _failure(group, held, plan.message) if held[0].selector else plan
         for a in plan.assignments:
@@ -124,9 +139,26 @@ def plan_held(
                 if seen[a.node.name] > 1:  # another set may use this node: it sees these GPUs taken
                     current[a.node.name] = with_in_use(current[a.node.name], frozenset(a.outcome.gpus), tiers)
     assignments.sort(key=lambda a: (a.stage, a.member))
+    return _whole(group, members, assignments, pinned, stage_of, shape, tiers)
+
+
+def _whole(
+    group: str,
+    members: Sequence[Held],
+    assignments: Sequence[Assignment],
+    pinned: tuple[Placed, ...],
+    stage_of: Mapping[str, int],
+    shape: TpShape | None,
+    tiers: TierConfig,
+) -> GroupPlan | GroupFailure:
+    """The group's plan from its sets' assignments, or why the selectors rule it out over the whole group:
+    a required tier they span, a TP group they put over two NVLink domains."""
     spanned = _spanned(group, members, [*(a.node for a in assignments), *(p.node for p in pinned if p.node)])
     if spanned is not None:
         return spanned
+    split = None if shape is None else _split(group, members, assignments, pinned, stage_of, shape, tiers)
+    if isinstance(split, GroupFailure):
+        return split
     rails = assess([*((a.node, a.outcome.gpus) for a in assignments), *alongside_of(pinned)])
     return GroupPlan(
         group,
@@ -135,6 +167,94 @@ def plan_held(
         rails,
         alongside=alongside_of(pinned),
         placed=pinned,
+        split=split,
+    )
+
+
+def _tp(
+    group: str, members: Sequence[Held], pinned: Sequence[Placed], stage_of: Mapping[str, int]
+) -> tuple[TpShape | None, _TpGroups | None] | GroupFailure:
+    """The group's TP shape across nodes (None: no TP group spans nodes) and its members' TP groups, or the
+    failure naming sizes that do not divide."""
+    lead = members[0].member.request
+    if lead.tp_size is None and lead.compute_domain is None:
+        return None, None
+    shape = tp_shape(lead, [g for _, _, g in _holders(members, pinned, stage_of)])
+    if isinstance(shape, str):
+        return GroupFailure(group, f"group {group}: {shape}")
+    return shape, None if shape is None else _TpGroups(members, pinned, stage_of, shape.per_group)
+
+
+def _holders(
+    members: Sequence[Held], pinned: Sequence[Placed], stage_of: Mapping[str, int]
+) -> list[tuple[int, str | Placed, int]]:
+    """The group's GPU-holding members in the order TP groups are counted (gputopo.engine.rack): by stage,
+    a new member before a placed one of the same stage, a placed one of unknown stage first. Each is
+    (stage, the member's name or the placed member, its GPUs)."""
+    rows: list[tuple[int, int, str | Placed, int]] = [
+        (stage_of[h.member.name], 0, h.member.name, h.member.request.gpus) for h in members if h.member.request.gpus
+    ]
+    rows += [(-1 if p.stage is None else p.stage, 1, p, len(p.gpus)) for p in pinned if p.gpus]
+    rows.sort(key=lambda r: (r[0], r[1]))
+    return [(stage, who, gpus) for stage, _, who, gpus in rows]
+
+
+class _TpGroups:
+    """Which TP group each new GPU-holding member is in, and which TP groups have a placed member."""
+
+    def __init__(self, members: Sequence[Held], pinned: Sequence[Placed], stage_of: Mapping[str, int], per: int):
+        self.of: dict[str, int] = {}
+        self.members: dict[int, set[str]] = {}
+        self.partial: set[int] = set()
+        for i, (_, who, _) in enumerate(_holders(members, pinned, stage_of)):
+            if isinstance(who, str):
+                self.of[who] = i // per
+                self.members.setdefault(i // per, set()).add(who)
+            else:
+                self.partial.add(i // per)
+
+    def whole(self, held: Sequence[Held]) -> bool:
+        """Whether these members are whole TP groups with no placed member (or hold no GPUs): planned
+        with their TP groups (gputopo.engine.rack); any other set, as members alone."""
+        names = {h.member.name for h in held}
+        touched = {self.of[n] for n in names if n in self.of}
+        return all(t not in self.partial and self.members[t] <= names for t in touched)
+
+
+def _split(
+    group: str,
+    members: Sequence[Held],
+    assignments: Sequence[Assignment],
+    pinned: Sequence[Placed],
+    stage_of: Mapping[str, int],
+    shape: TpShape,
+    tiers: TierConfig,
+) -> DomainSplit | GroupFailure | None:
+    """The whole group's TP split where the sets were planned apart; a failure where the selectors break
+    the TP rule and the group requires it; None where it only prefers NVLink, or a placed member's node
+    is unknown."""
+    node_of = {a.member: a.node for a in assignments}
+    holders: list[tuple[NodeState, int]] = []
+    for _, who, gpus in _holders(members, pinned, stage_of):
+        node = node_of.get(who) if isinstance(who, str) else who.node
+        if node is None:
+            return None
+        holders.append((node, gpus))
+    lead: PodRequest = members[0].member.request
+    out = placed_split(shape, holders, lead, tiers)
+    if not isinstance(out, str):
+        return out
+    if lead.nvlink is not NvlinkPolicy.REQUIRED and lead.compute_domain is None:
+        return None
+    held = [h for h in members if h.selector][:4]
+    where = "; ".join(f"{h.member.name}: {selector_text(h.selector)}" for h in held)
+    rule = (
+        "one ComputeDomain's pods share one NVLink domain"
+        if shape.one_domain
+        else ("gputopo.io/nvlink: required keeps each TP group in one NVLink domain")
+    )
+    return GroupFailure(
+        group, f"group {group}: the members' spec.nodeSelector (Kueue's topology assignment) {out}; {rule} ({where})"
     )
 
 
@@ -199,9 +319,11 @@ def _plan_set(
     tiers: TierConfig,
     weights: ScoreWeights,
     fixed: Sequence[tuple[NodeState, tuple[int, ...]]],
+    keep_tp: bool = True,
 ) -> GroupPlan | GroupFailure:
     """One set of members over the nodes they may use. Stages are the whole group's, so plan_group
-    numbers the set afresh; members share nodes when the set has fewer free nodes than members."""
+    numbers the set afresh; members share nodes when the set has fewer free nodes than members.
+    `keep_tp=False`: the set holds part of a TP group, planned as members alone (module docstring)."""
     k = len(held)
     spread = held[0].member.request.spread
     if spread is Spread.NODE:
@@ -212,9 +334,9 @@ def _plan_set(
             spread = Spread.NONE
     # `held` comes in the group's rank order: the set's plan numbers its members 0..k-1 in that order, so
     # that consecutive ranks share a node and the nearest switch, as they do without selectors.
+    update: dict[str, object] = {"spread": spread} if keep_tp else {"spread": spread, "tp_size": None}
     todo = [
-        Member(h.member.name, h.member.request.model_copy(update={"stage": i, "spread": spread}))
-        for i, h in enumerate(held)
+        Member(h.member.name, h.member.request.model_copy(update={**update, "stage": i})) for i, h in enumerate(held)
     ]
     return plan_group(group, todo, allowed, tiers, weights, alongside=fixed)
 

@@ -291,7 +291,8 @@ def tp_clause(split: DomainSplit, rank: int, outcome: Outcome) -> str:
     text = f"TP group {t}/{groups} ({split.tp_gpus} GPUs, {ranks}) in NVLink domain {share.domain if share else '?'}"
     if len(split.shares) > 1:
         caps = {s.cap for s in split.shares if s.cap is not None}
-        text += "; " + "+".join(str(s.tp_groups) for s in split.shares) + f" TP groups over {len(split.shares)} domains"
+        used = len({s.domain for s in split.shares})  # shares follow stage order: a domain may come twice
+        text += "; " + "+".join(str(s.tp_groups) for s in split.shares) + f" TP groups over {used} domains"
         text += f" (cap {min(caps)} trays)" if caps else ""
     skipped = sum(s.skipped for s in split.shares)
     if skipped:

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from gputopo.engine.cost import domain_allreduce_seconds, nic_gbps
-from gputopo.engine.estimate import best_nics, domain_busbw
+from gputopo.engine.cost import domain_allreduce_seconds
+from gputopo.engine.estimate import domain_busbw
 from gputopo.engine.groupplan import (
     Assignment,
     Before,
@@ -34,44 +34,12 @@ from gputopo.engine.placement import evaluate_node
 from gputopo.engine.rails import assess
 from gputopo.engine.scoring import ScoreWeights
 from gputopo.engine.snapshot import NodeState, with_in_use
+from gputopo.engine.tpgroups import DOMAIN, TpShape, straddle_gbps, tp_shape
 from gputopo.model import FabricHealth, NvlinkPolicy, PodRequest, Spread
 from gputopo.tiers import TierConfig
 
-DOMAIN = "nvlink-domain"
 LABEL_DOMAIN_CAP = "gputopo.io/nvlink-domain-cap"
 MAX_CAP = 4096
-
-
-@dataclass(frozen=True)
-class TpShape:
-    tp_gpus: int
-    per_group: int  # members per TP group
-    groups: int  # TP groups in the whole group (members placed before included)
-    one_domain: bool  # a ComputeDomain's pods: every TP group in the same domain
-
-
-def tp_shape(lead: PodRequest, gpus: Sequence[int]) -> TpShape | str | None:
-    """The group's TP groups across nodes, a sentence when the sizes do not divide, or None when no TP
-    group spans nodes (each member's TP stays on its node: the other planners' case). `gpus`: each
-    GPU-holding member's count, the members placed before included."""
-    cd = lead.compute_domain is not None
-    tp = lead.tp_size
-    if (tp is None and not cd) or not gpus:
-        return None
-    if len(set(gpus)) != 1:
-        return f"gputopo.io/tp-size needs members of one GPU count; they ask {sorted(set(gpus))}"
-    g, n = gpus[0], len(gpus)
-    if tp is None or (cd and tp <= g):
-        tp = g * n if cd else tp
-    assert tp is not None
-    if tp <= g and not cd:
-        return None
-    if tp % g:
-        return f"gputopo.io/tp-size {tp} is not a multiple of each member's {g} GPUs"
-    k = max(1, min(n, tp // g))
-    if n % k:
-        return f"{n} members of {g} GPUs are not a whole number of TP groups of {tp} GPUs"
-    return TpShape(tp, k, n // k, cd)
 
 
 @dataclass(frozen=True)
@@ -370,13 +338,6 @@ def _assemble(
     used = [domains[n] for n in dict.fromkeys(where.values()) if n in domains]
     info = _split_info(shape, shares, used, assignments, lead, tiers)
     return GroupPlan(group, tuple(assignments), switches_of(assignments, tiers), rails, fixed, held, None, info)
-
-
-def straddle_gbps(tray: NodeState, gpus: int) -> float:
-    """The bus bandwidth a TP group straddling two NVLink domains gets from a tray with `gpus` of its GPUs:
-    NCCL leaves the domain at the tray's NICs, one per GPU at most, at the best active rate."""
-    rate, count = best_nics(tray)
-    return min(count, gpus or 1) * nic_gbps(rate)
 
 
 def _split_info(

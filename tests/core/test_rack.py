@@ -11,11 +11,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gputopo.engine.assigned import Held, plan_held
 from gputopo.engine.explain import placement_sentence
 from gputopo.engine.groupplan import GroupFailure, GroupPlan, Member, Placed
 from gputopo.engine.groups import plan_group
-from gputopo.engine.rack import LABEL_DOMAIN_CAP, balanced, tp_shape
+from gputopo.engine.rack import LABEL_DOMAIN_CAP, balanced
 from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.engine.tpgroups import tp_shape
 from gputopo.model import (
     HEALTHY_MASK,
     AnnotationError,
@@ -270,3 +272,82 @@ def test_an_inferred_group_takes_tp_size_from_its_pod_template() -> None:
     assert {(r.group, r.group_size, r.tp_size) for r in reqs} == {("jobset/llm", 8, 16)}
     plan = plan_group("jobset/llm", [Member(f"w{r.stage}", r) for r in reqs], rack("a", 5) + rack("b", 5))
     assert domains(plan) == Counter({"a": 4, "b": 4})
+
+
+CLIQUE = "nvidia.com/gpu.clique"
+HOST = "kubernetes.io/hostname"
+
+
+def held_by(ranks_to: Sequence[tuple[str, str]], tp: int | None = 16, **kw: object) -> list[Held]:
+    """Kueue's assignment: member i held by the nodeSelector {key: value} at position i."""
+    ms = members(len(ranks_to), tp, 4, **kw)
+    return [Held(m, ((key, value),)) for m, (key, value) in zip(ms, ranks_to, strict=True)]
+
+
+def hosts(*counts: tuple[str, int]) -> list[tuple[str, str]]:
+    """`count` members on consecutive trays of each rack, hostname level."""
+    return [(HOST, f"{r}-tray-{i:02d}") for r, n in counts for i in range(1, n + 1)]
+
+
+RACKS = rack("a", 8) + rack("b", 8)
+
+
+@pytest.mark.parametrize(
+    ("held", "shares", "needle"),
+    [
+        pytest.param(
+            held_by(hosts(("a", 4), ("b", 4))), "1+1 TP groups over 2 domains", None, id="hostname-whole-tp-groups"
+        ),
+        pytest.param(held_by([(CLIQUE, "a")] * 4 + [(CLIQUE, "b")] * 4), "1+1", None, id="rack-level-whole-tp-groups"),
+        pytest.param(
+            held_by(hosts(("a", 3), ("b", 5))),
+            None,
+            "puts TP group 0/2 (16 GPUs, ranks 0-3) on trays of NVLink domains a, b; gputopo.io/nvlink: required",
+            id="hostname-level-straddle",
+        ),
+        pytest.param(
+            held_by([(CLIQUE, "a")] * 5 + [(CLIQUE, "b")] * 3),
+            None,
+            "puts TP group 1/2 (16 GPUs, ranks 4-7) on trays of NVLink domains a, b",
+            id="rack-level-straddle-is-named-not-miscounted",
+        ),
+        pytest.param(
+            held_by(hosts(("a", 2), ("b", 2)), None, compute_domain="ns/cd-channel"),
+            None,
+            "puts the ComputeDomain's pods in NVLink domains a, b; one ComputeDomain's pods share one NVLink domain",
+            id="compute-domain-over-two-racks",
+        ),
+    ],
+)
+def test_tp_groups_held_by_kueues_selectors_are_checked_over_the_whole_group(
+    held: list[Held], shares: str | None, needle: str | None
+) -> None:
+    plan = plan_held("g", held, RACKS)
+    if needle is not None:
+        assert isinstance(plan, GroupFailure) and needle in plan.message, plan
+        return
+    assert isinstance(plan, GroupPlan) and plan.split is not None, plan
+    assert [(s.domain, s.tp_groups) for s in plan.split.shares] == [("a", 1), ("b", 1)]
+    for a in plan.assignments:  # each member on a node its selector allows, ranks kept
+        ((key, value),) = held[a.stage].selector
+        assert a.node.labels.get(key, a.node.name) == value
+    last = plan.assignments[-1]
+    text = placement_sentence(last.node.name, last.outcome, None, plan, last.member)
+    assert f"TP group 1/2 (16 GPUs, ranks 4-7) in NVLink domain b; {shares}" in text
+
+
+def test_a_straddle_kueue_chose_is_placed_as_it_says_when_nvlink_is_only_preferred() -> None:
+    held = held_by(hosts(("a", 3), ("b", 5)), nvlink=NvlinkPolicy.PREFERRED)
+    plan = plan_held("g", held, RACKS)
+    assert isinstance(plan, GroupPlan) and plan.split is None
+    assert [a.node.name for a in plan.assignments] == [value for _, value in hosts(("a", 3), ("b", 5))]
+
+
+@given(on_a=st.integers(0, 8), hostname=st.booleans())
+def test_a_kueue_split_is_placed_exactly_when_it_keeps_every_tp_group_in_one_domain(on_a: int, hostname: bool) -> None:
+    ranks = hosts(("a", on_a), ("b", 8 - on_a)) if hostname else [(CLIQUE, "a")] * on_a + [(CLIQUE, "b")] * (8 - on_a)
+    plan = plan_held("g", held_by(ranks), RACKS)
+    assert isinstance(plan, GroupPlan) == (on_a % 4 == 0), plan
+    if isinstance(plan, GroupPlan):
+        tp_groups = [{a.node.location["nvlink-domain"] for a in plan.assignments[t * 4 : t * 4 + 4]} for t in range(2)]
+        assert all(len(d) == 1 for d in tp_groups)
