@@ -142,8 +142,12 @@ def test_rack_32_tray_gang_splits_16_16_on_two_racks_with_a_cap_of_16(
         assert Counter(rack_of(n) for n in bound.values()) == Counter({"ra": 16, "rb": 16})
         for group in range(8):  # TP group g (stages 4g..4g+3) lies in one rack
             assert len({rack_of(bound[f"llm-{i}"]) for i in range(4 * group, 4 * group + 4)}) == 1
-        reason = parse_placement(kube.get_pod(namespace, "llm-20")["metadata"]["annotations"][PLACEMENT_ANNOTATION])
-        assert "4+4 TP groups over 2 domains (cap 16 trays)" in reason.reason
+        placed = parse_placement(kube.get_pod(namespace, "llm-20")["metadata"]["annotations"][PLACEMENT_ANNOTATION])
+        assert "4+4 TP groups over 2 domains (cap 16 trays)" in placed.reason
+        tp = placed.tp  # the annotation's structured form of the same clause
+        assert tp is not None and (tp.group, tp.groups, tp.gpus, tp.cap_trays) == (5, 8, 16, 16), tp
+        assert [s.tp_groups for s in tp.split] == [4, 4] and len({s.domain for s in tp.split}) == 2
+        assert tp.domain == tp.split[1].domain and tp.fill == (16, 16) and tp.fill_straddles == 0
         gang.delete()
         # Beyond the cap: 9 TP groups would need the spares, so the gang waits and names the cap.
         waiting = gang.create("big", 36, 16)

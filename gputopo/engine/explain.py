@@ -9,12 +9,12 @@ from functools import partial
 from gputopo.engine.cost import DEFAULT_MESSAGE_BYTES, format_bytes, format_ms
 from gputopo.engine.domains import DomainFree, domain_of, narrow_first
 from gputopo.engine.estimate import group_allreduce_seconds, member_estimate
-from gputopo.engine.groupplan import Assignment, BestFit, DomainSplit, GroupPlan
+from gputopo.engine.groupplan import Assignment, BestFit, GroupPlan
 from gputopo.engine.placement import NodeVerdict, Outcome
 from gputopo.engine.rails import RailAlignment, assess, rail_ranges, rails_of
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.snapshot import NodeState
-from gputopo.model import CommEstimate
+from gputopo.model import CommEstimate, TpPlacement, TpShare
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 
@@ -161,10 +161,9 @@ def placement_sentence(
             parts.append(stage_clause(plan, a, at))
             if plan.fit is not None:
                 parts.append(fit_clause(plan.fit))
-            if plan.split is not None:
-                rank = _rank(plan, member)
-                if rank is not None:
-                    parts.append(tp_clause(plan.split, rank, plan.assignments[0].outcome))
+            tp = tp_placement(plan, member)
+            if tp is not None and plan.split is not None:
+                parts.append(tp_clause(tp, plan.split.per_group))
             staged = True
             rails = rail_clause(plan, a, outcome) if outcome.gpus else ""  # no GPUs: no rails of its own
             if rails:
@@ -279,32 +278,53 @@ def stage_clause(plan: GroupPlan, a: Assignment, at: NodeState | None = None) ->
     return f"stage {a.stage}/{size} shares no switch with the other stages"
 
 
-def tp_clause(split: DomainSplit, rank: int, outcome: Outcome) -> str:
+def tp_placement(plan: GroupPlan, member: str) -> TpPlacement | None:
+    """Where the member's TP group lies under the plan's split (the annotation's `tp`, the sentence's TP
+    clause); None without a split or for a member without GPUs (in no TP group)."""
+    split, rank = plan.split, _rank(plan, member)
+    if split is None or rank is None:
+        return None
+    t = rank // split.per_group
+    share = split.domain_of_group(t)
+    caps = [s.cap for s in split.shares if s.cap is not None]
+    first = plan.assignments[0].outcome.estimate
+    return TpPlacement(
+        group=t,
+        groups=sum(s.tp_groups for s in split.shares),
+        gpus=split.tp_gpus,
+        domain=share.domain if share is not None else "?",
+        split=tuple(TpShare(domain=s.domain, tp_groups=s.tp_groups) for s in split.shares),
+        cap_trays=min(caps) if caps else None,
+        left_out_trays=sum(s.skipped for s in split.shares),
+        message_bytes=first.message_bytes if first is not None else DEFAULT_MESSAGE_BYTES,
+        all_reduce_ms=round(split.inside_s * 1e3, 4),
+        across_all_reduce_ms=_ms(split.across_s),
+        fill=split.fill,
+        fill_straddles=split.straddling,
+    )
+
+
+def tp_clause(tp: TpPlacement, per_group: int) -> str:
     """'TP group 2/8 (16 GPUs, ranks 4-7) in NVLink domain rack-a; 4+4 TP groups over 2 domains (cap 16
     trays); est. 1 GiB TP all-reduce 2.8 ms in one domain vs 10.8 ms across two; a fill by trays (18+14)
-    would straddle 1 TP group'. `rank`: the member's index among the GPU-holding members."""
-    t = rank // split.per_group
-    groups = sum(s.tp_groups for s in split.shares)
-    share = split.domain_of_group(t)
-    first = t * split.per_group
-    ranks = f"rank {first}" if split.per_group == 1 else f"ranks {first}-{first + split.per_group - 1}"
-    text = f"TP group {t}/{groups} ({split.tp_gpus} GPUs, {ranks}) in NVLink domain {share.domain if share else '?'}"
-    if len(split.shares) > 1:
-        caps = {s.cap for s in split.shares if s.cap is not None}
-        used = len({s.domain for s in split.shares})  # shares follow stage order: a domain may come twice
-        text += "; " + "+".join(str(s.tp_groups) for s in split.shares) + f" TP groups over {used} domains"
-        text += f" (cap {min(caps)} trays)" if caps else ""
-    skipped = sum(s.skipped for s in split.shares)
-    if skipped:
-        text += f"; {skipped} tray{'s' if skipped > 1 else ''} of these domains left out for their NVLink fabric"
-    message = outcome.estimate.message_bytes if outcome.estimate is not None else DEFAULT_MESSAGE_BYTES
-    text += f"; est. {format_bytes(message)} TP all-reduce {format_ms(split.inside_s)} in one domain"
-    if split.across_s is not None:
-        text += f" vs {format_ms(split.across_s)} across two"
-    if split.straddling:
-        fill = "+".join(str(f) for f in split.fill)
-        plural = "s" if split.straddling > 1 else ""
-        text += f"; a fill by trays ({fill}) would straddle {split.straddling} TP group{plural}"
+    would straddle 1 TP group'. `per_group`: members per TP group."""
+    first = tp.group * per_group
+    ranks = f"rank {first}" if per_group == 1 else f"ranks {first}-{first + per_group - 1}"
+    text = f"TP group {tp.group}/{tp.groups} ({tp.gpus} GPUs, {ranks}) in NVLink domain {tp.domain}"
+    if len(tp.split) > 1:
+        used = len({s.domain for s in tp.split})  # shares follow stage order: a domain may come twice
+        text += "; " + "+".join(str(s.tp_groups) for s in tp.split) + f" TP groups over {used} domains"
+        text += f" (cap {tp.cap_trays} trays)" if tp.cap_trays is not None else ""
+    if tp.left_out_trays:
+        plural = "s" if tp.left_out_trays > 1 else ""
+        text += f"; {tp.left_out_trays} tray{plural} of these domains left out for their NVLink fabric"
+    text += f"; est. {format_bytes(tp.message_bytes)} TP all-reduce {format_ms(tp.all_reduce_ms / 1e3)} in one domain"
+    if tp.across_all_reduce_ms is not None:
+        text += f" vs {format_ms(tp.across_all_reduce_ms / 1e3)} across two"
+    if tp.fill_straddles:
+        fill = "+".join(str(f) for f in tp.fill)
+        plural = "s" if tp.fill_straddles > 1 else ""
+        text += f"; a fill by trays ({fill}) would straddle {tp.fill_straddles} TP group{plural}"
     return text
 
 

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 
 from gputopo.engine.cliques import mask_of
-from gputopo.engine.explain import packing_clause, placement_estimate, placement_sentence, why_lost
+from gputopo.engine.explain import packing_clause, placement_estimate, placement_sentence, tp_placement, why_lost
 from gputopo.engine.placement import NodeVerdict, Outcome, evaluate_node, outcome_on
 from gputopo.engine.scoring import grade
 from gputopo.extender.computedomains import ChannelReader, no_channels
@@ -205,6 +205,7 @@ class Binder:
             group=req.group,
             stage=stage,
             estimate=placement_estimate(outcome, runner, plan, info.name, ledger.tiers),
+            tp=tp_placement(plan, info.name) if plan is not None else None,
         )
         return placement, outcome
 

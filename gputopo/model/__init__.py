@@ -66,6 +66,8 @@ from gputopo.model.placement import (
     CommEstimate,
     Placement,
     RunnerUp,
+    TpPlacement,
+    TpShare,
     parse_placement,
 )
 from gputopo.model.quantity import (
@@ -213,6 +215,8 @@ __all__ = [
     "PodRequest",
     "RunnerUp",
     "Spread",
+    "TpPlacement",
+    "TpShare",
     "agent_lease_name",
     "decode_health",
     "degraded_reason",

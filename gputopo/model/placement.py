@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
-from pydantic import Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
 from gputopo.model.base import AnnotationError, Wire, format_validation_error
 from gputopo.model.names import PLACEMENT_ANNOTATION
@@ -19,7 +19,15 @@ _Sentence = Annotated[str, Field(max_length=4 * MAX_TEXT_LENGTH)]
 _Score = Annotated[int, Field(ge=-MAX_QUANTITY, le=MAX_QUANTITY)]
 
 
-class RunnerUp(Wire):
+class _Written(Wire):
+    """The placement's parts ignore keys they do not know: the agent's device plugin reads what the
+    extender wrote, and an extender newer than the agent (a rolling upgrade) may write more. Every
+    known key keeps its bounds."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class RunnerUp(_Written):
     node: Name
     score: _Score
     why: _Sentence
@@ -28,7 +36,7 @@ class RunnerUp(Wire):
 _Millis = Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
 
 
-class CommEstimate(Wire):
+class CommEstimate(_Written):
     """Predicted communication times of a placement (docs/cost-model.md), in milliseconds."""
 
     message_bytes: Annotated[int, Field(alias="messageBytes", ge=1, le=MAX_MESSAGE_BYTES)]
@@ -42,7 +50,36 @@ class CommEstimate(Wire):
     group_all_reduce_ms: _Millis | None = Field(alias="groupAllReduceMs", default=None)
 
 
-class Placement(Wire):
+_Count = Annotated[int, Field(ge=0, le=4096)]
+
+
+class TpShare(_Written):
+    """One NVLink domain's part of a group's TP split: its TP groups, in stage order."""
+
+    domain: Name
+    tp_groups: Annotated[int, Field(alias="tpGroups", ge=1, le=4096)]
+
+
+class TpPlacement(_Written):
+    """Where a member's tensor-parallel group lies (docs/annotations.md, "Tensor parallelism across
+    nodes"): the same values as the sentence's TP clause, for tools that read the annotation."""
+
+    group: _Count  # 0-based, stage order
+    groups: Annotated[int, Field(ge=1, le=4096)]
+    gpus: Annotated[int, Field(ge=1, le=4096)]  # GPUs per TP group
+    domain: Name
+    split: Annotated[tuple[TpShare, ...], Field(min_length=1, max_length=4096)]
+    cap_trays: Annotated[int, Field(ge=1, le=4096)] | None = Field(alias="capTrays", default=None)
+    left_out_trays: _Count = Field(alias="leftOutTrays", default=0)  # for their NVLink fabric
+    message_bytes: Annotated[int, Field(alias="messageBytes", ge=1, le=MAX_MESSAGE_BYTES)]
+    all_reduce_ms: _Millis = Field(alias="allReduceMs")  # one TP group's, inside one domain
+    across_all_reduce_ms: _Millis | None = Field(alias="acrossAllReduceMs", default=None)  # the same over two
+    # A fill by trays that ignores TP boundaries: members per domain, and the TP groups it would straddle.
+    fill: Annotated[tuple[_Count, ...], Field(max_length=4096)] = ()
+    fill_straddles: _Count = Field(alias="fillStraddles", default=0)
+
+
+class Placement(_Written):
     """What gputopo decided for a pod; written at bind time and read back to rebuild assumed GPUs."""
 
     node: Name
@@ -53,6 +90,7 @@ class Placement(Wire):
     group: Name | None = None
     stage: Annotated[int, Field(ge=0, le=4096)] | None = None
     estimate: CommEstimate | None = None
+    tp: TpPlacement | None = None
 
     def to_annotation(self) -> str:
         return json.dumps(self.model_dump(mode="json", by_alias=True, exclude_none=True), separators=(",", ":"))

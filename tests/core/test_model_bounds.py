@@ -195,6 +195,58 @@ def test_placement_gpu_indices_are_bounded_to_a_node() -> None:
         parse_placement('{"node":"n","gpus":[1000000000000000000],"score":1,"reason":"r"}')
 
 
+_TP = {
+    "group": 1,
+    "groups": 2,
+    "gpus": 16,
+    "domain": "rack-a",
+    "split": [{"domain": "rack-a", "tpGroups": 2}],
+    "messageBytes": 1 << 30,
+    "allReduceMs": 2.8,
+}
+
+
+def _placement_with_tp(**tp: Any) -> str:
+    doc = {"node": "n", "gpus": [0, 1, 2, 3], "score": 1, "reason": "r", "tp": {**_TP, **tp}}
+    return json.dumps({k: v for k, v in doc.items() if v is not None})
+
+
+@pytest.mark.parametrize(
+    ("tp", "field"),
+    [
+        ({"group": -1}, "tp.group"),
+        ({"groups": 0}, "tp.groups"),
+        ({"gpus": 10**12}, "tp.gpus"),
+        ({"split": []}, "tp.split"),
+        ({"split": [{"domain": "a", "tpGroups": 1}] * 4097}, "tp.split"),
+        ({"split": [{"domain": "a", "tpGroups": 0}]}, "tp.split.0.tpGroups"),
+        ({"domain": "d" * 10_000}, "tp.domain"),
+        ({"allReduceMs": float("nan")}, "tp.allReduceMs"),
+        ({"acrossAllReduceMs": -1}, "tp.acrossAllReduceMs"),
+        ({"fill": [1] * 5000}, "tp.fill"),
+        ({"capTrays": 0}, "tp.capTrays"),
+        ({"messageBytes": 0}, "tp.messageBytes"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_out_of_bounds_tp_values_in_a_placement_are_annotation_errors_naming_the_field(
+    tp: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(AnnotationError, match=r"gputopo\.io/placement") as err:
+        parse_placement(_placement_with_tp(**tp))
+    assert field in str(err.value)
+
+
+def test_a_placement_from_a_newer_extender_keeps_what_this_reader_knows() -> None:
+    """Keys this version does not know (a newer extender's, mid-upgrade) are skipped; the GPUs stand."""
+    doc = json.loads(_placement_with_tp(nextField={"x": 1}))
+    doc["someday"] = [1, 2]
+    doc["estimate"] = {"messageBytes": 1, "allReduceMs": 1.0, "newTime": 3}
+    p = parse_placement(json.dumps(doc))
+    assert p.gpus == (0, 1, 2, 3) and p.tp is not None and p.tp.domain == "rack-a"
+    assert p.estimate is not None and p.estimate.all_reduce_ms == 1.0
+
+
 # --------------------------------------------------------------------------------------------------
 # Fuzz
 
@@ -285,6 +337,17 @@ def test_any_gpu_fabric_either_parses_into_a_fabric_health_or_is_an_annotation_e
     for gpu in topo.gpus:
         assert decode_health(gpu.fabric)[0] in FabricHealth
     assert node_state("n", topo).fabric is tray_health(topo.gpus)[0]
+
+
+@FUZZ
+@given(key=st.sampled_from([*_TP, "capTrays", "fill", "fillStraddles", "leftOutTrays"]), value=json_values)
+def test_any_tp_value_in_a_placement_either_parses_or_is_an_annotation_error(key: str, value: Any) -> None:
+    try:
+        p = parse_placement(_placement_with_tp(**{key: value}))
+    except AnnotationError as e:
+        assert e.key == "gputopo.io/placement"
+        return
+    assert p.tp is not None and p.tp.groups >= 1 and len(p.tp.split) >= 1
 
 
 @FUZZ

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gputopo.engine.assigned import Held, plan_held
-from gputopo.engine.explain import placement_sentence
+from gputopo.engine.explain import placement_sentence, tp_clause, tp_placement
 from gputopo.engine.groupplan import GroupFailure, GroupPlan, Member, Placed
 from gputopo.engine.groups import plan_group
 from gputopo.engine.rack import LABEL_DOMAIN_CAP, balanced
@@ -100,6 +100,26 @@ def test_a_fill_by_trays_that_straddles_is_named_with_both_times() -> None:
     assert "4+4 TP groups over 2 domains" in text
     assert "a fill by trays (18+14) would straddle 1 TP group" in text
     assert "TP all-reduce 2.8 ms in one domain vs 10.8 ms across two" in text
+
+
+def test_the_annotations_tp_holds_the_sentences_split_and_times_for_every_member() -> None:
+    plan = plan_group("g", members(32, 16), rack("a") + rack("b"))
+    assert isinstance(plan, GroupPlan) and plan.split is not None
+    for i, a in enumerate(plan.assignments):
+        tp = tp_placement(plan, a.member)
+        assert tp is not None
+        assert (tp.group, tp.groups, tp.gpus) == (i // 4, 8, 16)
+        assert [(s.domain, s.tp_groups) for s in tp.split] == [("a", 4), ("b", 4)]
+        assert tp.domain == ("a" if i < 16 else "b") == a.node.location["nvlink-domain"]
+        assert (tp.fill, tp.fill_straddles) == ((18, 14), 1)
+        assert tp.across_all_reduce_ms is not None and tp.across_all_reduce_ms > 3 * tp.all_reduce_ms
+        assert tp_clause(tp, plan.split.per_group) in placement_sentence(a.node.name, a.outcome, None, plan, a.member)
+
+
+def test_a_plan_without_a_split_has_no_tp_in_its_annotation() -> None:
+    plan = plan_group("g", members(4, 4), rack("a"))  # tp-size 4 on 4-GPU members: each TP group in its pod
+    assert isinstance(plan, GroupPlan) and plan.split is None
+    assert all(tp_placement(plan, a.member) is None for a in plan.assignments)
 
 
 @pytest.mark.parametrize(

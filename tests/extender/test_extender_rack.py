@@ -38,6 +38,11 @@ def test_every_member_of_a_tp16_group_is_told_its_tp_group_and_domain(env: Env, 
     for i, pod in enumerate(pods):
         stored = env.source.get("pods", pod["metadata"]["namespace"], pod["metadata"]["name"])
         assert stored is not None
-        reason = parse_placement(stored["metadata"]["annotations"][PLACEMENT_ANNOTATION]).reason
-        assert "TP group 0/1 (16 GPUs, ranks 0-3) in NVLink domain " in reason, (i, reason)
-        assert "TP all-reduce 2.8 ms in one domain vs 10.8 ms across two" in reason
+        placement = parse_placement(stored["metadata"]["annotations"][PLACEMENT_ANNOTATION])
+        assert "TP group 0/1 (16 GPUs, ranks 0-3) in NVLink domain " in placement.reason, (i, placement.reason)
+        assert "TP all-reduce 2.8 ms in one domain vs 10.8 ms across two" in placement.reason
+        tp = placement.tp
+        assert tp is not None and (tp.group, tp.groups, tp.gpus, tp.domain) == (0, 1, 16, bound[0][0]), tp
+        assert [(s.domain, s.tp_groups) for s in tp.split] == [(bound[0][0], 1)]
+        assert tp.across_all_reduce_ms is not None
+        assert (round(tp.all_reduce_ms, 1), round(tp.across_all_reduce_ms, 1)) == (2.8, 10.8)
