@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import StackNodes, serve
+from gputopo.engine.imex import DRIVER_NODE_LABEL
 from gputopo.extender.computedomains import CHANNEL_DEVICE_CLASS, CHANNEL_DRIVER
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from gputopo.localcluster.stack import GpuNode, Stack
@@ -77,15 +78,17 @@ def add_trays(kube: KubeClient, nodes: StackNodes, test_id: str, racks: dict[str
     return dict(zip(racks, trays, strict=True))
 
 
-def channel_template(kube: KubeClient, namespace: str, name: str) -> str:
-    """The ResourceClaimTemplate NVIDIA's ComputeDomain controller makes for a ComputeDomain."""
+def channel_template(kube: KubeClient, namespace: str, name: str, uid: str = "") -> str:
+    """The ResourceClaimTemplate NVIDIA's ComputeDomain controller makes for a ComputeDomain (labelled with
+    the ComputeDomain's UID, as the controller does, when `uid` is given)."""
     request = {"name": "channel", "exactly": {"deviceClassName": CHANNEL_DEVICE_CLASS}}
+    labels = {DRIVER_NODE_LABEL: uid} if uid else {}
     kube.apply(
         [
             {
                 "apiVersion": "resource.k8s.io/v1",
                 "kind": "ResourceClaimTemplate",
-                "metadata": {"name": name, "namespace": namespace},
+                "metadata": {"name": name, "namespace": namespace, "labels": labels},
                 "spec": {"spec": {"devices": {"requests": [request]}}},
             }
         ]
@@ -176,3 +179,48 @@ def test_rack_compute_domain_gang_is_planned_in_one_domain_whole(
         members.append(f"gang-{i}")
     bound = kube.wait_pods_bound(namespace, members, timeout=90)
     assert sorted(bound.values()) == sorted(name[t] for t in ("b0", "b1", "b2", "b3"))
+
+
+def test_rack_compute_domain_gang_joins_the_domain_its_compute_domains_pods_run_in(
+    kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
+) -> None:
+    """A gang of a ComputeDomain whose first pod (no member of the gang) runs on rack b: the gang goes to rack b
+    though rack a, the fuller rack with room, is where best fit alone would plan it."""
+    racks = {"a0": "a", "a1": "a", "a2": "a", "b0": "b", "b1": "b", "b2": "b", "b3": "b"}
+    name = add_trays(kube, nodes, test_id, racks)
+    cd, mine, suffix = channel_template(kube, namespace, "shared-channel"), {TEST_LABEL: test_id}, test_id[-6:]
+    pod(kube, namespace, "solo", 4, {**mine, TRAY: f"b0-{suffix}"}, cd)
+    pod(kube, namespace, "fill", 4, {**mine, TRAY: f"a0-{suffix}"}, None)
+    assert kube.wait_pods_bound(namespace, ["solo", "fill"], timeout=60) == {"solo": name["b0"], "fill": name["a0"]}
+    members = []
+    for i in range(2):
+        manifest = pod_manifest(
+            f"pair-{i}",
+            namespace=namespace,
+            scheduler_name="gputopo-scheduler",
+            gpus=4,
+            annotations={"gputopo.io/group": "pair", "gputopo.io/group-size": "2", "gputopo.io/stage": str(i)},
+            node_selector=mine,
+        )
+        manifest["spec"]["resourceClaims"] = [{"name": "imex", "resourceClaimTemplateName": cd}]
+        manifest["spec"]["containers"][0]["resources"]["claims"] = [{"name": "imex"}]
+        kube.create_pod(manifest)
+        members.append(f"pair-{i}")
+    bound = set(kube.wait_pods_bound(namespace, members, timeout=90).values())
+    assert len(bound) == 2 and bound <= {name["b1"], name["b2"], name["b3"]}
+
+
+def test_rack_compute_domain_driver_label_keeps_its_next_pod_in_its_domain(
+    kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
+) -> None:
+    """A tray NVIDIA's kubelet plugin labelled with a ComputeDomain's UID, as it does while a pod of that
+    ComputeDomain that gputopo does not track runs there (here the label alone): the ComputeDomain's next pod
+    joins that tray's NVLink domain, though best fit alone would take the fuller rack's free tray."""
+    name = add_trays(kube, nodes, test_id, {"a0": "a", "a1": "a", "b0": "b", "b1": "b", "b2": "b"})
+    mine, suffix = {TEST_LABEL: test_id}, test_id[-6:]
+    cd = channel_template(kube, namespace, "train-channel", uid=f"uid-train-{suffix}")
+    kube.patch_node(name["b0"], {"metadata": {"labels": {DRIVER_NODE_LABEL: f"uid-train-{suffix}"}}})
+    pod(kube, namespace, "fill", 4, {**mine, TRAY: f"a0-{suffix}"}, None)  # rack a: the fuller rack with room
+    assert kube.wait_pod_bound(namespace, "fill", timeout=60) == name["a0"]
+    pod(kube, namespace, "train-1", 4, mine, cd)
+    assert kube.wait_pod_bound(namespace, "train-1", timeout=60) in (name["b0"], name["b1"], name["b2"])

@@ -10,15 +10,19 @@ channel device (`channel-0`); its pods reach each other's GPU memory only inside
   channel (their free GPUs can take no other channel pod: the channel is taken) and last onto whole free
   nodes of a domain a ComputeDomain occupies (its next pods need a whole node there).
 
-`Serving` (which ComputeDomain each node's channel serves now) is the extender's, from the pods bound there.
-A ComputeDomain is named `namespace/template`: the ResourceClaimTemplate its pods name.
+`Serving` (which ComputeDomain each node's channel serves now) is the extender's: from the pods bound there, and
+from the label NVIDIA's kubelet plugin puts on a node while its channel serves a ComputeDomain
+(`DRIVER_NODE_LABEL`, the ComputeDomain's UID; `with_driver_labels`), which also covers pods gputopo does not
+track. A ComputeDomain is named `namespace/template`: the ResourceClaimTemplate its pods name; one known only by
+the UID on a node is named `UID <uid>`. A gang of one ComputeDomain is planned only on the nodes
+`group_candidates` keeps.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from gputopo.engine.placement import Outcome
 from gputopo.engine.reasons import Code, Reason
@@ -26,6 +30,9 @@ from gputopo.engine.snapshot import NodeState
 from gputopo.model import PodRequest
 
 DOMAIN_TIER = "nvlink-domain"
+# The label NVIDIA's kubelet plugin sets to the ComputeDomain's UID while the node's channel serves it (and its
+# channel ResourceClaimTemplates carry, so the UID names the template); one ComputeDomain per node.
+DRIVER_NODE_LABEL = "resource.nvidia.com/computeDomain"
 Serving = Mapping[str, frozenset[str]]  # node -> the ComputeDomains whose IMEX channel it serves now
 # Scores are in [0, 1]: a whole step orders the steering classes first, the engine's score within each.
 FIRST, LAST = 1.0, -1.0
@@ -54,6 +61,37 @@ def pinned_domain(cd: str, serving: Serving, domain: Mapping[str, str | None]) -
     if not held:
         return None
     return min(held, key=lambda d: (-held[d], d))
+
+
+def with_driver_labels(
+    serving: Serving, labelled: Mapping[str, str], named: Callable[[str], str | None]
+) -> dict[str, frozenset[str]]:
+    """`serving` (from the pods bound) with each node's `DRIVER_NODE_LABEL` added: `labelled` maps nodes to the
+    UID there, `named` a UID to its ComputeDomain (None when no channel template carries it: `UID <uid>`)."""
+    out = dict(serving)
+    for node, uid in labelled.items():
+        out[node] = out.get(node, frozenset()) | {named(uid) or f"UID {uid}"}
+    return out
+
+
+def group_candidates(
+    cd: str, states: Sequence[NodeState], serving: Serving, served: Mapping[str, str | None]
+) -> tuple[list[NodeState], str]:
+    """The nodes a gang of ComputeDomain `cd` may be planned on (none whose channel serves another
+    ComputeDomain; only its NVLink domain once some of its pods are placed), and what was left out, as a
+    clause for the gang's reason ("" when nothing was)."""
+    pinned = pinned_domain(cd, serving, served)
+    none: frozenset[str] = frozenset()
+    taken = sorted(s.name for s in states if serving.get(s.name, none) - {cd})
+    elsewhere = pinned is not None and any(nvlink_domain(s) != pinned for s in states)
+    out = frozenset(taken)
+    kept = [s for s in states if s.name not in out and (pinned is None or nvlink_domain(s) == pinned)]
+    said = []
+    if taken:
+        said.append(f"{len(taken)} node(s) serve another ComputeDomain's IMEX channel (the first {taken[0]})")
+    if elsewhere:
+        said.append(f"ComputeDomain {cd} runs in NVLink domain {pinned}")
+    return kept, "; ".join(said)
 
 
 def refusal(cd: str, node: str, here: str | None, serves: frozenset[str], pinned: str | None) -> tuple[str, str] | None:

@@ -4,8 +4,11 @@ informer), and so which ComputeDomain a pod's claims join.
 NVIDIA's DRA driver makes one such template per ComputeDomain (`spec.channel.resourceClaimTemplate.name`, in
 the ComputeDomain's namespace): one request of the device class `compute-domain-default-channel.nvidia.com`.
 A pod joins the ComputeDomain by naming the template in `spec.resourceClaims`; gputopo names the
-ComputeDomain `namespace/template`. Only the templates are read: not the ComputeDomain objects (their node
-count and status), nor whether a node's IMEX daemon is ready.
+ComputeDomain `namespace/template`. The driver labels its templates, and each node whose channel serves a
+ComputeDomain, with `resource.nvidia.com/computeDomain` = the ComputeDomain's UID: the templates' label names
+the UID on a node (`compute_domain_of`), and the extender joins the nodes' labels to the pods bound
+(gputopo.engine.imex.with_driver_labels). Not read: the ComputeDomain objects (their node count and status),
+nor whether a node's IMEX daemon is ready.
 
 Until the templates have been listed once, a pod that names a template other than gputopo's waits with that
 reason rather than being placed as a pod of no ComputeDomain. A template not seen after the list is no channel
@@ -19,6 +22,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from gputopo.engine.imex import DRIVER_NODE_LABEL
 from gputopo.extender.kindhandlers import Bad, KindHandler, each_readable
 from gputopo.kube import JSON, RESOURCECLAIMTEMPLATES
 from gputopo.model.dra import TEMPLATE_PREFIX
@@ -71,6 +75,14 @@ def channel_template(obj: JSON) -> tuple[Key, bool]:
     return (namespace, name), CHANNEL_DEVICE_CLASS in classes
 
 
+def template_uid(obj: JSON) -> str | None:
+    """The ComputeDomain UID a channel template's `DRIVER_NODE_LABEL` carries; None without one."""
+    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
+    labels = meta.get("labels") if isinstance(meta, Mapping) else None
+    uid = labels.get(DRIVER_NODE_LABEL) if isinstance(labels, Mapping) else None
+    return uid if isinstance(uid, str) and uid else None
+
+
 class ChannelTemplates:
     """The channel templates by (namespace, name): a `ChannelReader` over the templates informer (module doc)."""
 
@@ -78,6 +90,8 @@ class ChannelTemplates:
         self._bad = bad
         self.on_change = on_change
         self.channels: set[Key] = set()
+        self._by_uid: dict[str, Key] = {}  # a channel template's ComputeDomain UID (its driver label) -> it
+        self._uid_of: dict[Key, str] = {}
         self.listed = False
         self._full_said = False
 
@@ -97,9 +111,22 @@ class ChannelTemplates:
                 )
         return None, ""
 
-    def _keep(self, key: Key) -> bool:
+    def compute_domain_of(self, uid: str) -> str | None:
+        """The ComputeDomain (`namespace/template`) whose channel template carries `uid`; None if none does."""
+        key = self._by_uid.get(uid)
+        return f"{key[0]}/{key[1]}" if key is not None else None
+
+    def _forget_uid(self, key: Key) -> None:
+        uid = self._uid_of.pop(key, None)
+        if uid is not None and self._by_uid.get(uid) == key:
+            del self._by_uid[uid]
+
+    def _keep(self, key: Key, uid: str | None) -> bool:
         if len(self.channels) < MAX_CHANNEL_TEMPLATES or key in self.channels:
             self.channels.add(key)
+            self._forget_uid(key)
+            if uid is not None:
+                self._by_uid[uid], self._uid_of[key] = key, uid
             return True
         if not self._full_said:
             self._full_said = True
@@ -107,10 +134,10 @@ class ChannelTemplates:
         return False
 
     def replace(self, items: list[JSON]) -> None:
-        before, self.channels = self.channels, set()
-        for _, (key, channel) in each_readable(RESOURCECLAIMTEMPLATES.name, items, channel_template, self._bad):
+        before, self.channels, self._by_uid, self._uid_of = self.channels, set(), {}, {}
+        for obj, (key, channel) in each_readable(RESOURCECLAIMTEMPLATES.name, items, channel_template, self._bad):
             if channel:
-                self._keep(key)
+                self._keep(key, template_uid(obj))
         first, self.listed = not self.listed, True
         if first:
             self.on_change(None)  # every pod that names a template: those waiting for this list among them
@@ -122,7 +149,8 @@ class ChannelTemplates:
         was = key in self.channels
         if event_type == "DELETED" or not channel:
             self.channels.discard(key)
-        elif not self._keep(key):
+            self._forget_uid(key)
+        elif not self._keep(key, template_uid(obj)):
             return
         if was != (key in self.channels):
             self.on_change({key})

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 from gputopo.engine.assigned import HOSTNAME, Selector, selects
 from gputopo.engine.groupplan import GroupFailure
+from gputopo.engine.imex import Serving, group_candidates, nvlink_domain
 from gputopo.engine.replan import GroupWaiting, MemberView, Replan, Slot, counted, replan
 from gputopo.engine.snapshot import NodeState, taking
 from gputopo.extender.exclusive import ExclusiveDesk
@@ -72,8 +73,14 @@ def _rank_clash(group: str, tally: GroupTally, name: str, stage: int | None) -> 
 
 
 class GroupDesk:
-    def __init__(self, ledger: Ledger, facts: Callable[[str], ControllerFacts] = lambda _: NO_FACTS) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        facts: Callable[[str], ControllerFacts] = lambda _: NO_FACTS,
+        serving: Callable[[], Serving] = dict,
+    ) -> None:
         self.ledger = ledger
+        self.serving = serving  # which ComputeDomains' IMEX channels each node serves (the extender's)
         self.locks = StripedLocks()
         self.exclusive = ExclusiveDesk(ledger, facts, member_view)  # JobSet exclusive placement
         # group -> (made at, its members, the slots): the latest preemption dry run's plan
@@ -235,9 +242,14 @@ class GroupDesk:
             now = self.ledger.clock()
             states = self.ledger.states(names, now)
             extra = self.ledger.states(self._selected(members, names, info.node_selector), now)
+            left_out = ""
+            if req.compute_domain is not None:
+                states, extra, left_out = self._channels(req.compute_domain, states, extra, now)
             out = replan(
                 group, req.group_size, info.name, members, states, self.ledger.tiers, self.ledger.weights, extra
             )
+            if isinstance(out, GroupFailure) and left_out:
+                return GroupFailure(out.group, f"{out.message}; {left_out}")
             if not isinstance(out, Replan):
                 return out
             res = Reservation(key, now, dict(out.slots), out.plan)
@@ -252,6 +264,16 @@ class GroupDesk:
                 )
                 return res
         return GroupFailure(group, f"group {group}: the planned GPUs kept changing while planning; retrying")
+
+    def _channels(
+        self, cd: str, states: list[NodeState], extra: list[NodeState], now: float
+    ) -> tuple[list[NodeState], list[NodeState], str]:
+        """The nodes a gang of ComputeDomain `cd` may be planned on (gputopo.engine.imex.group_candidates), among
+        the candidates and the selected extra nodes, and what was left out."""
+        serving = self.serving()
+        served = {s.name: nvlink_domain(s) for s in self.ledger.states(serving, now)}
+        kept, said = group_candidates(cd, states, serving, served)
+        return kept, group_candidates(cd, extra, serving, served)[0], said
 
     def _selected(self, members: dict[str, MemberView], names: Sequence[str], mine: Selector) -> list[str]:
         """The nodes outside `names` that members' nodeSelectors select (Kueue TAS writes each member's

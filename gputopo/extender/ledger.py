@@ -259,6 +259,7 @@ class Ledger:
             e.fresh = ns.build(e)  # built before it is visible: readers take entries without the lock
             ns.settle(e, self.clock())
             ns.nodes[facts.name] = e
+            ns.label_channel(facts.name, e.labels)
             ns.changed()
             for uid in e.report.pods:
                 self._check_mismatch(uid)

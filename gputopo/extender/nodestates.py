@@ -6,8 +6,9 @@ import collections
 import math
 import operator
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
+from gputopo.engine.imex import DRIVER_NODE_LABEL
 from gputopo.engine.reasons import Reason
 from gputopo.engine.snapshot import NodeState, node_state, taking
 from gputopo.extender.objects import NodeEntry
@@ -51,6 +52,7 @@ class NodeStates:
         self.nodes: dict[str, NodeEntry] = {}
         self._assumed: dict[str, dict[str, frozenset[int]]] = {}  # node -> pod uid -> GPUs
         self._claims: dict[str, dict[str, frozenset[int]]] = {}  # node -> pod uid -> GPUs being bound
+        self.channel_labels: dict[str, str] = {}  # node -> the ComputeDomain UID of its DRIVER_NODE_LABEL
         self.book = ReservationBook(reservation_timeout_seconds)
         # Bumps on every change that can alter a verdict (node states, leases, reservations). Cheap
         # "did anything change" for reusing a filter's outcomes in the prioritize that follows.
@@ -142,7 +144,17 @@ class NodeStates:
             self._by_key.setdefault(state.key, set()).add(name)
             self._moves.append((self.generation, name))
 
+    def label_channel(self, name: str, labels: Mapping[str, str]) -> None:
+        """Keep the node's `DRIVER_NODE_LABEL` (gputopo.engine.imex): which ComputeDomain NVIDIA's driver
+        says its IMEX channel serves."""
+        uid = labels.get(DRIVER_NODE_LABEL)
+        if uid:
+            self.channel_labels[name] = uid
+        else:
+            self.channel_labels.pop(name, None)
+
     def forget(self, name: str) -> None:
+        self.channel_labels.pop(name, None)
         self._now.pop(name, None)
         old = self._now_keys.pop(name, None)
         if old is not None:

@@ -22,7 +22,7 @@ from pydantic_core import to_json
 
 from gputopo.engine.beside import beside
 from gputopo.engine.groupplan import GroupFailure
-from gputopo.engine.imex import nvlink_domain, with_compute_domains
+from gputopo.engine.imex import nvlink_domain, with_compute_domains, with_driver_labels
 from gputopo.engine.placement import Outcome, evaluate_node, fail_invalid
 from gputopo.engine.preempt import Victim, choose_victims
 from gputopo.engine.reasons import Code, Reason, code_for, message
@@ -144,7 +144,7 @@ class Extender:
         # preemptor -> (until, the victims answered on each candidate node): see _catch_up_with_preemption
         self._preempted: dict[str, tuple[float, list[frozenset[str]]]] = {}
         self.events = EventPoster(lambda: self.source)
-        self.groups = GroupDesk(self.ledger, cache.facts)
+        self.groups = GroupDesk(self.ledger, cache.facts, self.serving)
         self.binder = Binder(self.ledger, lambda: self.source, self.events, cache.facts, self.recent.recall)
         self.binder.channels = cache.channels
         self.ledger.on_mismatch = self._on_mismatch
@@ -214,16 +214,24 @@ class Extender:
 
     def _compute_domains(self, req: PodRequest, names: list[str], outcomes: list[Outcome]) -> list[Outcome] | None:
         """The outcomes under the ComputeDomain rules (gputopo.engine.imex): which nodes serve which ComputeDomain's
-        IMEX channel comes from the pods bound there. None when no ComputeDomain is involved."""
+        IMEX channel comes from the pods bound there and the nodes' driver labels. None when no ComputeDomain is
+        involved."""
         ledger = self.ledger
-        if req.compute_domain is None and not ledger.pods.channels:  # the common case: no lock taken
-            return None
-        with ledger.lock:
-            serving = ledger.pods.serving()
+        if req.compute_domain is None and not ledger.pods.channels and not ledger.node_states.channel_labels:
+            return None  # the common case: no lock taken
+        serving = self.serving()
         if req.compute_domain is None and not serving:
             return None
         served = {s.name: nvlink_domain(s) for s in ledger.states(serving)}
         return with_compute_domains(req, ledger.states(names), outcomes, serving, served)
+
+    def serving(self) -> dict[str, frozenset[str]]:
+        """Which ComputeDomains' IMEX channels each node serves now: its bound pods' and its driver label's
+        (named by the channel templates' UIDs, gputopo.extender.computedomains)."""
+        ledger = self.ledger
+        with ledger.lock:
+            pods, labelled = ledger.pods.serving(), dict(ledger.node_states.channel_labels)
+        return with_driver_labels(pods, labelled, self.cache.channels.compute_domain_of) if labelled else pods
 
     def filter(self, info: PodInfo, names: Sequence[str], raw: bytes = b"") -> FilterAnswer:
         """Which nodes pass; `raw` is the request's body, kept with the evaluation for the prioritize

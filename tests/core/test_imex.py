@@ -9,7 +9,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gputopo.engine.imex import FIRST, LAST, domains_of, nvlink_domain, pinned_domain, with_compute_domains
+from gputopo.engine.imex import (
+    FIRST,
+    LAST,
+    domains_of,
+    group_candidates,
+    nvlink_domain,
+    pinned_domain,
+    with_compute_domains,
+    with_driver_labels,
+)
 from gputopo.engine.placement import Outcome, evaluate_node
 from gputopo.engine.reasons import Code, Reason, code_for
 from gputopo.engine.snapshot import NodeState, node_state
@@ -165,3 +174,81 @@ def test_every_passing_node_of_a_compute_domain_pod_joins_its_domain_and_no_othe
         if o.fits:
             assert not serving.get(node.name, frozenset()) - {"ns/cd"}
             assert pinned is None or nvlink_domain(node) == pinned
+
+
+# --------------------------------------------------------------------------------------------------
+# NVIDIA's driver label, and a gang's candidates
+
+
+@pytest.mark.parametrize(
+    ("serving", "labelled", "expected"),
+    [
+        pytest.param({}, {"a1": "u-a"}, {"a1": {"ns/cd-a"}}, id="a known UID names its ComputeDomain"),
+        pytest.param({}, {"a1": "u-x"}, {"a1": {"UID u-x"}}, id="an unknown UID is named by itself"),
+        pytest.param(
+            {"a1": frozenset({"ns/cd-a"})}, {"a1": "u-a"}, {"a1": {"ns/cd-a"}}, id="the label and the pods agree"
+        ),
+        pytest.param(
+            {"b1": frozenset({"ns/cd-b"})},
+            {"a1": "u-a"},
+            {"a1": {"ns/cd-a"}, "b1": {"ns/cd-b"}},
+            id="pods and labels on different nodes",
+        ),
+    ],
+)
+def test_the_driver_label_adds_the_compute_domain_a_node_serves(
+    serving: dict[str, frozenset[str]], labelled: dict[str, str], expected: dict[str, set[str]]
+) -> None:
+    got = with_driver_labels(serving, labelled, {"u-a": "ns/cd-a"}.get)
+    assert got == {n: frozenset(v) for n, v in expected.items()}
+
+
+@given(
+    st.dictionaries(st.sampled_from(sorted(WHERE)), st.frozensets(st.sampled_from(["cd-a", "cd-b"]), min_size=1)),
+    st.dictionaries(st.sampled_from(sorted(WHERE)), st.sampled_from(["u-a", "u-b", "u-z"])),
+)
+def test_the_driver_label_only_adds(serving: dict[str, frozenset[str]], labelled: dict[str, str]) -> None:
+    got = with_driver_labels(serving, labelled, {"u-a": "cd-a", "u-b": "cd-b"}.get)
+    assert set(got) == set(serving) | set(labelled)
+    assert all(serving.get(n, frozenset()) <= got[n] for n in got)
+    assert all(len(got[n] - serving.get(n, frozenset())) <= 1 for n in got)
+
+
+@pytest.mark.parametrize(
+    ("serving", "kept", "said"),
+    [
+        pytest.param({}, ["a1", "a2", "a3", "b1", "b2", "x1"], "", id="nothing served: every node"),
+        pytest.param(
+            {"a3": frozenset({"cd-b"}), "b1": frozenset({"UID u-z"})},
+            ["a1", "a2", "b2", "x1"],
+            "2 node(s) serve another ComputeDomain's IMEX channel (the first a3)",
+            id="nodes serving others are left out",
+        ),
+        pytest.param(
+            {"b9": frozenset({"cd-a"})},
+            ["b1", "b2"],
+            "ComputeDomain cd-a runs in NVLink domain rack-b",
+            id="its placed pods pin the domain",
+        ),
+        pytest.param(
+            {"b9": frozenset({"cd-a"}), "b1": frozenset({"cd-b"})},
+            ["b2"],
+            "1 node(s) serve another ComputeDomain's IMEX channel (the first b1); "
+            "ComputeDomain cd-a runs in NVLink domain rack-b",
+            id="both",
+        ),
+        pytest.param(
+            {"a3": frozenset({"cd-a"})},
+            ["a1", "a2", "a3"],
+            "ComputeDomain cd-a runs in NVLink domain rack-a",
+            id="its own node stays, in its domain",
+        ),
+    ],
+)
+def test_a_compute_domain_gang_is_planned_on_free_channels_in_its_domain(
+    serving: dict[str, frozenset[str]], kept: list[str], said: str
+) -> None:
+    served = {n: WHERE.get(n) for n in serving}
+    got, why = group_candidates("cd-a", NODES, serving, served)
+    assert [s.name for s in got] == kept
+    assert why == said

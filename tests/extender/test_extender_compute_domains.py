@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gputopo.engine.imex import DRIVER_NODE_LABEL
 from gputopo.extender.cache import ClusterCache
-from gputopo.extender.computedomains import CHANNEL_DEVICE_CLASS, ChannelTemplates, channel_template
+from gputopo.extender.computedomains import CHANNEL_DEVICE_CLASS, ChannelTemplates, channel_template, template_uid
 from gputopo.extender.wire import MAX_POD_CLAIMS, WireError, pod_info
 from gputopo.model.dra import DEVICE_CLASS
 from tests.extender.harness import JSON, Env, node_obj, pod_obj
@@ -237,3 +238,88 @@ def test_a_whole_tray_pod_of_no_compute_domain_is_not_steered(racks: Env) -> Non
     whole = cd_pod("whole", 4, None, **{"gputopo.io/nvlink": "required"})
     scores = racks.prioritize(whole, ["a2", "b1", "b2"])
     assert max(scores, key=scores.__getitem__) == "a2"  # best fit as ever: the fuller rack's free tray first
+
+
+# --------------------------------------------------------------------------------------------------
+# what NVIDIA's driver says: its label on templates and nodes
+
+
+def with_uid(obj: JSON, uid: str) -> JSON:
+    """A template or node as NVIDIA's driver labels it for the ComputeDomain `uid`."""
+    obj["metadata"].setdefault("labels", {})[DRIVER_NODE_LABEL] = uid
+    return obj
+
+
+def test_the_channel_templates_name_the_compute_domain_of_a_uid() -> None:
+    channels = ChannelTemplates(lambda *a: None)
+    channels.replace([with_uid(template("cd-a"), "u-a"), with_uid(template("gpus", DEVICE_CLASS), "u-g")])
+    assert channels.compute_domain_of("u-a") == "default/cd-a"
+    assert channels.compute_domain_of("u-g") is None  # not a channel template
+    channels.apply("MODIFIED", with_uid(template("cd-a"), "u-a2"))
+    assert (channels.compute_domain_of("u-a"), channels.compute_domain_of("u-a2")) == (None, "default/cd-a")
+    channels.apply("DELETED", with_uid(template("cd-a"), "u-a2"))
+    assert channels.compute_domain_of("u-a2") is None
+
+
+@given(JSONISH)
+def test_any_template_labels_give_a_uid_or_none(labels: Any) -> None:
+    uid = template_uid({"metadata": {"name": "t", "labels": labels}})
+    assert uid is None or (isinstance(uid, str) and uid)
+
+
+@pytest.mark.parametrize("uid", ["u-a", "u-unknown"], ids=["a known ComputeDomain", "an unknown UID"])
+def test_a_tray_the_driver_labelled_for_another_compute_domain_is_refused_until_unlabelled(
+    racks: Env, uid: str
+) -> None:
+    racks.source.put("resourceclaimtemplates", with_uid(template("cd-a"), "u-a"))
+    racks.add_nodes(with_uid(tray("a1", "rack-a"), uid))  # its pod is no pod of gputopo's
+    b = cd_pod("b-0", 4, "cd-b")
+    racks.add_pods(b)
+    assert fails(racks, b, ["a1"]) == {"a1": "IMEX channel serves another ComputeDomain than default/cd-b"}
+    assert racks.passed(b, NAMES) == ["a2", "b1", "b2"]
+    racks.add_nodes(tray("a1", "rack-a"))  # the driver took its label off
+    assert racks.passed(b, NAMES) == NAMES
+
+
+def test_the_driver_label_pins_its_compute_domains_pods_to_the_labelled_trays_domain(racks: Env) -> None:
+    racks.source.put("resourceclaimtemplates", with_uid(template("cd-a"), "u-a"))
+    racks.add_nodes(with_uid(tray("b1", "rack-b"), "u-a"))
+    a = cd_pod("a-0", 4, "cd-a")
+    racks.add_pods(a)
+    assert racks.passed(a, NAMES) == ["b1", "b2"]
+
+
+def gang(cd: str, size: int, gpus: int) -> list[JSON]:
+    group = {"gputopo.io/group": "g", "gputopo.io/group-size": str(size)}
+    return [cd_pod(f"g-{i}", gpus, cd, **group, **{"gputopo.io/stage": str(i)}) for i in range(size)]
+
+
+def test_a_compute_domain_gang_leaves_out_trays_serving_another_compute_domain(racks: Env) -> None:
+    other = cd_pod("b-0", 1, "cd-b")
+    racks.add_pods(other)
+    assert racks.bind(other, "a1") == ""
+    # Rack a is the fuller with room for two 3-GPU members (a1's three free GPUs and a2), but a1's channel
+    # serves cd-b: the gang goes whole to rack b.
+    members = gang("cd-a", 2, 3)
+    racks.add_pods(*members)
+    assert sorted(racks.passed(m, NAMES)[0] for m in members) == ["b1", "b2"]
+
+
+def test_a_compute_domain_gang_that_only_fits_with_another_compute_domains_tray_says_which(racks: Env) -> None:
+    other = cd_pod("b-0", 1, "cd-b")
+    racks.add_pods(other)
+    assert racks.bind(other, "a1") == ""
+    members = gang("cd-a", 2, 3)
+    racks.add_pods(*members)
+    (why,) = racks.reasons(members[0], ["a1", "a2"])
+    assert why.endswith("; 1 node(s) serve another ComputeDomain's IMEX channel (the first a1)"), why
+
+
+def test_a_compute_domain_gang_waits_for_room_in_the_domain_its_compute_domains_pods_run_in(racks: Env) -> None:
+    solo = cd_pod("solo", 2, "cd-a")
+    racks.add_pods(solo)
+    assert racks.bind(solo, "b1") == ""
+    members = gang("cd-a", 2, 4)  # rack a holds both members; rack b, where cd-a runs, only one
+    racks.add_pods(*members)
+    (why,) = racks.reasons(members[0], NAMES)
+    assert why.endswith("; ComputeDomain default/cd-a runs in NVLink domain rack-b"), why
