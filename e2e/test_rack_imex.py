@@ -29,6 +29,62 @@ CLIQUE = "nvidia.com/gpu.clique"
 TRAY = "e2e.gputopo.io/tray"
 
 
+# The ComputeDomain CRD's spec as NVIDIA's driver declares it (resource.nvidia.com/v1beta1): the fields gputopo
+# reads, typed as there; the status is the driver's and is left open.
+_NAME = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}
+_CHANNEL = {
+    "type": "object",
+    "required": ["resourceClaimTemplate"],
+    "properties": {
+        "allocationMode": {"type": "string", "enum": ["All", "Single"], "default": "Single"},
+        "resourceClaimTemplate": _NAME,
+    },
+}
+CRD_NAME = "computedomains.resource.nvidia.com"
+COMPUTE_DOMAIN_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": CRD_NAME},
+    "spec": {
+        "group": "resource.nvidia.com",
+        "scope": "Namespaced",
+        "names": {"kind": "ComputeDomain", "listKind": "ComputeDomainList", "plural": "computedomains"},
+        "versions": [
+            {
+                "name": "v1beta1",
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "properties": {
+                            "spec": {
+                                "type": "object",
+                                "required": ["channel", "numNodes"],
+                                "properties": {"numNodes": {"type": "integer", "minimum": 0}, "channel": _CHANNEL},
+                            },
+                            "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                        },
+                    }
+                },
+            }
+        ],
+    },
+}
+
+
+def established(kube: KubeClient, crd: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        doc = kube.request("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd}")
+        conditions = doc.get("status", {}).get("conditions") or []
+        if any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions):
+            return
+        assert time.monotonic() < deadline, f"CRD {crd} not Established"
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
     kube.apply(
@@ -38,9 +94,11 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
                 "kind": "DeviceClass",
                 "metadata": {"name": CHANNEL_DEVICE_CLASS},
                 "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{CHANNEL_DRIVER}"'}}]},
-            }
+            },
+            COMPUTE_DOMAIN_CRD,
         ]
     )
+    established(kube, CRD_NAME)  # served before the extender first lists it
     yield from serve(Stack(control_plane, kube, heartbeat_seconds=2, interval_seconds=1))
 
 
@@ -224,3 +282,28 @@ def test_rack_compute_domain_driver_label_keeps_its_next_pod_in_its_domain(
     assert kube.wait_pod_bound(namespace, "fill", timeout=60) == name["a0"]
     pod(kube, namespace, "train-1", 4, mine, cd)
     assert kube.wait_pod_bound(namespace, "train-1", timeout=60) in (name["b0"], name["b1"], name["b2"])
+
+
+def test_rack_compute_domain_first_pod_goes_where_its_num_nodes_fit(
+    kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
+) -> None:
+    """A ComputeDomain with numNodes 2: its first pod goes to rack b, where two trays are free, though best fit
+    alone would take rack a's one free tray (the fuller rack), where its second pod could never join it."""
+    name = add_trays(kube, nodes, test_id, {"a0": "a", "a1": "a", "b0": "b", "b1": "b", "b2": "b"})
+    mine, suffix, cd = {TEST_LABEL: test_id}, test_id[-6:], "pair-channel"
+    # The ComputeDomain first, as NVIDIA's controller makes its template from it: the extender has read it
+    # (one watch, in order) long before the pods below reach it.
+    compute_domain = {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "ComputeDomain",
+        "metadata": {"name": "pair", "namespace": namespace},
+        "spec": {"numNodes": 2, "channel": {"resourceClaimTemplate": {"name": cd}}},
+    }
+    kube.apply([compute_domain])
+    channel_template(kube, namespace, cd)
+    pod(kube, namespace, "fill", 4, {**mine, TRAY: f"a0-{suffix}"}, None)
+    assert kube.wait_pod_bound(namespace, "fill", timeout=60) == name["a0"]
+    pod(kube, namespace, "pair-0", 4, mine, cd)
+    assert kube.wait_pod_bound(namespace, "pair-0", timeout=60) in (name["b0"], name["b1"], name["b2"])
+    pod(kube, namespace, "pair-1", 4, mine, cd)
+    assert kube.wait_pod_bound(namespace, "pair-1", timeout=60) in (name["b0"], name["b1"], name["b2"])

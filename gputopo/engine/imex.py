@@ -5,7 +5,8 @@ channel device (`channel-0`); its pods reach each other's GPU memory only inside
 (the nodes' `nvlink-domain` location). So here:
 
 - a pod of a ComputeDomain goes only to a node of the NVLink domain its ComputeDomain's placed pods occupy
-  (any domain while none is placed), and never to a node whose channel serves another ComputeDomain;
+  (while none is placed, any domain with room for its numNodes nodes, where that is known: `room_for`), and
+  never to a node whose channel serves another ComputeDomain;
 - a pod of no ComputeDomain that needs fewer GPUs than a node has is steered first onto nodes already serving a
   channel (their free GPUs can take no other channel pod: the channel is taken) and last onto whole free
   nodes of a domain a ComputeDomain occupies (its next pods need a whole node there).
@@ -113,6 +114,27 @@ def refusal(cd: str, node: str, here: str | None, serves: frozenset[str], pinned
     return None
 
 
+def room_for(cd: str, needs: int, states: Sequence[NodeState], outcomes: Sequence[Outcome]) -> list[Outcome]:
+    """The first pod of ComputeDomain `cd`, whose numNodes is `needs`: only nodes of NVLink domains where at
+    least that many candidates take it pass (its later pods must join this one's domain, and NVIDIA's driver
+    may hold them all until that many nodes have joined). A node in no domain is a domain of one."""
+    room = Counter(nvlink_domain(s) for s, o in zip(states, outcomes, strict=True) if o.fits)
+    out: list[Outcome] = []
+    for state, o in zip(states, outcomes, strict=True):
+        here = nvlink_domain(state)
+        has = room[here] if here is not None else 1
+        if o.fits and has < needs:
+            o = Outcome(
+                Code.UNRESOLVABLE,
+                Reason.COMPUTE_DOMAIN,
+                f"NVLink domain has room for fewer nodes than ComputeDomain {cd} asks for",
+                f"ComputeDomain {cd} asks for {needs} nodes (numNodes) in one NVLink domain; "
+                + (f"NVLink domain {here} has room on {has}" if here else f"node {state.name} is in no NVLink domain"),
+            )
+        out.append(o)
+    return out
+
+
 def steer(req: PodRequest, state: NodeState, serves: frozenset[str], occupied: frozenset[str]) -> float:
     """The offset a pod of no ComputeDomain gets on a node: FIRST on a node serving a channel, LAST on a
     whole free node of an NVLink domain a ComputeDomain occupies, else 0. Only for pods that need fewer GPUs
@@ -133,10 +155,12 @@ def with_compute_domains(
     outcomes: Sequence[Outcome],
     serving: Serving,
     served: Mapping[str, str | None],
+    needs: int = 0,
 ) -> list[Outcome] | None:
     """The outcomes (parallel to `states`) with the ComputeDomain rules applied: refusals for a pod of a
     ComputeDomain, score offsets for a pod of none. `served`: the NVLink domain of each node in `serving`
-    (full ones are rarely among the candidates). None when no ComputeDomain is involved."""
+    (full ones are rarely among the candidates); `needs`: the pod's ComputeDomain's numNodes (0: not said).
+    None when no ComputeDomain is involved."""
     cd = req.compute_domain
     if cd is None and not serving:
         return None
@@ -148,7 +172,7 @@ def with_compute_domains(
         for state, o in zip(states, outcomes, strict=True):
             why = refusal(cd, state.name, domain[state.name], serving.get(state.name, none), pinned) if o.fits else None
             out.append(o if why is None else Outcome(Code.UNRESOLVABLE, Reason.COMPUTE_DOMAIN, why[0], why[1]))
-        return out
+        return room_for(cd, needs, states, out) if pinned is None and needs > 1 else out
     occupied = frozenset(d for d in served.values() if d is not None)
     moved: dict[tuple[int, float], Outcome] = {}  # equal outcomes stay one object (the filter's kinds)
     for state, o in zip(states, outcomes, strict=True):

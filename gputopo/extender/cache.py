@@ -22,7 +22,7 @@ from typing import Any, Protocol, Unpack
 
 from gputopo.engine.reasons import Reason
 from gputopo.engine.snapshot import NodeState
-from gputopo.extender.computedomains import ChannelTemplates, Key
+from gputopo.extender.computedomains import ChannelTemplates, ComputeDomainSizes, Key
 from gputopo.extender.controllerfacts import Controllers
 from gputopo.extender.dramerge import DraMerge
 from gputopo.extender.kindhandlers import KindHandler, each_readable
@@ -108,6 +108,7 @@ class ClusterCache:
         self.controllers = Controllers(self.ledger, self._bad)
         self.dra = DraMerge(self.ledger, self._bad)
         self.channels = self.controllers.channels = ChannelTemplates(self._bad, self._templates_changed)
+        self.compute_domain_sizes = ComputeDomainSizes(self._bad)
         self.handlers = check_handlers(
             {
                 NODES.name: KindHandler(self._replace_nodes, self._apply_node),
@@ -116,6 +117,7 @@ class ClusterCache:
                 **self.controllers.handlers(),
                 **self.dra.handlers(),
                 **self.channels.handlers(),
+                **self.compute_domain_sizes.handlers(),
             }
         )
 

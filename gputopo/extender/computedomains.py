@@ -7,7 +7,11 @@ A pod joins the ComputeDomain by naming the template in `spec.resourceClaims`; g
 ComputeDomain `namespace/template`. The driver labels its templates, and each node whose channel serves a
 ComputeDomain, with `resource.nvidia.com/computeDomain` = the ComputeDomain's UID: the templates' label names
 the UID on a node (`compute_domain_of`), and the extender joins the nodes' labels to the pods bound
-(gputopo.engine.imex.with_driver_labels). Not read: the ComputeDomain objects (their node count and status),
+(gputopo.engine.imex.with_driver_labels).
+
+Where the API server serves ComputeDomains (`resource.nvidia.com/v1beta1`) and the chart grants them, each
+one's `spec.numNodes` is read by its channel template (`ComputeDomainSizes`): a ComputeDomain none of whose
+pods is placed asks its first pod for an NVLink domain with room for that many nodes. Not read: their status,
 nor whether a node's IMEX daemon is ready.
 
 Until the templates have been listed once, a pod that names a template other than gputopo's waits with that
@@ -24,7 +28,7 @@ from typing import Any
 
 from gputopo.engine.imex import DRIVER_NODE_LABEL
 from gputopo.extender.kindhandlers import Bad, KindHandler, each_readable
-from gputopo.kube import JSON, RESOURCECLAIMTEMPLATES
+from gputopo.kube import COMPUTEDOMAINS, JSON, RESOURCECLAIMTEMPLATES
 from gputopo.model.dra import TEMPLATE_PREFIX
 
 log = logging.getLogger("gputopo.extender.computedomains")
@@ -33,6 +37,7 @@ CHANNEL_DEVICE_CLASS = "compute-domain-default-channel.nvidia.com"
 CHANNEL_DRIVER = "compute-domain.nvidia.com"  # the driver of the `channel-0` devices that class selects
 MAX_CHANNEL_TEMPLATES = 65_536  # one per ComputeDomain; past it new ones are not kept (said once)
 MAX_REQUESTS = 128  # resource.k8s.io's cap on a claim's requests
+MAX_NUM_NODES = 65_536  # far past any NVLink domain (NVL576 is 144 trays)
 
 Key = tuple[str, str]  # (namespace, template)
 # (namespace, the templates a pod's claims name) -> (its ComputeDomain or None, why it must wait or "").
@@ -154,3 +159,66 @@ class ChannelTemplates:
             return
         if was != (key in self.channels):
             self.on_change({key})
+
+
+def compute_domain_size(obj: JSON) -> tuple[Key, Key, int]:
+    """A ComputeDomain's (namespace, name), its channel template's (namespace, name) and its numNodes
+    (0: not said); ValueError naming the field."""
+    meta = _map(_map(obj, "the object").get("metadata"), "metadata")
+    name, namespace = meta.get("name"), meta.get("namespace")
+    if not isinstance(name, str) or not name or not isinstance(namespace, str) or not namespace:
+        raise ValueError("metadata.name or metadata.namespace is missing or not a string")
+    spec = _map(obj.get("spec"), "spec")
+    where = "spec.channel.resourceClaimTemplate"
+    template = _map(_map(spec.get("channel"), "spec.channel").get("resourceClaimTemplate"), where).get("name")
+    if not isinstance(template, str) or not template:
+        raise ValueError(f"{where}.name is missing or not a string")
+    n = spec.get("numNodes", 0)
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_NUM_NODES:
+        raise ValueError(f"spec.numNodes is not a whole number from 0 to {MAX_NUM_NODES}")
+    return (namespace, name), (namespace, template), n
+
+
+class ComputeDomainSizes:
+    """Each ComputeDomain's numNodes by its channel template (the ComputeDomains informer, where served)."""
+
+    def __init__(self, bad: Bad) -> None:
+        self._bad = bad
+        self._objects: dict[Key, tuple[Key, int]] = {}  # ComputeDomain -> (its template, numNodes)
+        self._sizes: dict[Key, int] = {}  # template -> numNodes (a second ComputeDomain naming it: the latest)
+        self._full_said = False
+
+    def handlers(self) -> dict[str, KindHandler]:
+        return {COMPUTEDOMAINS.name: KindHandler(self.replace, self.apply)}
+
+    def num_nodes(self, cd: str) -> int:
+        """The numNodes of ComputeDomain `cd` (`namespace/template`); 0 when unknown or not said."""
+        namespace, _, template = cd.partition("/")
+        return self._sizes.get((namespace, template), 0)
+
+    def _put(self, obj: Key, template: Key, n: int) -> None:
+        if len(self._objects) >= MAX_CHANNEL_TEMPLATES and obj not in self._objects:
+            if not self._full_said:
+                self._full_said = True
+                log.warning("too many ComputeDomains; later ones are not read", extra={"computedomain": obj})
+            return
+        self._drop(obj)
+        self._objects[obj] = (template, n)
+        self._sizes[template] = n
+
+    def _drop(self, obj: Key) -> None:
+        old = self._objects.pop(obj, None)
+        if old is not None and self._sizes.get(old[0]) == old[1]:
+            del self._sizes[old[0]]
+
+    def replace(self, items: list[JSON]) -> None:
+        self._objects, self._sizes = {}, {}
+        for _, (obj, template, n) in each_readable(COMPUTEDOMAINS.name, items, compute_domain_size, self._bad):
+            self._put(obj, template, n)
+
+    def apply(self, event_type: str, obj: JSON) -> None:
+        key, template, n = compute_domain_size(obj)
+        if event_type == "DELETED":
+            self._drop(key)
+        else:
+            self._put(key, template, n)

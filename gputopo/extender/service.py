@@ -223,7 +223,8 @@ class Extender:
         if req.compute_domain is None and not serving:
             return None
         served = {s.name: nvlink_domain(s) for s in ledger.states(serving)}
-        return with_compute_domains(req, ledger.states(names), outcomes, serving, served)
+        needs = self.cache.compute_domain_sizes.num_nodes(req.compute_domain) if req.compute_domain else 0
+        return with_compute_domains(req, ledger.states(names), outcomes, serving, served, needs)
 
     def serving(self) -> dict[str, frozenset[str]]:
         """Which ComputeDomains' IMEX channels each node serves now: its bound pods' and its driver label's

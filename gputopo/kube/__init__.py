@@ -30,6 +30,7 @@ from gputopo.kube.client import LIST_PAGE_SIZE, MAX_LIST_PAGES, Kube, Query
 from gputopo.kube.config import client_configuration, find_kubeconfig
 from gputopo.kube.errors import Gone, KubeError, status_error
 from gputopo.kube.kinds import (
+    COMPUTEDOMAINS,
     JOBS,
     KIND_NAMES,
     LEASES,
@@ -59,6 +60,7 @@ from gputopo.kube.paths import (
 from gputopo.kube.watch import MAX_LINE_BYTES, WatchEvent, decode_event, error_event, iter_lines
 
 __all__ = [
+    "COMPUTEDOMAINS",
     "JOBS",
     "JSON",
     "KIND_NAMES",

@@ -64,6 +64,12 @@ RESOURCECLAIMTEMPLATES = WatchedKind(
     "resourceclaimtemplates", "resource.k8s.io", "v1", "resourceclaimtemplates", namespaced=True, optional=True
 )
 
+# NVIDIA's ComputeDomains (its DRA driver's CRD, read only, where served): each one's numNodes, so that its
+# first pod goes to an NVLink domain with room for all of its nodes.
+COMPUTEDOMAINS = WatchedKind(
+    "computedomains", "resource.nvidia.com", "v1beta1", "computedomains", namespaced=True, optional=True
+)
+
 WATCHED: tuple[WatchedKind, ...] = (
     NODES,
     PODS,
@@ -73,6 +79,7 @@ WATCHED: tuple[WatchedKind, ...] = (
     RESOURCECLAIMS,
     RESOURCESLICES,
     RESOURCECLAIMTEMPLATES,
+    COMPUTEDOMAINS,
 )
 KIND_NAMES: tuple[KindName, ...] = tuple(k.name for k in WATCHED)
 _BY_NAME = {k.name: k for k in WATCHED}

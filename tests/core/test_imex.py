@@ -38,10 +38,12 @@ NODES += [tray("b1", "rack-b"), tray("b2", "rack-b"), node_state("x1", build_sys
 WHERE = {n.name: nvlink_domain(n) for n in NODES} | {"b9": "rack-b"}
 
 
-def run(req: PodRequest, serving: dict[str, frozenset[str]], nodes: Sequence[NodeState] = NODES) -> list[Outcome]:
+def run(
+    req: PodRequest, serving: dict[str, frozenset[str]], nodes: Sequence[NodeState] = NODES, needs: int = 0
+) -> list[Outcome]:
     outcomes = [evaluate_node(n, req) for n in nodes]
     served = {n: WHERE.get(n) for n in serving}
-    return with_compute_domains(req, nodes, outcomes, serving, served) or outcomes
+    return with_compute_domains(req, nodes, outcomes, serving, served, needs) or outcomes
 
 
 def cd_pod(cd: str, gpus: int = 4) -> PodRequest:
@@ -252,3 +254,37 @@ def test_a_compute_domain_gang_is_planned_on_free_channels_in_its_domain(
     got, why = group_candidates("cd-a", NODES, serving, served)
     assert [s.name for s in got] == kept
     assert why == said
+
+
+# --------------------------------------------------------------------------------------------------
+# numNodes: the first pod's domain has room for them all
+
+
+@pytest.mark.parametrize(
+    ("needs", "serving", "passed"),
+    [
+        pytest.param(0, {}, ["a1", "a2", "b1", "b2", "x1"], id="numNodes 0: not said"),
+        pytest.param(1, {}, ["a1", "a2", "b1", "b2", "x1"], id="one node: any"),
+        pytest.param(2, {}, ["a1", "a2", "b1", "b2"], id="two: a domain of two, not a node in none"),
+        pytest.param(2, {"a2": frozenset({"cd-b"})}, ["b1", "b2"], id="another's channel takes a2: rack-b"),
+        pytest.param(3, {}, [], id="three: no domain has room"),
+        pytest.param(3, {"b9": frozenset({"cd-a"})}, ["b1", "b2"], id="placed pods pin it: no room asked"),
+    ],
+)
+def test_the_first_pod_of_a_compute_domain_goes_to_a_domain_with_room_for_its_num_nodes(
+    needs: int, serving: dict[str, frozenset[str]], passed: list[str]
+) -> None:
+    got = run(cd_pod("cd-a"), serving, needs=needs)
+    assert [n.name for n, o in zip(NODES, got, strict=True) if o.fits] == passed
+
+
+def test_a_domain_without_room_is_named_with_its_room() -> None:
+    got = dict(zip([n.name for n in NODES], run(cd_pod("cd-a"), {}, needs=3), strict=True))
+    assert got["a1"].message == "NVLink domain has room for fewer nodes than ComputeDomain cd-a asks for"
+    assert got["a1"].code is Code.UNRESOLVABLE
+    assert (
+        got["a1"].detail
+        == "ComputeDomain cd-a asks for 3 nodes (numNodes) in one NVLink domain; NVLink domain rack-a has room on 2"
+    )
+    assert got["x1"].detail.endswith("node x1 is in no NVLink domain")
+    assert got["a3"].reason is not Reason.COMPUTE_DOMAIN  # it does not fit the pod anyway: its own reason

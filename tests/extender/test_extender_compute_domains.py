@@ -13,7 +13,15 @@ from hypothesis import strategies as st
 
 from gputopo.engine.imex import DRIVER_NODE_LABEL
 from gputopo.extender.cache import ClusterCache
-from gputopo.extender.computedomains import CHANNEL_DEVICE_CLASS, ChannelTemplates, channel_template, template_uid
+from gputopo.extender.computedomains import (
+    CHANNEL_DEVICE_CLASS,
+    MAX_NUM_NODES,
+    ChannelTemplates,
+    ComputeDomainSizes,
+    channel_template,
+    compute_domain_size,
+    template_uid,
+)
 from gputopo.extender.wire import MAX_POD_CLAIMS, WireError, pod_info
 from gputopo.model.dra import DEVICE_CLASS
 from tests.extender.harness import JSON, Env, node_obj, pod_obj
@@ -323,3 +331,70 @@ def test_a_compute_domain_gang_waits_for_room_in_the_domain_its_compute_domains_
     racks.add_pods(*members)
     (why,) = racks.reasons(members[0], NAMES)
     assert why.endswith("; ComputeDomain default/cd-a runs in NVLink domain rack-b"), why
+
+
+# --------------------------------------------------------------------------------------------------
+# ComputeDomain objects, where served: numNodes
+
+
+def compute_domain(name: str, template: str, num_nodes: Any = 0, ns: str = "default") -> JSON:
+    return {
+        "apiVersion": "resource.nvidia.com/v1beta1",
+        "kind": "ComputeDomain",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"numNodes": num_nodes, "channel": {"resourceClaimTemplate": {"name": template}}},
+    }
+
+
+@pytest.mark.parametrize(
+    ("obj", "field"),
+    [
+        pytest.param({"metadata": {"name": "cd"}}, "metadata.namespace", id="no namespace"),
+        pytest.param(compute_domain("cd", ""), "spec.channel.resourceClaimTemplate.name", id="no template"),
+        pytest.param(
+            {"metadata": {"name": "cd", "namespace": "n"}, "spec": {"channel": []}}, "spec.channel is", id="a list"
+        ),
+        pytest.param(compute_domain("cd", "t", -1), "spec.numNodes", id="numNodes below 0"),
+        pytest.param(compute_domain("cd", "t", "4"), "spec.numNodes", id="numNodes a string"),
+        pytest.param(compute_domain("cd", "t", True), "spec.numNodes", id="numNodes a boolean"),
+        pytest.param(compute_domain("cd", "t", MAX_NUM_NODES + 1), "spec.numNodes", id="numNodes past the bound"),
+    ],
+)
+def test_an_unreadable_compute_domain_is_refused_naming_the_field(obj: JSON, field: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(field)):
+        compute_domain_size(obj)
+
+
+@given(JSONISH)
+def test_any_compute_domain_object_is_read_or_refused_with_a_value_error(obj: Any) -> None:
+    try:
+        _, (_, template), n = compute_domain_size(obj)
+    except ValueError:
+        return
+    assert isinstance(template, str) and template and 0 <= n <= MAX_NUM_NODES
+
+
+def test_compute_domain_sizes_follow_their_objects() -> None:
+    sizes = ComputeDomainSizes(lambda *a: None)
+    sizes.replace([compute_domain("train", "train-channel", 16), {"metadata": {}}])  # the bad one is skipped
+    assert sizes.num_nodes("default/train-channel") == 16 and sizes.num_nodes("default/other") == 0
+    sizes.apply("ADDED", compute_domain("serve", "serve-channel", 2, ns="inference"))
+    assert sizes.num_nodes("inference/serve-channel") == 2
+    sizes.apply("DELETED", compute_domain("train", "train-channel", 16))
+    assert sizes.num_nodes("default/train-channel") == 0
+
+
+def test_the_first_pod_of_a_compute_domain_waits_for_a_domain_with_room_for_its_num_nodes(racks: Env) -> None:
+    racks.source.put("computedomains", compute_domain("a", "cd-a", 2))
+    plain = cd_pod("plain", 1, None, **{"gputopo.io/nvlink": "required"})
+    racks.add_pods(plain)
+    assert racks.bind(plain, "a1") == ""  # rack a has room on one tray for a whole-tray pod
+    first = cd_pod("a-0", 4, "cd-a")
+    racks.add_pods(first)
+    assert racks.passed(first, NAMES) == ["b1", "b2"]
+    racks.source.put("computedomains", compute_domain("a", "cd-a", 3))
+    racks.resync()
+    assert racks.reasons(first, NAMES) == {
+        "fewer than 4 free GPUs",
+        "NVLink domain has room for fewer nodes than ComputeDomain default/cd-a asks for",
+    }

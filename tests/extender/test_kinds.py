@@ -87,6 +87,10 @@ PATHS: dict[str, tuple[str | None, str | None]] = {
         "/apis/resource.k8s.io/v1/resourceclaimtemplates",
         "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaimtemplates",
     ),
+    "computedomains": (
+        "/apis/resource.nvidia.com/v1beta1/computedomains",
+        "/apis/resource.nvidia.com/v1beta1/namespaces/ns/computedomains",
+    ),
 }
 
 
