@@ -170,6 +170,25 @@ def pod(kube: KubeClient, namespace: str, name: str, gpus: int, selector: dict[s
     return name
 
 
+def gang(kube: KubeClient, namespace: str, group: str, size: int, cd: str, selector: dict[str, str]) -> list[str]:
+    """A gang of `size` whole-tray members, each claiming ComputeDomain `cd`'s channel; their names."""
+    members = []
+    for i in range(size):
+        manifest = pod_manifest(
+            f"{group}-{i}",
+            namespace=namespace,
+            scheduler_name="gputopo-scheduler",
+            gpus=4,
+            annotations={"gputopo.io/group": group, "gputopo.io/group-size": str(size), "gputopo.io/stage": str(i)},
+            node_selector=selector,
+        )
+        manifest["spec"]["resourceClaims"] = [{"name": "imex", "resourceClaimTemplateName": cd}]
+        manifest["spec"]["containers"][0]["resources"]["claims"] = [{"name": "imex"}]
+        kube.create_pod(manifest)
+        members.append(f"{group}-{i}")
+    return members
+
+
 def test_rack_compute_domain_pods_one_domain(kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str) -> None:
     name = add_trays(kube, nodes, test_id, {"a0": "a", "a1": "a", "a2": "a", "b0": "b", "b1": "b"})
     cd = channel_template(kube, namespace, "train-channel")
@@ -221,20 +240,7 @@ def test_rack_compute_domain_gang_is_planned_in_one_domain_whole(
     name = add_trays(kube, nodes, test_id, {"a0": "a", "a1": "a", "b0": "b", "b1": "b", "b2": "b", "b3": "b"})
     cd = channel_template(kube, namespace, "gang-channel")
     mine = {TEST_LABEL: test_id}
-    members = []
-    for i in range(4):
-        manifest = pod_manifest(
-            f"gang-{i}",
-            namespace=namespace,
-            scheduler_name="gputopo-scheduler",
-            gpus=4,
-            annotations={"gputopo.io/group": "gang", "gputopo.io/group-size": "4", "gputopo.io/stage": str(i)},
-            node_selector=mine,
-        )
-        manifest["spec"]["resourceClaims"] = [{"name": "imex", "resourceClaimTemplateName": cd}]
-        manifest["spec"]["containers"][0]["resources"]["claims"] = [{"name": "imex"}]
-        kube.create_pod(manifest)
-        members.append(f"gang-{i}")
+    members = gang(kube, namespace, "gang", 4, cd, mine)
     bound = kube.wait_pods_bound(namespace, members, timeout=90)
     assert sorted(bound.values()) == sorted(name[t] for t in ("b0", "b1", "b2", "b3"))
 
@@ -250,20 +256,7 @@ def test_rack_compute_domain_gang_joins_the_domain_its_compute_domains_pods_run_
     pod(kube, namespace, "solo", 4, {**mine, TRAY: f"b0-{suffix}"}, cd)
     pod(kube, namespace, "fill", 4, {**mine, TRAY: f"a0-{suffix}"}, None)
     assert kube.wait_pods_bound(namespace, ["solo", "fill"], timeout=60) == {"solo": name["b0"], "fill": name["a0"]}
-    members = []
-    for i in range(2):
-        manifest = pod_manifest(
-            f"pair-{i}",
-            namespace=namespace,
-            scheduler_name="gputopo-scheduler",
-            gpus=4,
-            annotations={"gputopo.io/group": "pair", "gputopo.io/group-size": "2", "gputopo.io/stage": str(i)},
-            node_selector=mine,
-        )
-        manifest["spec"]["resourceClaims"] = [{"name": "imex", "resourceClaimTemplateName": cd}]
-        manifest["spec"]["containers"][0]["resources"]["claims"] = [{"name": "imex"}]
-        kube.create_pod(manifest)
-        members.append(f"pair-{i}")
+    members = gang(kube, namespace, "pair", 2, cd, mine)
     bound = set(kube.wait_pods_bound(namespace, members, timeout=90).values())
     assert len(bound) == 2 and bound <= {name["b1"], name["b2"], name["b3"]}
 

@@ -302,24 +302,28 @@ def gang(cd: str, size: int, gpus: int) -> list[JSON]:
     return [cd_pod(f"g-{i}", gpus, cd, **group, **{"gputopo.io/stage": str(i)}) for i in range(size)]
 
 
-def test_a_compute_domain_gang_leaves_out_trays_serving_another_compute_domain(racks: Env) -> None:
-    other = cd_pod("b-0", 1, "cd-b")
-    racks.add_pods(other)
-    assert racks.bind(other, "a1") == ""
-    # Rack a is the fuller with room for two 3-GPU members (a1's three free GPUs and a2), but a1's channel
-    # serves cd-b: the gang goes whole to rack b.
-    members = gang("cd-a", 2, 3)
-    racks.add_pods(*members)
-    assert sorted(racks.passed(m, NAMES)[0] for m in members) == ["b1", "b2"]
-
-
-def test_a_compute_domain_gang_that_only_fits_with_another_compute_domains_tray_says_which(racks: Env) -> None:
+@pytest.fixture
+def beside_cd_b(racks: Env) -> list[JSON]:
+    """A one-GPU pod of cd-b on a1, and a gang of cd-a of two 3-GPU members: rack a is the fuller with room
+    for both (a1's three free GPUs and a2), but a1's channel serves cd-b."""
     other = cd_pod("b-0", 1, "cd-b")
     racks.add_pods(other)
     assert racks.bind(other, "a1") == ""
     members = gang("cd-a", 2, 3)
     racks.add_pods(*members)
-    (why,) = racks.reasons(members[0], ["a1", "a2"])
+    return members
+
+
+def test_a_compute_domain_gang_leaves_out_trays_serving_another_compute_domain(
+    racks: Env, beside_cd_b: list[JSON]
+) -> None:
+    assert sorted(racks.passed(m, NAMES)[0] for m in beside_cd_b) == ["b1", "b2"]  # whole on rack b
+
+
+def test_a_compute_domain_gang_that_only_fits_with_another_compute_domains_tray_says_which(
+    racks: Env, beside_cd_b: list[JSON]
+) -> None:
+    (why,) = racks.reasons(beside_cd_b[0], ["a1", "a2"])
     assert why.endswith("; 1 node(s) serve another ComputeDomain's IMEX channel (the first a1)"), why
 
 
