@@ -208,8 +208,14 @@ class ComputeDomainSizes:
 
     def _drop(self, obj: Key) -> None:
         old = self._objects.pop(obj, None)
-        if old is not None and self._sizes.get(old[0]) == old[1]:
-            del self._sizes[old[0]]
+        if old is None:
+            return
+        # Another ComputeDomain naming the same template (NVIDIA's controller would refuse it) keeps its size.
+        others = [n for template, n in self._objects.values() if template == old[0]]
+        if others:
+            self._sizes[old[0]] = others[-1]
+        else:
+            self._sizes.pop(old[0], None)
 
     def replace(self, items: list[JSON]) -> None:
         self._objects, self._sizes = {}, {}

@@ -384,6 +384,10 @@ def test_compute_domain_sizes_follow_their_objects() -> None:
     assert sizes.num_nodes("default/train-channel") == 16 and sizes.num_nodes("default/other") == 0
     sizes.apply("ADDED", compute_domain("serve", "serve-channel", 2, ns="inference"))
     assert sizes.num_nodes("inference/serve-channel") == 2
+    sizes.apply("ADDED", compute_domain("train-2", "train-channel", 8))  # the same template: the latest
+    assert sizes.num_nodes("default/train-channel") == 8
+    sizes.apply("DELETED", compute_domain("train-2", "train-channel", 8))
+    assert sizes.num_nodes("default/train-channel") == 16  # the other one's is kept
     sizes.apply("DELETED", compute_domain("train", "train-channel", 16))
     assert sizes.num_nodes("default/train-channel") == 0
 
