@@ -74,17 +74,6 @@ COMPUTE_DOMAIN_CRD = {
 }
 
 
-def established(kube: KubeClient, crd: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        doc = kube.request("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd}")
-        conditions = doc.get("status", {}).get("conditions") or []
-        if any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions):
-            return
-        assert time.monotonic() < deadline, f"CRD {crd} not Established"
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
     kube.apply(
@@ -98,7 +87,7 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
             COMPUTE_DOMAIN_CRD,
         ]
     )
-    established(kube, CRD_NAME)  # served before the extender first lists it
+    kube.wait_crds_established([CRD_NAME])  # served before the extender first lists it
     yield from serve(Stack(control_plane, kube, heartbeat_seconds=2, interval_seconds=1))
 
 

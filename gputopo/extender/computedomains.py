@@ -57,13 +57,19 @@ def _map(obj: Any, where: str) -> Mapping[str, Any]:
     return obj
 
 
-def channel_template(obj: JSON) -> tuple[Key, bool]:
-    """A ResourceClaimTemplate's (namespace, name) and whether it asks for a ComputeDomain's IMEX channel
-    (a request, exactly or among firstAvailable, of CHANNEL_DEVICE_CLASS); ValueError naming the field."""
+def _identity(obj: Any) -> Key:
+    """A namespaced object's (namespace, name); ValueError naming the field."""
     meta = _map(_map(obj, "the object").get("metadata"), "metadata")
     name, namespace = meta.get("name"), meta.get("namespace")
     if not isinstance(name, str) or not name or not isinstance(namespace, str) or not namespace:
         raise ValueError("metadata.name or metadata.namespace is missing or not a string")
+    return namespace, name
+
+
+def channel_template(obj: JSON) -> tuple[Key, bool]:
+    """A ResourceClaimTemplate's (namespace, name) and whether it asks for a ComputeDomain's IMEX channel
+    (a request, exactly or among firstAvailable, of CHANNEL_DEVICE_CLASS); ValueError naming the field."""
+    namespace, name = _identity(obj)
     devices = _map(_map(_map(obj.get("spec"), "spec").get("spec"), "spec.spec").get("devices"), "spec.spec.devices")
     requests = devices.get("requests", [])
     if not isinstance(requests, list) or len(requests) > MAX_REQUESTS:
@@ -164,10 +170,7 @@ class ChannelTemplates:
 def compute_domain_size(obj: JSON) -> tuple[Key, Key, int]:
     """A ComputeDomain's (namespace, name), its channel template's (namespace, name) and its numNodes
     (0: not said); ValueError naming the field."""
-    meta = _map(_map(obj, "the object").get("metadata"), "metadata")
-    name, namespace = meta.get("name"), meta.get("namespace")
-    if not isinstance(name, str) or not name or not isinstance(namespace, str) or not namespace:
-        raise ValueError("metadata.name or metadata.namespace is missing or not a string")
+    namespace, name = _identity(obj)
     spec = _map(obj.get("spec"), "spec")
     where = "spec.channel.resourceClaimTemplate"
     template = _map(_map(spec.get("channel"), "spec.channel").get("resourceClaimTemplate"), where).get("name")

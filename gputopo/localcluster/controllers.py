@@ -47,7 +47,7 @@ from .controllermanifests import (
     with_conversion,
 )
 from .controlplane import ControlPlane
-from .kube import KubeClient
+from .kube import KubeClient, WaitTimeout
 from .pki import generate_serving_certificate
 from .procs import HOST, ControlPlaneError, free_port, http_ok
 
@@ -232,17 +232,10 @@ class JobControllers:
         self._wait_established(spec, [str(c["metadata"]["name"]) for c in crds])
 
     def _wait_established(self, spec: ControllerSpec, names: list[str]) -> None:
-        deadline = time.monotonic() + self.timeout
-        pending = list(names)
-        while pending:
-            doc = self.kube.request("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{pending[0]}")
-            conditions = doc.get("status", {}).get("conditions") or []
-            if any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions):
-                pending.pop(0)
-            elif time.monotonic() > deadline:
-                raise ControlPlaneError(f"{spec.title}: CRD {pending[0]} not Established after {self.timeout:.0f}s")
-            else:
-                time.sleep(0.2)
+        try:
+            self.kube.wait_crds_established(names, timeout=self.timeout)
+        except WaitTimeout as e:
+            raise ControlPlaneError(f"{spec.title}: {e}") from None
 
     def _kubeconfig(self, spec: ControllerSpec, src: Path) -> Path:
         """The manager's own ServiceAccount, bound to its project's manager roles; a kubeconfig

@@ -281,6 +281,22 @@ class KubeClient(Kube):
             )
         return out
 
+    def wait_crds_established(self, names: Iterable[str], *, timeout: float = 60.0) -> None:
+        """Wait until every named CustomResourceDefinition is Established (its kind served)."""
+        pending = list(names)
+
+        def established(name: str) -> bool:
+            doc = self.request("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+            conditions = doc.get("status", {}).get("conditions") or []
+            return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)
+
+        def check() -> bool | None:
+            while pending and established(pending[0]):
+                pending.pop(0)
+            return True if not pending else None
+
+        self._wait(check, timeout, "CRDs Established", lambda: f"{pending[0]} not Established")
+
     def wait_pod_bound(self, namespace: str, name: str, *, timeout: float = 30.0) -> str:
         """Wait until the pod has ``spec.nodeName``; returns it."""
 
