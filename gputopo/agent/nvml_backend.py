@@ -13,7 +13,8 @@ the `NvmlLib` protocol so tests pass a fake module.
 - NotSupported / FunctionNotFound / InvalidArgument mean "absent";
 - one GPU's failure is that GPU's only: an NVML error fails it with the error; any other exception while
   reading it (OSError, a decode or type error) or a value out of the model's range makes it `failed`
-  with the reason `health unknown: ...` and nothing else of its reading; the other GPUs are published.
+  with the reason `health unknown: ...` and nothing else of its reading; the other GPUs are published
+  as they are: their links to it count as links to a GPU that cannot be read, never to an NVSwitch.
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ class NvmlAdapter:
         self._open = False
         self._notes: list[str] = []
         self._uuids: dict[int, str] = {}  # the last UUID read per index
+        self._buses: dict[int, str] = {}  # the last PCI bus id read per index
 
     def open(self) -> None:
         """nvmlInit; a missing driver becomes one NvmlUnavailableError with a clear message."""
@@ -206,9 +208,11 @@ class NvmlAdapter:
         try:
             h = lib.nvmlDeviceGetHandleByIndex(index)
             gpu.uuid = str(lib.nvmlDeviceGetUUID(h))
+            # The bus first: a GPU that fails later in its reading is still found at the far end of its
+            # peers' NVLinks, so they are not taken for links to an NVSwitch.
+            gpu.bus_id = normalize_bus_id(lib.nvmlDeviceGetPciInfo(h).busId)
             gpu.model = str(lib.nvmlDeviceGetName(h))
             gpu.memory_mib = int(lib.nvmlDeviceGetMemoryInfo(h).total) // MIB
-            gpu.bus_id = normalize_bus_id(lib.nvmlDeviceGetPciInfo(h).busId)
             gpu.numa = self._numa(h, gpu.bus_id)
             self._read_links(h, gpu, now)
             self._read_health(h, gpu)
@@ -218,6 +222,7 @@ class NvmlAdapter:
             gpu.health = Health.FAILED
             gpu.reasons.append(f"NVML error: {e} ({type(e).__name__})")
             gpu.uuid = gpu.uuid or self._uuids.get(index, "")
+            gpu.bus_id = gpu.bus_id or self._buses.get(index, "")
             log.error("GPU discovery failed", extra={"gpu": index, "error": str(e)})
             return gpu
         except Exception as e:
@@ -228,14 +233,22 @@ class NvmlAdapter:
         except ValidationError as e:  # a value out of the model's range (memory, NUMA node, a name's length)
             return self._unreadable(gpu, f"a reading is out of range: {_first_error(e)}")
         self._uuids[index] = gpu.uuid
+        self._buses[index] = gpu.bus_id
         return gpu
 
     def _unreadable(self, gpu: GpuReading, why: str) -> GpuReading:
-        """What is published for a GPU whose reading failed: its index and UUID (this cycle's, else the last
-        one read, so the device plugin's device keeps its ID), failed so it gets no work, health unknown
-        with the reason; nothing else of the reading is trusted."""
+        """What is published for a GPU whose reading failed: its index, UUID and PCI bus (this cycle's, else
+        the last one read, so the device plugin's device keeps its ID and the peers' links to it are known
+        as links to it), failed so it gets no work, health unknown with the reason; nothing else of the
+        reading is trusted."""
         uuid = gpu.uuid if isinstance(gpu.uuid, str) and 0 < len(gpu.uuid) <= MAX_NAME_LENGTH else ""
-        out = GpuReading(index=gpu.index, uuid=uuid or self._uuids.get(gpu.index, ""), health=Health.FAILED)
+        out = GpuReading(
+            index=gpu.index,
+            uuid=uuid or self._uuids.get(gpu.index, ""),
+            # Only to find it at the far end of its peers' links: set only after normalize_bus_id passed.
+            bus_id=gpu.bus_id or self._buses.get(gpu.index, ""),
+            health=Health.FAILED,
+        )
         out.reasons.append(_clip(f"health unknown: {why}"))
         log.error("GPU discovery failed", extra={"gpu": gpu.index, "error": why})
         return out

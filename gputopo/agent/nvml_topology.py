@@ -243,6 +243,9 @@ def assemble(gpus: Sequence[GpuReading], ever_active: Container[tuple[str, int]]
     `ever_active`: (GPU UUID, link) pairs seen active in any cycle, so a link that went down is told
     apart from one never wired."""
     by_bus = {g.bus_id: g.index for g in gpus if g.bus_id}
+    # A GPU whose bus is unknown (it failed before one was ever read) may be the far end of its peers'
+    # links; such a link then reaches a GPU that cannot be read, never an invisible NVSwitch.
+    unplaced_gpus = any(not g.bus_id for g in gpus)
     n = len(gpus)
     direct: list[Counter[int]] = [Counter() for _ in range(n)]
     switch = [0] * n
@@ -279,7 +282,11 @@ def assemble(gpus: Sequence[GpuReading], ever_active: Container[tuple[str, int]]
                 continue  # NVLink to a POWER CPU: no GPU peer
             peer = by_bus.get(lk.remote_bus) if lk.remote_bus else None
             if lk.remote_type in (DEVICE_TYPE_GPU, None) and peer is not None and peer != g.index:
+                # Counted only where both ends see the link (nvlink_matrix), so a link to a failed GPU
+                # whose own links were not read adds nothing to either.
                 direct[g.index][peer] += 1
+            elif peer is None and lk.remote_type in (DEVICE_TYPE_GPU, None) and unplaced_gpus:
+                continue  # to the GPU that cannot be read: no link between readable GPUs
             else:
                 # SWITCH, UNKNOWN, or a remote NVML cannot place (VMs, GB200 switch trays):
                 # NCCL and PyTorch assume an invisible NVSwitch.

@@ -618,6 +618,49 @@ def test_lost_gpu_is_failed_with_a_reason_and_others_still_discovered(tmp_path: 
     assert got.link_count(0, 1) == 18
 
 
+def _fail_gpu(fake: FakeNvml, index: int, how: str) -> None:
+    gpu = fake.gpus[index]
+    if how == "lost":
+        gpu.lost = True
+    elif how == "lost at the memory read":
+        gpu.raises["nvmlDeviceGetMemoryInfo"] = NVMLError_GpuIsLost()
+    elif how == "bus unreadable":
+        gpu.raises["nvmlDeviceGetPciInfo"] = OSError(5, "Input/output error")
+    elif how == "out of range":
+        gpu.memory_bytes = 1 << 62
+    elif how == "decode error":
+        gpu.raises["nvmlDeviceGetName"] = UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+    else:
+        raise AssertionError(how)
+
+
+FAILURES = ["lost", "lost at the memory read", "bus unreadable", "out of range", "decode error"]
+
+
+@pytest.mark.parametrize("system", ["dgx-1v", "hgx-a100-4", "a100-pcie-bridged", "dgx-h100", "gb200-tray"])
+@pytest.mark.parametrize("how", FAILURES)
+@pytest.mark.parametrize("after_a_good_cycle", [False, True], ids=["from the first cycle", "after a good cycle"])
+def test_a_gpu_that_cannot_be_read_changes_nothing_about_the_others(
+    system: str, how: str, after_a_good_cycle: bool, tmp_path: Path
+) -> None:
+    healthy = build_system(system)
+    fake = fake_system(system)
+    nvml = adapter(fake, tmp_path)
+    if after_a_good_cycle:
+        nvml.discover()
+    _fail_gpu(fake, 2, how)
+    got = nvml.discover().topology
+    assert got.gpus[2].health is Health.FAILED
+    others = [i for i in range(len(healthy.gpus)) if i != 2]
+    assert [[got.link_count(i, j) for j in others] for i in others] == [
+        [healthy.link_count(i, j) for j in others] for i in others
+    ]
+    assert got.nvlink.nvswitch is healthy.nvlink.nvswitch
+    if not healthy.nvlink.nvswitch:  # direct links: the failed GPU's own links were not read
+        assert all(got.link_count(2, j) == 0 for j in others)
+    assert all(g.health is Health.OK for g in got.gpus if g.index != 2 and healthy.gpus[g.index].health is Health.OK)
+
+
 MIB_BYTES = 1024 * 1024
 
 
