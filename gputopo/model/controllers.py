@@ -43,21 +43,12 @@ LWS_NAME = "leaderworkerset.sigs.k8s.io/name"
 LWS_GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
 LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 LWS_SIZE = "leaderworkerset.sigs.k8s.io/size"
-# Kubeflow v1 (training-operator): kubeflow/training-operator pkg/apis/kubeflow.org/v1/common_types.go
-# (v1.8): JobNameLabel, ReplicaTypeLabel (lower case: master, launcher, worker), ReplicaIndexLabel.
-KUBEFLOW_JOB_NAME = "training.kubeflow.org/job-name"
-KUBEFLOW_REPLICA_TYPE = "training.kubeflow.org/replica-type"
-KUBEFLOW_REPLICA_INDEX = "training.kubeflow.org/replica-index"
 # Kueue pod groups: kubernetes-sigs/kueue pkg/controller/constants/constants.go and
 # pkg/controller/jobs/pod/constants (v0.13): GroupNameLabel, GroupTotalCountAnnotation,
 # PodGroupPodIndexLabel.
 KUEUE_POD_GROUP = "kueue.x-k8s.io/pod-group-name"
 KUEUE_TOTAL_COUNT = "kueue.x-k8s.io/pod-group-total-count"
 KUEUE_POD_INDEX = "kueue.x-k8s.io/pod-group-pod-index"
-
-# The replica types of a Kubeflow v1 job in rank order: the coordinator first (PyTorchJob's Master,
-# MPIJob's Launcher), then the workers.
-KUBEFLOW_TYPE_ORDER = ("master", "launcher", "worker")
 
 MAX_GROUP_SIZE = 4096  # as gputopo.io/group-size
 LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
@@ -123,11 +114,10 @@ class PodGroupShape:
 @dataclass(frozen=True)
 class ControllerFacts:
     """Controller objects of one namespace, as the caller read them: Jobs by name, a JobSet's Jobs by
-    their global index, a Kubeflow v1 job's replicas by replica type (lower case), PodGroups by name."""
+    their global index, PodGroups by name."""
 
     jobs: Mapping[str, JobShape] = field(default_factory=dict)
     jobsets: Mapping[str, Mapping[int, JobShape]] = field(default_factory=dict)
-    kubeflow: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     podgroups: Mapping[str, PodGroupShape] = field(default_factory=dict)
 
 
@@ -329,36 +319,6 @@ def _exclusive(ann: Mapping[str, str], jobs: tuple[tuple[str, int], ...]) -> Exc
     return ExclusiveJobs(key, jobs)
 
 
-def _kubeflow(pod: Pod, group: str, facts: ControllerFacts) -> InferredGroup:
-    """Rank: the replica types in KUBEFLOW_TYPE_ORDER, each type's replicas before the next, then the
-    replica index. Size and the counts per type come from the job object (`facts.kubeflow`)."""
-    lab = pod.labels
-    name = lab[KUBEFLOW_JOB_NAME]
-    rtype_text = label(lab, KUBEFLOW_REPLICA_TYPE) or ""
-    rtype = rtype_text.lower()
-    if rtype not in KUBEFLOW_TYPE_ORDER:
-        raise LabelError(KUBEFLOW_REPLICA_TYPE, rtype_text, "must be one of " + ", ".join(KUBEFLOW_TYPE_ORDER))
-    replica = index(KUBEFLOW_REPLICA_INDEX, label(lab, KUBEFLOW_REPLICA_INDEX) or "")
-    controller = "MPIJob" if rtype == "launcher" else "PyTorchJob"
-    rank_label = f"{KUBEFLOW_REPLICA_TYPE} and {KUBEFLOW_REPLICA_INDEX}"
-    counts = facts.kubeflow.get(name)
-    if counts is None:
-        waiting = f"the job {name} is not known yet"
-        return InferredGroup(group, controller, "Kubeflow labels", None, None, rank_label, waiting=waiting)
-    if "launcher" in counts:
-        controller = "MPIJob"
-    if counts.get(rtype, 0) <= replica:
-        raise LabelError(
-            KUBEFLOW_REPLICA_INDEX, str(replica), f"is not below the job's {rtype} replicas {counts.get(rtype, 0)}"
-        )
-    total = sum(counts.get(t, 0) for t in KUBEFLOW_TYPE_ORDER)
-    if not 1 <= total <= MAX_GROUP_SIZE:
-        raise LabelError(KUBEFLOW_JOB_NAME, name, f"the job has {total} replicas; a group holds 1 to {MAX_GROUP_SIZE}")
-    offset = sum(counts.get(t, 0) for t in KUBEFLOW_TYPE_ORDER[: KUBEFLOW_TYPE_ORDER.index(rtype)])
-    source = f"{controller} labels and its replicaSpecs"
-    return InferredGroup(group, controller, source, total, offset + replica, rank_label)
-
-
 # In precedence order: the first row whose first identity label a pod carries decides (a JobSet's pods
 # carry its Jobs' labels too, so JobSet comes before Job).
 CONTROLLERS: tuple[Controller, ...] = (
@@ -370,7 +330,6 @@ CONTROLLERS: tuple[Controller, ...] = (
         (JOBSET_GLOBAL_REPLICAS, JOBSET_JOB_GLOBAL_INDEX, JOB_COMPLETION_INDEX, JOBSET_EXCLUSIVE, JOBSET_NODE_SELECTOR),
         _jobset,
     ),
-    Controller("kubeflow", (KUBEFLOW_JOB_NAME,), (KUBEFLOW_REPLICA_TYPE, KUBEFLOW_REPLICA_INDEX), _kubeflow),
     # A non-Indexed Job's pods are interchangeable: no ranks, no gang.
     Controller("job", (JOB_NAME,), (JOB_COMPLETION_INDEX,), _job, gang_when=(JOB_COMPLETION_INDEX,)),
 )

@@ -1,7 +1,7 @@
 """Groups inferred from the labels the job controllers put on their pods (docs/annotations.md, "Jobs").
 
 A pod that a controller made as one member of a job (an Indexed Job, a JobSet and so a Kubeflow
-Trainer v2 TrainJob, a LeaderWorkerSet group, a Kubeflow v1 PyTorchJob or MPIJob, a Kueue pod group)
+Trainer v2 TrainJob, a LeaderWorkerSet group, a Kueue pod group)
 is a gputopo group member without any `gputopo.io/` annotation. `infer_group` reads the group's
 identity, its size and the member's rank (its stage: placement order) from the pod's labels and
 annotations, and, where the labels do not carry the size, from what the controller's objects say
@@ -38,10 +38,6 @@ from gputopo.model.controllers import (
     JOBSET_NODE_SELECTOR,
     JOBSET_REPLICATED_JOB,
     JOBSET_REPLICATED_JOB_REPLICAS,
-    KUBEFLOW_JOB_NAME,
-    KUBEFLOW_REPLICA_INDEX,
-    KUBEFLOW_REPLICA_TYPE,
-    KUBEFLOW_TYPE_ORDER,
     KUEUE_POD_GROUP,
     KUEUE_POD_INDEX,
     KUEUE_TOTAL_COUNT,
@@ -78,10 +74,6 @@ __all__ = [
     "JOB_COMPLETION_INDEX",
     "JOB_KEYS",
     "JOB_NAME",
-    "KUBEFLOW_JOB_NAME",
-    "KUBEFLOW_REPLICA_INDEX",
-    "KUBEFLOW_REPLICA_TYPE",
-    "KUBEFLOW_TYPE_ORDER",
     "KUEUE_POD_GROUP",
     "KUEUE_POD_INDEX",
     "KUEUE_TOTAL_COUNT",

@@ -45,6 +45,12 @@ LWS = {J.LWS_NAME: "vllm", J.LWS_GROUP_INDEX: "1", J.LWS_WORKER_INDEX: "0"}
 INDEXED = ControllerFacts(jobs={"train": JobShape("train", 4, 4, True)})
 
 
+# The labels Kubeflow's training-operator (v1) puts on a PyTorchJob's or MPIJob's pods.
+KUBEFLOW_JOB_NAME = "training.kubeflow.org/job-name"
+KUBEFLOW_REPLICA_TYPE = "training.kubeflow.org/replica-type"
+KUBEFLOW_REPLICA_INDEX = "training.kubeflow.org/replica-index"
+
+
 @pytest.mark.parametrize(
     ("labels", "annotations", "facts", "expected"),
     [
@@ -66,25 +72,6 @@ INDEXED = ControllerFacts(jobs={"train": JobShape("train", 4, 4, True)})
             {J.JOB_COMPLETION_INDEX: "1"},
             INDEXED,
             ("job/train", 4, 1, "Job labels and the Job's spec"),
-        ),
-        # Kubeflow v1: the master first, then the workers.
-        (
-            {J.KUBEFLOW_JOB_NAME: "pt", J.KUBEFLOW_REPLICA_TYPE: "Master", J.KUBEFLOW_REPLICA_INDEX: "0"},
-            {},
-            ControllerFacts(kubeflow={"pt": {"master": 1, "worker": 3}}),
-            ("kubeflow/pt", 4, 0, "PyTorchJob labels and its replicaSpecs"),
-        ),
-        (
-            {J.KUBEFLOW_JOB_NAME: "pt", J.KUBEFLOW_REPLICA_TYPE: "worker", J.KUBEFLOW_REPLICA_INDEX: "2"},
-            {},
-            ControllerFacts(kubeflow={"pt": {"master": 1, "worker": 3}}),
-            ("kubeflow/pt", 4, 3, "PyTorchJob labels and its replicaSpecs"),
-        ),
-        (
-            {J.KUBEFLOW_JOB_NAME: "mpi", J.KUBEFLOW_REPLICA_TYPE: "worker", J.KUBEFLOW_REPLICA_INDEX: "0"},
-            {},
-            ControllerFacts(kubeflow={"mpi": {"launcher": 1, "worker": 2}}),
-            ("kubeflow/mpi", 3, 1, "MPIJob labels and its replicaSpecs"),
         ),
         # Kueue pod groups: the pod index when given, else a free rank in name order.
         (
@@ -115,6 +102,8 @@ def test_group_size_and_rank_come_from_the_controllers_labels(
         ({}, {}),
         ({"app": "web"}, {}),
         ({J.JOB_NAME: "batch"}, {}),  # a non-Indexed Job's pods are interchangeable: no group
+        # Kubeflow v1 (training-operator) jobs: gputopo reads none of their objects; annotate them.
+        ({KUBEFLOW_JOB_NAME: "pt", KUBEFLOW_REPLICA_TYPE: "worker", KUBEFLOW_REPLICA_INDEX: "0"}, {}),
     ],
 )
 def test_pods_without_a_known_controller_are_no_group(labels: dict[str, str], annotations: dict[str, str]) -> None:
@@ -129,11 +118,6 @@ def test_pods_without_a_known_controller_are_no_group(labels: dict[str, str], an
             jobset_pod(0, 0),
             ControllerFacts(jobsets={"llama": {0: JobShape("llama-w-0", 4, 4, True, 0, 2)}}),
             "1/2 of the JobSet's Jobs are known",
-        ),
-        (
-            {J.KUBEFLOW_JOB_NAME: "pt", J.KUBEFLOW_REPLICA_TYPE: "worker", J.KUBEFLOW_REPLICA_INDEX: "0"},
-            ControllerFacts(),
-            "the job pt is not known yet",
         ),
     ],
 )
@@ -199,12 +183,6 @@ def test_a_size_only_the_controller_object_carries_waits_for_it(
             ControllerFacts(jobs={"train": JobShape("train", 8, 2, True)}),
             'invalid label batch.kubernetes.io/job-name="train": Job train runs 2 of its 8 pods at once '
             "(spec.parallelism below spec.completions): no gang",
-        ),
-        (
-            {J.KUBEFLOW_JOB_NAME: "pt", J.KUBEFLOW_REPLICA_TYPE: "ps", J.KUBEFLOW_REPLICA_INDEX: "0"},
-            {},
-            ControllerFacts(),
-            'invalid label training.kubeflow.org/replica-type="ps": must be one of master, launcher, worker',
         ),
         (
             {J.JOBSET_NAME: "x y"},
@@ -303,9 +281,9 @@ KEYS = [
     J.LWS_GROUP_INDEX,
     J.LWS_WORKER_INDEX,
     J.LWS_SIZE,
-    J.KUBEFLOW_JOB_NAME,
-    J.KUBEFLOW_REPLICA_TYPE,
-    J.KUBEFLOW_REPLICA_INDEX,
+    KUBEFLOW_JOB_NAME,
+    KUBEFLOW_REPLICA_TYPE,
+    KUBEFLOW_REPLICA_INDEX,
     J.KUEUE_POD_GROUP,
     J.KUEUE_TOTAL_COUNT,
     J.KUEUE_POD_INDEX,
@@ -330,10 +308,6 @@ FACTS = st.builds(
     ControllerFacts,
     jobs=st.dictionaries(st.sampled_from(["train", "llama", "x"]), SHAPES, max_size=2),
     jobsets=st.dictionaries(st.sampled_from(["llama", "x"]), st.dictionaries(st.integers(-1, 4), SHAPES, max_size=4)),
-    kubeflow=st.dictionaries(
-        st.sampled_from(["llama", "x", "pt"]),
-        st.dictionaries(st.sampled_from(["master", "worker", "launcher", "ps"]), st.integers(-2, 5000), max_size=3),
-    ),
 )
 
 
