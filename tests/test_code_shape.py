@@ -9,7 +9,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "gputopo"
+from tests.paths import REPO
+
+PACKAGE = REPO / "gputopo"
 MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 80
 

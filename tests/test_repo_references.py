@@ -6,7 +6,9 @@ import re
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import REPO
+
+ROOT = REPO
 TEXT = (".py", ".md", ".yaml", ".yml", ".sh", ".toml", ".txt", ".tpl", ".json")
 OUTSIDE = re.compile(r"design\.md|\.\./shared|(?<![\w/])reference/[a-z-]+\.md")
 DOC_REF = re.compile(r"\bdocs/([a-z][a-z0-9-]*\.md)")

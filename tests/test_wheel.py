@@ -7,7 +7,9 @@ import sys
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import REPO
+
+ROOT = REPO
 
 
 def test_wheel_holds_the_packages_and_their_data_but_no_test_code(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION, parse_top
 from gputopo.systems import SYSTEMS, VARIANTS, build_system
 from tests.agent.fake_pynvml import FakeNvml, NVMLError_LibraryNotFound, fake_system
 from tests.agent.memory_api import InMemoryNodeApi
+from tests.paths import REPO
 
 # main() touches process-wide state: run each test on a clean environment and restore the rest.
 pytestmark = pytest.mark.usefixtures("restore_logging_and_signals", "clean_env")
@@ -174,7 +175,7 @@ def test_once_keeps_its_lease() -> None:
 
 
 def test_every_setting_is_in_the_configuration_reference() -> None:
-    text = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    text = (REPO / "docs" / "configuration.md").read_text()
     section = text[text.index("## gputopo-agent") :]
     for field in AgentSettings.model_fields:
         env = "`NODE_NAME`" if field == "node_name" else f"`GPUTOPO_{field.upper()}`"

@@ -23,8 +23,9 @@ import yaml
 
 from gputopo.localcluster.binaries import find_binaries
 from gputopo.model import DEFAULT_NAMESPACE
+from tests.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 CHART = ROOT / "charts" / "gputopo"
 CI_DIR = CHART / "ci"
 RELEASE = "gputopo"

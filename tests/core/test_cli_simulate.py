@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from gputopo.console.cli import main
+from tests.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 CLUSTER = ROOT / "examples" / "cluster.yaml"
 JOBS = ROOT / "examples" / "jobs.yaml"
 

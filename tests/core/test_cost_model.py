@@ -3,8 +3,6 @@ message-size annotation, the estimate in the placement sentence and annotation, 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from pydantic import ValidationError
 
@@ -34,10 +32,11 @@ from gputopo.systems import build_system
 from gputopo.tiers import DEFAULT_TIERS, Tier, TierConfig
 from tests.core.test_groups import TWO_SPINES, cluster, members
 from tests.core.test_placement import node
+from tests.paths import REPO
 from tests.sim.helpers import job
 
 GIB = 1 << 30
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "cost-model.md"
+DOCS = REPO / "docs" / "cost-model.md"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ from gputopo.engine.fragmentation import class_figures, node_figures
 from gputopo.engine.snapshot import NodeState, node_state
 from gputopo.model import PodRequest, parse_pod_request
 from gputopo.systems import build_system
+from tests.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 CLUSTER = ROOT / "examples" / "defrag" / "cluster.yaml"
 PODS = ROOT / "examples" / "defrag" / "pods.yaml"
 

@@ -4,7 +4,6 @@ encoding, the HBM selector, the template's name, and the resource/v1 limits ever
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +24,7 @@ from gputopo.engine.draclaims import (
     template_named,
 )
 from gputopo.model.request import NvlinkPolicy, PodRequest
+from tests.paths import REPO
 
 
 def _req(gpus: int, nvlink: str = "required", mib: int | None = None) -> PodRequest:
@@ -219,7 +219,7 @@ def test_every_valid_request_gives_a_spec_within_api_limits(
 
 def test_the_claims_docs_show_what_the_builder_makes() -> None:
     """docs/annotations.md, "Claims under DRA": the hand-written templates are the webhook's own."""
-    text = (Path(__file__).resolve().parents[2] / "docs" / "annotations.md").read_text()
+    text = (REPO / "docs" / "annotations.md").read_text()
     section = text[text.index("## Claims under DRA") : text.index("## The placement annotation")]
     blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", section, re.S)]
     tp4 = PodRequest(gpus=4, min_gpu_memory_mib=80 * 1024)

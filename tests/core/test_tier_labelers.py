@@ -5,7 +5,6 @@ labelers', and keys no tier reads change nothing."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -14,6 +13,7 @@ from hypothesis import strategies as st
 from gputopo.engine.snapshot import locate
 from gputopo.model.jobs import tier_of_label
 from gputopo.tiers import DEFAULT_TIERS, Tier, TierConfig
+from tests.paths import REPO
 
 EKS = "topology.k8s.aws/network-node-layer-"
 
@@ -132,7 +132,7 @@ def test_only_with_round_trips_through_the_json_setting_and_keeps_tiers_hashable
 
 
 def test_the_labeler_table_in_the_docs_lists_each_tiers_keys_in_the_order_they_are_read() -> None:
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    doc = (REPO / "docs" / "configuration.md").read_text()
     section = doc.split("### Topology labelers", 1)[1].split("\n#", 1)[0]
     documented: dict[str, list[str]] = {name: [] for name in DEFAULT_TIERS.names}
     for row in re.findall(r"^\|[^|]*\| `([^`]+)`[^|]*\| `([a-z-]+)` \|$", section, re.MULTILINE):

@@ -4,8 +4,6 @@ planned within one set's nodes, and members placed before fix the set."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,6 +22,7 @@ from gputopo.model.jobs import podgroup_shape
 from gputopo.sim.core import simulate
 from gputopo.systems import build_system
 from gputopo.tiers import DEFAULT_TIERS, Tier, TierConfig, TierSet
+from tests.paths import REPO
 
 PRODUCT = "nvidia.com/gpu.product"
 H100 = "NVIDIA-H100-80GB-HBM3"
@@ -301,7 +300,7 @@ def test_the_simulator_places_each_job_within_one_tier_set() -> None:
 
 
 def test_the_documented_example_is_a_valid_setting_read_as_it_says() -> None:
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    doc = (REPO / "docs" / "configuration.md").read_text()
     section = doc.split("### Tier sets per hardware shape", 1)[1].split("\n#", 1)[0]
     example = TierConfig.model_validate_json(section.split("```json", 1)[1].split("```", 1)[0])
     assert [s.name for s in example.sets] == ["h100", "gb200"]

@@ -10,8 +10,9 @@ import pytest
 
 from gputopo.clusterfile import ClusterFileError, load_jobs
 from gputopo.console.cli import main
+from tests.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 CLUSTER = ROOT / "examples" / "cluster.yaml"
 
 JOBS = """jobs:

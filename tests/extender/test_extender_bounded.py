@@ -44,6 +44,7 @@ from tests.extender.harness import (
     start_server,
     sync,
 )
+from tests.paths import REPO
 
 HEAD_CAP = 8 * 1024
 BODY_CAP = 64 * 1024
@@ -539,7 +540,7 @@ def test_the_verbs_answer_while_the_webhook_is_held_full_before_any_handshake(tm
     def nofile() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
 
-    root = Path(__file__).resolve().parents[2]
+    root = REPO
     proc = subprocess.Popen(
         cmd,
         cwd=root,

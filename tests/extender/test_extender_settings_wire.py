@@ -12,6 +12,7 @@ from gputopo.extender.main import load_settings, main
 from gputopo.extender.settings import Settings
 from gputopo.extender.wire import ExtenderArgs, pod_info
 from tests.extender.harness import Env, args, call, gputopo_pod, node_obj, pod_obj
+from tests.paths import REPO
 
 
 @pytest.fixture
@@ -162,7 +163,7 @@ def test_snapshot_mode_serves_a_cluster_file_and_binds_in_memory(tmp_path: Path)
 
 
 def test_every_setting_is_in_the_configuration_reference() -> None:
-    text = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    text = (REPO / "docs" / "configuration.md").read_text()
     section = text[text.index("## gputopo-extender") : text.index("## gputopo-agent")]
     for field in Settings.model_fields:
         env = f"`GPUTOPO_{field.upper()}`"

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from gputopo.clusterfile import JobSpec, cluster_states, load_cluster, load_jobs
 from gputopo.engine.snapshot import NodeState
 from gputopo.sim import prepare_pods, simulate
 from gputopo.sim.fidelity import Follower, RealPlacement, follow_engine
+from tests.paths import REPO
 from tests.sim.helpers import IB, job, node
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = REPO / "examples"
 
 
 def _dgx1v_pair() -> list[NodeState]:
