@@ -40,12 +40,9 @@ from gputopo.engine.draclaims import (
     ClaimTemplate,
     template_named,
 )
-from gputopo.kube import JSON, KubeError
-from gputopo.model import SCHEDULER_NAME
-from gputopo.model.dra import TEMPLATE_PREFIX
 
 # The webhook's read-only check lives in its own module; its names stay importable from here.
-from .templatecheck import (
+from gputopo.extender.templatecheck import (
     DEFAULT_MAX_ENTRIES,
     DEFAULT_TTL_SECONDS,
     ClaimTemplates,
@@ -55,6 +52,9 @@ from .templatecheck import (
     same_template,
     templates_path,
 )
+from gputopo.kube import JSON, KubeError
+from gputopo.model import SCHEDULER_NAME
+from gputopo.model.dra import TEMPLATE_PREFIX
 
 __all__ = [
     "ClaimTemplates",

@@ -9,11 +9,9 @@ controllers (JobSet, LeaderWorkerSet, Kueue, Kubeflow Trainer) by ``build_contro
 ``JobControllers`` runs them on a ``ControlPlane`` with their own webhooks.
 """
 
-from gputopo.model import GPU_RESOURCE
-
-from .binaries import BUILD_SCRIPT, BinariesError, ensure_binaries, expected_bin_dir, find_binaries
-from .controllers import JobControllers, find_controllers_dir
-from .controlplane import (
+from gputopo.localcluster.binaries import BUILD_SCRIPT, BinariesError, ensure_binaries, expected_bin_dir, find_binaries
+from gputopo.localcluster.controllers import JobControllers, find_controllers_dir
+from gputopo.localcluster.controlplane import (
     APISERVER,
     CONTROLLER_MANAGER,
     CONTROLLERS,
@@ -27,8 +25,8 @@ from .controlplane import (
     kubeconfig_text,
     scheduler_configuration,
 )
-from .featureflags import FlagError, parse_flag_map
-from .kube import (
+from gputopo.localcluster.featureflags import FlagError, parse_flag_map
+from gputopo.localcluster.kube import (
     NODE_NAME_EXTRA,
     TEST_LABEL,
     KubeApiError,
@@ -40,7 +38,8 @@ from .kube import (
     network_labels,
     pod_manifest,
 )
-from .kubelet import RealKubelet, kubelet_unavailable
+from gputopo.localcluster.kubelet import RealKubelet, kubelet_unavailable
+from gputopo.model import GPU_RESOURCE
 
 __all__ = [
     "APISERVER",

@@ -25,7 +25,7 @@ import yaml
 from gputopo.model import DEFAULT_NAMESPACE, EXTENDER_COMPONENT, SCHEDULER_NAME
 
 if TYPE_CHECKING:
-    from .controlplane import ControlPlane
+    from gputopo.localcluster.controlplane import ControlPlane
 
 CHART_DIR = Path(__file__).resolve().parents[2] / "charts" / "gputopo"
 RELEASE = "gputopo"

@@ -45,9 +45,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from .controlplane import HOST, ControlPlane, ControlPlaneError
-from .images import Image
-from .kubelet import RealKubelet, _http_ok, _restore_tunables, _save_tunables, in_private_mounts
+from gputopo.localcluster.controlplane import HOST, ControlPlane, ControlPlaneError
+from gputopo.localcluster.images import Image
+from gputopo.localcluster.kubelet import RealKubelet, _http_ok, _restore_tunables, _save_tunables, in_private_mounts
 
 CNI_BIN_DIR = Path("/usr/lib/cni")  # Debian's containernetworking-plugins
 FIXED_KUBELET_ROOT = Path("/var/lib/kubelet")

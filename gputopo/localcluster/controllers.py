@@ -34,8 +34,8 @@ from pathlib import Path
 
 import yaml
 
-from .binaries import run_script
-from .controllermanifests import (
+from gputopo.localcluster.binaries import run_script
+from gputopo.localcluster.controllermanifests import (
     JSON,
     SPECS,
     ControllerSpec,
@@ -46,10 +46,10 @@ from .controllermanifests import (
     webhook_configurations,
     with_conversion,
 )
-from .controlplane import ControlPlane
-from .kube import KubeClient, WaitTimeout
-from .pki import generate_serving_certificate
-from .procs import HOST, ControlPlaneError, free_port, http_ok
+from gputopo.localcluster.controlplane import ControlPlane
+from gputopo.localcluster.kube import KubeClient, WaitTimeout
+from gputopo.localcluster.pki import generate_serving_certificate
+from gputopo.localcluster.procs import HOST, ControlPlaneError, free_port, http_ok
 
 __all__ = [
     "BUILD_CONTROLLERS_SCRIPT",

@@ -33,10 +33,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from gputopo.model import SCHEDULER_NAME
-
-from .binaries import find_binaries
-from .commandlines import (
+from gputopo.localcluster.binaries import find_binaries
+from gputopo.localcluster.commandlines import (
     CONTROLLERS,
     SA_ISSUER,
     SERVICE_CIDR,
@@ -45,8 +43,8 @@ from .commandlines import (
     etcd_argv,
     scheduler_argv,
 )
-from .featureflags import feature_gates_arg, runtime_config_arg
-from .pki import (
+from gputopo.localcluster.featureflags import feature_gates_arg, runtime_config_arg
+from gputopo.localcluster.pki import (
     admission_configuration,
     generate_client_certificate,
     generate_sa_keys,
@@ -57,11 +55,12 @@ from .pki import (
 
 # The process supervision, the credential files, the components' command lines and the scheduler
 # configuration live in their own modules; these names stay importable from here, where callers have always found them.
-from .procs import HOST, Component, ControlPlaneError, Supervisor, free_port, http_ok, insecure_ctx
-from .schedconfig import ExtenderConfig, scheduler_configuration
+from gputopo.localcluster.procs import HOST, Component, ControlPlaneError, Supervisor, free_port, http_ok, insecure_ctx
+from gputopo.localcluster.schedconfig import ExtenderConfig, scheduler_configuration
+from gputopo.model import SCHEDULER_NAME
 
 if TYPE_CHECKING:
-    from .kube import KubeClient
+    from gputopo.localcluster.kube import KubeClient
 
 __all__ = [
     "ADMIN_USER",
@@ -248,7 +247,7 @@ class ControlPlane(Supervisor):
 
     def client(self, kubeconfig: Path | None = None) -> KubeClient:
         """A ``KubeClient`` for the admin (or for the given kubeconfig)."""
-        from .kube import KubeClient
+        from gputopo.localcluster.kube import KubeClient
 
         return KubeClient(kubeconfig or self.kubeconfig, kubectl=self.kubectl)
 

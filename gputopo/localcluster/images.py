@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .binaries import kubernetes_version, run_script
+from gputopo.localcluster.binaries import kubernetes_version, run_script
 
 IMAGES_SCRIPT = Path(__file__).with_name("build_images.sh")
 MANIFEST_ENV = "GPUTOPO_IMAGES_MANIFEST"

@@ -28,14 +28,13 @@ from typing import Any, TypeVar
 
 import yaml
 
+from gputopo.localcluster.chart import CHART_DIR, run_helm
+from gputopo.localcluster.containerd import ContainerdNode
+from gputopo.localcluster.controlplane import ControlPlane, ControlPlaneError
+from gputopo.localcluster.images import ImageSet, ensure_images
+from gputopo.localcluster.kube import KubeApiError, KubeClient
 from gputopo.model import PLACEMENT_ANNOTATION, SCHEDULER_NAME, parse_placement
 from gputopo.systems import build_system
-
-from .chart import CHART_DIR, run_helm
-from .containerd import ContainerdNode
-from .controlplane import ControlPlane, ControlPlaneError
-from .images import ImageSet, ensure_images
-from .kube import KubeApiError, KubeClient
 
 SYSTEM = "dgx-1v"
 GPUS = 8

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from gputopo.kube import Kube, KubeError
 
 # The manifests live in their own module; their names stay importable from here, where callers know them.
-from .manifests import (
+from gputopo.localcluster.manifests import (
     FIXED_TIME,
     JSON,
     NODE_NAME_EXTRA,

@@ -36,10 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from gputopo.kube import parse_time
-
-from .binaries import kubernetes_version
-from .controlplane import HOST, ControlPlane, ControlPlaneError, free_port
-from .kube import KubeApiError, KubeClient
+from gputopo.localcluster.binaries import kubernetes_version
+from gputopo.localcluster.controlplane import HOST, ControlPlane, ControlPlaneError, free_port
+from gputopo.localcluster.kube import KubeApiError, KubeClient
 
 KUBELET_BINARIES = ("kubelet", "fakecri")
 # Fixed in the kubelet (pluginapi.KubeletSocket's directory); not configurable.

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from .procs import ControlPlaneError
+from gputopo.localcluster.procs import ControlPlaneError
 
 
 def write_private(path: Path, text: str) -> None:
