@@ -43,6 +43,7 @@ NVML_NVLINK_ERROR_DL_RECOVERY = 1
 NVML_NVLINK_ERROR_DL_CRC_FLIT = 2
 NVML_NVLINK_ERROR_DL_CRC_DATA = 3
 NVML_DEVICE_UUID_BUFFER_SIZE = 80
+NVML_P2P_CAPS_INDEX_NVLINK = 2
 NVML_GPU_FABRIC_UUID_LEN = 16
 nvmlGpuFabricInfo_v2 = 0x02000024  # NVML_STRUCT_VERSION: sizeof(nvmlGpuFabricInfo_v2_t) = 36, version 2
 
@@ -61,6 +62,7 @@ class NVMLError(Exception):
         12: "NVML Shared Library Not Found",
         13: "Function Not Found",
         15: "GPU is lost",
+        23: "Insufficient Resources",
         25: "Argument version mismatch",
         999: "Unknown Error",
     }
@@ -223,6 +225,7 @@ class FakeGpu:
     fabric: FakeFabric | None = None  # None: NotSupported
     lost: bool = False  # every call raises GpuIsLost
     raises: dict[str, Exception] = field(default_factory=dict)  # call name -> what that call raises
+    p2p: dict[int, int] = field(default_factory=dict)  # peer index -> NVLink P2P status (absent: OK)
 
 
 @dataclass(frozen=True)
@@ -340,6 +343,11 @@ class FakeNvml:
         if counter in lk.counter_errors:
             raise lk.counter_errors[counter]()
         return lk.counters[counter]
+
+    def nvmlDeviceGetP2PStatus(self, h1: Handle, h2: Handle, index: int) -> int:
+        gpu = self._gpu(h1, "nvmlDeviceGetP2PStatus")
+        self._gpu(h2, "nvmlDeviceGetP2PStatus")
+        return gpu.p2p.get(h2.index, 0) if index == NVML_P2P_CAPS_INDEX_NVLINK else 5
 
     def nvmlDeviceGetMigMode(self, h: Handle) -> list[int]:
         gpu = self._gpu(h, "nvmlDeviceGetMigMode")
