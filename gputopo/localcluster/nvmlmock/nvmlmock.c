@@ -61,6 +61,12 @@ typedef struct {
 
 typedef struct {
     unsigned int version;
+    unsigned long long total, reserved, free, used;
+} nvmlMemory_v2_t;
+#define NVML_MEMORY_V2 0x02000028u
+
+typedef struct {
+    unsigned int version;
     unsigned char clusterUuid[16];
     nvmlReturn_t status;
     unsigned int cliqueId;
@@ -540,6 +546,19 @@ EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t dev, nvmlMemory_t *memo
     CHECK(device("nvmlDeviceGetMemoryInfo", dev, &g));
     REQUIRE(memory != NULL, NVML_ERROR_INVALID_ARGUMENT);
     memory->total = g->memory;
+    memory->free = g->memory;
+    memory->used = 0;
+    END;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t dev, nvmlMemory_v2_t *memory) {
+    struct gpu *g;
+    BEGIN("nvmlDeviceGetMemoryInfo_v2");
+    CHECK(device("nvmlDeviceGetMemoryInfo_v2", dev, &g));
+    REQUIRE(memory != NULL, NVML_ERROR_INVALID_ARGUMENT);
+    REQUIRE(memory->version == NVML_MEMORY_V2, NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+    memory->total = g->memory;
+    memory->reserved = 0;
     memory->free = g->memory;
     memory->used = 0;
     END;
