@@ -1,0 +1,152 @@
+"""End to end through the real NVML binding: the agent (`--backend nvml`, no fixture) reads a DGX-1V
+through nvidia-ml-py from the NVML mock library built here, on a simulated node and on a node run by a
+real kubelet whose device plugin the agent is.
+
+A TP-4 pod lands on one NVLink quad; a link inside the other quad is then broken in the library's
+profile under the running agent; the agent publishes it within a poll, the next TP-4 pod is refused
+with the sentence that names the link, and once the link is repaired the pod lands on that quad.
+DGX-1V's only 4-GPU NVLink cliques are the quads 0-3 and 4-7.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from conftest import StackNodes
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster.kubelet import kubelet_unavailable
+from gputopo.localcluster.nvmlmock import Profile, profile_for_system
+from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.model import PLACEMENT_ANNOTATION, TOPOLOGY_ANNOTATION, NodeTopology, parse_placement, parse_topology
+from gputopo.systems import build_system
+
+pytestmark = pytest.mark.e2e
+
+SYSTEM = "dgx-1v"
+QUADS = ((0, 1, 2, 3), (4, 5, 6, 7))
+
+
+@pytest.fixture(scope="module")
+def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
+    # An extender of its own name: another module's may be stopped but still registered.
+    s = Stack(
+        control_plane,
+        kube,
+        stale_after_seconds=30,
+        heartbeat_seconds=1,
+        interval_seconds=1,
+        extender_name="gputopo-extender-nvml",
+    )
+    s.start()
+    yield s
+    s.stop()
+
+
+def tp4(kube: KubeClient, ns: str, test_id: str, name: str) -> str:
+    kube.create_pod(
+        pod_manifest(
+            name,
+            namespace=ns,
+            scheduler_name="gputopo-scheduler",
+            gpus=4,
+            annotations={"gputopo.io/nvlink": "required"},
+            node_selector={TEST_LABEL: test_id},
+        )
+    )
+    return name
+
+
+def placed(kube: KubeClient, ns: str, pod: str, node: str, timeout: float = 60) -> tuple[int, ...]:
+    assert kube.wait_pod_bound(ns, pod, timeout=timeout) == node
+    p = parse_placement(kube.get_pod(ns, pod)["metadata"]["annotations"][PLACEMENT_ANNOTATION])
+    return tuple(sorted(p.gpus))
+
+
+def published(kube: KubeClient, node: str) -> NodeTopology:
+    return parse_topology(kube.get_node(node)["metadata"]["annotations"][TOPOLOGY_ANNOTATION])
+
+
+def wait_published(
+    kube: KubeClient, node: str, check: str, ok: Callable[[NodeTopology], bool], timeout: float = 30
+) -> NodeTopology:
+    """Until the node's published topology passes `ok` (a callable on it); `check` says what for."""
+    deadline = time.monotonic() + timeout
+    topo = published(kube, node)
+    while time.monotonic() < deadline:
+        topo = published(kube, node)
+        if ok(topo):
+            return topo
+        time.sleep(0.3)
+    raise AssertionError(f"{node} never published {check}: {topo.degraded_links}, {[g.reasons for g in topo.gpus]}")
+
+
+def link_inside(profile: Profile, quad: tuple[int, ...]) -> tuple[int, int]:
+    """(GPU, link) of an NVLink between two GPUs of `quad`, as the library's profile wires it."""
+    buses = [g.bus for g in profile.gpus]
+    for gpu in quad:
+        for index, lk in enumerate(profile.gpus[gpu].links or []):
+            if lk.remote_bus in buses and buses.index(lk.remote_bus) in quad:
+                return gpu, index
+    raise AssertionError(f"no link inside {quad}")
+
+
+def break_and_repair(stack: Stack, kube: KubeClient, node: str, ns: str, test_id: str) -> None:
+    """The scenario both node kinds share; returns with the second pod on the repaired quad."""
+    want = build_system(SYSTEM, node)
+    got = published(kube, node)
+    assert got.gpus == want.gpus and got.nvlink == want.nvlink  # read through NVML, not a fixture
+
+    first = tp4(kube, ns, test_id, "tp4-first")
+    quad = placed(kube, ns, first, node)
+    assert quad in QUADS
+    other = QUADS[1 - QUADS.index(quad)]
+
+    healthy = profile_for_system(SYSTEM, node)
+    broken = profile_for_system(SYSTEM, node)
+    gpu, link = link_inside(broken, other)
+    links = broken.gpus[gpu].links
+    assert links is not None
+    links[link].active = False
+    stack.set_nvml_profile(node, broken)
+    wait_published(kube, node, f"GPU {gpu} link {link} down", lambda t: bool(t.degraded_links))
+
+    second = tp4(kube, ns, test_id, "tp4-second")
+    event = kube.wait_pod_event(ns, second, "FailedScheduling", contains="NVLink degraded", timeout=60)
+    assert f"GPU {gpu} link {link} down (link not active)" in event.message
+    assert f"GPU {gpu} degraded: NVLink link {link} down" in event.message
+    assert "NVLink degraded" in kube.describe_pod(ns, second)
+
+    # Repaired under the running agent: published within a poll, and the waiting pod takes the quad.
+    stack.set_nvml_profile(node, healthy)
+    wait_published(kube, node, "the repaired link", lambda t: not t.degraded_links)
+    assert placed(kube, ns, second, node, timeout=90) == other
+
+
+def test_nvml_simulated_node_a_broken_link_under_the_running_agent_steers_the_next_tp4_and_says_why(
+    stack: Stack, kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
+) -> None:
+    (node,) = nodes.add(GpuNode("nvml-dgx1v", SYSTEM, nvml=True))
+    break_and_repair(stack, kube, node, namespace, test_id)
+
+
+def test_nvml_kubelet_node_device_plugin_on_the_real_binding_avoids_a_broken_link_and_says_why(
+    stack: Stack, control_plane: ControlPlane, kube: KubeClient, namespace: str, test_id: str
+) -> None:
+    reason = kubelet_unavailable(control_plane.bin_dir)
+    if reason is not None:
+        pytest.skip(reason)
+    node = f"kl-nvml-{test_id[-6:]}"
+    stack.add_kubelet_node(node, SYSTEM, labels={TEST_LABEL: test_id}, nvml=True)
+    try:
+        stack.wait_published([node])
+        break_and_repair(stack, kube, node, namespace, test_id)
+        for pod in ("tp4-first", "tp4-second"):  # the kubelet admitted both through the agent's device plugin
+            deadline = time.monotonic() + 60
+            while kube.get_pod(namespace, pod).get("status", {}).get("phase") != "Running":
+                assert time.monotonic() < deadline, f"{pod} never Running: {kube.get_pod(namespace, pod)['status']}"
+                time.sleep(0.3)
+    finally:
+        stack.remove_kubelet_node(node)
