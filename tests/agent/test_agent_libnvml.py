@@ -22,7 +22,7 @@ import pytest
 from gputopo.agent.labels import node_labels
 from gputopo.agent.nvml_backend import NvmlUnavailableError
 from gputopo.agent.nvml_health import HEALTH_HOLD_SECONDS
-from gputopo.localcluster.nvmlmock import PROFILE_ENV, Profile, build_library, profile_for_system
+from gputopo.localcluster.nvmlmock import PROFILE_ENV, Profile, build_library, profile_for_system, write_profile
 from gputopo.localcluster.nvmlmock.profile import SYSTEM_WIRING
 from gputopo.model import (
     LABEL_NVLINK_FABRIC,
@@ -33,6 +33,7 @@ from gputopo.model import (
     LinkState,
     NodeTopology,
     decode_health,
+    parse_topology,
 )
 from gputopo.systems import SYSTEMS, VARIANTS, build_system
 from tests.agent.libnvml_harness import Node
@@ -326,8 +327,6 @@ def test_libnvml_missing_symbols_take_the_bindings_own_function_not_found(tmp_pa
     # A library built without the symbols, found by LD_LIBRARY_PATH as the agent process finds it.
     lib_dir = build_library(omit=("nvmlDeviceGetGpuFabricInfoV", "nvmlDeviceGetP2PStatus"))
     profile = tmp_path / "profile"
-    from gputopo.localcluster.nvmlmock import write_profile
-
     write_profile(profile, profile_for_system("gb200-tray"))
     env = {**os.environ, "LD_LIBRARY_PATH": str(lib_dir), PROFILE_ENV: str(profile)}
     proc = subprocess.run(
@@ -421,3 +420,25 @@ def test_libnvml_profile_writer_refuses_what_the_library_would(change: Callable[
     change(p)
     with pytest.raises(ValueError, match=field):
         p.render()
+
+
+@pytest.mark.parametrize(
+    "system",
+    [
+        pytest.param("dgx-h100", id="libnvml agent process, dgx-h100: the document equals the system"),
+        pytest.param("gb200-tray", id="libnvml agent process, gb200 tray: fabric and clique published"),
+    ],
+)
+def test_libnvml_agent_process_once_publishes_the_system(system: str, tmp_path: Path) -> None:
+    # The agent's own entry point, as a node runs it: --backend nvml, the library found by LD_LIBRARY_PATH.
+    profile = tmp_path / "profile"
+    write_profile(profile, profile_for_system(system))
+    (tmp_path / "sys").mkdir()
+    env = {**os.environ, "LD_LIBRARY_PATH": str(build_library()), PROFILE_ENV: str(profile)}
+    agent = Path(sys.executable).with_name("gputopo-agent")
+    proc = subprocess.run(
+        [str(agent), "--backend=nvml", f"--sysfs-root={tmp_path / 'sys'}", "--node-name=n", "--once", "--json"],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert parse_topology(proc.stdout) == expected(system)
