@@ -8,6 +8,11 @@ as libnvidia-ml writes it, in the C v2 layout into a caller-allocated struct dec
 nvidia-ml-py 12.560.30 or a later release declares it.
 Systems are built from their wiring (which peer or switch each link goes to), not from the
 expected NV# matrix.
+
+The same calls also run through the real binding against the NVML mock library
+(tests/agent/test_agent_libnvml.py); this fake stays for what the library cannot express or is not
+NVML's to give: nvidia-ml-py releases that declare the fabric struct differently, counting which calls
+were made, a remote-type error on one link, and exceptions that are not NVML errors.
 """
 
 from __future__ import annotations
