@@ -10,6 +10,7 @@ DGX-1V's only 4-GPU NVLink cliques are the quads 0-3 and 4-7.
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 
@@ -17,6 +18,7 @@ import pytest
 
 from conftest import StackNodes
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster.kube import WaitTimeout
 from gputopo.localcluster.kubelet import kubelet_unavailable
 from gputopo.localcluster.nvmlmock import Profile, profile_for_system
 from gputopo.localcluster.stack import GpuNode, Stack
@@ -65,6 +67,22 @@ def placed(kube: KubeClient, ns: str, pod: str, node: str, timeout: float = 60) 
     return tuple(sorted(p.gpus))
 
 
+def bound_after_nudges(kube: KubeClient, ns: str, pod: str, node: str, *, timeout: float = 90) -> str:
+    """Until `pod` is bound, touching `node`'s labels every few seconds: kube-scheduler retries a pod an
+    extender refused only on a cluster event, and the one the agent's repair made may reach it before
+    the extender's watch has the repaired topology (e2e/test_scheduling.py says more)."""
+    deadline = time.monotonic() + timeout
+    touch = 0
+    while True:
+        touch += 1
+        kube.patch_node(node, {"metadata": {"labels": {"e2e.gputopo.io/nudge": str(touch)}}})
+        try:
+            return kube.wait_pod_bound(ns, pod, timeout=min(3.0, max(0.1, deadline - time.monotonic())))
+        except WaitTimeout:
+            if time.monotonic() >= deadline:
+                raise
+
+
 def published(kube: KubeClient, node: str) -> NodeTopology:
     return parse_topology(kube.get_node(node)["metadata"]["annotations"][TOPOLOGY_ANNOTATION])
 
@@ -81,6 +99,16 @@ def wait_published(
             return topo
         time.sleep(0.3)
     raise AssertionError(f"{node} never published {check}: {topo.degraded_links}, {[g.reasons for g in topo.gpus]}")
+
+
+def explain(stack: Stack, ns: str, pod: str) -> str:
+    done = subprocess.run(
+        [stack._exe("gputopo"), "explain", "-n", ns, pod, f"--kubeconfig={stack.cp.kubeconfig}",
+         f"--stale-after-seconds={stack.stale_after_seconds}"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def link_inside(profile: Profile, quad: tuple[int, ...]) -> tuple[int, int]:
@@ -115,14 +143,18 @@ def break_and_repair(stack: Stack, kube: KubeClient, node: str, ns: str, test_id
 
     second = tp4(kube, ns, test_id, "tp4-second")
     event = kube.wait_pod_event(ns, second, "FailedScheduling", contains="NVLink degraded", timeout=60)
-    assert f"GPU {gpu} link {link} down (link not active)" in event.message
-    assert f"GPU {gpu} degraded: NVLink link {link} down" in event.message
+    assert "0/1 nodes are available: 1 NVLink degraded." in event.message
     assert "NVLink degraded" in kube.describe_pod(ns, second)
+    # The whole sentence, as `gputopo explain` prints the extender's verdict for the node.
+    why = explain(stack, ns, second)
+    assert f"no 4-GPU NVLink clique without degraded GPUs: GPU {gpu} link {link} down (link not active)" in why
+    assert f"GPU {gpu} degraded: NVLink link {link} down" in why
 
     # Repaired under the running agent: published within a poll, and the waiting pod takes the quad.
     stack.set_nvml_profile(node, healthy)
-    wait_published(kube, node, "the repaired link", lambda t: not t.degraded_links)
-    assert placed(kube, ns, second, node, timeout=90) == other
+    wait_published(kube, node, "the repaired link", lambda t: t.gpus == want.gpus and not t.degraded_links)
+    assert bound_after_nudges(kube, ns, second, node) == node
+    assert placed(kube, ns, second, node) == other
 
 
 def test_nvml_simulated_node_a_broken_link_under_the_running_agent_steers_the_next_tp4_and_says_why(
