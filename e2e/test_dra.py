@@ -10,8 +10,8 @@ list attribute where the API server serves it (`DRAListTypeAttributes`, alpha fr
 
 GPUs are taken with "pin" pods whose one-device claims select a GPU by its `index` attribute, so the
 tests say exactly which GPUs are in use. One node's agent reads the NVML mock library through
-nvidia-ml-py (`--backend nvml`) instead of a fixture, and loses a GPU under it. Needs root (a private mount namespace per kubelet) and the
-kubelet and fakecri binaries; skipped otherwise.
+nvidia-ml-py (`--backend nvml`) instead of a fixture, and loses a GPU under it. Needs root (a private
+mount namespace per kubelet) and the kubelet and fakecri binaries; skipped otherwise.
 """
 
 from __future__ import annotations
