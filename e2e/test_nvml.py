@@ -3,8 +3,9 @@ through nvidia-ml-py from the NVML mock library built here, on a simulated node 
 real kubelet whose device plugin the agent is.
 
 A TP-4 pod lands on one NVLink quad; a link inside the other quad is then broken in the library's
-profile under the running agent; the agent publishes it within a poll, the next TP-4 pod is refused
-with the sentence that names the link, and once the link is repaired the pod lands on that quad.
+profile under the running agent (or, on the simulated node, peer-to-peer over NVLink dies while the
+links stay Active); the agent publishes it within a poll, the next TP-4 pod is refused with the
+sentence that names the link or the GPU pair, and once repaired the pod lands on that quad.
 DGX-1V's only 4-GPU NVLink cliques are the quads 0-3 and 4-7.
 """
 
@@ -121,8 +122,37 @@ def link_inside(profile: Profile, quad: tuple[int, ...]) -> tuple[int, int]:
     raise AssertionError(f"no link inside {quad}")
 
 
-def break_and_repair(stack: Stack, kube: KubeClient, node: str, ns: str, test_id: str) -> None:
-    """The scenario both node kinds share; returns with the second pod on the repaired quad."""
+def link_down(profile: Profile, quad: tuple[int, ...]) -> list[str]:
+    """Break an NVLink inside `quad`; the words the extender's sentence must contain."""
+    gpu, link = link_inside(profile, quad)
+    links = profile.gpus[gpu].links
+    assert links is not None
+    links[link].active = False
+    return [
+        f"no 4-GPU NVLink clique without degraded GPUs: GPU {gpu} link {link} down (link not active)",
+        f"GPU {gpu} degraded: NVLink link {link} down",
+    ]
+
+
+def p2p_lost(profile: Profile, quad: tuple[int, ...]) -> list[str]:
+    """Peer-to-peer over NVLink dead between two GPUs of `quad` while every link stays Active."""
+    a, b = quad[1], quad[2]
+    profile.gpus[a].p2p[b] = profile.gpus[b].p2p[a] = 5  # NVML_P2P_STATUS_NOT_SUPPORTED
+    return [
+        f"GPU {a} degraded: NVLink peer-to-peer to GPU {b} not working although its links are Active "
+        "(NVML P2P status: not supported)"
+    ]
+
+
+def break_and_repair(
+    stack: Stack,
+    kube: KubeClient,
+    node: str,
+    ns: str,
+    test_id: str,
+    fault: Callable[[Profile, tuple[int, ...]], list[str]] = link_down,
+) -> None:
+    """The scenario every node kind shares; returns with the second pod on the repaired quad."""
     want = build_system(SYSTEM, node)
     got = published(kube, node)
     assert got.gpus == want.gpus and got.nvlink == want.nvlink  # read through NVML, not a fixture
@@ -134,12 +164,9 @@ def break_and_repair(stack: Stack, kube: KubeClient, node: str, ns: str, test_id
 
     healthy = profile_for_system(SYSTEM, node)
     broken = profile_for_system(SYSTEM, node)
-    gpu, link = link_inside(broken, other)
-    links = broken.gpus[gpu].links
-    assert links is not None
-    links[link].active = False
+    words = fault(broken, other)
     stack.set_nvml_profile(node, broken)
-    wait_published(kube, node, f"GPU {gpu} link {link} down", lambda t: bool(t.degraded_links))
+    wait_published(kube, node, "the fault", lambda t: t.gpus != want.gpus)
 
     second = tp4(kube, ns, test_id, "tp4-second")
     event = kube.wait_pod_event(ns, second, "FailedScheduling", contains="NVLink degraded", timeout=60)
@@ -147,21 +174,33 @@ def break_and_repair(stack: Stack, kube: KubeClient, node: str, ns: str, test_id
     assert "NVLink degraded" in kube.describe_pod(ns, second)
     # The whole sentence, as `gputopo explain` prints the extender's verdict for the node.
     why = explain(stack, ns, second)
-    assert f"no 4-GPU NVLink clique without degraded GPUs: GPU {gpu} link {link} down (link not active)" in why
-    assert f"GPU {gpu} degraded: NVLink link {link} down" in why
+    for phrase in words:
+        assert phrase in why
 
     # Repaired under the running agent: published within a poll, and the waiting pod takes the quad.
     stack.set_nvml_profile(node, healthy)
-    wait_published(kube, node, "the repaired link", lambda t: t.gpus == want.gpus and not t.degraded_links)
+    wait_published(kube, node, "the repair", lambda t: t.gpus == want.gpus and not t.degraded_links)
     assert bound_after_nudges(kube, ns, second, node) == node
     assert placed(kube, ns, second, node) == other
 
 
-def test_nvml_simulated_node_a_broken_link_under_the_running_agent_steers_the_next_tp4_and_says_why(
-    stack: Stack, kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
+@pytest.mark.parametrize(
+    "fault",
+    [
+        pytest.param(link_down, id="nvml link down: named by GPU and link"),
+        pytest.param(p2p_lost, id="nvml P2P over NVLink lost with links Active: named by both GPUs"),
+    ],
+)
+def test_nvml_simulated_node_a_fault_under_the_running_agent_steers_the_next_tp4_and_says_why(
+    fault: Callable[[Profile, tuple[int, ...]], list[str]],
+    stack: Stack,
+    kube: KubeClient,
+    nodes: StackNodes,
+    namespace: str,
+    test_id: str,
 ) -> None:
     (node,) = nodes.add(GpuNode("nvml-dgx1v", SYSTEM, nvml=True))
-    break_and_repair(stack, kube, node, namespace, test_id)
+    break_and_repair(stack, kube, node, namespace, test_id, fault)
 
 
 def test_nvml_kubelet_node_device_plugin_on_the_real_binding_avoids_a_broken_link_and_says_why(
