@@ -442,3 +442,29 @@ def test_libnvml_agent_process_once_publishes_the_system(system: str, tmp_path: 
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert parse_topology(proc.stdout) == expected(system)
+
+
+@pytest.mark.parametrize(
+    ("code", "reason"),
+    [
+        pytest.param(UNKNOWN_ERROR,
+                     "NVLink peer-to-peer to GPUs 1, 2, 3 could not be checked (NVMLError_Unknown: Unknown Error)",
+                     id="libnvml P2P status call failing: unknown, never healthy, the peers named"),
+        pytest.param(GPU_IS_LOST, None,
+                     id="libnvml P2P status says GPU lost: nothing claimed, the reading fails it next"),
+    ],
+)  # fmt: skip
+def test_libnvml_a_p2p_check_that_fails_is_unknown_not_healthy(
+    code: int, reason: str | None, libnvml_node: Node
+) -> None:
+    p = profile_for_system("hgx-a100-4")
+    p.gpus[0].fails["nvmlDeviceGetP2PStatus"] = code  # GPU 0 is the first handle of each of its pairs
+    libnvml_node.write(p)
+    got = discover(libnvml_node)
+    if reason is None:
+        assert got == expected("hgx-a100-4")
+    else:
+        assert got.gpus[0].health is Health.DEGRADED
+        assert got.gpus[0].reasons == (reason,)
+        assert got.gpus[1].reasons == (reason.replace("GPUs 1, 2, 3", "GPU 0"),)
+        assert got.nvlink == expected("hgx-a100-4").nvlink
