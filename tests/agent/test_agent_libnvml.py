@@ -22,7 +22,14 @@ import pytest
 from gputopo.agent.labels import node_labels
 from gputopo.agent.nvml_backend import NvmlUnavailableError
 from gputopo.agent.nvml_health import HEALTH_HOLD_SECONDS
-from gputopo.localcluster.nvmlmock import PROFILE_ENV, Profile, build_library, profile_for_system, write_profile
+from gputopo.localcluster.nvmlmock import (
+    PROFILE_ENV,
+    LibraryBuildError,
+    Profile,
+    build_library,
+    profile_for_system,
+    write_profile,
+)
 from gputopo.localcluster.nvmlmock.profile import SYSTEM_WIRING
 from gputopo.model import (
     LABEL_NVLINK_FABRIC,
@@ -468,3 +475,23 @@ def test_libnvml_a_p2p_check_that_fails_is_unknown_not_healthy(
         assert got.gpus[0].reasons == (reason,)
         assert got.gpus[1].reasons == (reason.replace("GPUs 1, 2, 3", "GPU 0"),)
         assert got.nvlink == expected("hgx-a100-4").nvlink
+
+
+@pytest.mark.parametrize(
+    ("omit", "cc", "message"),
+    [
+        pytest.param(("nvmlBogus",), None, "cannot omit ['nvmlBogus']", id="libnvml build: unknown function to omit"),
+        pytest.param((), "/nonexistent/cc", "/nonexistent/cc could not build nvmlmock.c",
+                     id="libnvml build: a compiler that is not there named"),
+        pytest.param((), "false", "false failed on nvmlmock.c (1)", id="libnvml build: a failing compiler named"),
+    ],
+)  # fmt: skip
+def test_libnvml_build_errors_name_what_went_wrong(
+    omit: tuple[str, ...], cc: str | None, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if cc is not None:
+        monkeypatch.setenv("CC", cc)
+    with pytest.raises(LibraryBuildError) as e:
+        build_library(cache=tmp_path, omit=omit)
+    assert message in str(e.value)
+    assert not list(tmp_path.rglob("libnvidia-ml.so.1"))  # nothing half-built left to be reused
