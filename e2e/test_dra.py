@@ -9,8 +9,9 @@ builder the webhook uses (`gputopo.engine.draclaims`): the scalar partitions on 
 list attribute where the API server serves it (`DRAListTypeAttributes`, alpha from 1.36).
 
 GPUs are taken with "pin" pods whose one-device claims select a GPU by its `index` attribute, so the
-tests say exactly which GPUs are in use. Needs root (a private mount namespace per kubelet) and the
-kubelet and fakecri binaries; skipped otherwise.
+tests say exactly which GPUs are in use. One node's agent reads the NVML mock library through
+nvidia-ml-py (`--backend nvml`) instead of a fixture, and loses a GPU under it. Needs root (a private
+mount namespace per kubelet) and the kubelet and fakecri binaries; skipped otherwise.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from gputopo.engine.snapshot import shape_of
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from gputopo.localcluster.kubelet import kubelet_unavailable
 from gputopo.localcluster.manifests import pod_webhook_manifest
+from gputopo.localcluster.nvmlmock import profile_for_system
 from gputopo.localcluster.stack import Stack
 from gputopo.model import PLACEMENT_ANNOTATION, NvlinkPolicy, PodRequest, parse_placement
 from gputopo.model.dra import DEVICE_CLASS, DRIVER, device_index
@@ -80,14 +82,16 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
 class DraNode:
     """One test's DRA kubelet node, and the pods and claim templates it makes."""
 
-    def __init__(self, stack: Stack, test_id: str, *, list_attributes: bool = False, suffix: str = "") -> None:
+    def __init__(
+        self, stack: Stack, test_id: str, *, list_attributes: bool = False, suffix: str = "", nvml: bool = False
+    ) -> None:
         self.stack = stack
         self.kube = stack.kube
         self.test_id = test_id
         self.list_attributes = list_attributes
         self.name = f"dra-{hashlib.sha256(test_id.encode()).hexdigest()[:8]}{suffix}"
         stack.add_kubelet_node(
-            self.name, SYSTEM, labels={TEST_LABEL: test_id}, dra=True, dra_list_attributes=list_attributes
+            self.name, SYSTEM, labels={TEST_LABEL: test_id}, dra=True, dra_list_attributes=list_attributes, nvml=nvml
         )
         self.kubelet = stack.kubelets[self.name]
         self.pods: list[str] = []
@@ -234,6 +238,27 @@ def test_dra_slice_follows_a_gpu_failing_and_recovering(stack: Stack, dra_node: 
     stack.set_topology(n.name, healthy)
     devices = {d["name"]: d for d in stack.wait_resource_slice(n.name, 8)["spec"]["devices"]}
     assert devices["gpu-0"]["attributes"]["nvlinkPartition0"] == {"string": "0-3"}
+
+
+def test_dra_nvml_driver_on_the_real_binding_drops_a_lost_gpu_and_takes_it_back(stack: Stack, test_id: str) -> None:
+    """The agent as DRA driver reading the NVML mock library through nvidia-ml-py (`--backend nvml`, no
+    fixture): GPU 3 lost under the running agent leaves the slice and its quad is no TP-4 choice; when
+    it answers again the whole node is republished."""
+    n = DraNode(stack, test_id, suffix="-nvml", nvml=True)
+    try:
+        lost = profile_for_system(SYSTEM, n.name)
+        lost.gpus[3].fails["*"] = 15  # NVML_ERROR_GPU_IS_LOST, from the handle on: fallen off the bus
+        stack.set_nvml_profile(n.name, lost)
+        devices = {d["name"]: d for d in stack.wait_resource_slice(n.name, 7)["spec"]["devices"]}
+        assert "gpu-3" not in devices
+        assert devices["gpu-0"]["attributes"]["nvlinkPartition0"] == {"string": "0-2"}
+        tp4 = n.pod("tp4", n.tp_template(4))
+        assert n.running(tp4) == (4, 5, 6, 7)
+        stack.set_nvml_profile(n.name, profile_for_system(SYSTEM, n.name))
+        devices = {d["name"]: d for d in stack.wait_resource_slice(n.name, 8)["spec"]["devices"]}
+        assert devices["gpu-0"]["attributes"]["nvlinkPartition0"] == {"string": "0-3"}
+    finally:
+        n.close()
 
 
 def test_dra_tp4_waits_for_a_full_quad_and_tp2_gets_only_nvlink_pairs(dra_node: DraNode) -> None:

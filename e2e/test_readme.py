@@ -45,6 +45,7 @@ EXPECTED: dict[str, tuple[str, ...]] = {
         "pods placed.",
         "TopologyPlacement",
         "5/5 pods of JobSet llama-pretrain placed.",
+        "from the NVML mock library built here",
         "TP group 0/1 (16 GPUs, ranks 0-3) in NVLink domain",
         "4/4 pods of TP group tp16 placed in one NVLink domain.",
         "tearing down",

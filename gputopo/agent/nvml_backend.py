@@ -33,6 +33,7 @@ from gputopo.agent.nvml_health import COUNTERS, HealthTracker, LinkCounters
 from gputopo.agent.nvml_topology import (
     DEVICE_TYPE_GPU,
     FABRIC_STATE_COMPLETED,
+    NVML_SUCCESS,
     GpuReading,
     LinkReading,
     assemble,
@@ -42,6 +43,9 @@ from gputopo.agent.nvml_topology import (
     gpu_info,
     normalize_bus_id,
     nvlink_generation,
+    nvlink_pairs,
+    p2p_status_words,
+    with_p2p_faults,
     worst_health,
 )
 from gputopo.agent.sysfs import pci_numa_node
@@ -67,6 +71,8 @@ MIG_ENABLE = 1
 # The health reason that marks a GPU in MIG mode; the device plugin refuses such a node by it.
 MIG_REASON = "MIG mode enabled: the GPU is partitioned and has no NVLink peer-to-peer"
 MIB = 1024 * 1024
+P2P_CAPS_INDEX_NVLINK = 2
+P2P_STATUS_OK = 0
 
 # Not a link count: only stops a faulty library that never rejects a link index from looping forever.
 _LINK_SCAN_GUARD = 128
@@ -111,6 +117,7 @@ class NvmlLib(Protocol):
     def nvmlDeviceGetMigMode(self, handle: Any) -> Sequence[int]: ...
     def nvmlDeviceGetRemappedRows(self, handle: Any) -> tuple[int, int, int, int]: ...
     def nvmlDeviceGetGpuFabricInfoV(self, handle: Any, info: Any) -> int: ...
+    def nvmlDeviceGetP2PStatus(self, handle1: Any, handle2: Any, p2p_index: int) -> int: ...
     def c_nvmlGpuFabricInfoV_t(self) -> Any: ...
 
 
@@ -161,6 +168,7 @@ class NvmlAdapter:
         self._notes: list[str] = []
         self._uuids: dict[int, str] = {}  # the last UUID read per index
         self._buses: dict[int, str] = {}  # the last PCI bus id read per index
+        self._handles: dict[int, Any] = {}  # this cycle's handles, for the peer-to-peer checks
 
     def open(self) -> None:
         """nvmlInit; a missing driver becomes one NvmlUnavailableError with a clear message."""
@@ -196,17 +204,42 @@ class NvmlAdapter:
         if not self._open:
             self.open()
         self._notes = []
+        self._handles = {}
         now = self._clock()
         gpus = [self._read_gpu(i, now) for i in range(self._lib.nvmlDeviceGetCount())]
-        return NvmlDiscovery(
-            topology=assemble(gpus, self._tracker.ever_active), notes=tuple(dict.fromkeys(self._notes))
-        )
+        topology = assemble(gpus, self._tracker.ever_active)
+        topology = with_p2p_faults(topology, self._p2p_faults(topology))
+        return NvmlDiscovery(topology=topology, notes=tuple(dict.fromkeys(self._notes)))
+
+    def _p2p_faults(self, topology: NodeTopology) -> dict[tuple[int, int], str]:
+        """Why peer-to-peer over NVLink does not work, per NVLink-connected pair of readable GPUs: an Active
+        link can still carry no traffic (a fabric manager or driver fault), which only this call shows."""
+        faults: dict[tuple[int, int], str] = {}
+        for i, j in nvlink_pairs(topology):
+            try:
+                status = int(
+                    self._lib.nvmlDeviceGetP2PStatus(self._handles[i], self._handles[j], P2P_CAPS_INDEX_NVLINK)
+                )
+            except self._absent as e:
+                self._notes.append(f"NVLink P2P status: {type(e).__name__.removeprefix('NVMLError_')}")
+                return {}  # an older driver: nothing checked, nothing claimed
+            except self._lib.NVMLError_GpuIsLost:
+                continue  # the GPU is failed by its own reading next cycle; the pair says nothing more
+            except Exception as e:  # any other NVML error, or a binding's type error: unknown, never healthy
+                faults[(i, j)] = f"could not be checked ({type(e).__name__}: {e})"
+                continue
+            if status != P2P_STATUS_OK:
+                faults[(i, j)] = (
+                    f"not working although its links are Active (NVML P2P status: {p2p_status_words(status)})"
+                )
+        return faults
 
     def _read_gpu(self, index: int, now: float) -> GpuReading:
         gpu = GpuReading(index=index)
         lib = self._lib
         try:
             h = lib.nvmlDeviceGetHandleByIndex(index)
+            self._handles[index] = h
             gpu.uuid = str(lib.nvmlDeviceGetUUID(h))
             # The bus first: a GPU that fails later in its reading is still found at the far end of its
             # peers' NVLinks, so they are not taken for links to an NVSwitch.
@@ -339,8 +372,21 @@ class NvmlAdapter:
         gpu.fabric = gpu_fabric(fabric)
         if fabric.state > FABRIC_STATE_COMPLETED:
             self._notes.append(f"GPU fabric: unknown registration state {fabric.state}")
+        if fabric.state == FABRIC_STATE_COMPLETED and fabric.status != NVML_SUCCESS:
+            # Registration ended in an error (Insufficient Resources and the like): the GPU passes its
+            # own checks, but its multi-node NVLink is not set up, so it is not healthy.
+            gpu.health = worst_health(gpu.health, Health.DEGRADED)
+            gpu.reasons.append(f"NVLink fabric registration failed: {self._error_words(fabric.status)}")
         health, why = decode_health(gpu.fabric)
         if health is FabricHealth.DEGRADED:
             # The GPU still works inside its tray, but its multi-node NVLink does not at full strength.
             gpu.health = worst_health(gpu.health, Health.DEGRADED)
             gpu.reasons.append(degraded_reason(why))
+
+    def _error_words(self, code: int) -> str:
+        """NVML's words for a return code (the binding asks the library), with the code."""
+        try:
+            words = str(self._lib.NVMLError(code))
+        except Exception:  # a binding that cannot build the error: the code alone still says it
+            return f"NVML status {code}"
+        return _clip(f"{words} (NVML status {code})")

@@ -312,3 +312,47 @@ def assemble(gpus: Sequence[GpuReading], ever_active: Container[tuple[str, int]]
         degraded_links=tuple(degraded),
         fabric=_fabric(gpus),
     )
+
+
+# nvmlGpuP2PStatus_t, as a user reads it.
+_P2P_STATUS_WORDS = {
+    1: "chipset not supported",
+    2: "GPU not supported",
+    3: "IOH topology not supported",
+    4: "disabled by registry key",
+    5: "not supported",
+    6: "unknown",
+}
+
+
+def p2p_status_words(status: int) -> str:
+    return _P2P_STATUS_WORDS.get(status, f"status {status}")
+
+
+def nvlink_pairs(topology: NodeTopology) -> list[tuple[int, int]]:
+    """The NVLink-connected pairs (i < j) of GPUs that were read: those a clique may be made of."""
+    readable = [g.index for g in topology.gpus if g.health is not Health.FAILED]
+    return [(i, j) for i in readable for j in readable if i < j and topology.link_count(i, j) > 0]
+
+
+def with_p2p_faults(topology: NodeTopology, faults: Mapping[tuple[int, int], str]) -> NodeTopology:
+    """`topology` with both GPUs of each pair in `faults` degraded, each naming its peer and why (one
+    reason per kind of fault, the peers listed), so NVLink placement stops using them."""
+    if not faults:
+        return topology
+    why: dict[int, dict[str, list[int]]] = {}
+    for (i, j), detail in faults.items():
+        why.setdefault(i, {}).setdefault(detail, []).append(j)
+        why.setdefault(j, {}).setdefault(detail, []).append(i)
+    gpus = []
+    for g in topology.gpus:
+        if g.index not in why:
+            gpus.append(g)
+            continue
+        reasons = [
+            f"NVLink peer-to-peer to GPU{'s' if len(peers) > 1 else ''} {', '.join(map(str, sorted(peers)))} {detail}"
+            for detail, peers in why[g.index].items()
+        ]
+        update = {"health": worst_health(g.health, Health.DEGRADED), "reasons": _bounded([*g.reasons, *reasons])}
+        gpus.append(g.model_copy(update=update))
+    return topology.model_copy(update={"gpus": tuple(gpus)})

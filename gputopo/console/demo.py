@@ -1,6 +1,7 @@
 """`gputopo demo`: the whole system on this machine. Builds (or reuses) the pinned upstream binaries,
 starts etcd, kube-apiserver, kube-controller-manager and kube-scheduler, runs the real extender and
-one real agent per simulated GPU node from `examples/cluster.yaml`, submits `examples/jobs.yaml` as
+one real agent per simulated GPU node from `examples/cluster.yaml` (one of them reading NVML through
+nvidia-ml-py from the NVML mock library built here, and saying so), submits `examples/jobs.yaml` as
 pods, and prints where each pod went and what `kubectl describe pod` says about it. Then a JobSet with
 no gputopo annotation goes through the real JobSet controller (built once, like the binaries) and
 the demo prints where its driver and workers went, rank by rank. Then two small NVL72-style racks of
@@ -121,12 +122,42 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _nvml_node(cluster: Any) -> tuple[str | None, str]:
+    """The node whose agent reads NVML through nvidia-ml-py from the NVML mock library, and what to say:
+    the first fixture node without InfiniBand (the library gives GPUs, not the NICs sysfs would)."""
+    from gputopo.localcluster.nvmlmock import LibraryBuildError, build_library
+    from gputopo.localcluster.nvmlmock.profile import SYSTEM_WIRING
+    from gputopo.model import LinkLayer
+    from gputopo.systems import build_system
+
+    for n in cluster.nodes:
+        if n.topology is not None or n.stale or n.fixture not in SYSTEM_WIRING:
+            continue
+        if any(nic.link_layer is LinkLayer.INFINIBAND for nic in build_system(n.fixture, n.name).nics):
+            continue
+        try:
+            lib = build_library()
+        except LibraryBuildError as e:
+            return None, f"   every agent on a fixture: the NVML mock library could not be built ({e})"
+        return n.name, (
+            f"   {n.name}: its agent reads NVML through nvidia-ml-py (--backend nvml, no fixture) from the NVML "
+            f"mock library built here ({lib}/libnvidia-ml.so.1), answering as {n.fixture}; it publishes no NICs "
+            "(those come from sysfs)"
+        )
+    return None, "   every agent on a fixture: no fixture node without InfiniBand for the NVML mock library"
+
+
 def _add_nodes(stack: Any, cluster: Any) -> None:
-    """One agent per simulated node, published; the agents of nodes the file marks stale stopped."""
+    """One agent per simulated node, published; the agents of nodes the file marks stale stopped. One
+    node's agent reads the NVML mock library through the real binding instead of a fixture."""
     from gputopo.localcluster.stack import GpuNode
 
-    stack.add_nodes([GpuNode(n.name, n.fixture, n.topology, n.labels, n.gpus_in_use) for n in cluster.nodes])
+    nvml, said = _nvml_node(cluster)
+    stack.add_nodes(
+        [GpuNode(n.name, n.fixture, n.topology, n.labels, n.gpus_in_use, nvml=n.name == nvml) for n in cluster.nodes]
+    )
     stack.wait_published()
+    _say(said)
     stale = [n.name for n in cluster.nodes if n.stale]
     for name in stale:
         stack.stop_agent(name)

@@ -15,6 +15,7 @@ from gputopo.kube import parse_time
 from gputopo.localcluster.controlplane import ControlPlane
 from gputopo.localcluster.kube import KubeApiError, KubeClient, SimNode
 from gputopo.localcluster.kubelet import RealKubelet
+from gputopo.localcluster.nvmlmock import PROFILE_ENV, Profile, build_library, profile_for_system, write_profile
 from gputopo.model import (
     AGENT_COMPONENT,
     GPU_RESOURCE,
@@ -32,13 +33,16 @@ if TYPE_CHECKING:
 
 @dataclass
 class GpuNode:
-    """A simulated GPU node: a named system (`fixture`) or an explicit topology (file backend)."""
+    """A simulated GPU node: a named system (`fixture`) or an explicit topology (file backend). With
+    `nvml`, the agent reads the named system through nvidia-ml-py from the NVML mock library
+    (`--backend nvml`), whose profile `NodeAgents.set_nvml_profile` changes under it."""
 
     name: str
     fixture: str | None = None
     topology: NodeTopology | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
     in_use: Sequence[int] = ()
+    nvml: bool = False
 
     def resolved(self) -> NodeTopology:
         if self.topology is not None:
@@ -89,6 +93,25 @@ class NodeAgents:
     def _node_files(self, name: str) -> tuple[Path, Path]:
         return self.dir / f"{name}.topology.json", self.dir / f"{name}.in-use.json"
 
+    def nvml_profile_path(self, node: str) -> Path:
+        return self.dir / f"{node}.nvml-profile"
+
+    def set_nvml_profile(self, node: str, profile: Profile) -> None:
+        """What the NVML mock library now reports to `node`'s agent (a link down, a GPU lost): the
+        library reads the new profile on the agent's next call."""
+        write_profile(self.nvml_profile_path(node), profile)
+
+    def _nvml_agent(self, node: str) -> tuple[list[str], dict[str, str]]:
+        """The flags and environment of an agent reading `node` through the NVML mock library."""
+        n = self.nodes[node]
+        path = self.nvml_profile_path(node)
+        if not path.exists():
+            self.set_nvml_profile(node, profile_for_system(n.fixture or "dgx-h100", node))
+        sysfs = self.dir / f"{node}.sysfs"  # no NICs, no PCI NUMA files: the host's /sys is not the node's
+        sysfs.mkdir(exist_ok=True)
+        env = {"LD_LIBRARY_PATH": str(build_library()), PROFILE_ENV: str(path)}
+        return ["--backend=nvml", f"--sysfs-root={sysfs}"], env
+
     def add_nodes(self, nodes: Sequence[GpuNode], *, extra_labels: Mapping[str, str] | None = None) -> None:
         """Create the Node objects (capacity from the topology), then start one agent per node."""
         sims = []
@@ -122,19 +145,21 @@ class NodeAgents:
         topo_file, in_use_file = self._node_files(node)
         kubeconfig = self._token_kubeconfig(self.chart.agent_service_account, f"agent-{node}", bound_node=node)
         backend = f"fixture:{n.fixture}" if n.fixture and n.topology is None else f"file:{topo_file}"
+        backend_args, env = self._nvml_agent(node) if n.nvml else ([f"--backend={backend}"], {})
         argv = [
             self._exe(AGENT_COMPONENT),
             f"--node-name={node}",
             f"--namespace={self.namespace}",
-            f"--backend={backend}",
+            *backend_args,
             *self._in_use_args(node, in_use_file),
             f"--interval-seconds={self.interval_seconds}",
             f"--heartbeat-seconds={self.heartbeat_seconds}",
             f"--kubeconfig={kubeconfig}",
             "--metrics-port=0",
         ]
-        self._say(f"starting gputopo-agent for {node} ({backend.split(':')[0]} backend)")
-        self.cp.start_process(self.agent_component(node), argv, ready=lambda: True)
+        how = "nvml backend, through the NVML mock library" if n.nvml else f"{backend.split(':')[0]} backend"
+        self._say(f"starting gputopo-agent for {node} ({how})")
+        self.cp.start_process(self.agent_component(node), argv, ready=lambda: True, env=env)
 
     def _in_use_args(self, node: str, in_use_file: Path) -> list[str]:
         """A simulated node's agent reads GPUs in use from a file; a real kubelet's agent is its
@@ -171,6 +196,7 @@ class NodeAgents:
         resource_name: str = GPU_RESOURCE,
         dra: bool = False,
         dra_list_attributes: bool = False,
+        nvml: bool = False,
         timeout: float = 120.0,
     ) -> RealKubelet:
         """A node run by a real kubelet (``RealKubelet``, needs root) next to the simulated ones. Its
@@ -178,13 +204,14 @@ class NodeAgents:
         the kubelet as its device plugin. Returns once the kubelet advertises every GPU.
 
         With `dra`, the agent is the node's DRA driver instead (`--dra`, with the list attribute when
-        `dra_list_attributes`), and this returns once the node's ResourceSlice lists every GPU."""
+        `dra_list_attributes`), and this returns once the node's ResourceSlice lists every GPU. With
+        `nvml`, the agent reads `system` through nvidia-ml-py from the NVML mock library instead."""
         kubelet = RealKubelet(self.cp, name, labels=labels, taints=taints, progress=self._progress)
         self.kubelets[name] = kubelet
         self._plugin_options[name] = (preferred_allocation, resource_name)
         if dra:
             self._dra[name] = dra_list_attributes
-        self.nodes[name] = GpuNode(name, system, labels=dict(labels or {}))
+        self.nodes[name] = GpuNode(name, system, labels=dict(labels or {}), nvml=nvml)
         kubelet.start(timeout=timeout)
         # The agent's token is bound to the Node object, which the kubelet has just registered.
         self.start_agent(name)

@@ -6,8 +6,13 @@ import logging
 import os
 import signal
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
+
+from gputopo.localcluster.nvmlmock import PROFILE_ENV
+from tests.agent.libnvml_harness import Node, load_real_binding
 
 
 @pytest.fixture
@@ -29,3 +34,19 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):
         if key.startswith("GPUTOPO_") or key == "NODE_NAME":
             monkeypatch.delenv(key)
+
+
+@pytest.fixture(scope="session")
+def real_pynvml() -> Any:
+    """nvidia-ml-py bound to the NVML mock library (built on first use)."""
+    return load_real_binding()[0]
+
+
+@pytest.fixture
+def libnvml_node(real_pynvml: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Node]:
+    """A node whose profile file is this test's own, read by an adapter through the real binding."""
+    path = tmp_path / "nvml-profile"
+    monkeypatch.setenv(PROFILE_ENV, str(path))
+    node = Node(real_pynvml, path, tmp_path / "sys")
+    yield node
+    node.adapter.close()

@@ -8,6 +8,11 @@ as libnvidia-ml writes it, in the C v2 layout into a caller-allocated struct dec
 nvidia-ml-py 12.560.30 or a later release declares it.
 Systems are built from their wiring (which peer or switch each link goes to), not from the
 expected NV# matrix.
+
+The same calls also run through the real binding against the NVML mock library
+(tests/agent/test_agent_libnvml.py); this fake stays for what the library cannot express or is not
+NVML's to give: nvidia-ml-py releases that declare the fabric struct differently, counting which calls
+were made, a remote-type error on one link, and exceptions that are not NVML errors.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ NVML_NVLINK_ERROR_DL_RECOVERY = 1
 NVML_NVLINK_ERROR_DL_CRC_FLIT = 2
 NVML_NVLINK_ERROR_DL_CRC_DATA = 3
 NVML_DEVICE_UUID_BUFFER_SIZE = 80
+NVML_P2P_CAPS_INDEX_NVLINK = 2
 NVML_GPU_FABRIC_UUID_LEN = 16
 nvmlGpuFabricInfo_v2 = 0x02000024  # NVML_STRUCT_VERSION: sizeof(nvmlGpuFabricInfo_v2_t) = 36, version 2
 
@@ -61,6 +67,7 @@ class NVMLError(Exception):
         12: "NVML Shared Library Not Found",
         13: "Function Not Found",
         15: "GPU is lost",
+        23: "Insufficient Resources",
         25: "Argument version mismatch",
         999: "Unknown Error",
     }
@@ -223,6 +230,7 @@ class FakeGpu:
     fabric: FakeFabric | None = None  # None: NotSupported
     lost: bool = False  # every call raises GpuIsLost
     raises: dict[str, Exception] = field(default_factory=dict)  # call name -> what that call raises
+    p2p: dict[int, int] = field(default_factory=dict)  # peer index -> NVLink P2P status (absent: OK)
 
 
 @dataclass(frozen=True)
@@ -340,6 +348,11 @@ class FakeNvml:
         if counter in lk.counter_errors:
             raise lk.counter_errors[counter]()
         return lk.counters[counter]
+
+    def nvmlDeviceGetP2PStatus(self, h1: Handle, h2: Handle, index: int) -> int:
+        gpu = self._gpu(h1, "nvmlDeviceGetP2PStatus")
+        self._gpu(h2, "nvmlDeviceGetP2PStatus")
+        return gpu.p2p.get(h2.index, 0) if index == NVML_P2P_CAPS_INDEX_NVLINK else 5
 
     def nvmlDeviceGetMigMode(self, h: Handle) -> list[int]:
         gpu = self._gpu(h, "nvmlDeviceGetMigMode")
