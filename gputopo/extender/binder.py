@@ -34,6 +34,7 @@ from gputopo.model import (
     RunnerUp,
     is_gputopo_pod,
 )
+from gputopo.model.k8snames import InvalidName, check_name, check_namespace
 
 log = logging.getLogger("gputopo.extender")
 
@@ -66,6 +67,12 @@ class Binder:
 
     def bind(self, namespace: str, name: str, uid: str, node: str) -> str:
         """Bind the pod; returns '' on success or the error text for the Error field."""
+        try:  # before any request: these go into the API paths of the pod's GET and Binding
+            check_namespace(namespace, "the bind's pod namespace")
+            check_name(name, "the bind's pod name")
+            check_name(node, "the bind's node")
+        except InvalidName as e:
+            return f"bind refused: {e}"
         source = self._source()
         ref = f"{namespace}/{name}"
         info = self.recall(uid, ref)
