@@ -5,8 +5,8 @@ path or query, and before an integer in an annotation or label is used.
   alphanumeric); most object names (nodes, pods, leases, DRA objects, Jobs) are DNS-1123 subdomains
   (labels joined by `.`, at most 253). So `..`, `/`, `%2F`, `?`, `#`, upper case, spaces and non-ASCII
   never reach a path.
-- an integer is ASCII digits only, without sign, `_`, spaces or leading zeros, within stated bounds (what
-  `int()` would also take, `٤`, `1_0`, `+4`, ` 4 `, is refused, as Kubernetes' own label parsers do).
+- an integer in an annotation or label is ASCII digits only, without sign, `_` or spaces, within stated
+  bounds (what `int()` would also take, `٤`, `1_0`, `+4`, ` 4 `, is refused).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ MAX_LABEL = 63
 MAX_SUBDOMAIN = 253
 _LABEL = re.compile(r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?")
 _SUBDOMAIN = re.compile(r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?(?:\.[a-z0-9](?:[-a-z0-9]*[a-z0-9])?)*")
-# ASCII digits only (`re.ASCII` is not needed: the class names them): "0" or no leading zero.
-_DIGITS = re.compile(r"0|[1-9][0-9]*")
 MAX_INT_DIGITS = 10  # past every bound the project uses; int() of a longer string is never tried
+# ASCII digits only: the class names them (`\d` and str.isdigit() would take any script's digits).
+_DIGITS = re.compile(rf"[0-9]{{1,{MAX_INT_DIGITS}}}")
 
 
 class InvalidName(ValueError):
@@ -62,9 +62,9 @@ def check_name(value: object, what: str = "name") -> str:
 
 
 def ascii_int(value: str, lo: int, hi: int) -> int | None:
-    """`value` as an integer from `lo` to `hi` when it is ASCII digits only (no sign, `_`, spaces or
-    leading zeros); None otherwise. Never calls int() on more than MAX_INT_DIGITS characters."""
-    if len(value) > MAX_INT_DIGITS or not _DIGITS.fullmatch(value):
+    """`value` as an integer from `lo` to `hi` when it is ASCII digits only (no sign, `_` or spaces);
+    None otherwise. Never calls int() on more than MAX_INT_DIGITS characters."""
+    if not isinstance(value, str) or not _DIGITS.fullmatch(value):
         return None
     n = int(value)
     return n if lo <= n <= hi else None
