@@ -14,7 +14,17 @@ import pytest
 from gputopo.extender.cache import ClusterCache, check_handlers
 from gputopo.extender.kindhandlers import KindHandler
 from gputopo.extender.kube import KubeSource
-from gputopo.kube import KIND_NAMES, WATCHED, InvalidName, WatchedKind, lease_path, node_path, pod_path, pods_path, watched
+from gputopo.kube import (
+    KIND_NAMES,
+    WATCHED,
+    InvalidName,
+    WatchedKind,
+    lease_path,
+    node_path,
+    pod_path,
+    pods_path,
+    watched,
+)
 from tests.chart.helm import NAMESPACE, Doc, by_kind, one, render
 from tests.kube.scripted import kubeconfig
 
