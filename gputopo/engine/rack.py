@@ -100,6 +100,13 @@ def _cap(nodes: Sequence[NodeState], default: int | None) -> int | None:
     return default
 
 
+def domain_cap(trays: Sequence[NodeState], tiers: TierConfig) -> int | None:
+    """The cap of the NVLink domain whose trays are `trays` now (what a plan was made under: `_cap` over the
+    trays with a well-formed label, else the nvlink-domain tier's groupCap); None: no cap."""
+    default = next((t.group_cap for t in tiers.tiers if t.name == DOMAIN), None)
+    return _cap([t for t in trays if not isinstance(_cap_label(t), str)], default)
+
+
 def _domains(
     nodes: Sequence[NodeState], req: PodRequest, spread: Spread, limit: int, weights: ScoreWeights, tiers: TierConfig
 ) -> tuple[dict[str, _Domain], list[str]]:
