@@ -305,13 +305,8 @@ def record_of(
             placement = parse_placement(ann[PLACEMENT_ANNOTATION])
         except AnnotationError as e:
             log.warning("ignoring unreadable placement annotation", extra={"pod": info.ref, "error": short(str(e))})
-    if placement is not None and len(placement.gpus) > info.gpus:
-        # A pod holds at most the GPUs it asks for (none when it asks none), whatever its annotation lists:
-        # only the admission policy stops a tenant writing it. The agent's report says what it holds.
-        log.warning(
-            "placement annotation lists more GPUs than the pod asks for; holding none by it",
-            extra={"pod": info.ref, "asks": info.gpus, "listed": len(placement.gpus)},
-        )
+    if placement is not None and len(placement.gpus) > info.gpus:  # holds no more than it asks, whatever it lists
+        log.warning("placement lists more GPUs than the pod asks; holding none by it", extra={"pod": info.ref})
         placement = placement.model_copy(update={"gpus": ()})
     keys = tuple(
         sorted(

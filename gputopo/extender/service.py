@@ -53,6 +53,7 @@ HEALTHY = b'{"status":"ok"}'  # /healthz on every listener: the process answers
 # `Extender._catch_up_with_preemption`); time since the preempt answer, so a pod waits once at most.
 PREEMPTION_CATCH_UP_SECONDS = 0.5
 MAX_PREEMPTORS_KEPT = 1024
+Imex = list[Outcome] | None  # outcomes under the ComputeDomain rules; None when none applies
 
 
 @dataclass
@@ -213,9 +214,7 @@ class Extender:
         self.ahead.keep(key, now, info, kept, outcomes, kinds)
         return Decision("evaluated", names, outcomes, request=req, kinds=kinds)
 
-    def _compute_domains(
-        self, req: PodRequest, names: list[str], outcomes: list[Outcome], *, room: bool = True
-    ) -> list[Outcome] | None:
+    def _compute_domains(self, req: PodRequest, names: list[str], outs: list[Outcome], room: bool = True) -> Imex:
         """The outcomes under the ComputeDomain rules (gputopo.engine.imex): which nodes serve which ComputeDomain's
         IMEX channel comes from the pods bound there and the nodes' driver labels. None when no ComputeDomain is
         involved."""
@@ -227,15 +226,12 @@ class Extender:
             return None
         served = {s.name: nvlink_domain(s) for s in ledger.states(serving)}
         needs = self.cache.compute_domain_sizes.num_nodes(req.compute_domain) if req.compute_domain and room else 0
-        return with_compute_domains(req, ledger.states(names), outcomes, serving, served, needs)
+        return with_compute_domains(req, ledger.states(names), outs, serving, served, needs)
 
     def _rules_on(self, req: PodRequest, node: str, outcome: Outcome) -> Outcome:
-        """The ComputeDomain rules on the one node a bind names, read again now (which ComputeDomain its
-        channel serves, the NVLink domain its ComputeDomain's pods run in). The first pod's room for its
-        numNodes is a rule over the candidates, judged at filter, not here."""
-        if not outcome.fits:
-            return outcome
-        out = self._compute_domains(req, [node], [outcome], room=False)
+        """The ComputeDomain rules on the node a bind names, read again now (not numNodes' room: a rule over
+        the filter's candidates)."""
+        out = self._compute_domains(req, [node], [outcome], False) if outcome.fits else None
         return out[0] if out is not None else outcome
 
     def serving(self) -> dict[str, frozenset[str]]:
