@@ -6,6 +6,7 @@ a planned group's NVLink domain cap, read again at bind."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 import pytest
@@ -13,9 +14,12 @@ import pytest
 from gputopo.engine.imex import DRIVER_NODE_LABEL
 from gputopo.engine.rack import LABEL_DOMAIN_CAP
 from gputopo.extender.computedomains import MAX_PER_NAMESPACE, ChannelTemplates, ComputeDomainSizes
+from gputopo.extender.settings import Settings
 from gputopo.model import HEALTHY_MASK, GpuFabric
 from gputopo.systems import build_system
-from tests.extender.harness import JSON, Env, gputopo_pod, node_obj
+from gputopo.tiers import DEFAULT_TIERS, TierConfig, TierSet
+from tests.extender.fake import FakeSource
+from tests.extender.harness import JSON, NS, Env, FakeClock, gputopo_pod, make_env, node_obj
 from tests.extender.test_extender_compute_domains import NAMES, TRAYS, cd_pod, compute_domain, template, tray
 
 
@@ -206,3 +210,48 @@ def test_one_tray_lowering_its_own_cap_label_between_plan_and_bind_changes_nothi
     (node,) = env.filter(pods[0], trays)["NodeNames"]
     env.add_nodes(_fabric_tray(trays[-1], "a", cap="1"))
     assert env.bind(pods[0], node) == ""
+
+
+# --------------------------------------------------------------------------------------------------
+# a planned group member: its plan's node and tier set, read again at bind
+
+
+def _pooled(name: str, pool: str) -> JSON:
+    node = node_obj(name)
+    node["metadata"]["labels"]["example.com/pool"] = pool
+    return node
+
+
+def _sets_env() -> AbstractContextManager[Env]:
+    sets = tuple(TierSet(name=p, match={"example.com/pool": p}, tiers=DEFAULT_TIERS.tiers) for p in ("a", "b"))
+    settings = Settings(
+        namespace=NS, stale_after_seconds=120, reservation_timeout_seconds=120, tiers=TierConfig(sets=sets)
+    )
+    return make_env(FakeSource(NS), FakeClock(), settings)
+
+
+def _gang() -> list[JSON]:
+    return [gputopo_pod(f"g-{i}", 8, group="g", group_size="2", stage=str(i)) for i in range(2)]
+
+
+def test_a_member_bound_to_another_node_than_its_plan_is_refused_naming_the_planned_one(env: Env) -> None:
+    nodes = ["n1", "n2", "n3"]
+    env.add_nodes(*(node_obj(n) for n in nodes))
+    pods = _gang()
+    env.add_pods(*pods)
+    (planned,) = env.filter(pods[0], nodes)["NodeNames"]
+    other = next(n for n in nodes if n != planned and n not in env.filter(pods[1], nodes)["NodeNames"])
+    error = env.bind(pods[0], other)
+    assert f"planned this member on node {planned}" in error
+
+
+def test_a_node_moved_to_another_tier_set_between_plan_and_bind_is_refused() -> None:
+    with _sets_env() as env:
+        env.add_nodes(*(_pooled(n, "a") for n in ("n1", "n2")), _pooled("n3", "b"))
+        pods = _gang()
+        env.add_pods(*pods)
+        (planned,) = env.filter(pods[0], ["n1", "n2", "n3"])["NodeNames"]
+        assert planned in ("n1", "n2")
+        env.add_nodes(_pooled(planned, "b"))  # relabelled into the other hardware shape's set
+        error = env.bind(pods[0], planned)
+        assert "now in tier set b" in error and "planned in tier set a" in error
