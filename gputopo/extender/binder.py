@@ -76,6 +76,7 @@ class Binder:
         self.channels: ChannelReader = no_channels  # which ComputeDomain a pod's claims join (the cache's)
         # The ComputeDomain rules on one node as the filter applies them (the service's); none by default.
         self.rules: Callable[[PodRequest, str, Outcome], Outcome] = lambda _req, _node, outcome: outcome
+        self._caps: tuple[int, dict[str, int | None]] = (-1, {})  # (ledger.where_version, domain -> its cap)
 
     def bind(self, namespace: str, name: str, uid: str, node: str) -> str:
         """Bind the pod; returns '' on success or the error text for the Error field."""
@@ -249,9 +250,7 @@ class Binder:
         domain = state.location.get(DOMAIN)
         if plan.split is None or domain is None:
             return ""
-        ledger = self.ledger
-        trays = [s for s in ledger.states() if s.location.get(DOMAIN) == domain]
-        cap = domain_cap(trays, ledger.tiers)
+        cap = self._cap_of(domain)
         taken = {a.node.name for a in plan.assignments if a.node.location.get(DOMAIN) == domain}
         if cap is not None and len(taken) > cap:
             return (
@@ -259,6 +258,19 @@ class Binder:
                 f"tier's groupCap); the group {req.group}'s plan takes {len(taken)} there"
             )
         return ""
+
+    def _cap_of(self, domain: str) -> int | None:
+        """The NVLink domain's cap from its trays' labels now; one pass over the nodes per change of any
+        node's labels or topology, not per bind (a gang's binds read it hundreds of times)."""
+        ledger = self.ledger
+        version, caps = self._caps
+        if version != ledger.where_version:
+            version, caps = ledger.where_version, {}
+            self._caps = (version, caps)
+        if domain not in caps:
+            trays = [s for s in ledger.states() if s.location.get(DOMAIN) == domain]
+            caps[domain] = domain_cap(trays, ledger.tiers)
+        return caps[domain]
 
     def _runner_up(self, node: str, req: PodRequest) -> NodeVerdict | None:
         """The best other feasible node over every cached node (`Ledger.runner_up`: read kind by kind, no
