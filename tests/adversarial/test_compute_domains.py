@@ -13,7 +13,9 @@ import pytest
 
 from gputopo.engine.imex import DRIVER_NODE_LABEL
 from gputopo.engine.rack import LABEL_DOMAIN_CAP
+from gputopo.extender.cache import ClusterCache
 from gputopo.extender.computedomains import MAX_PER_NAMESPACE, ChannelTemplates, ComputeDomainSizes
+from gputopo.extender.kube import Informer
 from gputopo.extender.settings import Settings
 from gputopo.model import HEALTHY_MASK, GpuFabric
 from gputopo.systems import build_system
@@ -255,3 +257,21 @@ def test_a_node_moved_to_another_tier_set_between_plan_and_bind_is_refused() -> 
         env.add_nodes(_pooled(planned, "b"))  # relabelled into the other hardware shape's set
         error = env.bind(pods[0], planned)
         assert "now in tier set b" in error and "planned in tier set a" in error
+
+
+def test_the_informer_tells_the_table_when_compute_domains_are_not_served() -> None:
+    """Where NVIDIA's CRD is absent (the list answers 404), the templates' labels are read instead, and a UID
+    two namespaces' templates claim names neither; once the CRD is served, only ComputeDomain objects name."""
+    source, cache = FakeSource(NS), ClusterCache()
+    source.not_served.add("computedomains")
+    source.put("resourceclaimtemplates", labelled(template("cd-a"), "u-a"))
+    for kind in ("resourceclaimtemplates", "computedomains"):
+        Informer(source, kind, cache, not_served_recheck_seconds=0).relist()
+    assert not cache.compute_domain_sizes.served
+    assert cache.channels.compute_domain_of("u-a") == "default/cd-a"
+    source.put("resourceclaimtemplates", labelled(template("evil", ns="team-b"), "u-a"))
+    Informer(source, "resourceclaimtemplates", cache).relist()
+    assert cache.channels.compute_domain_of("u-a") is None
+    source.not_served.clear()
+    Informer(source, "computedomains", cache).relist()  # served now, and no ComputeDomain has u-a
+    assert cache.compute_domain_sizes.served and cache.channels.compute_domain_of("u-a") is None
