@@ -42,6 +42,7 @@ ANN = "only gputopo.io/ annotations"
 LBL = "only gputopo.io/ labels"
 SPEC = "may not change a Node's spec, finalizers or owner references"
 OTHER = "may change only its own Node"
+OPERATOR = "may not change the operator's labels"
 
 
 @dataclass(frozen=True)
@@ -323,6 +324,13 @@ def test_helm_upgrade_keeps_the_generated_webhook_certificate_and_the_webhook_tr
         pytest.param("own", {"metadata": {"labels": {"kubernetes.io/os": None}}}, LBL, id="own drop foreign label"),
         pytest.param(
             "own", {"metadata": {"labels": {"kubernetes.io/os": "windows"}}}, LBL, id="own edit foreign label"
+        ),
+        # The operator's gputopo.io/ labels: a domain's cap is read where all its trays agree, never from an agent.
+        pytest.param(
+            "own", {"metadata": {"labels": {"gputopo.io/nvlink-domain-cap": "1"}}}, OPERATOR, id="own add domain cap"
+        ),
+        pytest.param(
+            "own", {"metadata": {"labels": {"gputopo.io/network-leaf": "x"}}}, OPERATOR, id="own add network leaf"
         ),
         pytest.param("own", {"spec": {"unschedulable": True}}, SPEC, id="own cordon"),
         pytest.param(

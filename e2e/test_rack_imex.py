@@ -143,6 +143,24 @@ def channel_template(kube: KubeClient, namespace: str, name: str, uid: str = "")
     return name
 
 
+def compute_domain(kube: KubeClient, namespace: str, name: str, template: str, num_nodes: int = 1) -> str:
+    """A ComputeDomain object (what NVIDIA's controller makes the channel template from); its UID, which the
+    API server gives it and its controller puts on the template and on the nodes whose channel serves it."""
+    kube.apply(
+        [
+            {
+                "apiVersion": "resource.nvidia.com/v1beta1",
+                "kind": "ComputeDomain",
+                "metadata": {"name": name, "namespace": namespace},
+                "spec": {"numNodes": num_nodes, "channel": {"resourceClaimTemplate": {"name": template}}},
+            }
+        ]
+    )
+    got = kube.request("GET", f"/apis/resource.nvidia.com/v1beta1/namespaces/{namespace}/computedomains/{name}")
+    uid: str = got["metadata"]["uid"]
+    return uid
+
+
 def pod(kube: KubeClient, namespace: str, name: str, gpus: int, selector: dict[str, str], cd: str | None) -> str:
     manifest = pod_manifest(
         name,
@@ -258,8 +276,30 @@ def test_rack_compute_domain_driver_label_keeps_its_next_pod_in_its_domain(
     joins that tray's NVLink domain, though best fit alone would take the fuller rack's free tray."""
     name = add_trays(kube, nodes, test_id, {"a0": "a", "a1": "a", "b0": "b", "b1": "b", "b2": "b"})
     mine, suffix = {TEST_LABEL: test_id}, test_id[-6:]
-    cd = channel_template(kube, namespace, "train-channel", uid=f"uid-train-{suffix}")
-    kube.patch_node(name["b0"], {"metadata": {"labels": {DRIVER_NODE_LABEL: f"uid-train-{suffix}"}}})
+    uid = compute_domain(kube, namespace, "train", "train-channel")  # where served, the UID's owner names it
+    cd = channel_template(kube, namespace, "train-channel", uid=uid)
+    kube.patch_node(name["b0"], {"metadata": {"labels": {DRIVER_NODE_LABEL: uid}}})
+    pod(kube, namespace, "fill", 4, {**mine, TRAY: f"a0-{suffix}"}, None)  # rack a: the fuller rack with room
+    assert kube.wait_pod_bound(namespace, "fill", timeout=60) == name["a0"]
+    pod(kube, namespace, "train-1", 4, mine, cd)
+    assert kube.wait_pod_bound(namespace, "train-1", timeout=60) in (name["b0"], name["b1"], name["b2"])
+
+
+def test_rack_compute_domain_a_template_in_another_namespace_cannot_claim_its_uid(
+    kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
+) -> None:
+    """Another tenant's channel template carrying the victim's ComputeDomain UID (on the victim's Node labels
+    for anyone to read), made after the victim's: the victim's tray still serves the victim's ComputeDomain
+    (its ComputeDomain object names the UID), so its next pod joins that tray's NVLink domain, that tray
+    included, where the later claim used to send it to the fuller rack."""
+    name = add_trays(kube, nodes, test_id, {"a0": "a", "a1": "a", "b0": "b", "b1": "b", "b2": "b"})
+    mine, suffix = {TEST_LABEL: test_id}, test_id[-6:]
+    uid = compute_domain(kube, namespace, "train", "train-channel")
+    cd = channel_template(kube, namespace, "train-channel", uid=uid)
+    kube.patch_node(name["b0"], {"metadata": {"labels": {DRIVER_NODE_LABEL: uid}}})
+    tenant = f"{namespace[:56]}-tenant"
+    kube.create_namespace(tenant)
+    channel_template(kube, tenant, "claims-their-uid", uid=uid)  # the later claim: it used to win
     pod(kube, namespace, "fill", 4, {**mine, TRAY: f"a0-{suffix}"}, None)  # rack a: the fuller rack with room
     assert kube.wait_pod_bound(namespace, "fill", timeout=60) == name["a0"]
     pod(kube, namespace, "train-1", 4, mine, cd)

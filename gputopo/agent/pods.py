@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gputopo.kube import Kube, Pacing, parse_time, pods_path, run_list_watch
+from gputopo.kube import Kube, Pacing, on_node, parse_time, pods_path, run_list_watch
 from gputopo.model import GPU_RESOURCE, PLACEMENT_ANNOTATION, AnnotationError, Placement, parse_placement
 from gputopo.model.podspec import PodSpecError, read_pod_gpus
 
@@ -217,11 +217,11 @@ class KubePodSource:
         self._timeout = request_timeout
 
     def list_pods(self, node: str) -> tuple[list[JSON], str]:
-        return self._api.list_items(pods_path(), field_selector=f"spec.nodeName={node}", timeout=self._timeout)
+        return self._api.list_items(pods_path(), field_selector=on_node(node), timeout=self._timeout)
 
     def watch_pods(self, node: str, resource_version: str, timeout_seconds: int) -> Iterator[tuple[str, JSON]]:
         events = self._api.watch(
-            pods_path(), resource_version, timeout_seconds=timeout_seconds, field_selector=f"spec.nodeName={node}"
+            pods_path(), resource_version, timeout_seconds=timeout_seconds, field_selector=on_node(node)
         )
         for ev in events:
             yield ev.type, ev.object

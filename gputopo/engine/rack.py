@@ -13,7 +13,7 @@ t*k..t*k+k-1, and the domains are taken in fabric order.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from gputopo.engine.cost import domain_allreduce_seconds
@@ -36,9 +36,11 @@ from gputopo.engine.scoring import ScoreWeights
 from gputopo.engine.snapshot import NodeState, with_in_use
 from gputopo.engine.tpgroups import DOMAIN, TpShape, straddle_gbps, tp_shape
 from gputopo.model import FabricHealth, NvlinkPolicy, PodRequest, Spread
+from gputopo.model.k8snames import ascii_int
+from gputopo.model.names import LABEL_NVLINK_DOMAIN_CAP
 from gputopo.tiers import TierConfig
 
-LABEL_DOMAIN_CAP = "gputopo.io/nvlink-domain-cap"
+LABEL_DOMAIN_CAP = LABEL_NVLINK_DOMAIN_CAP
 MAX_CAP = 4096
 
 
@@ -74,40 +76,58 @@ class _Domain:
         return (len(self.skipped), self.free, self.name)
 
 
-def _cap(nodes: Iterable[NodeState], default: int | None) -> int | str | None:
-    """The smallest `gputopo.io/nvlink-domain-cap` among a domain's nodes, else `default`; a sentence
-    naming the node and value when one is not a whole number from 1 to 4096."""
-    caps = []
-    for node in nodes:
-        value = node.labels.get(LABEL_DOMAIN_CAP)
-        if value is None:
-            continue
-        text = value.strip()
-        if not text.isdigit() or len(text) > 4 or not 1 <= int(text) <= MAX_CAP:
-            return f"node {node.name} label {LABEL_DOMAIN_CAP}={value!r} is not a whole number from 1 to {MAX_CAP}"
-        caps.append(int(text))
-    return min(caps) if caps else default
+def _cap_label(node: NodeState) -> int | str | None:
+    """The tray's `gputopo.io/nvlink-domain-cap` (None: no label); a sentence naming the node and value when
+    it is not ASCII digits from 1 to 4096."""
+    value = node.labels.get(LABEL_DOMAIN_CAP)
+    if value is None:
+        return None
+    n = ascii_int(value, 1, MAX_CAP)
+    if n is None:
+        return f"node {node.name} label {LABEL_DOMAIN_CAP}={value!r} is not a whole number from 1 to {MAX_CAP}"
+    return n
+
+
+def _cap(nodes: Sequence[NodeState], default: int | None) -> int | None:
+    """A domain's cap: the `gputopo.io/nvlink-domain-cap` every one of its trays carries, when they all carry
+    the same value; else `default` (the nvlink-domain tier's groupCap). So one tray, relabelled or added
+    without the label, cannot set its neighbours' cap: it can only leave the domain to the chart's tier."""
+    values = {_cap_label(n) for n in nodes}
+    if len(values) == 1:
+        (only,) = values
+        if isinstance(only, int):
+            return only
+    return default
+
+
+def domain_cap(trays: Sequence[NodeState], tiers: TierConfig) -> int | None:
+    """The cap of the NVLink domain whose trays are `trays` now (what a plan was made under: `_cap` over the
+    trays with a well-formed label, else the nvlink-domain tier's groupCap); None: no cap."""
+    default = next((t.group_cap for t in tiers.tiers if t.name == DOMAIN), None)
+    return _cap([t for t in trays if not isinstance(_cap_label(t), str)], default)
 
 
 def _domains(
     nodes: Sequence[NodeState], req: PodRequest, spread: Spread, limit: int, weights: ScoreWeights, tiers: TierConfig
 ) -> tuple[dict[str, _Domain], list[str]]:
-    """Each NVLink domain's trays that fit a member and whose fabric is healthy; the problems (bad cap
-    labels) of the domains left out."""
+    """Each NVLink domain's trays that fit a member and whose fabric is healthy; the problems of the trays
+    left out for a malformed cap label (each such tray alone: the rest of its domain takes part)."""
     by: dict[str, list[NodeState]] = {}
+    problems: list[str] = []
     for node in nodes:
         d = node.location.get(DOMAIN)
-        if d is not None:
-            by.setdefault(d, []).append(node)
+        if d is None:
+            continue
+        label = _cap_label(node)
+        if isinstance(label, str):
+            problems.append(label)
+            continue
+        by.setdefault(d, []).append(node)
     default = next((t.group_cap for t in tiers.tiers if t.name == DOMAIN), None)
     out: dict[str, _Domain] = {}
-    problems: list[str] = []
     memo: dict[int, tuple[int, float]] = {}  # equivalent nodes (equal keys) hold the same: count once per key
     for name, members in by.items():
         cap = _cap(members, default)
-        if isinstance(cap, str):
-            problems.append(cap)
-            continue
         trays, skipped = [], []
         for node in members:
             if node.fabric is not FabricHealth.HEALTHY:  # counted even when full: its domain comes later
@@ -121,6 +141,8 @@ def _domains(
         trays.sort(key=lambda t: (-t.score, t.node.name))
         free = sum(t.node.free_mask.bit_count() for t in trays)
         out[name] = _Domain(name, trays, cap, skipped, free)
+    if len(problems) > 1:  # one sentence, not one per tray of a mislabelled rack
+        problems = [f"{problems[0]} (and {len(problems) - 1} more tray(s) left out for their cap label)"]
     return out, problems
 
 

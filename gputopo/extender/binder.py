@@ -2,6 +2,10 @@
 annotations carry `gputopo.io/placement` (the API server copies a Binding's annotations onto the pod
 as it sets spec.nodeName). The TopologyPlacement Event follows off the critical path.
 
+The re-evaluation applies every rule the filter applied, read again now: the GPUs' fit, the ComputeDomain
+rules on the node (`rules`, the service's: a tray relabelled for another ComputeDomain between filter and bind
+is refused), and for a member of a planned group its plan's node, tier set and NVLink domain cap.
+
 Safe only with one writer: the extender runs as a sidecar of the single leader kube-scheduler, and
 binds to one node are serialised in this process. Between choosing the GPUs and the Binding's answer
 the ledger holds them as an in-flight claim, so concurrent filters and binds already see them taken.
@@ -15,8 +19,14 @@ from collections.abc import Callable
 
 from gputopo.engine.cliques import mask_of
 from gputopo.engine.explain import packing_clause, placement_estimate, placement_sentence, tp_placement, why_lost
+from gputopo.engine.groupplan import GroupPlan
 from gputopo.engine.placement import NodeVerdict, Outcome, evaluate_node, outcome_on
+from gputopo.engine.rack import LABEL_DOMAIN_CAP, domain_cap
+from gputopo.engine.replan import Slot
 from gputopo.engine.scoring import grade
+from gputopo.engine.snapshot import NodeState
+from gputopo.engine.tiersets import set_words
+from gputopo.engine.tpgroups import DOMAIN
 from gputopo.extender.computedomains import ChannelReader, no_channels
 from gputopo.extender.events import EventPoster
 from gputopo.extender.kube import JSON, ClusterSource
@@ -34,6 +44,7 @@ from gputopo.model import (
     RunnerUp,
     is_gputopo_pod,
 )
+from gputopo.model.k8snames import InvalidName, check_name, check_namespace
 
 log = logging.getLogger("gputopo.extender")
 
@@ -63,9 +74,18 @@ class Binder:
         self.recall = recall  # the pod as its filter carried it moments ago (by uid, else namespace/name)
         self.locks = StripedLocks()
         self.channels: ChannelReader = no_channels  # which ComputeDomain a pod's claims join (the cache's)
+        # The ComputeDomain rules on one node as the filter applies them (the service's); none by default.
+        self.rules: Callable[[PodRequest, str, Outcome], Outcome] = lambda _req, _node, outcome: outcome
+        self._caps: tuple[int, dict[str, int | None]] = (-1, {})  # (ledger.where_version, domain -> its cap)
 
     def bind(self, namespace: str, name: str, uid: str, node: str) -> str:
         """Bind the pod; returns '' on success or the error text for the Error field."""
+        try:  # before any request: these go into the API paths of the pod's GET and Binding
+            check_namespace(namespace, "the bind's pod namespace")
+            check_name(name, "the bind's pod name")
+            check_name(node, "the bind's node")
+        except InvalidName as e:
+            return f"bind refused: {e}"
         source = self._source()
         ref = f"{namespace}/{name}"
         info = self.recall(uid, ref)
@@ -160,10 +180,13 @@ class Binder:
         res = ledger.reservations.get((info.namespace, req.group)) if req.group else None
         slot_key = ((info.namespace, req.group), info.name) if req.group else None
         state = ledger.node_for(node, without_pod=info.uid or info.ref, without_slot=slot_key)
-        outcome = evaluate_node(state, req, ledger.weights)
+        outcome = self.rules(req, node, evaluate_node(state, req, ledger.weights))
         if not outcome.fits:
             return f"node {node} no longer fits pod {info.ref}: {outcome.message}", outcome
         slot = res.slots.get(info.name) if res is not None else None
+        stale = self._plan_changed(req, node, state, res.plan if res is not None else None, slot)
+        if stale:
+            return f"node {node} no longer fits pod {info.ref}: {stale}", outcome
         held = ledger.nodes[node].report.pods.get(info.uid) if info.uid and node in ledger.nodes else None
         if held:
             # The GPUs the pod already holds there: under DRA, kube-scheduler allocated its claim before
@@ -208,6 +231,46 @@ class Binder:
             tp=tp_placement(plan, info.name) if plan is not None else None,
         )
         return placement, outcome
+
+    def _plan_changed(
+        self, req: PodRequest, node: str, state: NodeState, plan: GroupPlan | None, slot: Slot | None
+    ) -> str:
+        """Why the group's plan no longer holds for this member on `node` ('' when it does): a member with
+        GPUs goes to its slot's node; the node is still in the tier set the plan was made in; its NVLink
+        domain's cap, read from the trays' labels now, still covers the trays the plan takes there."""
+        if slot is not None and req.gpus > 0 and slot.node != node:
+            return f"the group {req.group} planned this member on node {slot.node}"
+        if plan is None or not plan.assignments:
+            return ""
+        planned = plan.assignments[0].node.tier_set
+        if state.tier_set != planned:
+            return (
+                f"it is now in {set_words(state.tier_set)}; the group {req.group} was planned in {set_words(planned)}"
+            )
+        domain = state.location.get(DOMAIN)
+        if plan.split is None or domain is None:
+            return ""
+        cap = self._cap_of(domain)
+        taken = {a.node.name for a in plan.assignments if a.node.location.get(DOMAIN) == domain}
+        if cap is not None and len(taken) > cap:
+            return (
+                f"NVLink domain {domain}'s cap is now {cap} trays ({LABEL_DOMAIN_CAP} or the nvlink-domain "
+                f"tier's groupCap); the group {req.group}'s plan takes {len(taken)} there"
+            )
+        return ""
+
+    def _cap_of(self, domain: str) -> int | None:
+        """The NVLink domain's cap from its trays' labels now; one pass over the nodes per change of any
+        node's labels or topology, not per bind (a gang's binds read it hundreds of times)."""
+        ledger = self.ledger
+        version, caps = self._caps
+        if version != ledger.where_version:
+            version, caps = ledger.where_version, {}
+            self._caps = (version, caps)
+        if domain not in caps:
+            trays = [s for s in ledger.states() if s.location.get(DOMAIN) == domain]
+            caps[domain] = domain_cap(trays, ledger.tiers)
+        return caps[domain]
 
     def _runner_up(self, node: str, req: PodRequest) -> NodeVerdict | None:
         """The best other feasible node over every cached node (`Ledger.runner_up`: read kind by kind, no

@@ -107,8 +107,10 @@ class ClusterCache:
         self.pod_hook: PodHook | None = None  # sees the pods as the API server holds them, nothing else
         self.controllers = Controllers(self.ledger, self._bad)
         self.dra = DraMerge(self.ledger, self._bad)
-        self.channels = self.controllers.channels = ChannelTemplates(self._bad, self._templates_changed)
         self.compute_domain_sizes = ComputeDomainSizes(self._bad)
+        self.channels = self.controllers.channels = ChannelTemplates(
+            self._bad, self._templates_changed, owners=self.compute_domain_sizes
+        )
         self.handlers = check_handlers(
             {
                 NODES.name: KindHandler(self._replace_nodes, self._apply_node),
@@ -154,6 +156,9 @@ class ClusterCache:
     def facts(self, namespace: str) -> ControllerFacts:
         """The controller objects of `namespace` that inference reads (sizes of Jobs, JobSets, PodGroups)."""
         return self.controllers.facts(namespace)
+
+    def not_served(self, kind: Kind) -> None:
+        self.handlers[watched(kind).name].not_served()
 
     def replace(self, kind: Kind, items: list[JSON]) -> None:
         self.handlers[watched(kind).name].replace(items)

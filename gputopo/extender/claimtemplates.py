@@ -52,7 +52,7 @@ from gputopo.extender.templatecheck import (
     same_template,
     templates_path,
 )
-from gputopo.kube import JSON, KubeError
+from gputopo.kube import JSON, RESOURCECLAIMTEMPLATES, KubeError
 from gputopo.model import SCHEDULER_NAME
 from gputopo.model.dra import TEMPLATE_PREFIX
 
@@ -70,7 +70,7 @@ DEFAULT_GRACE_SECONDS = 300.0
 DEFAULT_PASS_SECONDS = 60.0
 DEFAULT_MAX_PER_NAMESPACE = 64
 DEFAULT_MAX_DELETES_PER_PASS = 50
-ALL_TEMPLATES = "/apis/resource.k8s.io/v1/resourceclaimtemplates"
+ALL_TEMPLATES = RESOURCECLAIMTEMPLATES.path()
 
 log = logging.getLogger("gputopo.extender.claimtemplates")
 

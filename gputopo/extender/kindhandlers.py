@@ -18,10 +18,13 @@ Bad = Callable[[str, Any, Exception], None]
 @dataclass(frozen=True)
 class KindHandler:
     """One kind's side of the cache: `replace(items)` takes a full list, `apply(event_type, obj)` one
-    watch event (the cache contains what `apply` raises to that object)."""
+    watch event (the cache contains what `apply` raises to that object), `not_served()` hears that the
+    API server does not serve the kind."""
 
     replace: Callable[[list[JSON]], None]
     apply: Callable[[str, JSON], None]
+    # An optional kind the API server does not serve (after `replace([])`): where that differs from "none".
+    not_served: Callable[[], None] = lambda: None
 
 
 def each_readable(kind: str, items: list[JSON], read: Callable[[JSON], T], bad: Bad) -> Iterator[tuple[JSON, T]]:

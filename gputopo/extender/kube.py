@@ -122,6 +122,8 @@ class WatchHandler(Protocol):
 
     def apply(self, kind: Kind, event_type: str, obj: JSON) -> None: ...
 
+    def not_served(self, kind: Kind) -> None: ...
+
     def heard_from_api(self) -> None: ...
 
 
@@ -187,6 +189,7 @@ class Informer:
             )
         self.served = False
         self.handler.replace(self.kind, [])
+        self.handler.not_served(self.kind)
         self.resource_version = ""
         self.synced.set()
         self.stop.wait(self.not_served_recheck_seconds)

@@ -98,6 +98,7 @@ class Ledger:
         self.lock = self.node_states.lock  # one lock for the ledger and its cache
         self.weights, self.stale_after = weights, stale_after_seconds
         self.static = False  # --snapshot: no Leases, nothing goes stale
+        self.where_version = 0  # moves when a node comes, goes, or changes labels or topology (its location)
         self.pods = PodTable(scheduler_name=scheduler_name)  # also each group's members, each controller's pods
         self.leases: dict[str, float] = {}  # node -> renew time
         self.mismatches: dict[str, Mismatch] = {}  # pod uid -> its current mismatch
@@ -246,6 +247,8 @@ class Ledger:
         with self.lock:
             e = NodeEntry(**vars(facts), deadline=self.deadline(facts.name))
             prev = self.nodes.get(facts.name)
+            if prev is None or prev.topology is not e.topology or prev.labels != e.labels:
+                self.where_version += 1
             if (
                 prev is not None
                 and prev.topology is e.topology
@@ -276,6 +279,7 @@ class Ledger:
         with self.lock:
             for name in names:
                 if self.nodes.pop(name, None) is not None:
+                    self.where_version += 1
                     self.node_states.forget(name)
                     self.node_states.changed()
 

@@ -305,6 +305,9 @@ def record_of(
             placement = parse_placement(ann[PLACEMENT_ANNOTATION])
         except AnnotationError as e:
             log.warning("ignoring unreadable placement annotation", extra={"pod": info.ref, "error": short(str(e))})
+    if placement is not None and len(placement.gpus) > info.gpus:  # holds no more than it asks, whatever it lists
+        log.warning("placement lists more GPUs than the pod asks; holding none by it", extra={"pod": info.ref})
+        placement = placement.model_copy(update={"gpus": ()})
     keys = tuple(
         sorted(
             {(k, v) for k, v in info.labels.items() if k in JOB_KEYS}

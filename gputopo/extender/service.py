@@ -53,6 +53,7 @@ HEALTHY = b'{"status":"ok"}'  # /healthz on every listener: the process answers
 # `Extender._catch_up_with_preemption`); time since the preempt answer, so a pod waits once at most.
 PREEMPTION_CATCH_UP_SECONDS = 0.5
 MAX_PREEMPTORS_KEPT = 1024
+Imex = list[Outcome] | None  # outcomes under the ComputeDomain rules; None when none applies
 
 
 @dataclass
@@ -147,6 +148,7 @@ class Extender:
         self.groups = GroupDesk(self.ledger, cache.facts, self.serving)
         self.binder = Binder(self.ledger, lambda: self.source, self.events, cache.facts, self.recent.recall)
         self.binder.channels = cache.channels
+        self.binder.rules = self._rules_on
         self.ledger.on_mismatch = self._on_mismatch
         cache.on_bad_object = self._on_bad_object
         if metrics is not None:
@@ -212,7 +214,7 @@ class Extender:
         self.ahead.keep(key, now, info, kept, outcomes, kinds)
         return Decision("evaluated", names, outcomes, request=req, kinds=kinds)
 
-    def _compute_domains(self, req: PodRequest, names: list[str], outcomes: list[Outcome]) -> list[Outcome] | None:
+    def _compute_domains(self, req: PodRequest, names: list[str], outs: list[Outcome], room: bool = True) -> Imex:
         """The outcomes under the ComputeDomain rules (gputopo.engine.imex): which nodes serve which ComputeDomain's
         IMEX channel comes from the pods bound there and the nodes' driver labels. None when no ComputeDomain is
         involved."""
@@ -223,8 +225,14 @@ class Extender:
         if req.compute_domain is None and not serving:
             return None
         served = {s.name: nvlink_domain(s) for s in ledger.states(serving)}
-        needs = self.cache.compute_domain_sizes.num_nodes(req.compute_domain) if req.compute_domain else 0
-        return with_compute_domains(req, ledger.states(names), outcomes, serving, served, needs)
+        needs = self.cache.compute_domain_sizes.num_nodes(req.compute_domain) if req.compute_domain and room else 0
+        return with_compute_domains(req, ledger.states(names), outs, serving, served, needs)
+
+    def _rules_on(self, req: PodRequest, node: str, outcome: Outcome) -> Outcome:
+        """The ComputeDomain rules on the node a bind names, read again now (not numNodes' room: a rule over
+        the filter's candidates)."""
+        out = self._compute_domains(req, [node], [outcome], False) if outcome.fits else None
+        return out[0] if out is not None else outcome
 
     def serving(self) -> dict[str, frozenset[str]]:
         """Which ComputeDomains' IMEX channels each node serves now: its bound pods' and its driver label's

@@ -12,15 +12,16 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from gputopo.engine.draclaims import ClaimTemplate
-from gputopo.kube import JSON, KubeError
+from gputopo.kube import JSON, RESOURCECLAIMTEMPLATES, KubeError
 
 DEFAULT_TTL_SECONDS = 60.0
 DEFAULT_MAX_ENTRIES = 4096
 
 
 def templates_path(namespace: str, name: str = "") -> str:
-    base = f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates"
-    return f"{base}/{name}" if name else base
+    """The templates of `namespace` (or the one named): InvalidName for a namespace or name Kubernetes would
+    refuse, before any request."""
+    return RESOURCECLAIMTEMPLATES.path(namespace, name)
 
 
 class TemplateReader(Protocol):

@@ -32,7 +32,9 @@ other spec sits under that name, and the extender creates the template once the 
 already has claims keeps them as they are. Here the webhook may deny: a request no claim can express (a
 bad ``gputopo.io/nvlink`` or ``min-gpu-memory``, a ``min-gpu-memory`` above the largest memory class,
 more GPUs than a claim holds, an unreadable ``nvidia.com/gpu``) is refused with the reason, since
-admitted unchanged it would ask for a resource no DRA node serves.
+admitted unchanged it would ask for a resource no DRA node serves. So is a review whose namespace is not a
+DNS-1123 label or whose pod name is not a DNS-1123 subdomain (gputopo.model.k8snames): the API server never
+sends one, and its namespace would go into the path of the template read; it is refused before any request.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from gputopo.engine.draclaims import MEMORY_CLASSES_MIB, REQUEST, ClaimError, Cl
 from gputopo.extender.wire import WireError, pod_gpus
 from gputopo.model import ANN_MIN_GPU_MEMORY, ANN_NVLINK, GPU_RESOURCE, PREFIX, SCHEDULER_NAME, AnnotationError
 from gputopo.model.jobs import group_identity
+from gputopo.model.k8snames import InvalidName, check_name, check_namespace
 from gputopo.model.request import parse_pod_request
 
 __all__ = [
@@ -65,6 +68,7 @@ __all__ = [
     "error_review",
     "is_opted_in",
     "mutate_pod",
+    "names_problem",
     "refusal",
     "review_uid",
     "scheduler_name_patch",
@@ -218,6 +222,10 @@ def admit_pod(
         ops.extend(scheduler_name_patch(scheduler_name))
     template: ClaimTemplate | None = None
     namespace = request.namespace or _str_at(pod, "metadata", "namespace")
+    if dra is not None:
+        bad = names_problem(request, pod)
+        if bad:
+            return Admission(refusal(request.uid, bad), request.uid)
     if dra is not None and _claims_gpus(pod, scheduler_name) and not _has_claims(pod):
         try:
             template = _claim(pod, dra)
@@ -232,6 +240,24 @@ def admit_pod(
         response.patch_type = "JSONPatch"
         response.patch = base64.b64encode(patch.encode()).decode()
     return Admission(_answer(response), request.uid, namespace, template, request.dry_run)
+
+
+def names_problem(request: AdmissionRequest, pod: Mapping[str, Any]) -> str:
+    """Why the review's namespace or name cannot be a real pod's ("" when they can): every namespace it
+    gives (the request's, the pod's) a DNS-1123 label, every name a DNS-1123 subdomain; empty ones are
+    left to the API server (a pod with `generateName` has no name yet)."""
+    meta = pod.get("metadata")
+    meta = meta if isinstance(meta, Mapping) else {}
+    try:
+        for what, value in (("namespace", request.namespace), ("metadata.namespace", meta.get("namespace"))):
+            if value is not None and value != "":
+                check_namespace(value, f"the review's {what}")
+        for what, value in (("name", request.name), ("metadata.name", meta.get("name"))):
+            if value is not None and value != "":
+                check_name(value, f"the review's {what}")
+    except InvalidName as e:
+        return str(e)
+    return ""
 
 
 def _str_at(obj: Mapping[str, Any], *keys: str) -> str:

@@ -7,6 +7,7 @@ agent, the local control plane's client and the benchmarks. Importers take every
 - `errors`: `KubeError` (one type for every failed call) and `Gone` (410: relist);
 - `config`: which kubeconfig, and the `kubernetes` client configuration built from it;
 - `kinds`: the kinds the project watches, each declared once (`WATCHED`: path, scope, optional, RBAC verbs);
+- `apipath`: the one builder of API paths (and names in queries), from parts checked as Kubernetes does;
 - `paths`: where the project's resources live, and their JSON and MicroTime formats;
 - `watch`: a watch stream decoded line by line into `WatchEvent`s;
 - `backoff`: the one capped exponential backoff, `retry`, and the list+watch thread body (the
@@ -48,10 +49,13 @@ from gputopo.kube.kinds import (
 from gputopo.kube.paths import (
     JSON,
     MICROTIME,
+    InvalidName,
+    binding_path,
     events_path,
     lease_path,
     micro_time,
     node_path,
+    on_node,
     parse_time,
     pod_path,
     pods_path,
@@ -80,6 +84,7 @@ __all__ = [
     "WATCHED",
     "Backoff",
     "Gone",
+    "InvalidName",
     "KindName",
     "Kube",
     "KubeError",
@@ -87,6 +92,7 @@ __all__ = [
     "Query",
     "WatchEvent",
     "WatchedKind",
+    "binding_path",
     "client_configuration",
     "decode_event",
     "error_event",
@@ -97,6 +103,7 @@ __all__ = [
     "lease_path",
     "micro_time",
     "node_path",
+    "on_node",
     "parse_time",
     "pod_path",
     "pods_path",

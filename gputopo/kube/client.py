@@ -22,7 +22,15 @@ import orjson
 
 from gputopo.kube.config import client_configuration
 from gputopo.kube.errors import KubeError, status_error
-from gputopo.kube.paths import JSON, events_path, lease_path, micro_time, node_path, pod_path, resourceclaim_path
+from gputopo.kube.paths import (
+    JSON,
+    binding_path,
+    events_path,
+    lease_path,
+    micro_time,
+    node_path,
+    resourceclaim_path,
+)
 from gputopo.kube.transport import (
     MAX_BODY_BYTES,
     RECV_BYTES,
@@ -357,7 +365,7 @@ class Kube:
             "metadata": meta,
             "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         }
-        self.create(f"{pod_path(namespace, name)}/binding", body)
+        self.create(binding_path(namespace, name), body)
 
     def get_resource_claim(self, namespace: str, name: str) -> JSON:
         """A resource.k8s.io/v1 ResourceClaim; `KubeError` 404 when there is none."""

@@ -9,7 +9,8 @@ the agent and the clients take these kinds' paths from here (`gputopo.kube.paths
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import quote
+
+from gputopo.kube.apipath import api_path
 
 KindName = str  # one of `KIND_NAMES`
 
@@ -30,16 +31,16 @@ class WatchedKind:
     def api_version(self) -> str:
         return f"{self.group}/{self.version}" if self.group else self.version
 
-    def path(self, namespace: str | None = None, name: str = "") -> str:
-        """The collection (or the object `name`) in `namespace`; every namespace's when `namespace` is None
-        or empty. A cluster-scoped kind takes no namespace; a one-namespace kind needs one."""
-        base = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
+    def path(self, namespace: str | None = None, name: str = "", subresource: str = "") -> str:
+        """The collection (or the object `name`, or its `subresource`) in `namespace`; every namespace's
+        when `namespace` is None or empty. A cluster-scoped kind takes no namespace; a one-namespace kind
+        needs one. Built by `gputopo.kube.apipath.api_path`: InvalidName for a namespace or name Kubernetes
+        would refuse."""
         if namespace and not self.namespaced:
             raise ValueError(f"{self.name} are cluster-scoped: no namespace")
         if not namespace and self.one_namespace:
             raise ValueError(f"{self.name}: a namespace is needed")
-        where = f"{base}/namespaces/{quote(namespace)}" if namespace else base
-        return f"{where}/{self.resource}/{quote(name)}" if name else f"{where}/{self.resource}"
+        return api_path(self.group, self.version, self.resource, namespace, name, subresource)
 
 
 NODES = WatchedKind("nodes", "", "v1", "nodes", namespaced=False)

@@ -6,7 +6,8 @@ names the annotation and the value, never a guess. The model imports nothing els
 engine, the agent and the extender all sit above it.
 
 Modules: `names` (keys and shared names), `base` (AnnotationError, the wire base), `topology`, `fabric`
-(NVLink fabric health), `inuse` (gpus-in-use), `rails`, `quantity`, `request` (pod annotations) and
+(NVLink fabric health), `inuse` (gpus-in-use), `rails`, `quantity`, `k8snames` (names and integers as the
+API server reads them), `request` (pod annotations) and
 `placement`. Import from `gputopo.model`; every public name is here.
 """
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from gputopo.model.base import AnnotationError, LabelError, short_value
+from gputopo.model.k8snames import ascii_int
 
 # Label and annotation names, each from its controller's API types:
 # Job: k8s.io/api batch/v1 types.go (kubernetes v1.34): JobNameLabel, ControllerUidLabel,
@@ -53,6 +54,7 @@ KUEUE_POD_INDEX = "kueue.x-k8s.io/pod-group-pod-index"
 MAX_GROUP_SIZE = 4096  # as gputopo.io/group-size
 LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 INDEX = re.compile(r"^[0-9]{1,9}$")
+MAX_INDEX = 999_999_999  # what INDEX admits
 
 
 @dataclass(frozen=True)
@@ -202,10 +204,13 @@ def label(labels: Mapping[str, str], key: str, *, required: bool = True) -> str 
 
 
 def index(key: str, value: str, *, annotation: bool = False) -> int:
-    if not INDEX.fullmatch(value):
+    """A controller's index or count label (or annotation): ASCII digits only (the one parser,
+    gputopo.model.k8snames.ascii_int), at most 9 of them."""
+    n = ascii_int(value, 0, MAX_INDEX)
+    if n is None:
         err = AnnotationError if annotation else LabelError
         raise err(key, value, "must be a non-negative integer")
-    return int(value)
+    return n
 
 
 def _size(key: str, value: str, *, annotation: bool) -> int:

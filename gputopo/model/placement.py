@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, Strict, ValidationError
 
 from gputopo.model.base import AnnotationError, Wire, format_validation_error
 from gputopo.model.names import PLACEMENT_ANNOTATION
@@ -16,7 +16,7 @@ from gputopo.model.topology import MAX_GPUS_PER_NODE, MAX_TEXT_LENGTH, Name
 # Anyone who can edit a pod can write this annotation, and its GPU indices become bit positions: bound
 # them to a node's GPUs, and the texts to a few sentences.
 _Sentence = Annotated[str, Field(max_length=4 * MAX_TEXT_LENGTH)]
-_Score = Annotated[int, Field(ge=-MAX_QUANTITY, le=MAX_QUANTITY)]
+_Score = Annotated[int, Strict(), Field(ge=-MAX_QUANTITY, le=MAX_QUANTITY)]
 
 
 class _Written(Wire):
@@ -39,7 +39,7 @@ _Millis = Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
 class CommEstimate(_Written):
     """Predicted communication times of a placement (docs/cost-model.md), in milliseconds."""
 
-    message_bytes: Annotated[int, Field(alias="messageBytes", ge=1, le=MAX_MESSAGE_BYTES)]
+    message_bytes: Annotated[int, Strict(), Field(alias="messageBytes", ge=1, le=MAX_MESSAGE_BYTES)]
     # The pod's all-reduce over its own GPUs; absent for one GPU.
     all_reduce_ms: _Millis | None = Field(alias="allReduceMs", default=None)
     # The same all-reduce on the runner-up node's GPUs.
@@ -50,14 +50,15 @@ class CommEstimate(_Written):
     group_all_reduce_ms: _Millis | None = Field(alias="groupAllReduceMs", default=None)
 
 
-_Count = Annotated[int, Field(ge=0, le=4096)]
+_GpuIndex = Annotated[int, Strict(), Field(ge=0, lt=MAX_GPUS_PER_NODE)]
+_Count = Annotated[int, Strict(), Field(ge=0, le=4096)]
 
 
 class TpShare(_Written):
     """One NVLink domain's part of a group's TP split: its TP groups, in stage order."""
 
     domain: Name
-    tp_groups: Annotated[int, Field(alias="tpGroups", ge=1, le=4096)]
+    tp_groups: Annotated[int, Strict(), Field(alias="tpGroups", ge=1, le=4096)]
 
 
 class TpPlacement(_Written):
@@ -65,13 +66,13 @@ class TpPlacement(_Written):
     nodes"): the same values as the sentence's TP clause, for tools that read the annotation."""
 
     group: _Count  # 0-based, stage order
-    groups: Annotated[int, Field(ge=1, le=4096)]
-    gpus: Annotated[int, Field(ge=1, le=4096)]  # GPUs per TP group
+    groups: Annotated[int, Strict(), Field(ge=1, le=4096)]
+    gpus: Annotated[int, Strict(), Field(ge=1, le=4096)]  # GPUs per TP group
     domain: Name
     split: Annotated[tuple[TpShare, ...], Field(min_length=1, max_length=4096)]
-    cap_trays: Annotated[int, Field(ge=1, le=4096)] | None = Field(alias="capTrays", default=None)
+    cap_trays: Annotated[int, Strict(), Field(ge=1, le=4096)] | None = Field(alias="capTrays", default=None)
     left_out_trays: _Count = Field(alias="leftOutTrays", default=0)  # for their NVLink fabric
-    message_bytes: Annotated[int, Field(alias="messageBytes", ge=1, le=MAX_MESSAGE_BYTES)]
+    message_bytes: Annotated[int, Strict(), Field(alias="messageBytes", ge=1, le=MAX_MESSAGE_BYTES)]
     all_reduce_ms: _Millis = Field(alias="allReduceMs")  # one TP group's, inside one domain
     across_all_reduce_ms: _Millis | None = Field(alias="acrossAllReduceMs", default=None)  # the same over two
     # A fill by trays that ignores TP boundaries: members per domain, and the TP groups it would straddle.
@@ -83,12 +84,12 @@ class Placement(_Written):
     """What gputopo decided for a pod; written at bind time and read back to rebuild assumed GPUs."""
 
     node: Name
-    gpus: Annotated[tuple[Annotated[int, Field(ge=0, lt=MAX_GPUS_PER_NODE)], ...], Field(max_length=MAX_GPUS_PER_NODE)]
+    gpus: Annotated[tuple[_GpuIndex, ...], Field(max_length=MAX_GPUS_PER_NODE)]
     score: _Score
     reason: _Sentence
     runner_up: RunnerUp | None = Field(alias="runnerUp", default=None)
     group: Name | None = None
-    stage: Annotated[int, Field(ge=0, le=4096)] | None = None
+    stage: Annotated[int, Strict(), Field(ge=0, le=4096)] | None = None
     estimate: CommEstimate | None = None
     tp: TpPlacement | None = None
 

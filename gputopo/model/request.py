@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gputopo.model.base import AnnotationError, LabelError
 from gputopo.model.jobs import InferredGroup
+from gputopo.model.k8snames import ascii_int
 from gputopo.model.names import GPU_RESOURCE, PLACEMENT_ANNOTATION, PREFIX
 from gputopo.model.quantity import MAX_QUANTITY, parse_quantity_bytes
 from gputopo.model.topology import NicInfo
@@ -123,15 +124,12 @@ def _enum(key: str, value: str, enum: type[StrEnum]) -> Any:
         raise AnnotationError(key, value, "must be one of " + ", ".join(e.value for e in enum)) from None
 
 
-def _int(key: str, value: str, lo: int, hi: int | None = None) -> int:
-    if len(value) > 32:  # before int(): its cost grows with the square of the digits
-        raise AnnotationError(key, value, "must be an integer" + (f" between {lo} and {hi}" if hi is not None else ""))
-    try:
-        v = int(value.strip())
-    except ValueError:
-        raise AnnotationError(key, value, "must be an integer") from None
-    if v < lo or (hi is not None and v > hi):
-        raise AnnotationError(key, value, f"must be between {lo} and {hi}" if hi is not None else f"must be >= {lo}")
+def _int(key: str, value: str, lo: int, hi: int) -> int:
+    """ASCII digits only, from `lo` to `hi` (gputopo.model.k8snames.ascii_int): `int()` would also take
+    `٤`, `1_0`, `+4` and ` 4 `, which Kubernetes' own parsers refuse."""
+    v = ascii_int(value, lo, hi)
+    if v is None:
+        raise AnnotationError(key, value, f"must be an integer between {lo} and {hi} (ASCII digits only)")
     return v
 
 

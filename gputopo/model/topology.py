@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from enum import IntEnum, StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, Strict, ValidationError, field_validator, model_validator
 
 from gputopo.model.base import AnnotationError, Wire, format_validation_error
 from gputopo.model.names import SCHEMA_VERSION, TOPOLOGY_ANNOTATION
@@ -84,7 +84,8 @@ MAX_REASONS = 32
 Name = Annotated[str, Field(max_length=MAX_NAME_LENGTH)]
 Text = Annotated[str, Field(max_length=MAX_TEXT_LENGTH)]
 _Gbps = Annotated[float, Field(ge=0, le=MAX_LINK_GBPS, allow_inf_nan=False)]
-_NumaNode = Annotated[int, Field(ge=-1, le=4096)]  # -1: the kernel does not know
+_LinkCount = Annotated[int, Strict(), Field(ge=0, le=MAX_NVLINKS)]
+_NumaNode = Annotated[int, Strict(), Field(ge=-1, le=4096)]  # -1: the kernel does not know
 
 
 class FabricState(StrEnum):
@@ -109,15 +110,15 @@ class GpuFabric(Wire):
     (0 = success) and the raw `healthMask` (decoded by `gputopo.model.decode_health`)."""
 
     state: FabricState
-    status: Annotated[int, Field(ge=0, le=0xFFFFFFFF)] = 0
-    health_mask: Annotated[int, Field(alias="healthMask", ge=0, le=0xFFFFFFFF)] = 0
+    status: Annotated[int, Strict(), Field(ge=0, le=0xFFFFFFFF)] = 0
+    health_mask: Annotated[int, Strict(), Field(alias="healthMask", ge=0, le=0xFFFFFFFF)] = 0
 
 
 class GpuInfo(Wire):
-    index: Annotated[int, Field(ge=0, lt=MAX_GPUS_PER_NODE)]
+    index: Annotated[int, Strict(), Field(ge=0, lt=MAX_GPUS_PER_NODE)]
     uuid: Name
     model: Name
-    memory_mib: Annotated[int, Field(alias="memoryMiB", ge=0, le=MAX_GPU_MEMORY_MIB)]
+    memory_mib: Annotated[int, Strict(), Field(alias="memoryMiB", ge=0, le=MAX_GPU_MEMORY_MIB)]
     pci_bus_id: Name = Field(alias="pciBusId", default="")
     numa_node: _NumaNode | None = Field(alias="numaNode", default=None)
     health: Health = Health.OK
@@ -134,12 +135,13 @@ class GpuInfo(Wire):
 
 
 class NvlinkInfo(Wire):
-    generation: Annotated[int, Field(ge=0, le=64)] = 0
+    generation: Annotated[int, Strict(), Field(ge=0, le=64)] = 0
     gbps_per_link: _Gbps = Field(alias="gbpsPerLink", default=0.0)
     nvswitch: bool = False
     links: Annotated[
         tuple[
-            Annotated[tuple[Annotated[int, Field(ge=0, le=MAX_NVLINKS)], ...], Field(max_length=MAX_GPUS_PER_NODE)], ...
+            Annotated[tuple[_LinkCount, ...], Field(max_length=MAX_GPUS_PER_NODE)],
+            ...,
         ],
         Field(max_length=MAX_GPUS_PER_NODE),
     ] = ()
@@ -164,8 +166,8 @@ class NvlinkInfo(Wire):
 
 
 class DegradedLink(Wire):
-    gpu: Annotated[int, Field(ge=0, lt=MAX_GPUS_PER_NODE)]
-    link: Annotated[int, Field(ge=0, lt=MAX_NVLINKS)]
+    gpu: Annotated[int, Strict(), Field(ge=0, lt=MAX_GPUS_PER_NODE)]
+    link: Annotated[int, Strict(), Field(ge=0, lt=MAX_NVLINKS)]
     state: LinkState
     detail: Text = ""
 

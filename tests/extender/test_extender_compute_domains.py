@@ -291,6 +291,7 @@ def test_a_tray_the_driver_labelled_for_another_compute_domain_is_refused_until_
 
 def test_the_driver_label_pins_its_compute_domains_pods_to_the_labelled_trays_domain(racks: Env) -> None:
     racks.source.put("resourceclaimtemplates", with_uid(template("cd-a"), "u-a"))
+    racks.source.put("computedomains", compute_domain("a", "cd-a", uid="u-a"))  # the UID's owner
     racks.add_nodes(with_uid(tray("b1", "rack-b"), "u-a"))
     a = cd_pod("a-0", 4, "cd-a")
     racks.add_pods(a)
@@ -341,11 +342,11 @@ def test_a_compute_domain_gang_waits_for_room_in_the_domain_its_compute_domains_
 # ComputeDomain objects, where served: numNodes
 
 
-def compute_domain(name: str, template: str, num_nodes: Any = 0, ns: str = "default") -> JSON:
+def compute_domain(name: str, template: str, num_nodes: Any = 0, ns: str = "default", uid: str = "") -> JSON:
     return {
         "apiVersion": "resource.nvidia.com/v1beta1",
         "kind": "ComputeDomain",
-        "metadata": {"name": name, "namespace": ns},
+        "metadata": {"name": name, "namespace": ns, **({"uid": uid} if uid else {})},
         "spec": {"numNodes": num_nodes, "channel": {"resourceClaimTemplate": {"name": template}}},
     }
 

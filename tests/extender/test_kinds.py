@@ -14,7 +14,17 @@ import pytest
 from gputopo.extender.cache import ClusterCache, check_handlers
 from gputopo.extender.kindhandlers import KindHandler
 from gputopo.extender.kube import KubeSource
-from gputopo.kube import KIND_NAMES, WATCHED, WatchedKind, lease_path, node_path, pod_path, pods_path, watched
+from gputopo.kube import (
+    KIND_NAMES,
+    WATCHED,
+    InvalidName,
+    WatchedKind,
+    lease_path,
+    node_path,
+    pod_path,
+    pods_path,
+    watched,
+)
 from tests.chart.helm import NAMESPACE, Doc, by_kind, one, render
 from tests.kube.scripted import kubeconfig
 
@@ -108,7 +118,9 @@ def test_each_kinds_path_for_every_namespace_and_for_one(kind: str) -> None:
                 declared.path(namespace)
         else:
             assert declared.path(namespace) == expected
-            assert declared.path(namespace, "a b") == f"{expected}/a%20b"  # names are quoted
+            assert declared.path(namespace, "a.b-1") == f"{expected}/a.b-1"
+            with pytest.raises(InvalidName, match="not a DNS-1123 subdomain"):
+                declared.path(namespace, "a b")  # names are checked, never sent as given
 
 
 def test_the_path_helpers_are_the_declared_paths() -> None:

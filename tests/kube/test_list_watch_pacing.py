@@ -74,6 +74,9 @@ class Handler:
         self.applied.append(obj["metadata"]["name"])
         self.now += self.per_event_s
 
+    def not_served(self, kind: Kind) -> None:
+        pass
+
     def heard_from_api(self) -> None:
         pass
 
