@@ -32,6 +32,11 @@ DEFAULT_MAX_CONNECTIONS_PER_PEER = DEFAULT_MAX_CONNECTIONS // 4
 # connections alive and opens a few per replica, while a flood of handshakes from one address is CPU the
 # verbs listener shares (on two cores 400 handshakes a second took its p99 to 3.3x idle).
 DEFAULT_HANDSHAKES_PER_PEER_PER_S = 20.0
+# Request bodies one listener holds at once, over all its connections: four of the largest the verbs take
+# (--max-request-bytes, 8 MiB). Parsed, a body costs a few times its size: 32 MiB of them stays well inside
+# the chart's 1 GiB memory limit, while the API server's reviews (a pod, at most etcd's 1.5 MiB, twice) fit
+# many at once.
+DEFAULT_MAX_BODY_BYTES_IN_FLIGHT = 32 * 1024 * 1024
 
 REASONS = {400: b"Bad Request", 408: b"Request Timeout", 413: b"Payload Too Large"}
 REASONS |= {431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
@@ -48,6 +53,7 @@ class ListenerLimits:
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S  # TLS handshake, from the accept
     max_connections_per_peer: int = DEFAULT_MAX_CONNECTIONS_PER_PEER  # of one client address (webhook, metrics)
     handshakes_per_peer_per_s: float = DEFAULT_HANDSHAKES_PER_PEER_PER_S  # TLS handshakes one address starts; 0: any
+    max_body_bytes_in_flight: int = DEFAULT_MAX_BODY_BYTES_IN_FLIGHT  # request bodies held at once, all connections
 
     @classmethod
     def of(cls, settings: Settings) -> ListenerLimits:
@@ -60,6 +66,7 @@ class ListenerLimits:
             handshake_timeout_s=settings.handshake_timeout_seconds,
             max_connections_per_peer=max(1, settings.max_connections // 4) if per_peer is None else per_peer,
             handshakes_per_peer_per_s=settings.handshakes_per_peer_per_second,
+            max_body_bytes_in_flight=settings.max_body_bytes_in_flight,
         )
 
 

@@ -40,6 +40,8 @@ from gputopo.clusterfile import ClusterFileError
 from gputopo.extender.bounded import BoundedHttpTools, bounded_protocol
 from gputopo.extender.bounds import ListenerLimits
 from gputopo.extender.gate import Gate, Slots
+from gputopo.extender.heads import HeadPolicy
+from gputopo.extender.limits import DEFAULT_MAX_REQUEST_BYTES
 from gputopo.extender.settings import PROG, Settings, describe_error, load_settings
 from gputopo.jsonlog import configure_logging
 
@@ -116,12 +118,18 @@ class _Serving(Protocol):
 def listener_config(
     app: ASGIApp, limits: ListenerLimits, tls: tuple[Path, Path] | None = None, client_ca: Path | None = None
 ) -> uvicorn.Config:
-    """uvicorn's configuration for the webhook or metrics listener: its protocol holds `limits`, and sends
-    100 Continue only for the POST paths the app serves. With `client_ca` the TLS context asks for a client
-    certificate and verifies one that is presented against it (ssl.CERT_OPTIONAL: a client without one
-    still connects; the app reads the certificate from the ASGI TLS extension)."""
+    """uvicorn's configuration for the webhook or metrics listener: its protocol holds `limits`, and decides
+    from each request's head whether its body is read (`HeadPolicy`: the paths the app serves, the POST paths
+    whose body it reads, the guarded ones and who may call them). With `client_ca` the TLS context asks for a
+    client certificate and verifies one that is presented against it (ssl.CERT_OPTIONAL: a client without one
+    still connects; the protocol and the app read the certificate from the ASGI TLS extension)."""
     state = getattr(app, "state", None)
-    posts: frozenset[str] = getattr(state, "post_paths", frozenset())  # set by gputopo.extender.app
+    policy = HeadPolicy(  # what gputopo.extender.app sets on each app
+        paths=getattr(state, "paths", frozenset()),
+        body_paths=getattr(state, "post_paths", frozenset()),
+        guarded=getattr(state, "guarded", {}),
+        max_request_bytes=getattr(state, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
+    )
     return uvicorn.Config(
         app,
         lifespan="off",  # entered once in `serve`, for all listeners
@@ -131,7 +139,7 @@ def listener_config(
         ssl_keyfile=tls[1] if tls else None,
         ssl_ca_certs=str(client_ca) if tls and client_ca else None,
         ssl_cert_reqs=ssl.CERT_OPTIONAL if tls and client_ca else ssl.CERT_NONE,
-        http=bounded_protocol(limits, posts),  # head cap, read deadline, idle timeout, connection cap
+        http=bounded_protocol(limits, policy),  # head cap and policy, read deadline, idle timeout, body budget
         ws="none",
     )
 
@@ -246,13 +254,15 @@ async def serve(listeners: Listeners, settings: Settings, stop: asyncio.Event | 
             loop.add_signal_handler(sig, stop.set)
     # The verbs here; the listeners on the pod network on their own loop (see the module doc).
     here = [(server, sock) for server, sock in servers if isinstance(server, VerbServer)]
-    side = _SideLoop([(server, sock) for server, sock in servers if not isinstance(server, VerbServer)])
+    # Each listener on the pod network on a loop of its own: the webhook's TLS work and reviews never hold up
+    # the metrics listener, where the kubelet's probes go.
+    sides = [_SideLoop([(server, sock)]) for server, sock in servers if not isinstance(server, VerbServer)]
     try:
         with listeners.running():
             tasks: list[asyncio.Future[None]] = [
                 asyncio.create_task(server.serve(sockets=[sock])) for server, sock in here
             ]
-            if side.servers:
+            for side in sides:
                 side.thread.start()
                 tasks.append(asyncio.wrap_future(side.done))
             stopper: asyncio.Future[Any] = asyncio.create_task(stop.wait())
@@ -260,7 +270,8 @@ async def serve(listeners: Listeners, settings: Settings, stop: asyncio.Event | 
             await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
             for server, _ in here:
                 server.should_exit = True
-            side.stop()
+            for side in sides:
+                side.stop()
             stopper.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     finally:

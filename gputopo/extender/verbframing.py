@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import httptools
+import orjson
 
 from gputopo.extender.bounds import HeadMeter
 from gputopo.extender.limits import too_large_body
@@ -53,6 +54,7 @@ class RequestReader:
         self._url: list[bytes] = []
         self._chunks: list[bytes] = []
         self._size = 0
+        self._has_body = False  # the head declares a body (a length over 0, or chunked)
 
     def feed(self, data: bytes) -> tuple[int, str] | None:
         """Parse `data`; the refusal to send when it cannot be served (`HeadMeter.read`)."""
@@ -62,6 +64,7 @@ class RequestReader:
 
     def on_message_begin(self) -> None:
         self._url, self._chunks, self._size, self.expect_continue = [], [], 0, False
+        self._has_body = False
         self.in_request = True
         self.sink.begun()
 
@@ -78,17 +81,29 @@ class RequestReader:
             if declared < 0 or declared > self.limit:
                 self.sink.refuse(413, too_large_body(self.limit))
                 raise httptools.HttpParserError("body too large")  # stops this feed; nothing more is read
+            self._has_body = self._has_body or declared > 0
+        elif name.lower() == b"transfer-encoding":
+            self._has_body = True
         elif name.lower() == b"expect" and value.lower() == b"100-continue":
             self.expect_continue = True
 
     def on_headers_complete(self) -> None:
         self.meter.head_done()
+        if not (self.expect_continue or self._has_body):
+            return
+        path = httptools.parse_url(b"".join(self._url)).path.decode("latin-1")
+        method = self.parser.get_method()
+        verb = self.door.route(method, path)
+        wanted = isinstance(verb, str) and self.door.reads_body(verb)
+        if self._has_body and not wanted:
+            # A body no verb reads is refused from the head, unread: the route's own 404 or 405, else 413.
+            if isinstance(verb, str):
+                self.sink.refuse(413, f"{method.decode('latin-1')[:16]} {path} takes no request body")
+            else:
+                self.sink.refuse(verb[0], str(orjson.loads(verb[1])["Error"]))
+            raise httptools.HttpParserError("a body no verb reads")
         if self.expect_continue:
-            # Only a verb's body is wanted, and only from an HTTP/1.1 client; any other request is
-            # answered once its body has come anyway (the client sends it after its own wait).
-            path = httptools.parse_url(b"".join(self._url)).path.decode("latin-1")
-            verb = self.door.route(self.parser.get_method(), path)
-            wanted = isinstance(verb, str) and self.door.reads_body(verb)
+            # Only a verb's body is wanted, and only from an HTTP/1.1 client.
             self.expect_continue = wanted and self.parser.get_http_version() == "1.1"
             self.sink.continue_asked()
 
