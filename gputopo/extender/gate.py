@@ -48,7 +48,9 @@ class Slots:
     When the listener is full, a connection from an address holding fewer connections than the address that
     holds the most takes the place of that address's oldest connection that is not being answered and not the
     API server's (`Slot.evictable`): a few addresses cannot fill the listener against everyone else (the
-    kubelet's probes, the API server, Prometheus), and who holds the most pays first."""
+    kubelet's probes, the API server, Prometheus), and who holds the most pays first. Among many addresses
+    holding one each, a newcomer takes the oldest one's place: a probe, the newest and answered within its
+    first read, is the last to be chosen, and once its request is in it cannot be."""
 
     def __init__(self, limits: ListenerLimits) -> None:
         self.limits = limits
@@ -75,7 +77,7 @@ class Slots:
     def _make_room(self, peer: str) -> bool:
         mine = self.per_peer[peer]
         victim: Slot | None = None
-        most = mine + 1  # only an address holding more than `peer` will hold after this one gives way
+        most = mine  # only an address holding more than `peer` gives way: ties go to the newcomer's turn
         for slot in self.open:  # oldest first: the first of the heaviest address is its oldest
             held = self.per_peer[slot.peer]
             if held > most and slot.evictable():
