@@ -38,7 +38,8 @@ DEFAULT_HANDSHAKES_PER_PEER_PER_S = 20.0
 # many at once.
 DEFAULT_MAX_BODY_BYTES_IN_FLIGHT = 32 * 1024 * 1024
 
-REASONS = {400: b"Bad Request", 408: b"Request Timeout", 413: b"Payload Too Large"}
+REASONS = {400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden", 404: b"Not Found", 405: b"Method Not Allowed"}
+REASONS |= {408: b"Request Timeout", 413: b"Payload Too Large"}
 REASONS |= {431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
 
 

@@ -62,6 +62,7 @@ class Slots:
         self.bytes_received = 0  # every byte the listener's connections handed the parser
         self.body_bytes = 0  # of those, request body bytes
         self.evicted = 0
+        self.on_idle: Callable[[], None] | None = None  # once no connection is held (`ListenerServer`: a trim)
 
     def take(self, peer: str) -> str | None:
         """Count a connection from `peer`, making room as the class doc says; or the refusal's text when it
@@ -93,6 +94,8 @@ class Slots:
         self.per_peer[peer] -= 1
         if not self.per_peer[peer]:
             del self.per_peer[peer]
+        if self.on_idle is not None and self.total == 0:
+            self.on_idle()
 
 
 class HandshakePace:

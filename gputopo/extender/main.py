@@ -6,9 +6,10 @@ docs/configuration.md), then three listeners over one cache and service:
 - the mutating webhook on `--webhook-host`/`--webhook-port` over TLS (off unless `--webhook-port` is set);
 - Prometheus metrics on `--metrics-host`/`--metrics-port` (0 turns it off).
 
-The webhook and the metrics, reachable from the pod network, run on a second event loop in their own
-thread, at a lower CPU priority: a flood of connections or TLS handshakes there does not hold up the loop
-that answers kube-scheduler (OpenSSL's handshake work runs without the GIL).
+The webhook and the metrics, reachable from the pod network, each run on an event loop of their own in their
+own thread, at a lower CPU priority: a flood of connections or TLS handshakes on the webhook holds up neither
+the loop that answers kube-scheduler nor the metrics listener, where the kubelet's probes go (OpenSSL's
+handshake work runs without the GIL).
 
 Every socket is bound before anything starts, so a port in use is one line naming its flag, not a half-started
 process. The lifespan (informers, `Listeners.running`) is entered once for all three servers.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import logging
 import os
 import resource
@@ -154,6 +156,19 @@ class ListenerServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, limits: ListenerLimits) -> None:
         super().__init__(config)
         self.slots = Slots(limits)
+        self.slots.on_idle = self._idle
+        self._trim: asyncio.TimerHandle | None = None
+
+    def _idle(self) -> None:
+        """The listener holds no connection: in a second (unless one comes meanwhile), give what the last
+        ones freed back to the system (`trim_freed_memory`), at most once a second."""
+        if self._trim is None:
+            self._trim = asyncio.get_running_loop().call_later(1.0, self._trimmed)
+
+    def _trimmed(self) -> None:
+        self._trim = None
+        if self.slots.total == 0:
+            trim_freed_memory()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -297,6 +312,29 @@ def raise_nofile_limit() -> tuple[int, int]:
     return soft, hard
 
 
+# glibc's mallopt parameter (malloc.h): allocations from this size up are mmapped and given back to the system
+# when freed. Setting it also stops glibc raising it after every large free (its default, up to 32 MiB), which
+# left the buffers of a flood's connections (TLS reads of 256 KiB each, request bodies) held once they closed.
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 128 * 1024
+
+
+def return_freed_memory() -> bool:
+    """Make large freed buffers go back to the system (glibc only; elsewhere nothing changes): True if set."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):
+        return False
+
+
+def trim_freed_memory() -> None:
+    """Give the free pages inside glibc's heaps back to the system (`malloc_trim(0)`; ctypes drops the GIL
+    for it): what many small buffers of closed connections leave, which no threshold returns."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop where it is installed (a dependency on Linux): the verbs listener handles three requests per
     scheduled pod, and uvloop's transport and loop cost a fraction of asyncio's per request."""
@@ -318,6 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     configure_logging(settings.log_level)
     raise_nofile_limit()
+    return_freed_memory()
     # The verbs thread waits for the GIL at most this long behind the webhook's and metrics' thread or the
     # informers (Python's default is 5 ms): under a flood on the webhook the verbs' p99 went from 2.4-5.0 ms
     # to 0.8-0.9 ms with it (bench/listener_limits.py --part floods); at most 2,000 switches a second.
