@@ -116,7 +116,7 @@ class Settings(BaseSettings):
         DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
         ge=64 * 1024,
         le=16 * 1024**3,
-        description="request body bytes the webhook reads at once over all its connections; more get HTTP 503",
+        description="request body bytes the verbs and the webhook listener each hold at once; more get HTTP 503",
     )
     # DRA (docs/annotations.md, "Claims under DRA"): the nodes' GPUs are gputopo's DRA devices, so the webhook
     # turns an opted-in pod's nvidia.com/gpu into a ResourceClaim that asks for an NVLink clique.
