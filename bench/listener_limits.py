@@ -16,13 +16,21 @@ webhook over TLS with a throwaway certificate) and prints, per listener side by 
   (target: p99 within 1.5x); 300 TLS connections dripping a header line every 2 s, and whether a client
   from another address (127.0.0.2) is served meanwhile.
 
+- `--part hostile` (docs/benchmarks.md, "Hostile callers on the listeners"), against an extender with client
+  auth on the webhook, one process per measurement: RSS before, at peak and once closed while `--bodies`
+  (256) connections from 4 addresses post the largest body each to metrics /healthz, then to the webhook's
+  /mutate without a certificate; probes from another address (fresh connection, 3 s) while
+  `--flood-addresses` (8) addresses hold 64 silent connections each; metrics /healthz and the API server's
+  review (its certificate, kept alive) timed while `--forgers` (48) callers without one post 6 MiB reviews
+  from a process of their own.
+
 Counts and time are bounded (`--requests`, `--budget-s`, `--silent`, `--half`, `--flood-s`,
 `--close-budget-s`, `--drip-budget-s`; every socket wait has a timeout); loopback only, and only the
 processes it starts are stopped. The handshaking threads run at nice 19 (`--attacker-nice`): on
 loopback the attacker's CPU is the extender's, which a remote attacker's is not. Nothing is asserted.
 Run it against another checkout (`--root`) for the figures before a change:
 
-    .venv/bin/python bench/listener_limits.py [--part all|heads|floods] [--requests 300] [--idle 500] [--root PATH]
+    .venv/bin/python bench/listener_limits.py [--part all|heads|floods|hostile] [--requests 300] [--root PATH]
 """
 
 from __future__ import annotations
