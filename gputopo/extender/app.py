@@ -45,6 +45,10 @@ from gputopo.extender.workers import BoundedWorkers
 
 log = logging.getLogger("gputopo.extender")
 
+# /mutate's decision outcomes (gputopo_extender_decisions_total) for the refusals its listener answers from the
+# request head (gputopo/extender/heads.py).
+HEAD_OUTCOMES = {401: "unauthenticated", 403: "forbidden", 413: "too_large", 503: "busy"}
+
 
 @dataclass
 class Listeners:
@@ -153,6 +157,11 @@ def create_listeners(
     prometheus = Metrics(cache.age_seconds)
     extender = Extender(cache, None if settings.snapshot is not None else cluster, prometheus)
 
+    def head_refused(path: str, status: int) -> None:
+        """A /mutate refused from its request head, counted as the route counts its own refusals."""
+        if path == "/mutate":
+            prometheus.decision("mutate", HEAD_OUTCOMES.get(status, "bad_request"))
+
     def build(title: str, *routers: APIRouter) -> FastAPI:
         app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
         app.state.settings = settings
@@ -174,6 +183,7 @@ def create_listeners(
             else {}
         )
         app.state.max_request_bytes = settings.max_request_bytes
+        app.state.head_refused = head_refused
         if app.state.post_paths:  # reviews are parsed off the loop that answers the probes
             app.state.review_workers = BoundedWorkers()
         # Every listener reads request bodies (the webhook's AdmissionReviews too): the same limit for all.

@@ -121,6 +121,8 @@ class BoundedHttpTools(HttpToolsProtocol):
             refused = 503, budget_full(self._budget.limit)
         if refused is not None:
             # Answered from the head: no 100 Continue, no byte of the body read (the parser stops here).
+            if self.policy.refused is not None:
+                self.policy.refused(path, refused[0])
             self._refuse(*refused)
             raise httptools.HttpParserError("refused from its head")
         self._held.append(decision.declared if self._budget is not None else 0)

@@ -17,7 +17,7 @@ and the body is never read (nor is a `100 Continue` sent):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,12 +61,14 @@ class HeadPolicy:
 
     - `paths`: every path the listener serves; `body_paths`: those whose POST body it reads;
     - `guarded`: the body paths only some clients may call, with who (`ClientAuth`);
-    - `max_request_bytes`: `--max-request-bytes`."""
+    - `max_request_bytes`: `--max-request-bytes`;
+    - `refused`: told (path, status) of every request refused from its head (the app's decision counters)."""
 
     paths: frozenset[str] = frozenset()
     body_paths: frozenset[str] = frozenset()
     guarded: Mapping[str, ClientAuth] = field(default_factory=dict)
     max_request_bytes: int = 8 * 1024 * 1024
+    refused: Callable[[str, int], None] | None = None
 
     def decide(
         self, method: bytes, path: str, headers: Sequence[tuple[bytes, bytes]], tls: Mapping[str, Any] | None

@@ -131,6 +131,7 @@ def listener_config(
         body_paths=getattr(state, "post_paths", frozenset()),
         guarded=getattr(state, "guarded", {}),
         max_request_bytes=getattr(state, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
+        refused=getattr(state, "head_refused", None),
     )
     return uvicorn.Config(
         app,

@@ -582,3 +582,29 @@ def test_the_review_queue_is_bounded_in_all_and_per_address(
             gate.set()
 
     assert asyncio.run(scenario()) == refused
+
+
+@pytest.mark.parametrize(
+    ("cert", "declared", "outcome"),
+    [
+        pytest.param(None, 10, "unauthenticated", id="no certificate: counted unauthenticated"),
+        pytest.param("another name", 10, "forbidden", id="another name: counted forbidden"),
+        pytest.param("api server", BODY_CAP + 1, "too_large", id="past the limit: counted too_large"),
+    ],
+)
+def test_reviews_refused_from_the_head_are_counted_as_mutate_decisions(
+    listeners: dict[str, Served], cert: str | None, declared: int, outcome: str
+) -> None:
+    served = listeners["webhook"]
+    app: Any = served.server.config.app
+    registry = app.state.metrics.registry
+    labels = {"verb": "mutate", "outcome": outcome, "reason": ""}
+
+    def count() -> float:
+        return registry.get_sample_value("gputopo_extender_decisions_total", labels) or 0.0
+
+    before = count()
+    with served.connect(cert=cert) as conn:
+        conn.sendall(b"POST /mutate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % declared)
+        _answer(conn)
+    assert count() == before + 1
