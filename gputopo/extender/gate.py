@@ -62,6 +62,7 @@ class Slots:
         self.bytes_received = 0  # every byte the listener's connections handed the parser
         self.body_bytes = 0  # of those, request body bytes
         self.evicted = 0
+        self.accepted = 0  # connections counted in, ever
         self.on_idle: Callable[[], None] | None = None  # once no connection is held (`ListenerServer`: a trim)
 
     def take(self, peer: str) -> str | None:
@@ -73,6 +74,7 @@ class Slots:
             return TOO_MANY
         self.total += 1
         self.per_peer[peer] += 1
+        self.accepted += 1
         return None
 
     def _make_room(self, peer: str) -> bool:

@@ -17,6 +17,7 @@ and the body is never read (nor is a `100 Continue` sent):
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,8 @@ class HeadPolicy:
     def decide(
         self, method: bytes, path: str, headers: Sequence[tuple[bytes, bytes]], tls: Mapping[str, Any] | None
     ) -> HeadDecision:
+        if "%" in path:  # as uvicorn routes it: "/mut%61te" is /mutate
+            path = urllib.parse.unquote(path)
         declared, chunked = _declared(headers)
         has_body = chunked or (declared is not None and declared != 0)
         wants_body = method == b"POST" and path in self.body_paths

@@ -159,16 +159,23 @@ class ListenerServer(uvicorn.Server):
         self.slots = Slots(limits)
         self.slots.on_idle = self._idle
         self._trim: asyncio.TimerHandle | None = None
+        self._trimmed_at = (0, 0)  # the connections and bytes counted at the last trim
 
     def _idle(self) -> None:
         """The listener holds no connection: in a second (unless one comes meanwhile), give what the last
-        ones freed back to the system (`trim_freed_memory`), at most once a second."""
-        if self._trim is None:
+        ones freed back to the system (`trim_freed_memory`), but only after a flood's worth of connections
+        or bytes since the last trim: a trim holds glibc's heap locks, which the verbs' threads share, so
+        probes and scrapes alone never cause one."""
+        slots = self.slots
+        busy = slots.accepted - self._trimmed_at[0] >= TRIM_AFTER_CONNECTIONS
+        busy = busy or slots.bytes_received - self._trimmed_at[1] >= TRIM_AFTER_BYTES
+        if busy and self._trim is None:
             self._trim = asyncio.get_running_loop().call_later(1.0, self._trimmed)
 
     def _trimmed(self) -> None:
         self._trim = None
         if self.slots.total == 0:
+            self._trimmed_at = (self.slots.accepted, self.slots.bytes_received)
             trim_freed_memory()
 
     @contextlib.contextmanager
@@ -196,6 +203,10 @@ class ListenerServer(uvicorn.Server):
 
 
 GIL_SWITCH_INTERVAL_S = 0.0005
+# What a listener takes in before it trims glibc's heaps once idle (`ListenerServer._idle`): a flood, not
+# the kubelet's probes and Prometheus' scrapes.
+TRIM_AFTER_CONNECTIONS = 64
+TRIM_AFTER_BYTES = 16 * 1024 * 1024
 SIDE_NICE = 10  # how much lower the webhook's and metrics' thread runs than the verbs' (CFS: about 1/10 the weight)
 
 

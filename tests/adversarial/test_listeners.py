@@ -422,6 +422,7 @@ POLICY = HeadPolicy(
         pytest.param(b"GET", "/healthz", [(b"content-length", b"0")], None, id="probe with an empty body: served"),
         pytest.param(b"GET", "/healthz", [(b"content-length", b"1")], 413, id="probe with a body: 413"),
         pytest.param(b"POST", "/mutate", [], 401, id="review without a certificate: 401, whatever its body"),
+        pytest.param(b"POST", "/mut%61te", [], 401, id="the guarded path percent-encoded: still 401"),
         pytest.param(b"GET", "/x", [(b"transfer-encoding", b"chunked")], 404, id="chunked body to no path: 404"),
         pytest.param(b"GET", "/x", [], None, id="no body to no path: the app's own 404, connection kept"),
         pytest.param(b"GET", "/healthz", [(b"content-length", b"\xd9\xa4")], 413, id="a length in Arabic digits: 413"),
