@@ -21,7 +21,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gputopo.extender.bounds import HeadMeter, ListenerLimits, read_too_slow, refusal
-from gputopo.extender.heads import BodyBudget, HeadPolicy, budget_full
+from gputopo.extender.heads import BodyBudget, HeadPolicy
 
 if TYPE_CHECKING:
     from gputopo.extender.gate import Slot
@@ -66,6 +66,7 @@ class BoundedHttpTools(HttpToolsProtocol):
         self.on_lost: Callable[[], None] | None = None  # the `Gate`'s release of the connection's slot
         self.slot: Slot | None = None  # set by the `Gate`: the listener's shared counts and budget
         self._budget: BodyBudget | None = None
+        self._peer: str | None = None  # the client's address, for its share of the budget
         self._held: collections.deque[int] = collections.deque()  # budget bytes per request, in request order
         self._chunked = False  # the request being read streams a body of unknown length
 
@@ -80,6 +81,7 @@ class BoundedHttpTools(HttpToolsProtocol):
                 transport.set_read_buffer_limits(high=TLS_READ_AHEAD_BYTES)  # type: ignore[attr-defined]
         if self.slot is not None:
             self._budget = self.slot.slots.budget
+            self._peer = self.slot.peer
             self.slot.trusted = self.policy.trusted(self._tls)
         # The first request's head and body from the moment the connection is handed over: one that sends
         # nothing is closed then.
@@ -117,8 +119,9 @@ class BoundedHttpTools(HttpToolsProtocol):
         path = httptools.parse_url(self.url).path.decode("latin-1")
         decision = self.policy.decide(method, path, self.headers, self._tls)
         refused = decision.refusal
-        if refused is None and self._budget is not None and not self._budget.take(decision.declared):
-            refused = 503, budget_full(self._budget.limit)
+        if refused is None and self._budget is not None:
+            full = self._budget.refusal(decision.declared, self._peer)
+            refused = None if full is None else (503, full)
         if refused is not None:
             # Answered from the head: no 100 Continue, no byte of the body read (the parser stops here).
             if self.policy.refused is not None:
@@ -136,8 +139,9 @@ class BoundedHttpTools(HttpToolsProtocol):
         if self.slot is not None:
             self.slot.slots.body_bytes += len(body)
         if self._chunked and self._budget is not None and self._held:
-            if not self._budget.take(len(body)):
-                self._refuse(503, budget_full(self._budget.limit))
+            full = self._budget.refusal(len(body), self._peer)
+            if full is not None:
+                self._refuse(503, full)
                 raise httptools.HttpParserError("over the body budget")
             self._held[-1] += len(body)
         super().on_body(body)
@@ -174,7 +178,7 @@ class BoundedHttpTools(HttpToolsProtocol):
         for _ in range(min(requests, len(self._held))):
             size = self._held.popleft()
             if self._budget is not None:
-                self._budget.give(size)
+                self._budget.give(size, self._peer)
 
     def answering(self) -> bool:
         """A whole request is in and its answer is not yet written out (`gputopo.extender.gate.Slot`):

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Protocol
 import httptools
 import orjson
 
+from gputopo.extender.limits import DEFAULT_MAX_REQUEST_BYTES
+
 if TYPE_CHECKING:
     from gputopo.extender.settings import Settings
 
@@ -55,6 +57,7 @@ class ListenerLimits:
     max_connections_per_peer: int = DEFAULT_MAX_CONNECTIONS_PER_PEER  # of one client address (webhook, metrics)
     handshakes_per_peer_per_s: float = DEFAULT_HANDSHAKES_PER_PEER_PER_S  # TLS handshakes one address starts; 0: any
     max_body_bytes_in_flight: int = DEFAULT_MAX_BODY_BYTES_IN_FLIGHT  # request bodies held at once, all connections
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # one body (an address's share of the above is at least this)
 
     @classmethod
     def of(cls, settings: Settings) -> ListenerLimits:
@@ -68,7 +71,14 @@ class ListenerLimits:
             max_connections_per_peer=max(1, settings.max_connections // 4) if per_peer is None else per_peer,
             handshakes_per_peer_per_s=settings.handshakes_per_peer_per_second,
             max_body_bytes_in_flight=settings.max_body_bytes_in_flight,
+            max_request_bytes=settings.max_request_bytes,
         )
+
+    @property
+    def body_bytes_per_peer(self) -> int:
+        """One client address's share of `max_body_bytes_in_flight` on the webhook: a quarter, and at least
+        one body of `max_request_bytes`."""
+        return min(self.max_body_bytes_in_flight, max(self.max_body_bytes_in_flight // 4, self.max_request_bytes))
 
 
 def head_too_large(limit: int) -> str:

@@ -58,7 +58,7 @@ class Slots:
         self.per_peer: collections.Counter[str] = collections.Counter()
         self.handshakes: set[asyncio.Task[None]] = set()  # held here: the loop keeps only weak references
         self.open: dict[Slot, None] = {}  # held connections, oldest first
-        self.budget = BodyBudget(limits.max_body_bytes_in_flight)
+        self.budget = BodyBudget(limits.max_body_bytes_in_flight, limits.body_bytes_per_peer)
         self.bytes_received = 0  # every byte the listener's connections handed the parser
         self.body_bytes = 0  # of those, request body bytes
         self.evicted = 0

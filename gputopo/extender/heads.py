@@ -10,13 +10,14 @@ and the body is never read (nor is a `100 Continue` sent):
 - a guarded path (`/mutate` with `--webhook-client-ca-file`) without an allowed client certificate: 401 / 403,
   whether or not a body follows;
 - a declared length over `--max-request-bytes` (or unreadable): 413;
-- a declared length the listener's `BodyBudget` cannot hold now: 503 (bodies of other connections are being
-  read; the client retries). A chunked body takes from the budget as it streams in and is refused the same
-  way the moment it does not fit.
+- a declared length the listener's `BodyBudget` cannot hold now, in all or of the caller's address: 503
+  (bodies of other connections are being read; the client retries). A chunked body takes from the budget as
+  it streams in and is refused the same way the moment it does not fit.
 """
 
 from __future__ import annotations
 
+import collections
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -107,19 +108,37 @@ class HeadPolicy:
 class BodyBudget:
     """The bytes of request bodies one listener holds at once, over all its connections: each request takes
     its declared length at its head (a chunked one as it arrives) and gives it back once it is answered or its
-    connection ends. Used on one event loop only: no lock."""
+    connection ends. With `per_peer`, one client address holds at most that much of it, so a flood from a few
+    addresses leaves room for the API server's reviews. Used on one event loop only: no lock."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, per_peer: int | None = None) -> None:
         self.limit = limit
+        self.per_peer = per_peer
         self.held = 0
         self.peak = 0
+        self.by_peer: collections.Counter[str] = collections.Counter()
 
-    def take(self, size: int) -> bool:
+    def refusal(self, size: int, peer: str | None = None) -> str | None:
+        """Take `size` bytes for `peer`; or the refusal's text when they do not fit (nothing taken)."""
         if self.held + size > self.limit:
-            return False
+            return budget_full(self.limit)
+        if peer is not None and self.per_peer is not None and self.by_peer[peer] + size > self.per_peer:
+            return (
+                f"request bodies from {peer[:64]} being read would pass {self.per_peer} bytes "
+                "(its share of --max-body-bytes-in-flight)"
+            )
         self.held += size
         self.peak = max(self.peak, self.held)
-        return True
+        if peer is not None and size:
+            self.by_peer[peer] += size
+        return None
 
-    def give(self, size: int) -> None:
+    def take(self, size: int, peer: str | None = None) -> bool:
+        return self.refusal(size, peer) is None
+
+    def give(self, size: int, peer: str | None = None) -> None:
         self.held -= size
+        if peer is not None and size:
+            self.by_peer[peer] -= size
+            if self.by_peer[peer] <= 0:
+                del self.by_peer[peer]

@@ -56,6 +56,7 @@ LIMITS = ListenerLimits(
     handshake_timeout_s=5.0,
     handshakes_per_peer_per_s=0,  # no pace: the floods here open connections as fast as they can
     max_body_bytes_in_flight=BUDGET,
+    max_request_bytes=BODY_CAP,  # an address's share of the budget: a quarter, at least one body
 )
 REVIEW = orjson.dumps(
     {
@@ -361,8 +362,8 @@ def test_bodies_held_at_once_stay_within_the_listeners_budget_and_are_given_back
     head = b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (BUDGETED[listener].encode(), BODY_CAP)
     held: list[socket.socket] = []
     try:
-        for _ in range(BUDGET // BODY_CAP):
-            conn = served.connect(cert=cert)
+        for i in range(BUDGET // BODY_CAP):  # from as many addresses: one's share is a quarter (one body)
+            conn = served.connect(f"127.0.5.{i + 1}", cert=cert)
             conn.sendall(head + b"{" * (BODY_CAP // 2))
             held.append(conn)
         _eventually("the slow bodies hold the budget", lambda: budget.held == BUDGET)
@@ -386,6 +387,28 @@ def test_bodies_held_at_once_stay_within_the_listeners_budget_and_are_given_back
     _eventually("an answered body's bytes are given back", lambda: budget.held == 0)
 
 
+def test_one_address_holds_at_most_its_share_of_the_budget_while_another_is_read(
+    listeners: dict[str, Served],
+) -> None:
+    """The webhook: one address's slow body holds its share (a quarter, one body here); its next is refused
+    503 naming the share, and a body from another address is read and answered."""
+    served = listeners["webhook"]
+    budget = _budget(served)
+    _eventually("the budget is idle", lambda: budget.held == 0)
+    head = b"POST /mutate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % BODY_CAP
+    with served.connect("127.0.6.1", cert="api server") as slow:
+        slow.sendall(head + b"{" * (BODY_CAP // 2))
+        _eventually("the slow body holds its share", lambda: budget.by_peer["127.0.6.1"] == BODY_CAP)
+        with served.connect("127.0.6.1", cert="api server") as conn:
+            conn.sendall(head)
+            status, _, answer = _answer(conn)
+        assert status == 503 and "127.0.6.1" in orjson.loads(answer)["Error"]
+        with served.connect("127.0.6.2", cert="api server") as conn:
+            conn.sendall(b"POST /mutate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(REVIEW), REVIEW))
+            assert _answer(conn)[0] == 200
+    _eventually("the closed connection's bytes are given back", lambda: budget.held == 0 and not budget.by_peer)
+
+
 @pytest.mark.parametrize(
     ("held", "declared", "fits"),
     [
@@ -401,6 +424,24 @@ def test_the_budget_admits_a_body_only_while_it_fits(held: int, declared: int, f
     assert budget.take(held)
     assert budget.take(declared) is fits
     assert budget.held == held + (declared if fits else 0)
+
+
+@pytest.mark.parametrize(
+    ("takes", "refused"),
+    [
+        pytest.param([("a", BODY_CAP), ("b", BODY_CAP)], [], id="two addresses, a share each: both fit"),
+        pytest.param([("a", BODY_CAP), ("a", 1)], [1], id="one byte past an address's share: refused"),
+        pytest.param([("a", BODY_CAP), ("a", 1), ("b", 1)], [1], id="another address fits meanwhile"),
+        pytest.param([(p, BODY_CAP) for p in "abcd"] + [("e", 1)], [4], id="past the whole budget: refused"),
+    ],
+)
+def test_the_budget_holds_each_address_to_its_share(takes: list[tuple[str, int]], refused: list[int]) -> None:
+    from gputopo.extender.heads import BodyBudget
+
+    budget = BodyBudget(BUDGET, per_peer=BODY_CAP)
+    got = [i for i, (peer, size) in enumerate(takes) if not budget.take(size, peer)]
+    assert got == refused
+    assert budget.held == sum(size for i, (_, size) in enumerate(takes) if i not in refused) <= BUDGET
 
 
 # ---------------------------------------------------------------------------------------------- the head policy
