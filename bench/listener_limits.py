@@ -16,19 +16,29 @@ webhook over TLS with a throwaway certificate) and prints, per listener side by 
   (target: p99 within 1.5x); 300 TLS connections dripping a header line every 2 s, and whether a client
   from another address (127.0.0.2) is served meanwhile.
 
+- `--part hostile` (docs/benchmarks.md, "Hostile callers on the listeners"), against an extender with client
+  auth on the webhook, one process per measurement: RSS before, at peak and once closed while `--bodies`
+  (256) connections from 4 addresses post the largest body each to metrics /healthz, then to the webhook's
+  /mutate without a certificate; probes from another address (fresh connection, 3 s) while
+  `--flood-addresses` (8) addresses hold 64 silent connections each; metrics /healthz and the API server's
+  review (its certificate, kept alive) timed while `--forgers` (48) callers without one post 6 MiB reviews
+  from a process of their own.
+
 Counts and time are bounded (`--requests`, `--budget-s`, `--silent`, `--half`, `--flood-s`,
 `--close-budget-s`, `--drip-budget-s`; every socket wait has a timeout); loopback only, and only the
 processes it starts are stopped. The handshaking threads run at nice 19 (`--attacker-nice`): on
 loopback the attacker's CPU is the extender's, which a remote attacker's is not. Nothing is asserted.
 Run it against another checkout (`--root`) for the figures before a change:
 
-    .venv/bin/python bench/listener_limits.py [--part all|heads|floods] [--requests 300] [--idle 500] [--root PATH]
+    .venv/bin/python bench/listener_limits.py [--part all|heads|floods|hostile] [--requests 300] [--root PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import multiprocessing
 import os
 import resource
 import shutil
@@ -43,8 +53,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
+import orjson
 
 # Beside this script: bench/ is no package, and running a script puts its own folder on sys.path.
 from extender_latency import free_port, go_json, pct, pod, stop, write_cluster
@@ -432,6 +444,283 @@ def flood_run(a: argparse.Namespace, tmp: Path, crt: Path, key: Path) -> None:
     print(f"  a client from 127.0.0.2 meanwhile: {newcomer}; the last drip cut {cut}; RSS {rss_end:.0f} MiB")
 
 
+# ---------------------------------------------------------------------------------------------- hostile callers
+
+
+def client_certs(tmp: Path) -> tuple[Path, Path, Path]:
+    """A client CA and the API server's client certificate it signed: (CA, certificate, key)."""
+    openssl = shutil.which("openssl")
+    assert openssl is not None  # `certificate` checked
+    ca, ca_key, crt, key, csr = (tmp / n for n in ("cca.crt", "cca.key", "api.crt", "api.key", "api.csr"))
+    steps = [
+        f"req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=client-ca -keyout {ca_key} -out {ca}",
+        f"req -newkey rsa:2048 -nodes -subj /CN={API_SERVER} -keyout {key} -out {csr}",
+        f"x509 -req -in {csr} -CA {ca} -CAkey {ca_key} -CAcreateserial -days 1 -out {crt}",
+    ]
+    for step in steps:
+        subprocess.run([openssl, *step.split()], check=True, capture_output=True)
+    return ca, crt, key
+
+
+API_SERVER = "kube-apiserver-webhook-client"
+ATTACKER_NICE = 19
+
+
+def source_addresses(count: int) -> list[str]:
+    return [f"127.0.{1 + i // 250}.{1 + i % 250}" for i in range(count)]
+
+
+def post_body(port: int, tls: ssl.SSLContext | None, source: str, path: str, size: int, timeout: float) -> str:
+    """One POST declaring `size` bytes and sending them all (as long as the server reads): the status line
+    answered, or what ended the exchange (where: connect, send or answer)."""
+    head = b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (path.encode(), size)
+    piece = b"{" * (1024 * 1024)
+    stage = "connect"
+    with contextlib.suppress(AttributeError, OSError):  # the attacker's CPU is not the extender's (see --attacker-nice)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ATTACKER_NICE)
+    try:
+        raw = socket.create_connection(("127.0.0.1", port), timeout=timeout, source_address=(source, 0))
+        with tls.wrap_socket(raw, server_hostname="127.0.0.1") if tls else raw as conn:
+            stage = "send"
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError, ssl.SSLError, TimeoutError):
+                conn.sendall(head)
+                for _ in range(size // len(piece)):
+                    conn.sendall(piece)
+            stage = "answer"
+            answer = conn.recv(256)
+            return answer.split(b"\r\n", 1)[0].decode("latin-1") or f"closed at {stage}"
+    except (TimeoutError, OSError, ssl.SSLError) as e:
+        return f"{type(e).__name__} at {stage}"
+
+
+def bodies_run(pid: int, ports: dict[str, int], a: argparse.Namespace, tls: ssl.SSLContext) -> None:
+    """`--bodies` connections at once, from 4 addresses, each sending a body of --max-request-bytes: to the
+    metrics listener's /healthz, then to the webhook's /mutate without a client certificate."""
+    print(f"\n{a.bodies} connections at once from 4 addresses, each sending {a.body_mib} MiB (the largest allowed)")
+    print(f"{'target':<30}{'RSS before':>11}{'peak':>8}{'after close':>13}  answers")
+    sources = source_addresses(4)
+    for name, path, context in (("metrics", "/healthz", None), ("webhook", "/mutate", tls)):
+        time.sleep(1.0)
+        before = peak = rss_mib(pid)
+        fds_before = fds(pid)
+        with ThreadPoolExecutor(a.bodies) as pool:
+            sent = [
+                pool.submit(post_body, ports[name], context, sources[i % 4], path, a.body_mib * MIB, a.timeout_s)
+                for i in range(a.bodies)
+            ]
+            while not all(f.done() for f in sent):
+                peak = max(peak, rss_mib(pid))
+                time.sleep(0.05)
+            answers = collections.Counter(f.result() for f in sent)
+        # What stays once the server has closed them all (each within the read timeout), fds back to before.
+        settle = time.monotonic() + a.timeout_s
+        while fds(pid) > fds_before and time.monotonic() < settle:
+            time.sleep(0.25)
+        time.sleep(2.0)
+        after = rss_mib(pid)
+        said = ", ".join(f"{n} x {s}" for s, n in answers.most_common(3))
+        print(f"{name + ' ' + path:<30}{before:>11.0f}{peak:>8.0f}{after:>13.0f}  {said}; fds {fds(pid)}")
+
+
+def probe_once(port: int, tls: ssl.SSLContext | None, source: str, timeout: float = 3.0) -> bool:
+    """The kubelet's probe: a fresh connection, GET /healthz, its 3 s timeout."""
+    try:
+        raw = socket.create_connection(("127.0.0.1", port), timeout=timeout, source_address=(source, 0))
+        with tls.wrap_socket(raw, server_hostname="127.0.0.1") if tls else raw as conn:
+            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            return conn.recv(256).startswith(b"HTTP/1.1 200")
+    except (OSError, ssl.SSLError):
+        return False
+
+
+def probes_run(ports: dict[str, int], a: argparse.Namespace, tls: ssl.SSLContext) -> None:
+    """`--flood-addresses` addresses each opening their share of silent connections (64 by default, past
+    the listener's 256), then probes from another address."""
+    print(f"\nprobes from another address while {a.flood_addresses} addresses hold silent connections (64 each)")
+    for name, context in (("metrics", None), ("webhook", tls)):
+        held: list[socket.socket] = []
+        for source in source_addresses(a.flood_addresses):
+            for _ in range(64):
+                try:
+                    raw = socket.create_connection(("127.0.0.1", ports[name]), timeout=2, source_address=(source, 0))
+                    held.append(raw)
+                except OSError:
+                    break
+        time.sleep(0.5)
+        ok = sum(probe_once(ports[name], context, "127.1.0.1") for _ in range(a.probes))
+        for conn in held:
+            conn.close()
+        print(f"  {name}: {ok} of {a.probes} probes answered (within 3 s), {len(held)} flood connections opened")
+        time.sleep(1.0)
+
+
+def timed_get(port: int, path: str = "/healthz", timeout: float = 10.0) -> float | None:
+    t0 = time.perf_counter()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout, source_address=("127.1.0.2", 0)) as c:
+            c.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path.encode())
+            if not c.recv(256).startswith(b"HTTP/1.1 200"):
+                return None
+    except OSError:
+        return None
+    return (time.perf_counter() - t0) * 1000
+
+
+class HonestReviews:
+    """The API server's reviews on one kept-alive TLS connection with its client certificate (Go's client
+    keeps it), a new one only when the server closed it; each review timed."""
+
+    def __init__(self, port: int, context: ssl.SSLContext, body: bytes) -> None:
+        self.port, self.context = port, context
+        self.request = b"POST /mutate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        self.conn: ssl.SSLSocket | None = None
+
+    def once(self) -> tuple[float, str]:
+        t0 = time.perf_counter()
+        try:
+            if self.conn is None:
+                raw = socket.create_connection(("127.0.0.1", self.port), timeout=15, source_address=("127.1.0.3", 0))
+                self.conn = self.context.wrap_socket(raw, server_hostname="127.0.0.1")
+            self.conn.sendall(self.request)
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                chunk = self.conn.recv(65536)
+                if not chunk:
+                    raise ConnectionResetError
+                answer += chunk
+            head, _, rest = answer.partition(b"\r\n\r\n")
+            size = int(
+                next(
+                    v for k, _, v in (h.partition(b":") for h in head.split(b"\r\n")) if k.lower() == b"content-length"
+                )
+            )
+            while len(rest) < size:
+                rest += self.conn.recv(65536)
+            status = head.split(b"\r\n", 1)[0].decode("latin-1").removeprefix("HTTP/1.1 ")
+        except (OSError, ssl.SSLError, StopIteration) as e:
+            status = type(e).__name__
+            if self.conn is not None:
+                self.conn.close()
+            self.conn = None
+        return (time.perf_counter() - t0) * 1000, status
+
+
+def forge(port: int, sources: list[str], seconds: float, count: Any) -> None:
+    """Callers without a client certificate, one thread per address, each posting 6 MiB reviews on new
+    TLS connections for `seconds`; how many were sent goes to `count`."""
+    big = b'{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","request":{"uid":"f","x":"'
+    big += b"a" * (6 * MIB) + b'"}}'
+    head = b"POST /mutate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(big)
+    context = client_context()
+    end = time.monotonic() + seconds
+
+    def forger(source: str) -> int:
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ATTACKER_NICE)
+        sent = 0
+        while time.monotonic() < end:
+            with contextlib.suppress(OSError, ssl.SSLError):
+                raw = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+                with context.wrap_socket(raw, server_hostname="127.0.0.1") as conn:
+                    with contextlib.suppress(OSError, ssl.SSLError):
+                        conn.sendall(head + big)
+                    conn.recv(256)
+                    sent += 1
+        return sent
+
+    with ThreadPoolExecutor(len(sources)) as pool:
+        count.value = sum(pool.map(forger, sources))
+
+
+def review_flood_run(ports: dict[str, int], a: argparse.Namespace, api: ssl.SSLContext) -> None:
+    """`--forgers` callers without a client certificate posting 6 MiB reviews for --review-flood-s, from as
+    many addresses; meanwhile metrics /healthz and an honest review (the API server's certificate) are timed."""
+    honest = orjson.dumps(
+        {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+         "request": {"uid": "u-1", "kind": {"kind": "Pod"}, "operation": "CREATE",
+                     "object": {"metadata": {"name": "p", "namespace": "default"}, "spec": {"containers": []}}}}
+    )  # fmt: skip
+    end = time.monotonic() + a.review_flood_s
+    # The forgers in a process of their own: threads of this one would make the timed calls wait for its GIL.
+    forged_count = multiprocessing.get_context("fork").Value("i", 0)
+    forging = multiprocessing.get_context("fork").Process(
+        target=forge, args=(ports["webhook"], source_addresses(a.forgers), a.review_flood_s, forged_count)
+    )
+    idle_probe = [t for t in (timed_get(ports["metrics"]) for _ in range(20)) if t is not None]
+    apiserver = HonestReviews(ports["webhook"], api, honest)
+    idle_review = [apiserver.once() for _ in range(20)]
+    probe_ms: list[float] = []
+    failed_probes = 0
+    reviews: list[tuple[float, str]] = []
+
+    def review_loop() -> None:
+        while time.monotonic() < end:
+            reviews.append(apiserver.once())
+            time.sleep(0.1)
+
+    forging.start()
+    with ThreadPoolExecutor(1) as pool:
+        time.sleep(1.0)
+        reviewing = pool.submit(review_loop)
+        while time.monotonic() < end:
+            t = timed_get(ports["metrics"], timeout=3.0)
+            if t is None:
+                failed_probes += 1
+            else:
+                probe_ms.append(t)
+            time.sleep(0.1)
+        reviewing.result()
+    forging.join(a.review_flood_s + 30)
+    forgeries = forged_count.value
+    print(f"\n{a.forgers} callers without a client certificate posting 6 MiB reviews for {a.review_flood_s:g} s")
+    print(f"  forged reviews sent: {forgeries}")
+    print(f"{'':<52}{'p50 ms':>9}{'p99 ms':>9}  answers")
+    print(f"{'metrics /healthz, idle':<52}{statistics.median(idle_probe):>9.1f}{pct(idle_probe, 99):>9.1f}")
+    if probe_ms:
+        print(
+            f"{'metrics /healthz, under the flood':<52}{statistics.median(probe_ms):>9.1f}{pct(probe_ms, 99):>9.1f}"
+            f"  {len(probe_ms)} answered, {failed_probes} not within 3 s"
+        )
+    else:
+        print(f"  metrics /healthz under the flood: none answered within 3 s ({failed_probes})")
+    for label, runs in (
+        ("honest review (API server's cert, kept-alive), idle", idle_review),
+        ("honest review, under the flood", reviews),
+    ):
+        times = [t for t, _ in runs]
+        said = collections.Counter(s for _, s in runs)
+        print(f"{label:<52}{statistics.median(times):>9.1f}{pct(times, 99):>9.1f}  {dict(said)}")
+
+
+def hostile_run(a: argparse.Namespace, tmp: Path, crt: Path, key: Path) -> None:
+    """The extender with its defaults and client auth on the webhook: bodies, many-address floods, forged
+    reviews (one process each, so one measurement's memory does not carry into the next)."""
+    client_ca, api_crt, api_key = client_certs(tmp)
+    forged = client_context()
+    api = client_context()
+    api.load_cert_chain(str(api_crt), str(api_key))
+    for part in a.hostile.split(","):
+        ports = {name: free_port() for name in LISTENERS}
+        cmd = [sys.executable, "-m", "gputopo.extender.main", "--snapshot", str(tmp / "cluster.yaml")]
+        cmd += ["--port", str(ports["verbs"]), "--metrics-host", "127.0.0.1", "--metrics-port", str(ports["metrics"])]
+        cmd += ["--webhook-host", "127.0.0.1", "--webhook-port", str(ports["webhook"])]
+        cmd += ["--tls-cert-file", str(crt), "--tls-key-file", str(key), "--log-level", "critical"]
+        cmd += ["--webhook-client-ca-file", str(client_ca), "--webhook-client-names", API_SERVER]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTOPO_")}
+        env["PYTHONPATH"] = str(a.root)
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        proc = start(cmd, env, ports["verbs"], a.root)
+        try:
+            if part == "bodies":
+                bodies_run(proc.pid, ports, a, forged)
+            elif part == "probes":
+                probes_run(ports, a, forged)
+            elif part == "reviews":
+                review_flood_run(ports, a, api)
+        finally:
+            stop(proc)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--requests", type=int, default=300, help="filter calls per latency run")
@@ -439,7 +728,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=30.0, help="time bound of each latency run")
     p.add_argument("--timeout-s", type=float, default=20.0, help="bound of every socket wait")
     p.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent, help="checkout to run")
-    p.add_argument("--part", choices=("all", "heads", "floods"), default="all", help="which measurements")
+    p.add_argument("--part", choices=("all", "heads", "floods", "hostile"), default="all", help="which measurements")
+    p.add_argument("--hostile", default="bodies,probes,reviews", help="hostile: which of bodies, probes, reviews")
+    p.add_argument("--bodies", type=int, default=256, help="hostile: connections sending the largest body at once")
+    p.add_argument(
+        "--body-mib", type=int, default=8, help="hostile: each body's size (the default --max-request-bytes)"
+    )
+    p.add_argument("--flood-addresses", type=int, default=8, help="hostile: addresses holding 64 silent connections")
+    p.add_argument("--probes", type=int, default=10, help="hostile: probes from another address")
+    p.add_argument("--forgers", type=int, default=48, help="hostile: callers posting forged 6 MiB reviews")
+    p.add_argument("--review-flood-s", type=float, default=15.0, help="hostile: how long the forged reviews go on")
     p.add_argument("--silent", type=int, default=3000, help="flood: connections that send nothing")
     p.add_argument("--half", type=int, default=1500, help="flood: connections that stop after their ClientHello")
     p.add_argument("--flood-s", type=float, default=10.0, help="flood: seconds of full handshakes")
@@ -461,6 +759,9 @@ def main(argv: list[str] | None = None) -> int:
         names = write_cluster(tmp / "cluster.yaml", 100)
         crt, key = certificate(tmp)
         print(f"checkout: {a.root}")
+        if a.part == "hostile":
+            hostile_run(a, tmp, crt, key)
+            return 0
         if a.part in ("all", "floods"):
             flood_run(a, tmp, crt, key)
         if a.part == "floods":

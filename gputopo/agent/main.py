@@ -324,10 +324,11 @@ def _serve(
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     if metrics_port:
-        from prometheus_client import start_http_server
+        from gputopo.agent.metricsserver import serve_metrics
 
-        # Scraped from outside the node's pod network namespace, so it listens on all addresses.
-        start_http_server(metrics_port, registry=metrics.registry)
+        # Scraped from outside the node's pod network namespace, so it listens on all addresses; bounded in
+        # connections and time (gputopo/agent/metricsserver.py).
+        serve_metrics(metrics_port, metrics.registry)
     log.info("agent started", extra={"node": node, "backend": backend, "interval_s": interval})
     agent.run()
 

@@ -33,6 +33,7 @@ from fastapi.routing import APIRoute
 from gputopo.clusterfile import cluster_states, load_cluster
 from gputopo.extender.cache import ClusterCache
 from gputopo.extender.claimtemplates import TemplateKeeper
+from gputopo.extender.clientauth import ClientAuth
 from gputopo.extender.door import Door
 from gputopo.extender.kube import ClusterSource, Informer, KubeSource, start_informers
 from gputopo.extender.limits import RequestGuard
@@ -40,8 +41,13 @@ from gputopo.extender.metrics import Metrics
 from gputopo.extender.routers import health, metrics, mutate
 from gputopo.extender.service import Extender
 from gputopo.extender.settings import Settings
+from gputopo.extender.workers import BoundedWorkers
 
 log = logging.getLogger("gputopo.extender")
+
+# /mutate's decision outcomes (gputopo_extender_decisions_total) for the refusals its listener answers from the
+# request head (gputopo/extender/heads.py).
+HEAD_OUTCOMES = {401: "unauthenticated", 403: "forbidden", 413: "too_large", 503: "busy"}
 
 
 @dataclass
@@ -111,6 +117,10 @@ class Listeners:
             if self.keeper is not None:
                 self.keeper.close()
             self.door.close()
+            for app in (self.webhook, self.metrics):
+                workers = getattr(app.state, "review_workers", None)
+                if workers is not None:
+                    workers.close()
             extender.close()
             if owned is not None:
                 owned.close()
@@ -147,6 +157,11 @@ def create_listeners(
     prometheus = Metrics(cache.age_seconds)
     extender = Extender(cache, None if settings.snapshot is not None else cluster, prometheus)
 
+    def head_refused(path: str, status: int) -> None:
+        """A /mutate refused from its request head, counted as the route counts its own refusals."""
+        if path == "/mutate":
+            prometheus.decision("mutate", HEAD_OUTCOMES.get(status, "bad_request"))
+
     def build(title: str, *routers: APIRouter) -> FastAPI:
         app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
         app.state.settings = settings
@@ -155,13 +170,22 @@ def create_listeners(
         app.state.metrics = prometheus
         for router in routers:
             app.include_router(router)
-        # The POST paths whose body the listener reads: its server sends 100 Continue only for those.
-        app.state.post_paths = frozenset(
-            r.path
-            for router in routers
-            for r in router.routes
-            if isinstance(r, APIRoute) and "POST" in (r.methods or ())
+        # What the listener's server decides from a request's head (gputopo/extender/heads.py): the paths it
+        # serves, the POST paths whose body it reads (no other body is read, nor 100 Continue sent), and the
+        # guarded ones, answered only for the API server's client certificate before their body is read.
+        routes = [r for router in routers for r in router.routes if isinstance(r, APIRoute)]
+        app.state.paths = frozenset(r.path for r in routes)
+        app.state.post_paths = frozenset(r.path for r in routes if "POST" in (r.methods or ()))
+        guarded = app.state.post_paths & {"/mutate"}
+        app.state.guarded = (
+            {path: ClientAuth.of(settings.client_names) for path in guarded}
+            if settings.webhook_client_ca_file is not None
+            else {}
         )
+        app.state.max_request_bytes = settings.max_request_bytes
+        app.state.head_refused = head_refused
+        if app.state.post_paths:  # reviews are parsed off the loop that answers the probes
+            app.state.review_workers = BoundedWorkers()
         # Every listener reads request bodies (the webhook's AdmissionReviews too): the same limit for all.
         app.add_middleware(RequestGuard, max_request_bytes=settings.max_request_bytes)
         return app

@@ -11,14 +11,23 @@ range of uvicorn in pyproject.toml is the one it was checked against, and a test
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import ssl
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gputopo.extender.bounds import HeadMeter, ListenerLimits, read_too_slow, refusal
+from gputopo.extender.heads import BodyBudget, HeadPolicy
+
+if TYPE_CHECKING:
+    from gputopo.extender.gate import Slot
+
+TLS_READ_AHEAD_BYTES = 32 * 1024
+REFUSED_TLS_LINGER_S = 0.1
 
 
 class _Timer:
@@ -43,7 +52,7 @@ class BoundedHttpTools(HttpToolsProtocol):
     subclass for one listener; uvicorn instantiates it per connection."""
 
     limits: ListenerLimits = ListenerLimits()
-    body_paths: frozenset[str] = frozenset()  # POST paths whose body the app reads: 100 Continue only there
+    policy: HeadPolicy = HeadPolicy()  # what the head alone decides (gputopo/extender/heads.py)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -55,11 +64,25 @@ class BoundedHttpTools(HttpToolsProtocol):
         self._lost = False
         self._tls: dict[str, Any] | None = None
         self.on_lost: Callable[[], None] | None = None  # the `Gate`'s release of the connection's slot
+        self.slot: Slot | None = None  # set by the `Gate`: the listener's shared counts and budget
+        self._budget: BodyBudget | None = None
+        self._peer: str | None = None  # the client's address, for its share of the budget
+        self._held: collections.deque[int] = collections.deque()  # budget bytes per request, in request order
+        self._chunked = False  # the request being read streams a body of unknown length
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         # The connection was counted by the `Gate` that handed it over (before its TLS handshake).
         super().connection_made(transport)
         self._tls = tls_extension(transport)
+        if self._tls is not None:
+            # Encrypted bytes the TLS layer takes off the socket ahead of us: its default (256 KiB) kept
+            # reading a refused body, 139 MiB over 256 connections; two records' worth is enough to stream.
+            with contextlib.suppress(AttributeError, NotImplementedError, ValueError):
+                transport.set_read_buffer_limits(high=TLS_READ_AHEAD_BYTES)  # type: ignore[attr-defined]
+        if self.slot is not None:
+            self._budget = self.slot.slots.budget
+            self._peer = self.slot.peer
+            self.slot.trusted = self.policy.trusted(self._tls)
         # The first request's head and body from the moment the connection is handed over: one that sends
         # nothing is closed then.
         self._read.start(self.limits.read_timeout_s, self._read_timed_out)
@@ -68,6 +91,7 @@ class BoundedHttpTools(HttpToolsProtocol):
         self._lost = True
         self._read.cancel()
         self._stall.cancel()
+        self._give_back(len(self._held))
         super().connection_lost(exc)
         if self.on_lost is not None:
             self.on_lost()
@@ -83,17 +107,44 @@ class BoundedHttpTools(HttpToolsProtocol):
         self._unset_keepalive_if_required()
         if self._meter.idle:
             self._read.start(self.limits.read_timeout_s, self._read_timed_out)
+        if self.slot is not None:
+            self.slot.slots.bytes_received += len(data)
         refused = self._meter.read(self.parser, data)
         if refused is not None:
             self._refuse(*refused)
 
     def on_headers_complete(self) -> None:
         self._meter.head_done()
+        method = self.parser.get_method()
+        path = httptools.parse_url(self.url).path.decode("latin-1")
+        decision = self.policy.decide(method, path, self.headers, self._tls)
+        refused = decision.refusal
+        if refused is None and self._budget is not None:
+            full = self._budget.refusal(decision.declared, self._peer)
+            refused = None if full is None else (503, full)
+        if refused is not None:
+            # Answered from the head: no 100 Continue, no byte of the body read (the parser stops here).
+            if self.policy.refused is not None:
+                self.policy.refused(path, refused[0])
+            self._refuse(*refused)
+            raise httptools.HttpParserError("refused from its head")
+        self._held.append(decision.declared if self._budget is not None else 0)
+        self._chunked = decision.chunked
         if self.expect_100_continue:
-            path = httptools.parse_url(self.url).path.decode("latin-1")
-            wanted = self.parser.get_method() == b"POST" and path in self.body_paths
+            wanted = method == b"POST" and path in self.policy.body_paths
             self.expect_100_continue = wanted and self.parser.get_http_version() == "1.1"
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if self.slot is not None:
+            self.slot.slots.body_bytes += len(body)
+        if self._chunked and self._budget is not None and self._held:
+            full = self._budget.refusal(len(body), self._peer)
+            if full is not None:
+                self._refuse(503, full)
+                raise httptools.HttpParserError("over the body budget")
+            self._held[-1] += len(body)
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
         self._meter.message_done()
@@ -101,6 +152,7 @@ class BoundedHttpTools(HttpToolsProtocol):
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
+        self._give_back(1)  # requests are answered in order: the oldest held is this one's
         if self._refusal is not None:
             self._drop_unfinished()
         if self._refusal is not None and not self.pipeline:
@@ -119,6 +171,26 @@ class BoundedHttpTools(HttpToolsProtocol):
     def resume_writing(self) -> None:
         self._stall.cancel()
         super().resume_writing()
+
+    # ------------------------------------------------------------------ the body budget and eviction
+
+    def _give_back(self, requests: int) -> None:
+        for _ in range(min(requests, len(self._held))):
+            size = self._held.popleft()
+            if self._budget is not None:
+                self._budget.give(size, self._peer)
+
+    def answering(self) -> bool:
+        """A whole request is in and its answer is not yet written out (`gputopo.extender.gate.Slot`):
+        a connection in this state is not closed to make room for another address."""
+        cycle = self.cycle
+        busy = cycle is not None and not cycle.more_body and not cycle.response_complete
+        return (busy or bool(self.pipeline)) and self.flow.write_paused is False
+
+    def evict(self) -> None:
+        """Closed to make room for a connection from an address holding fewer (`gputopo.extender.gate.Slots`)."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.abort()
 
     # ------------------------------------------------------------------ refusals, in request order
 
@@ -164,8 +236,16 @@ class BoundedHttpTools(HttpToolsProtocol):
     def _close(self) -> None:
         """Close once what is written is flushed; a client that does not read it is cut off after the read
         timeout (a closed transport otherwise waits for the flush forever, and TLS for the client's
-        close_notify for asyncio's 30 s)."""
+        close_notify for asyncio's 30 s). A refusal over TLS is cut at once when it is already out (else
+        within REFUSED_TLS_LINGER_S): while the TLS layer waits for the client's close_notify it reads and
+        decrypts whatever the client still sends, on this loop (a refused 6 MiB review, whole)."""
         self.transport.close()
+        if self._refusal is not None and self._tls is not None:
+            if not self.transport.get_write_buffer_size():
+                self._cut()
+                return
+            self.loop.call_later(REFUSED_TLS_LINGER_S, self._cut)
+            return
         self.loop.call_later(self.limits.read_timeout_s, self._cut)
 
     def _cut(self) -> None:
@@ -205,7 +285,7 @@ def tls_extension(transport: asyncio.BaseTransport) -> dict[str, Any] | None:
     }
 
 
-def bounded_protocol(limits: ListenerLimits, body_paths: frozenset[str] = frozenset()) -> type[BoundedHttpTools]:
-    """The protocol class for one listener (uvicorn's `Config(http=...)`); `body_paths`: the POST paths
-    whose body the listener reads."""
-    return type("BoundedHttpTools", (BoundedHttpTools,), {"limits": limits, "body_paths": body_paths})
+def bounded_protocol(limits: ListenerLimits, policy: HeadPolicy | None = None) -> type[BoundedHttpTools]:
+    """The protocol class for one listener (uvicorn's `Config(http=...)`); `policy`: what its request heads
+    decide (the paths it serves, those whose body it reads, who may call them)."""
+    return type("BoundedHttpTools", (BoundedHttpTools,), {"limits": limits, "policy": policy or HeadPolicy()})

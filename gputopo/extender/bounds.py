@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Protocol
 import httptools
 import orjson
 
+from gputopo.extender.limits import DEFAULT_MAX_REQUEST_BYTES
+
 if TYPE_CHECKING:
     from gputopo.extender.settings import Settings
 
@@ -32,8 +34,14 @@ DEFAULT_MAX_CONNECTIONS_PER_PEER = DEFAULT_MAX_CONNECTIONS // 4
 # connections alive and opens a few per replica, while a flood of handshakes from one address is CPU the
 # verbs listener shares (on two cores 400 handshakes a second took its p99 to 3.3x idle).
 DEFAULT_HANDSHAKES_PER_PEER_PER_S = 20.0
+# Request bodies one listener holds at once, over all its connections: four of the largest the verbs take
+# (--max-request-bytes, 8 MiB). Parsed, a body costs a few times its size: 32 MiB of them stays well inside
+# the chart's 1 GiB memory limit, while the API server's reviews (a pod, at most etcd's 1.5 MiB, twice) fit
+# many at once.
+DEFAULT_MAX_BODY_BYTES_IN_FLIGHT = 32 * 1024 * 1024
 
-REASONS = {400: b"Bad Request", 408: b"Request Timeout", 413: b"Payload Too Large"}
+REASONS = {400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden", 404: b"Not Found", 405: b"Method Not Allowed"}
+REASONS |= {408: b"Request Timeout", 413: b"Payload Too Large"}
 REASONS |= {431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
 
 
@@ -48,6 +56,8 @@ class ListenerLimits:
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S  # TLS handshake, from the accept
     max_connections_per_peer: int = DEFAULT_MAX_CONNECTIONS_PER_PEER  # of one client address (webhook, metrics)
     handshakes_per_peer_per_s: float = DEFAULT_HANDSHAKES_PER_PEER_PER_S  # TLS handshakes one address starts; 0: any
+    max_body_bytes_in_flight: int = DEFAULT_MAX_BODY_BYTES_IN_FLIGHT  # request bodies held at once, all connections
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # one body (an address's share of the above is at least this)
 
     @classmethod
     def of(cls, settings: Settings) -> ListenerLimits:
@@ -60,7 +70,15 @@ class ListenerLimits:
             handshake_timeout_s=settings.handshake_timeout_seconds,
             max_connections_per_peer=max(1, settings.max_connections // 4) if per_peer is None else per_peer,
             handshakes_per_peer_per_s=settings.handshakes_per_peer_per_second,
+            max_body_bytes_in_flight=settings.max_body_bytes_in_flight,
+            max_request_bytes=settings.max_request_bytes,
         )
+
+    @property
+    def body_bytes_per_peer(self) -> int:
+        """One client address's share of `max_body_bytes_in_flight` on the webhook: a quarter, and at least
+        one body of `max_request_bytes`."""
+        return min(self.max_body_bytes_in_flight, max(self.max_body_bytes_in_flight // 4, self.max_request_bytes))
 
 
 def head_too_large(limit: int) -> str:

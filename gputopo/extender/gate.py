@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 from gputopo.extender.bounds import TOO_MANY, TOO_MANY_FROM_PEER, ListenerLimits, refusal
+from gputopo.extender.heads import BodyBudget
 
 # Addresses whose handshake pace is remembered; past this, the ones back at a full burst are forgotten.
 _MAX_PACED_PEERS = 4096
@@ -26,36 +27,77 @@ log = logging.getLogger("gputopo.extender.http")
 
 
 class Released(Protocol):
-    """A connection's protocol that calls `on_lost` once the connection ends (`BoundedHttpTools`)."""
+    """A connection's protocol that calls `on_lost` once the connection ends (`BoundedHttpTools`), and says
+    whether it may be closed to make room for another address (`Slot.evictable`)."""
 
     on_lost: Callable[[], None] | None
+    slot: Slot | None
+
+    def answering(self) -> bool:
+        """A whole request is in and its answer is not yet written out."""
+        ...
+
+    def evict(self) -> None: ...
 
 
 class Slots:
     """The connections one listener holds, in all and per client address, each from its accept to its
-    close (whether its handshake succeeds, fails or times out)."""
+    close (whether its handshake succeeds, fails or times out); and what they share: the request bodies'
+    `BodyBudget` and the bytes read, counted for the tests and the benchmark.
+
+    When the listener is full, a connection from an address holding fewer connections than the address that
+    holds the most takes the place of that address's oldest connection that is not being answered and not the
+    API server's (`Slot.evictable`): a few addresses cannot fill the listener against everyone else (the
+    kubelet's probes, the API server, Prometheus), and who holds the most pays first. Among many addresses
+    holding one each, a newcomer takes the oldest one's place: a probe, the newest and answered within its
+    first read, is the last to be chosen, and once its request is in it cannot be."""
 
     def __init__(self, limits: ListenerLimits) -> None:
         self.limits = limits
         self.total = 0
         self.per_peer: collections.Counter[str] = collections.Counter()
         self.handshakes: set[asyncio.Task[None]] = set()  # held here: the loop keeps only weak references
+        self.open: dict[Slot, None] = {}  # held connections, oldest first
+        self.budget = BodyBudget(limits.max_body_bytes_in_flight, limits.body_bytes_per_peer)
+        self.bytes_received = 0  # every byte the listener's connections handed the parser
+        self.body_bytes = 0  # of those, request body bytes
+        self.evicted = 0
+        self.accepted = 0  # connections counted in, ever
+        self.on_idle: Callable[[], None] | None = None  # once no connection is held (`ListenerServer`: a trim)
 
     def take(self, peer: str) -> str | None:
-        """Count a connection from `peer`; or the refusal's text when it does not fit (nothing counted)."""
-        if self.total >= self.limits.max_connections:
-            return TOO_MANY
+        """Count a connection from `peer`, making room as the class doc says; or the refusal's text when it
+        does not fit (nothing counted)."""
         if self.per_peer[peer] >= self.limits.max_connections_per_peer:
             return TOO_MANY_FROM_PEER
+        if self.total >= self.limits.max_connections and not self._make_room(peer):
+            return TOO_MANY
         self.total += 1
         self.per_peer[peer] += 1
+        self.accepted += 1
         return None
+
+    def _make_room(self, peer: str) -> bool:
+        mine = self.per_peer[peer]
+        victim: Slot | None = None
+        most = mine  # only an address holding more than `peer` gives way: ties go to the newcomer's turn
+        for slot in self.open:  # oldest first: the first of the heaviest address is its oldest
+            held = self.per_peer[slot.peer]
+            if held > most and slot.evictable():
+                victim, most = slot, held
+        if victim is None:
+            return False
+        self.evicted += 1
+        victim.evict()
+        return True
 
     def release(self, peer: str) -> None:
         self.total -= 1
         self.per_peer[peer] -= 1
         if not self.per_peer[peer]:
             del self.per_peer[peer]
+        if self.on_idle is not None and self.total == 0:
+            self.on_idle()
 
 
 class HandshakePace:
@@ -98,16 +140,35 @@ class HandshakePace:
 
 
 class Slot:
-    """One connection's place in `Slots`, given back once, however the connection ends."""
+    """One connection's place in `Slots`, given back once, however the connection ends (or is evicted)."""
 
     def __init__(self, slots: Slots, peer: str) -> None:
         self.slots = slots
         self.peer = peer
         self.held = True
+        self.trusted = False  # the API server's client certificate: never evicted
+        self.protocol: Released | None = None  # once the connection is set up (after its TLS handshake)
+        self.task: asyncio.Task[None] | None = None  # its setup (pace, handshake) until then
+        slots.open[self] = None
+
+    def evictable(self) -> bool:
+        if self.trusted:
+            return False
+        return self.protocol is None or not self.protocol.answering()
+
+    def evict(self) -> None:
+        """Give the place back now (the newcomer takes it) and close the connection."""
+        protocol, task = self.protocol, self.task
+        self.release()
+        if protocol is not None:
+            protocol.evict()
+        elif task is not None:
+            task.cancel()  # `Gate._connect` closes the socket
 
     def release(self) -> None:
         if self.held:
             self.held = False
+            self.slots.open.pop(self, None)
             self.slots.release(self.peer)
 
 
@@ -170,7 +231,7 @@ class Gate:
             conn.close()
             return
         slot = Slot(self.slots, peer)
-        task = asyncio.get_running_loop().create_task(self._connect(conn, slot, wait))
+        task = slot.task = asyncio.get_running_loop().create_task(self._connect(conn, slot, wait))
         self.slots.handshakes.add(task)
         task.add_done_callback(self.slots.handshakes.discard)
 
@@ -178,14 +239,19 @@ class Gate:
         def protocol() -> asyncio.BaseProtocol:
             made = self.make()
             made.on_lost = slot.release
+            made.slot = slot
+            setup.append(made)
             return cast(asyncio.BaseProtocol, made)  # `Released` names only the part the gate sets
 
+        setup: list[Released] = []
         loop = asyncio.get_running_loop()
         timeout = self.slots.limits.handshake_timeout_s - wait if self.tls is not None else None
         try:
             if wait > 0:  # its address's handshake pace (HandshakePace); the timeout runs from the accept
                 await asyncio.sleep(wait)
             await loop.connect_accepted_socket(protocol, conn, ssl=self.tls, ssl_handshake_timeout=timeout)
+            if slot.held:  # set up: from now on an eviction closes its transport
+                slot.protocol, slot.task = setup[0], None
         except BaseException as e:  # timed out, failed, reset, or the server stopping: the slot is free
             conn.close()
             slot.release()

@@ -6,9 +6,10 @@ docs/configuration.md), then three listeners over one cache and service:
 - the mutating webhook on `--webhook-host`/`--webhook-port` over TLS (off unless `--webhook-port` is set);
 - Prometheus metrics on `--metrics-host`/`--metrics-port` (0 turns it off).
 
-The webhook and the metrics, reachable from the pod network, run on a second event loop in their own
-thread, at a lower CPU priority: a flood of connections or TLS handshakes there does not hold up the loop
-that answers kube-scheduler (OpenSSL's handshake work runs without the GIL).
+The webhook and the metrics, reachable from the pod network, each run on an event loop of their own in their
+own thread, at a lower CPU priority: a flood of connections or TLS handshakes on the webhook holds up neither
+the loop that answers kube-scheduler nor the metrics listener, where the kubelet's probes go (OpenSSL's
+handshake work runs without the GIL).
 
 Every socket is bound before anything starts, so a port in use is one line naming its flag, not a half-started
 process. The lifespan (informers, `Listeners.running`) is entered once for all three servers.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import logging
 import os
 import resource
@@ -40,6 +42,8 @@ from gputopo.clusterfile import ClusterFileError
 from gputopo.extender.bounded import BoundedHttpTools, bounded_protocol
 from gputopo.extender.bounds import ListenerLimits
 from gputopo.extender.gate import Gate, Slots
+from gputopo.extender.heads import HeadPolicy
+from gputopo.extender.limits import DEFAULT_MAX_REQUEST_BYTES
 from gputopo.extender.settings import PROG, Settings, describe_error, load_settings
 from gputopo.jsonlog import configure_logging
 
@@ -116,12 +120,19 @@ class _Serving(Protocol):
 def listener_config(
     app: ASGIApp, limits: ListenerLimits, tls: tuple[Path, Path] | None = None, client_ca: Path | None = None
 ) -> uvicorn.Config:
-    """uvicorn's configuration for the webhook or metrics listener: its protocol holds `limits`, and sends
-    100 Continue only for the POST paths the app serves. With `client_ca` the TLS context asks for a client
-    certificate and verifies one that is presented against it (ssl.CERT_OPTIONAL: a client without one
-    still connects; the app reads the certificate from the ASGI TLS extension)."""
+    """uvicorn's configuration for the webhook or metrics listener: its protocol holds `limits`, and decides
+    from each request's head whether its body is read (`HeadPolicy`: the paths the app serves, the POST paths
+    whose body it reads, the guarded ones and who may call them). With `client_ca` the TLS context asks for a
+    client certificate and verifies one that is presented against it (ssl.CERT_OPTIONAL: a client without one
+    still connects; the protocol and the app read the certificate from the ASGI TLS extension)."""
     state = getattr(app, "state", None)
-    posts: frozenset[str] = getattr(state, "post_paths", frozenset())  # set by gputopo.extender.app
+    policy = HeadPolicy(  # what gputopo.extender.app sets on each app
+        paths=getattr(state, "paths", frozenset()),
+        body_paths=getattr(state, "post_paths", frozenset()),
+        guarded=getattr(state, "guarded", {}),
+        max_request_bytes=getattr(state, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
+        refused=getattr(state, "head_refused", None),
+    )
     return uvicorn.Config(
         app,
         lifespan="off",  # entered once in `serve`, for all listeners
@@ -131,7 +142,7 @@ def listener_config(
         ssl_keyfile=tls[1] if tls else None,
         ssl_ca_certs=str(client_ca) if tls and client_ca else None,
         ssl_cert_reqs=ssl.CERT_OPTIONAL if tls and client_ca else ssl.CERT_NONE,
-        http=bounded_protocol(limits, posts),  # head cap, read deadline, idle timeout, connection cap
+        http=bounded_protocol(limits, policy),  # head cap and policy, read deadline, idle timeout, body budget
         ws="none",
     )
 
@@ -146,6 +157,26 @@ class ListenerServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, limits: ListenerLimits) -> None:
         super().__init__(config)
         self.slots = Slots(limits)
+        self.slots.on_idle = self._idle
+        self._trim: asyncio.TimerHandle | None = None
+        self._trimmed_at = (0, 0)  # the connections and bytes counted at the last trim
+
+    def _idle(self) -> None:
+        """The listener holds no connection: in a second (unless one comes meanwhile), give what the last
+        ones freed back to the system (`trim_freed_memory`), but only after a flood's worth of connections
+        or bytes since the last trim: a trim holds glibc's heap locks, which the verbs' threads share, so
+        probes and scrapes alone never cause one."""
+        slots = self.slots
+        busy = slots.accepted - self._trimmed_at[0] >= TRIM_AFTER_CONNECTIONS
+        busy = busy or slots.bytes_received - self._trimmed_at[1] >= TRIM_AFTER_BYTES
+        if busy and self._trim is None:
+            self._trim = asyncio.get_running_loop().call_later(1.0, self._trimmed)
+
+    def _trimmed(self) -> None:
+        self._trim = None
+        if self.slots.total == 0:
+            self._trimmed_at = (self.slots.accepted, self.slots.bytes_received)
+            trim_freed_memory()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -172,6 +203,10 @@ class ListenerServer(uvicorn.Server):
 
 
 GIL_SWITCH_INTERVAL_S = 0.0005
+# What a listener takes in before it trims glibc's heaps once idle (`ListenerServer._idle`): a flood, not
+# the kubelet's probes and Prometheus' scrapes.
+TRIM_AFTER_CONNECTIONS = 64
+TRIM_AFTER_BYTES = 16 * 1024 * 1024
 SIDE_NICE = 10  # how much lower the webhook's and metrics' thread runs than the verbs' (CFS: about 1/10 the weight)
 
 
@@ -246,13 +281,15 @@ async def serve(listeners: Listeners, settings: Settings, stop: asyncio.Event | 
             loop.add_signal_handler(sig, stop.set)
     # The verbs here; the listeners on the pod network on their own loop (see the module doc).
     here = [(server, sock) for server, sock in servers if isinstance(server, VerbServer)]
-    side = _SideLoop([(server, sock) for server, sock in servers if not isinstance(server, VerbServer)])
+    # Each listener on the pod network on a loop of its own: the webhook's TLS work and reviews never hold up
+    # the metrics listener, where the kubelet's probes go.
+    sides = [_SideLoop([(server, sock)]) for server, sock in servers if not isinstance(server, VerbServer)]
     try:
         with listeners.running():
             tasks: list[asyncio.Future[None]] = [
                 asyncio.create_task(server.serve(sockets=[sock])) for server, sock in here
             ]
-            if side.servers:
+            for side in sides:
                 side.thread.start()
                 tasks.append(asyncio.wrap_future(side.done))
             stopper: asyncio.Future[Any] = asyncio.create_task(stop.wait())
@@ -260,7 +297,8 @@ async def serve(listeners: Listeners, settings: Settings, stop: asyncio.Event | 
             await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
             for server, _ in here:
                 server.should_exit = True
-            side.stop()
+            for side in sides:
+                side.stop()
             stopper.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     finally:
@@ -286,6 +324,29 @@ def raise_nofile_limit() -> tuple[int, int]:
     return soft, hard
 
 
+# glibc's mallopt parameter (malloc.h): allocations from this size up are mmapped and given back to the system
+# when freed. Setting it also stops glibc raising it after every large free (its default, up to 32 MiB), which
+# left the buffers of a flood's connections (TLS reads of 256 KiB each, request bodies) held once they closed.
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 128 * 1024
+
+
+def return_freed_memory() -> bool:
+    """Make large freed buffers go back to the system (glibc only; elsewhere nothing changes): True if set."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):
+        return False
+
+
+def trim_freed_memory() -> None:
+    """Give the free pages inside glibc's heaps back to the system (`malloc_trim(0)`; ctypes drops the GIL
+    for it): what many small buffers of closed connections leave, which no threshold returns."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop where it is installed (a dependency on Linux): the verbs listener handles three requests per
     scheduled pod, and uvloop's transport and loop cost a fraction of asyncio's per request."""
@@ -307,6 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     configure_logging(settings.log_level)
     raise_nofile_limit()
+    return_freed_memory()
     # The verbs thread waits for the GIL at most this long behind the webhook's and metrics' thread or the
     # informers (Python's default is 5 ms): under a flood on the webhook the verbs' p99 went from 2.4-5.0 ms
     # to 0.8-0.9 ms with it (bench/listener_limits.py --part floods); at most 2,000 switches a second.

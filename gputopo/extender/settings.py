@@ -17,6 +17,7 @@ from gputopo.extender.bounds import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     DEFAULT_HANDSHAKES_PER_PEER_PER_S,
     DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_READ_TIMEOUT_S,
@@ -111,6 +112,12 @@ class Settings(BaseSettings):
         le=1_000_000,
         description="TLS handshakes one client address starts per second on the webhook (and as a burst); 0: no pace",
     )
+    max_body_bytes_in_flight: int = Field(
+        DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
+        ge=64 * 1024,
+        le=16 * 1024**3,
+        description="request body bytes the verbs and the webhook listener each hold at once; more get HTTP 503",
+    )
     # DRA (docs/annotations.md, "Claims under DRA"): the nodes' GPUs are gputopo's DRA devices, so the webhook
     # turns an opted-in pod's nvidia.com/gpu into a ResourceClaim that asks for an NVLink clique.
     dra: bool = Field(False, description="the webhook gives opted-in pods a ResourceClaim asking for a GPU clique")
@@ -166,6 +173,11 @@ class Settings(BaseSettings):
             )
         if self.client_names and self.webhook_client_ca_file is None:
             raise ValueError("--webhook-client-names needs --webhook-client-ca-file, the CA that signed them")
+        if self.max_body_bytes_in_flight < self.max_request_bytes:
+            raise ValueError(
+                f"--max-body-bytes-in-flight {self.max_body_bytes_in_flight} is under --max-request-bytes "
+                f"{self.max_request_bytes}: the largest body allowed could never be read"
+            )
         if self.dra_memory_classes.strip() and not self.dra:
             raise ValueError("--dra-memory-classes shapes the claims of --dra: set --dra as well")
         if self.dra_list_attributes and not self.dra:

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import httptools
+import orjson
 
 from gputopo.extender.bounds import HeadMeter
+from gputopo.extender.heads import BodyBudget, budget_full
 from gputopo.extender.limits import too_large_body
 from gputopo.extender.verbdispatch import Entry
 
@@ -21,6 +23,7 @@ class Request:
     body: bytes
     keep_alive: bool
     refusal: bytes | None = None  # a whole answer that closes the connection, sent in this request's turn
+    held: int = 0  # bytes of the listener's BodyBudget this request holds until it is answered
 
 
 class Sink(Protocol):
@@ -42,8 +45,10 @@ class Sink(Protocol):
 class RequestReader:
     """One connection's parser and the request it is reading."""
 
-    def __init__(self, door: Entry, max_header_bytes: int, sink: Sink) -> None:
+    def __init__(self, door: Entry, max_header_bytes: int, sink: Sink, budget: BodyBudget | None = None) -> None:
         self.door = door
+        self.budget = budget  # the listener's, shared by its connections
+        self.taken = 0  # of it, what the request being read holds
         self.limit = door.max_request_bytes
         self.sink = sink
         self.parser = httptools.HttpRequestParser(self)
@@ -53,6 +58,9 @@ class RequestReader:
         self._url: list[bytes] = []
         self._chunks: list[bytes] = []
         self._size = 0
+        self._has_body = False  # the head declares a body (a length over 0, or chunked)
+        self._declared = 0
+        self._chunked = False
 
     def feed(self, data: bytes) -> tuple[int, str] | None:
         """Parse `data`; the refusal to send when it cannot be served (`HeadMeter.read`)."""
@@ -62,6 +70,7 @@ class RequestReader:
 
     def on_message_begin(self) -> None:
         self._url, self._chunks, self._size, self.expect_continue = [], [], 0, False
+        self._has_body, self._declared, self._chunked = False, 0, False
         self.in_request = True
         self.sink.begun()
 
@@ -78,17 +87,32 @@ class RequestReader:
             if declared < 0 or declared > self.limit:
                 self.sink.refuse(413, too_large_body(self.limit))
                 raise httptools.HttpParserError("body too large")  # stops this feed; nothing more is read
+            self._has_body = self._has_body or declared > 0
+            self._declared = declared
+        elif name.lower() == b"transfer-encoding":
+            self._has_body = self._chunked = True
         elif name.lower() == b"expect" and value.lower() == b"100-continue":
             self.expect_continue = True
 
     def on_headers_complete(self) -> None:
         self.meter.head_done()
+        if not (self.expect_continue or self._has_body):
+            return
+        path = httptools.parse_url(b"".join(self._url)).path.decode("latin-1")
+        method = self.parser.get_method()
+        verb = self.door.route(method, path)
+        wanted = isinstance(verb, str) and self.door.reads_body(verb)
+        if self._has_body and not wanted:
+            # A body no verb reads is refused from the head, unread: the route's own 404 or 405, else 413.
+            if isinstance(verb, str):
+                self.sink.refuse(413, f"{method.decode('latin-1')[:16]} {path} takes no request body")
+            else:
+                self.sink.refuse(verb[0], str(orjson.loads(verb[1])["Error"]))
+            raise httptools.HttpParserError("a body no verb reads")
+        if self._has_body and not self._take(self._declared):
+            raise httptools.HttpParserError("over the body budget")
         if self.expect_continue:
-            # Only a verb's body is wanted, and only from an HTTP/1.1 client; any other request is
-            # answered once its body has come anyway (the client sends it after its own wait).
-            path = httptools.parse_url(b"".join(self._url)).path.decode("latin-1")
-            verb = self.door.route(self.parser.get_method(), path)
-            wanted = isinstance(verb, str) and self.door.reads_body(verb)
+            # Only a verb's body is wanted, and only from an HTTP/1.1 client.
             self.expect_continue = wanted and self.parser.get_http_version() == "1.1"
             self.sink.continue_asked()
 
@@ -97,7 +121,24 @@ class RequestReader:
         if self._size > self.limit:
             self.sink.refuse(413, too_large_body(self.limit))
             raise httptools.HttpParserError("body too large")
+        if self._chunked and not self._take(len(body)):
+            raise httptools.HttpParserError("over the body budget")
         self._chunks.append(body)
+
+    def _take(self, size: int) -> bool:
+        """Hold `size` more bytes of the listener's budget for this request; refuse it (503) when they do
+        not fit."""
+        if self.budget is None or size == 0:
+            return True
+        if not self.budget.take(size):
+            self.sink.refuse(503, budget_full(self.budget.limit))
+            return False
+        self.taken += size
+        return True
+
+    def give_back(self, size: int) -> None:
+        if self.budget is not None:
+            self.budget.give(size)
 
     def on_message_complete(self) -> None:
         self.meter.message_done()
@@ -106,4 +147,5 @@ class RequestReader:
         body = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
         url = self._url[0] if len(self._url) == 1 else b"".join(self._url)
         path = httptools.parse_url(url).path.decode("latin-1")
-        self.sink.received(Request(self.parser.get_method(), path, body, self.parser.should_keep_alive()))
+        held, self.taken = self.taken, 0
+        self.sink.received(Request(self.parser.get_method(), path, body, self.parser.should_keep_alive(), held=held))

@@ -94,7 +94,9 @@ class Pipeline:
 
     def send(self, req: Request, status: int, data: bytes, *, after: str = "") -> None:
         """Write the answer (no body to a HEAD); then `door.after(after)` when `after` names a verb; then
-        the next request."""
+        the next request. The request's body budget is given back first, answered or not."""
+        self.reader.give_back(req.held)
+        req.held = 0
         if self.conn.transport is None:  # the client left: nobody to answer, nothing to prepare
             return
         close = not req.keep_alive
@@ -120,6 +122,15 @@ class Pipeline:
         elif not self.queue and not self.busy:
             self.owe_continue()
             self.conn.rearm()
+
+    def drop(self) -> None:
+        """The connection ended: the budget its unanswered requests hold goes back (the one a worker has
+        goes back when its answer comes, in `send`)."""
+        for req in self.queue:
+            self.reader.give_back(req.held)
+        self.queue.clear()
+        self.reader.give_back(self.reader.taken)
+        self.reader.taken = 0
 
     def owe_continue(self) -> None:
         """The 100 Continue a request asked for, once every answer before it is written."""

@@ -15,7 +15,10 @@ Once a filter's answer is written the server calls `Door.after`, and before hand
 `Door.ready`: the prioritize-ahead memory's hooks (`gputopo.extender.ahead`).
 
 Bodies over `--max-request-bytes` get 413 and the connection is closed, by declared length before any of it
-is read, and by counting chunked bodies as they arrive. A request that is not HTTP/1.x gets 400 and the
+is read, and by counting chunked bodies as they arrive; a body to a path no verb reads is refused from its head
+(404, 405, 413), unread; the bodies held at once over all connections stay within `--max-body-bytes-in-flight`
+(`BodyBudget`: a request holds its declared length from its head until it is answered; past it 503).
+A request that is not HTTP/1.x gets 400 and the
 connection is closed. The limits of `gputopo.extender.bounded` hold: a head over `--max-header-bytes` gets 431, a
 request not read within `--read-timeout-seconds` 408 (a connection that sent nothing is just closed), an
 idle connection is closed after `--idle-timeout-seconds`, connections past `--max-connections` get 503.
@@ -30,6 +33,7 @@ import asyncio
 from typing import TYPE_CHECKING, cast
 
 from gputopo.extender.bounds import TOO_MANY, ListenerLimits, read_too_slow, refusal
+from gputopo.extender.heads import BodyBudget
 from gputopo.extender.verbdispatch import Answer, Dispatch, Entry
 from gputopo.extender.verbframing import Request, RequestReader
 from gputopo.extender.verbpipeline import Pipeline
@@ -45,14 +49,16 @@ class VerbProtocol(asyncio.Protocol):
     """One connection: its framing (`RequestReader`), its answers in order (`Pipeline`, door calls through
     `Dispatch`) and its one deadline (`Deadlines`); it holds what they share: the transport and the refusal."""
 
-    def __init__(self, door: Entry, limits: ListenerLimits, connections: set[VerbProtocol]) -> None:
+    def __init__(
+        self, door: Entry, limits: ListenerLimits, connections: set[VerbProtocol], budget: BodyBudget | None = None
+    ) -> None:
         self.limits = limits
         self.connections = connections
         self.transport: asyncio.Transport | None = None
         self.loop = asyncio.get_running_loop()  # made by the server's loop, for the connection it accepted
         self.refused = False  # a 431, 413, 408 or 400 is queued: read nothing more
         self._closing: asyncio.Transport | None = None  # closed by us, its answers still flushing
-        self.reader = RequestReader(door, limits.max_header_bytes, self)
+        self.reader = RequestReader(door, limits.max_header_bytes, self, budget)
         self.clock = Deadlines(self.loop, limits, read=self._read_timed_out, idle=self.close, stall=self._stalled)
         self.answers = Pipeline(self, self.reader, Dispatch(door, self.loop))
 
@@ -72,7 +78,7 @@ class VerbProtocol(asyncio.Protocol):
         self.connections.discard(self)
         self.clock.disarm()
         self.transport = self._closing = None
-        self.answers.queue.clear()
+        self.answers.drop()
 
     def data_received(self, data: bytes) -> None:
         if self.refused:
@@ -163,6 +169,7 @@ class VerbServer:
         self.door = door
         self.limits = limits or ListenerLimits()
         self.connections: set[VerbProtocol] = set()
+        self.budget = BodyBudget(self.limits.max_body_bytes_in_flight)  # request bodies held, all connections
         self.should_exit = False
         self.started = False
 
@@ -170,7 +177,7 @@ class VerbServer:
         loop = asyncio.get_running_loop()
         servers = [
             await loop.create_server(
-                lambda: VerbProtocol(self.door, self.limits, self.connections), sock=s, backlog=2048
+                lambda: VerbProtocol(self.door, self.limits, self.connections, self.budget), sock=s, backlog=2048
             )
             for s in sockets
         ]

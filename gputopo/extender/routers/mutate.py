@@ -2,7 +2,11 @@
 
 With `--webhook-client-ca-file` only a caller whose verified client certificate names one of
 `--webhook-client-names` is answered (gputopo/extender/clientauth.py): the API server. Anyone else gets 401 or 403
-with a JSON body saying why, before the body is read.
+with a JSON body saying why, from the request head, before the body is read (gputopo/extender/heads.py).
+
+The review is parsed and read on the app's review workers (gputopo/extender/workers.py: 2 threads, at most 16
+reviews queued in all and 4 per client address, past which 503 at once), never on the event loop that answers
+the listener's probes.
 
 A review that cannot be read but carries a readable `request.uid` is answered with an AdmissionReview that
 allows the pod unchanged (an unreadable review never denies a pod); only a body without one gets HTTP 400.
@@ -29,6 +33,7 @@ from gputopo.extender.deps import ExtenderDep, MetricsDep
 from gputopo.extender.kube import KubeSource
 from gputopo.extender.service import Extender
 from gputopo.extender.settings import Settings
+from gputopo.extender.workers import BoundedWorkers, Busy
 from gputopo.kube import KubeError
 
 router = APIRouter(tags=["webhook"])
@@ -62,20 +67,41 @@ async def _check(request: Request, extender: Extender, admission: webhook.Admiss
     return admission.answer
 
 
-def _client_auth(request: Request, settings: Settings) -> ClientAuth | None:
+def _client_auth(request: Request) -> ClientAuth | None:
+    """Who may call /mutate (`app.state.guarded`, set by gputopo.extender.app); the listener's server already
+    refused anyone else from the request head, before the body: this holds for an app served another way."""
+    guarded = getattr(request.app.state, "guarded", {})
+    return cast(ClientAuth | None, guarded.get("/mutate"))
+
+
+def review_workers(request: Request) -> BoundedWorkers:
+    """The app's review workers, made once (`gputopo.extender.workers`)."""
     state = request.app.state
-    auth = getattr(state, "client_auth", None)
-    if auth is None and settings.webhook_client_ca_file is not None:
-        auth = state.client_auth = ClientAuth.of(settings.client_names)
-    return cast(ClientAuth | None, auth)
+    workers = getattr(state, "review_workers", None)
+    if workers is None:
+        workers = state.review_workers = BoundedWorkers()
+    return cast(BoundedWorkers, workers)
+
+
+def _read(body: bytes, scheduler_name: str, dra: webhook.DraMode | None) -> tuple[Any, webhook.Admission | ValueError]:
+    """The review and what to admit, or the ValueError saying why it cannot be read (on a worker thread)."""
+    review: Any = None
+    try:
+        # pydantic-core's parser, not json.loads: it stops at 200 levels of nesting with a ValueError
+        # where the standard library would exhaust the stack.
+        review = from_json(body)
+        if not isinstance(review, dict):
+            raise ValueError("an AdmissionReview object is expected")
+        return review, webhook.admit_pod(review, scheduler_name, dra=dra)
+    except ValueError as e:
+        return review, e
 
 
 @router.post("/mutate")
 async def mutate(request: Request, extender: ExtenderDep, metrics: MetricsDep) -> Response:
     start = time.perf_counter()
-    review: Any = None
     settings = cast(Settings, request.app.state.settings)
-    auth = _client_auth(request, settings)
+    auth = _client_auth(request)
     refused = auth.refusal(request.scope) if auth is not None else None
     if refused is not None:
         metrics.decision("mutate", "unauthenticated" if refused[0] == 401 else "forbidden")
@@ -85,23 +111,25 @@ async def mutate(request: Request, extender: ExtenderDep, metrics: MetricsDep) -
         if settings.dra
         else None
     )
+    body = await request.body()
+    peer = request.client.host if request.client is not None else "?"
     try:
-        # pydantic-core's parser, not json.loads: it stops at 200 levels of nesting with a ValueError
-        # where the standard library would exhaust the stack.
-        review = from_json(await request.body())
-        if not isinstance(review, dict):
-            raise ValueError("an AdmissionReview object is expected")
-        admission = webhook.admit_pod(review, settings.scheduler_name, dra=dra)
-        answer = await _check(request, extender, admission)
-        outcome = "answered" if answer["response"]["allowed"] else "refused"
-    except ValueError as e:  # malformed JSON or a review mutate_pod cannot read: the client's fault
+        # Parsed off the loop, which answers this listener's probes; bounded in all and per address.
+        review, admission = await review_workers(request).run(peer, lambda: _read(body, settings.scheduler_name, dra))
+    except Busy as e:
+        metrics.decision("mutate", "busy")
+        return Response(to_json({"Error": f"webhook busy: {e}"}), 503, media_type="application/json")
+    if isinstance(admission, ValueError):  # malformed JSON or a review mutate_pod cannot read: the client's fault
         uid = webhook.review_uid(review)
         if uid is None:  # nothing to address an AdmissionReview answer to
             metrics.decision("mutate", "bad_request")
-            body = {"Error": f"malformed AdmissionReview: {e}"}
-            return Response(to_json(body), 400, media_type="application/json")
-        answer = webhook.error_review(uid, f"malformed AdmissionReview: {e}")
+            error = {"Error": f"malformed AdmissionReview: {admission}"}
+            return Response(to_json(error), 400, media_type="application/json")
+        answer = webhook.error_review(uid, f"malformed AdmissionReview: {admission}")
         outcome = "bad_request"
+    else:
+        answer = await _check(request, extender, admission)
+        outcome = "answered" if answer["response"]["allowed"] else "refused"
     metrics.decision("mutate", outcome)
     metrics.duration.labels("mutate").observe(time.perf_counter() - start)
     return Response(to_json(answer), media_type="application/json")
