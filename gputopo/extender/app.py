@@ -22,6 +22,7 @@ loaded from the cluster file once and is ready immediately.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,6 +35,7 @@ from gputopo.clusterfile import cluster_states, load_cluster
 from gputopo.extender.cache import ClusterCache
 from gputopo.extender.claimtemplates import TemplateKeeper
 from gputopo.extender.door import Door
+from gputopo.extender.groupgates import GateLifter
 from gputopo.extender.kube import ClusterSource, Informer, KubeSource, start_informers
 from gputopo.extender.limits import RequestGuard
 from gputopo.extender.metrics import Metrics
@@ -61,6 +63,8 @@ class Listeners:
     keeper: TemplateKeeper | None = (
         None  # --dra: the claim templates real pods name (gputopo/extender/claimtemplates.py)
     )
+    lifter: GateLifter | None = None  # lifts gputopo's scheduling gate (gputopo/extender/groupgates.py)
+    _lifting: threading.Event = field(default_factory=threading.Event)
 
     @contextmanager
     def running(self) -> Iterator[None]:
@@ -90,6 +94,19 @@ class Listeners:
                     on_relist=self.prometheus.relisted,
                 )
                 self.informers = [inf for inf, _ in started]
+            # Always, whether or not this webhook gates: a pod gated before the setting changed is lifted too.
+            self.lifter = GateLifter(
+                self.cache.ledger,
+                lambda: extender.source,
+                extender.events,
+                release_after_s=settings.group_gate_release_seconds,
+                clock=self.cache.clock,
+            )
+            self._lifting.clear()
+            if self.watch:  # without informers the caller drives the sweeps (`lifter.sweep()`), as the cache
+                threading.Thread(
+                    target=self.lifter.run, args=(self._lifting,), name="gputopo-group-gates", daemon=True
+                ).start()
         if settings.webhook_port and settings.webhook_client_ca_file is None:
             log.warning(
                 "the webhook is unauthenticated: /mutate answers any caller that reaches its port "
@@ -108,6 +125,7 @@ class Listeners:
         finally:
             for inf in self.informers:
                 inf.stop.set()
+            self._lifting.set()
             if self.keeper is not None:
                 self.keeper.close()
             self.door.close()
