@@ -33,6 +33,13 @@ already has claims keeps them as they are. Here the webhook may deny: a request 
 bad ``gputopo.io/nvlink`` or ``min-gpu-memory``, a ``min-gpu-memory`` above the largest memory class,
 more GPUs than a claim holds, an unreadable ``nvidia.com/gpu``) is refused with the reason, since
 admitted unchanged it would ask for a resource no DRA node serves.
+
+**Group gate** (``--group-gate``, docs/annotations.md "While a gang is gated"): a member of a group under
+gputopo's scheduler (after this webhook's own patch) gets the ``gputopo.io/group-complete`` scheduling gate, so
+it waits outside kube-scheduler's queue until the extender lifts it for the whole group
+(gputopo/extender/groupgates.py); a pod another holder keeps back (Kueue's gates, a native PodGroup) or a JobSet
+under exclusive placement gets none (gputopo.model.gates.admission_gate). A gate in a list the pod's author
+wrote is appended, never replacing theirs.
 """
 
 from __future__ import annotations
@@ -48,8 +55,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gputopo.engine.draclaims import MEMORY_CLASSES_MIB, REQUEST, ClaimError, ClaimTemplate, claim_template
 from gputopo.extender.wire import WireError, pod_gpus
 from gputopo.model import ANN_MIN_GPU_MEMORY, ANN_NVLINK, GPU_RESOURCE, PREFIX, SCHEDULER_NAME, AnnotationError
-from gputopo.model.jobs import group_identity
-from gputopo.model.request import parse_pod_request
+from gputopo.model.gates import admission_gate, gate_names, gate_patch
+from gputopo.model.jobs import JOBSET_EXCLUSIVE, JOBSET_NODE_SELECTOR, group_identity
+from gputopo.model.request import ANN_GROUP, parse_pod_request
 
 __all__ = [
     "ADMISSION_API_VERSION",
@@ -63,6 +71,7 @@ __all__ = [
     "admit_pod",
     "claim_patch",
     "error_review",
+    "group_gate_patch",
     "is_opted_in",
     "mutate_pod",
     "refusal",
@@ -196,7 +205,11 @@ def mutate_pod(admission_review: dict[str, Any], scheduler_name: str = SCHEDULER
 
 
 def admit_pod(
-    admission_review: dict[str, Any], scheduler_name: str = SCHEDULER_NAME, dra: DraMode | None = None
+    admission_review: dict[str, Any],
+    scheduler_name: str = SCHEDULER_NAME,
+    dra: DraMode | None = None,
+    *,
+    group_gate: bool = False,
 ) -> Admission:
     """:func:`mutate_pod`, and with `dra` the claim: see the module's docstring. Raises ValueError as
     mutate_pod does; a pod whose request no claim can express gets a refusal, not an exception."""
@@ -216,6 +229,8 @@ def admit_pod(
     ops: list[dict[str, Any]] = []
     if is_opted_in(pod):
         ops.extend(scheduler_name_patch(scheduler_name))
+    if group_gate:
+        ops.extend(group_gate_patch(pod, scheduler_name, opted_in=bool(ops)))
     template: ClaimTemplate | None = None
     namespace = request.namespace or _str_at(pod, "metadata", "namespace")
     if dra is not None and _claims_gpus(pod, scheduler_name) and not _has_claims(pod):
@@ -232,6 +247,30 @@ def admit_pod(
         response.patch_type = "JSONPatch"
         response.patch = base64.b64encode(patch.encode()).decode()
     return Admission(_answer(response), request.uid, namespace, template, request.dry_run)
+
+
+def group_gate_patch(pod: Mapping[str, Any], scheduler_name: str, *, opted_in: bool) -> list[dict[str, Any]]:
+    """The JSONPatch that adds gputopo's scheduling gate to a group member under gputopo's scheduler
+    (`opted_in`: this webhook sets that scheduler); none for any other pod (gputopo.model.gates says which)."""
+    metadata, spec = pod.get("metadata"), pod.get("spec")
+    if not isinstance(metadata, Mapping) or not isinstance(spec, Mapping):
+        return []
+    labels = _str_map(metadata.get("labels"))
+    annotations = _str_map(metadata.get("annotations"))
+    pod_group = _str_at(spec, "schedulingGroup", "podGroupName")
+    group = annotations.get(ANN_GROUP) or group_identity(labels, pod_group)
+    gates = gate_names(spec)
+    why_not = admission_gate(
+        scheduler=scheduler_name if opted_in else _str_at(spec, "schedulerName"),
+        ours=scheduler_name,
+        group=group,
+        gates=gates,
+        pod_group=pod_group,
+        exclusive=JOBSET_EXCLUSIVE in annotations and JOBSET_NODE_SELECTOR not in annotations,
+    )
+    if why_not is not None:
+        return []
+    return gate_patch(isinstance(spec.get("schedulingGates"), list) and bool(spec.get("schedulingGates")))
 
 
 def _str_at(obj: Mapping[str, Any], *keys: str) -> str:

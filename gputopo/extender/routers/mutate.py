@@ -91,7 +91,7 @@ async def mutate(request: Request, extender: ExtenderDep, metrics: MetricsDep) -
         review = from_json(await request.body())
         if not isinstance(review, dict):
             raise ValueError("an AdmissionReview object is expected")
-        admission = webhook.admit_pod(review, settings.scheduler_name, dra=dra)
+        admission = webhook.admit_pod(review, settings.scheduler_name, dra=dra, group_gate=settings.group_gate)
         answer = await _check(request, extender, admission)
         outcome = "answered" if answer["response"]["allowed"] else "refused"
     except ValueError as e:  # malformed JSON or a review mutate_pod cannot read: the client's fault
