@@ -101,6 +101,7 @@ class Listeners:
                 extender.events,
                 release_after_s=settings.group_gate_release_seconds,
                 clock=self.cache.clock,
+                on_lift=lambda reason: self.prometheus.gates_lifted.labels(reason).inc(),
             )
             self._lifting.clear()
             if self.watch:  # without informers the caller drives the sweeps (`lifter.sweep()`), as the cache

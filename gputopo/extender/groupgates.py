@@ -97,6 +97,7 @@ class GateLifter:
         interval_s: float = 1.0,
         max_writes: int = DEFAULT_MAX_WRITES,
         clock: Callable[[], float] = time.time,
+        on_lift: Callable[[str], None] | None = None,
     ) -> None:
         self.ledger = ledger
         self.source = source
@@ -108,7 +109,7 @@ class GateLifter:
         self.since: dict[str, float] = {}  # uid -> when first seen gated
         self.told: set[str] = set()  # uids told why they wait
         self.written: dict[str, float] = {}  # uid -> when its lift was written
-        self.lifted: dict[LiftReason, int] = dict.fromkeys(LiftReason, 0)
+        self.on_lift = on_lift  # a lift written, by its reason (the metric)
 
     def gated(self) -> list[Gated]:
         now = self.clock()
@@ -171,7 +172,8 @@ class GateLifter:
                 log.warning("could not lift the gate", extra={"pod": m.ref, "gate": GROUP_GATE, "error": str(e)})
             return False
         self.written[m.uid] = self.clock()
-        self.lifted[decided.reason] += 1
+        if self.on_lift is not None:
+            self.on_lift(str(decided.reason))
         if decided.message:
             self.events.pod_event(
                 m.namespace,

@@ -293,6 +293,8 @@ def test_members_wait_until_whole_then_all_are_lifted_in_rank_order(gated_env: E
     assert [p[1] for p in env.source.patches] == [f"m-{i}" for i in range(4)]  # one write per pod
     assert all(gates_of(env, f"m-{i}") == [] for i in range(4))
     assert events(env, LIFTED_REASON) == {}  # a whole group's lift needs no word
+    lifted = env.metrics.registry.get_sample_value("gputopo_extender_group_gates_lifted_total", {"reason": "complete"})
+    assert lifted == 4
     assert sweep(env) == [] and len(env.source.patches) == 4
 
 
