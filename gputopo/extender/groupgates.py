@@ -6,7 +6,8 @@ group once the group is whole, with one JSON patch per pod (a `test` of the gate
 `remove`: a pod whose gates changed meanwhile is refused and read again). `GateLifter.sweep()` reads the
 gated pods the ledger indexes (`PodTable.gated`), decides each with `gputopo.model.gates.lift`, and:
 
-- tells each gated member once why it waits (a `GroupGated` Event, `kubectl describe pod`);
+- tells each gated member once why it waits (a `GroupGated` Event, `kubectl describe pod`), once it has
+  waited `tell_after_s`;
 - lifts a whole group's gates together, the group's ranks in order, before any other lift;
 - lifts at once a gate without a reason (no group, another holder, a group that cannot be placed) and,
   after `release_after_s`, a group that is still not whole, each with a `GroupGateLifted` Warning Event;
@@ -47,6 +48,9 @@ GATED_REASON = "GroupGated"
 LIFTED_REASON = "GroupGateLifted"
 DEFAULT_RELEASE_AFTER_S = 900.0
 DEFAULT_MAX_WRITES = 200
+# A member is told why it waits once it has waited this long: a gang whose members all come within it costs
+# no Event at all, only its lifts.
+DEFAULT_TELL_AFTER_S = 5.0
 # A lift written is not written again until the watch shows the pod (or this long has passed).
 _RESEND_AFTER_S = 30.0
 
@@ -98,6 +102,7 @@ class GateLifter:
         max_writes: int = DEFAULT_MAX_WRITES,
         clock: Callable[[], float] = time.time,
         on_lift: Callable[[str], None] | None = None,
+        tell_after_s: float = DEFAULT_TELL_AFTER_S,
     ) -> None:
         self.ledger = ledger
         self.source = source
@@ -110,6 +115,7 @@ class GateLifter:
         self.told: set[str] = set()  # uids told why they wait
         self.written: dict[str, float] = {}  # uid -> when its lift was written
         self.on_lift = on_lift  # a lift written, by its reason (the metric)
+        self.tell_after_s = tell_after_s
 
     def gated(self) -> list[Gated]:
         now = self.clock()
@@ -153,7 +159,7 @@ class GateLifter:
             if self._write(source, decided, g.gates):
                 done.append(decided)
         for g in waiting:
-            if g.member.uid not in self.told:
+            if g.member.uid not in self.told and now - g.member.since >= self.tell_after_s:
                 self.told.add(g.member.uid)
                 m = g.member
                 self.events.pod_event(

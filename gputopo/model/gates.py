@@ -30,8 +30,9 @@ KUEUE_ADMISSION_GATE: Final = "kueue.x-k8s.io/admission"
 KUEUE_TOPOLOGY_GATE: Final = "kueue.x-k8s.io/topology"
 # Gates of holders that already keep a pod back until its group is admitted or placed: gputopo adds none.
 OTHER_HOLDERS: Final = frozenset({KUEUE_ADMISSION_GATE, KUEUE_TOPOLOGY_GATE})
-# The API server caps nothing but the pod's size; a pod is read only this far (its other gates are not ours).
-MAX_GATES_READ: Final = 64
+# The API server caps a pod's gates only by the pod's size; they are read this far, and a pod with more gets
+# no gate of gputopo's (its own might sit past the bound, and a name twice is refused).
+MAX_GATES_READ: Final = 256
 
 __all__ = [
     "GROUP_GATE",
@@ -83,6 +84,9 @@ def admission_gate(
         return "no group member"
     if GROUP_GATE in gates:
         return "gated already"  # a name twice is refused by the API server
+    if len(gates) >= MAX_GATES_READ:
+        return f"{MAX_GATES_READ} or more scheduling gates"
+
     held = sorted(OTHER_HOLDERS.intersection(gates))
     if held:
         return f"held by {held[0]}"

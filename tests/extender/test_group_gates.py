@@ -50,6 +50,9 @@ RELEASE = 900.0
         pytest.param({"gates": (KUEUE_ADMISSION_GATE,)}, "held by kueue", id="kueue-admission-holds-it-not-gated"),
         pytest.param({"gates": ("x/y", KUEUE_TOPOLOGY_GATE)}, "held by kueue", id="kueue-topology-holds-it-not-gated"),
         pytest.param({"gates": ("example.com/other",)}, None, id="an-unrelated-gate-is-no-holder-gated"),
+        pytest.param(
+            {"gates": tuple(f"g{i}" for i in range(MAX_GATES_READ))}, "or more scheduling gates", id="too-many-to-read"
+        ),
         pytest.param({"pod_group": "pg"}, "held by its PodGroup pg", id="native-podgroup-holds-it-not-gated"),
         pytest.param({"exclusive": True}, "exclusive placement", id="jobset-exclusive-leaders-never-gated"),
     ],
@@ -283,6 +286,8 @@ def events(env: Env, reason: str) -> dict[str, str]:
 def test_members_wait_until_whole_then_all_are_lifted_in_rank_order(gated_env: Env) -> None:
     env = gated_env
     env.add_pods(*(member_pod(f"m-{i}", stage=i) for i in (3, 1, 0)))
+    assert sweep(env) == [] and events(env, GATED_REASON) == {}  # a gang that comes at once is told nothing
+    env.clock.advance(5)
     assert sweep(env) == []
     told = events(env, GATED_REASON)
     assert sorted(told) == ["m-0", "m-1", "m-3"]
