@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gputopo.extender.groupgates import GATED_REASON, LIFTED_REASON, GateLifter
 from gputopo.extender.webhook import admit_pod
@@ -435,3 +437,64 @@ def test_a_flood_of_gated_pods_is_lifted_at_the_bounded_pace_whole_groups_first(
     first = sweep(env)
     assert len(first) == 10 and first[:2] == ["default/m-0", "default/m-1"]
     assert [len(sweep(env)) for _ in range(4)] == [10, 10, 2, 0]
+
+
+# ------------------------------------------------------------------ property: any arrival order, any interference
+
+Op = tuple[str, int, int]  # (what, pod index, argument)
+
+OPS = st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 7), st.integers(0, 1)),  # argument: the pod's own gate before ours
+    st.tuples(st.just("tenant-lifts"), st.integers(0, 7), st.just(0)),
+    st.tuples(st.just("delete"), st.integers(0, 7), st.just(0)),
+    st.tuples(st.just("advance"), st.just(0), st.sampled_from([1, 60, int(RELEASE)])),
+    st.tuples(st.just("sweep"), st.just(0), st.just(0)),
+)
+
+
+def _group_of(i: int) -> tuple[str, int]:
+    """Pods 0-3 make group a of 4, pods 4-7 group b of 5 (which can never be whole)."""
+    return ("a", 4) if i < 4 else ("b", 5)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(OPS, max_size=25))
+def test_gates_are_lifted_once_only_ours_and_never_outlive_their_reason(ops: list[Op]) -> None:
+    from gputopo.extender.settings import Settings
+
+    settings = Settings(namespace=NS, group_gate=True, group_gate_release_seconds=RELEASE)
+    with make_env(FakeSource(NS), FakeClock(), settings) as env:
+        own: dict[str, list[str]] = {}  # pod -> the gates its author wrote
+        for what, i, arg in ops:
+            name = f"p-{i}"
+            stored = env.source.get("pods", "default", name)
+            if what == "add" and stored is None:
+                group, size = _group_of(i)
+                pod = member_pod(name, group, size, stage=i % 4)
+                own[name] = ["example.com/mine"] if arg else []
+                pod["spec"]["schedulingGates"] = [{"name": g} for g in own[name]] + [{"name": GROUP_GATE}]
+                env.add_pods(pod)
+            elif what == "tenant-lifts" and stored is not None:
+                stored["spec"]["schedulingGates"] = [{"name": g} for g in own[name]]
+                env.add_pods(stored)
+            elif what == "delete" and stored is not None:
+                env.source.delete("pods", "default", name)
+                env.resync()
+            elif what == "advance":
+                env.clock.advance(arg)
+            elif what == "sweep":
+                for lf in lifter(env).sweep():
+                    if lf.reason is LiftReason.COMPLETE:
+                        group, size = _group_of(int(lf.member.name[2:]))
+                        assert group == "a" and lf.member.present >= size
+                env.resync()
+        patched = [p[1] for p in env.source.patches]
+        assert len(patched) == len(set(patched)), "one write per pod"
+        # The bound runs from when the lifter first saw the pod (it sweeps every second): past it, a sweep
+        # leaves no pod gated by gputopo, and the authors' own gates all stay.
+        sweep(env)
+        env.clock.advance(RELEASE)
+        sweep(env)
+        for name, gates in own.items():
+            if env.source.get("pods", "default", name) is not None:
+                assert gates_of(env, name) == gates
