@@ -127,6 +127,8 @@ class Listeners:
             for inf in self.informers:
                 inf.stop.set()
             self._lifting.set()
+            if self.lifter is not None:
+                self.lifter.close()
             if self.keeper is not None:
                 self.keeper.close()
             self.door.close()
