@@ -15,8 +15,8 @@ gated pods the ledger indexes (`PodTable.gated`), decides each with `gputopo.mod
   is lifted at that pace, never faster.
 
 The time a pod is first seen gated is this process's: after a restart a gate may be held up to one more
-`release_after_s`. Another scheduler's pod is no group member here and carries gputopo's gate only because
-its author wrote it: the ledger does not keep such a pod, so the gate is its author's to lift.
+`release_after_s`. Another scheduler's pod carries gputopo's gate only because its author wrote it (the
+webhook gates only gputopo's): it is left alone.
 """
 
 from __future__ import annotations
@@ -126,7 +126,8 @@ class GateLifter:
         now = self.clock()
         with self.ledger.lock:
             pods = self.ledger.pods
-            uids = sorted(pods.gated)
+            # Another scheduler's pod carries the gate only because its author wrote it: theirs to lift.
+            uids = sorted(u for u in pods.gated if pods[u].scheduler_name == self.ledger.scheduler_name)
             out = [gated_member(self.ledger, pods[u], self.since.setdefault(u, now)) for u in uids]
         for uid in set(self.since) - set(uids):  # lifted (by anyone) or gone
             self.since.pop(uid, None)

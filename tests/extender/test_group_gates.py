@@ -356,11 +356,16 @@ def test_a_gate_a_tenant_wrote_on_a_lone_pod_is_lifted_at_once(gated_env: Env) -
     assert "no member of a group" in events(env, LIFTED_REASON)["lone"]
 
 
-def test_a_gate_on_another_schedulers_pod_is_not_touched(gated_env: Env) -> None:
+@pytest.mark.parametrize(
+    "annotated",
+    [pytest.param(False, id="a-plain-pod"), pytest.param(True, id="one-with-gputopo-annotations-the-ledger-keeps")],
+)
+def test_a_gate_on_another_schedulers_pod_is_not_touched(gated_env: Env, annotated: bool) -> None:
     env = gated_env
     pod = member_pod("theirs")
     pod["spec"]["schedulerName"] = "default-scheduler"
-    pod["metadata"]["annotations"] = {}
+    if not annotated:
+        pod["metadata"]["annotations"] = {}
     env.add_pods(pod)
     assert sweep(env) == [] and env.source.patches == []
     env.clock.advance(RELEASE)
