@@ -13,6 +13,10 @@ no agent processes), then the Job. Its pods come from one of two places (`--via`
   jobset      a JobSet of Jobs of --per-job pods through the real JobSet controller (its webhooks on),
               then the Job controller; needs gputopo/localcluster/build_controllers.sh
 
+With `--gate on` (or `off,on`, side by side) the extender's webhook gives every member gputopo's scheduling
+gate (`--group-gate`, docs/annotations.md "While a gang is gated"): the members wait outside kube-scheduler's
+queue until the gang is whole, then the extender lifts every gate at once.
+
 It prints the seconds from the Job's creation to the last bind, the CPU seconds of every process
 (extender and kube-scheduler apart) and per member, and the leaves the bound pods span against the
 fewest that can hold them. Targets (30 s to the last bind on this machine; the fewest leaves) are
@@ -23,6 +27,7 @@ bounds the run; teardown stops only the processes this script started.
     .venv/bin/python bench/gang_scale.py --pods 256 --nodes 1000 --leaves 8 --via pods
     .venv/bin/python bench/gang_scale.py --via jobset,pods      # the real JobSet controller, then the
                                                                 # same pods created at once, side by side
+    .venv/bin/python bench/gang_scale.py --via jobset --gate off,on    # the JobSet without and with the gate
     .venv/bin/python bench/gang_scale.py --pods 1024,4096 --leaves 157 --via pods,plain
                                                                 # both sizes, gputopo and kube-scheduler alone
 """
@@ -56,6 +61,7 @@ from gputopo.localcluster import (
     pod_manifest,
 )
 from gputopo.localcluster.controllers import JobControllers, controllers_missing, find_controllers_dir
+from gputopo.localcluster.manifests import pod_webhook_manifest
 from gputopo.localcluster.procstats import cpu_snapshot
 from gputopo.localcluster.stack import Stack
 from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION
@@ -151,6 +157,7 @@ def bound_pods(kube: KubeClient) -> dict[str, str]:
 @dataclass
 class Result:
     via: str
+    gated: bool
     pods: int
     bound: dict[str, str]
     wall: float
@@ -185,11 +192,38 @@ def _submit(kube: KubeClient, args: argparse.Namespace, via: str, pods: int) -> 
         kube.create_pods([member_manifest(job, i, scheduler) for i in range(pods)], workers=args.workers)
 
 
-def run_one(args: argparse.Namespace, bin_dir: Path, via: str, pods: int, deadline: Deadline) -> Result:
+def _gate_members(kube: KubeClient, stack: Stack, deadline: Deadline) -> None:
+    """Send the namespace's pod CREATEs to the extender's webhook; return once a probe comes back mutated
+    (a new configuration takes a moment to reach the admission chain)."""
+    assert stack.ca_file is not None
+    kube.apply([pod_webhook_manifest("gang-scale-gate", stack.webhook_url, stack.ca_file.read_bytes(), NAMESPACE)])
+    for attempt in range(10_000):
+        probe = pod_manifest(
+            f"probe-{attempt}",
+            namespace=NAMESPACE,
+            annotations={"gputopo.io/nvlink": "preferred"},
+            node_selector={"bench.gputopo.io/probe": "matches-no-node"},
+        )
+        try:
+            mutated = kube.create_pod(probe)["spec"]["schedulerName"] == GPUTOPO_PROFILE
+            kube.delete_pod(NAMESPACE, f"probe-{attempt}")
+        except KubeApiError:
+            mutated = False
+        if mutated:
+            return
+        if deadline.expired():
+            raise TimeoutError("the webhook never became active")
+        time.sleep(0.5)
+
+
+def run_one(
+    args: argparse.Namespace, bin_dir: Path, via: str, pods: int, deadline: Deadline, gated: bool = False
+) -> Result:
     with ControlPlane(bin_dir, keep=args.keep) as cp:
         say(f"[{via}] control plane up in {cp.dir}")
         kube = KubeClient(cp.kubeconfig, kubectl=cp.kubectl, pool_size=max(32, args.workers))
-        stack = Stack(cp, kube, stale_after_seconds=3600.0)
+        values = {"webhook": {"groupGate": {"enabled": True}}} if gated else {}
+        stack = Stack(cp, kube, stale_after_seconds=3600.0, webhook=gated, values=values)
         stack.install()  # the chart's namespace, RBAC and policies
         t = time.monotonic()
         nodes = sim_nodes(args.nodes, args.leaves, args.leaves_per_spine)
@@ -209,6 +243,8 @@ def run_one(args: argparse.Namespace, bin_dir: Path, via: str, pods: int, deadli
             assert directory is not None  # checked before any run
             JobControllers(cp, kube, directory).ensure("jobset")
         kube.create_namespace(NAMESPACE)
+        if gated:
+            _gate_members(kube, stack, deadline)
         # Settle: every component idle before the clock starts.
         time.sleep(2.0)
         cpu0 = cpu_snapshot(cp, "this benchmark")
@@ -229,7 +265,7 @@ def run_one(args: argparse.Namespace, bin_dir: Path, via: str, pods: int, deadli
         cpu1 = cpu_snapshot(cp, "this benchmark")
         kube.close()
     cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu1.items()}
-    return Result(via, pods, bound, wall, cpu, len({leaf_of[n] for n in bound.values()}))
+    return Result(via, gated, pods, bound, wall, cpu, len({leaf_of[n] for n in bound.values()}))
 
 
 def _cpu_of(r: Result, *prefixes: str) -> float:
@@ -258,7 +294,7 @@ def report(args: argparse.Namespace, results: list[Result]) -> None:
     def row(label: str, cell: Callable[[Result], str]) -> None:
         print(f"  {label:<24}" + "".join(f"{cell(r):<38}" for r in results))
 
-    row("pods made by", lambda r: made[r.via])
+    row("pods made by", lambda r: made[r.via] + (", gated" if r.gated else ""))
     row("members", lambda r: str(r.pods))
     row("bound", lambda r: f"{len(r.bound)}/{r.pods}")
     row("creation to last bind", lambda r: f"{r.wall:.1f} s")
@@ -298,7 +334,17 @@ def run(args: argparse.Namespace) -> int:
             if missing is not None:
                 print(f"--via jobset: {missing}", file=sys.stderr)
                 return 2
-    results = [run_one(args, bin_dir, via, pods, deadline) for pods in args.pods for via in vias]
+    gates = [g.strip() for g in args.gate.split(",")]
+    if any(g not in ("off", "on") for g in gates):
+        print(f"--gate {args.gate}: off, on, or both (off,on)", file=sys.stderr)
+        return 2
+    results = [
+        run_one(args, bin_dir, via, pods, deadline, gate == "on")
+        for pods in args.pods
+        for gate in gates
+        for via in vias
+        if not (gate == "on" and via == "plain")  # kube-scheduler alone has no webhook to gate with
+    ]
     report(args, results)
     return 0 if all(len(r.bound) == r.pods for r in results) else 1
 
@@ -322,6 +368,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--via",
         default="auto",
         help="who makes the pods: controller, pods, jobset, or several side by side (jobset,pods); auto = controller",
+    )
+    p.add_argument(
+        "--gate", default="off", help="the members get gputopo's scheduling gate: off, on, or both (off,on) (off)"
     )
     p.add_argument("--per-job", type=int, default=8, help="pods per Job of the JobSet (--via jobset; 8)")
     p.add_argument("--workers", type=int, default=32, help="parallel API clients for creates (32)")

@@ -22,6 +22,7 @@ loaded from the cluster file once and is ready immediately.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,6 +36,7 @@ from gputopo.extender.cache import ClusterCache
 from gputopo.extender.claimtemplates import TemplateKeeper
 from gputopo.extender.clientauth import ClientAuth
 from gputopo.extender.door import Door
+from gputopo.extender.groupgates import GateLifter
 from gputopo.extender.kube import ClusterSource, Informer, KubeSource, start_informers
 from gputopo.extender.limits import RequestGuard
 from gputopo.extender.metrics import Metrics
@@ -67,6 +69,8 @@ class Listeners:
     keeper: TemplateKeeper | None = (
         None  # --dra: the claim templates real pods name (gputopo/extender/claimtemplates.py)
     )
+    lifter: GateLifter | None = None  # lifts gputopo's scheduling gate (gputopo/extender/groupgates.py)
+    _lifting: threading.Event = field(default_factory=threading.Event)
 
     @contextmanager
     def running(self) -> Iterator[None]:
@@ -96,6 +100,20 @@ class Listeners:
                     on_relist=self.prometheus.relisted,
                 )
                 self.informers = [inf for inf, _ in started]
+            # Always, whether or not this webhook gates: a pod gated before the setting changed is lifted too.
+            self.lifter = GateLifter(
+                self.cache.ledger,
+                lambda: extender.source,
+                extender.events,
+                release_after_s=settings.group_gate_release_seconds,
+                clock=self.cache.clock,
+                on_lift=lambda reason: self.prometheus.gates_lifted.labels(reason).inc(),
+            )
+            self._lifting.clear()
+            if self.watch:  # without informers the caller drives the sweeps (`lifter.sweep()`), as the cache
+                threading.Thread(
+                    target=self.lifter.run, args=(self._lifting,), name="gputopo-group-gates", daemon=True
+                ).start()
         if settings.webhook_port and settings.webhook_client_ca_file is None:
             log.warning(
                 "the webhook is unauthenticated: /mutate answers any caller that reaches its port "
@@ -114,6 +132,9 @@ class Listeners:
         finally:
             for inf in self.informers:
                 inf.stop.set()
+            self._lifting.set()
+            if self.lifter is not None:
+                self.lifter.close()
             if self.keeper is not None:
                 self.keeper.close()
             self.door.close()

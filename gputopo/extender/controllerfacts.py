@@ -186,6 +186,7 @@ class Controllers:
             node_selector=rec.node_selector,
             selector_problem=rec.selector_problem,
             topology_gated=rec.topology_gated,
+            gates=rec.gates,
             claim_templates=rec.claim_templates,
         )
         facts = self.facts(rec.namespace)

@@ -1,5 +1,5 @@
-"""core/v1 Events that explain what already happened (a placement, a placement mismatch), posted by a
-small worker pool off every request's critical path. A lost Event is only logged.
+"""core/v1 Events that explain what already happened (a placement, a placement mismatch, a gang member gated),
+posted by a small worker pool off every request's critical path. A lost Event is only logged.
 
 `flush` is a barrier: it returns once every Event submitted before it was posted or failed (each post's
 future is kept until it is done, and `flush` waits for the ones pending when it was called)."""
@@ -73,6 +73,28 @@ class EventPoster:
         if self._closed:
             return
         self._submit(self._mismatch, m)
+
+    def pod_event(self, namespace: str, name: str, uid: str, reason: str, kind: str, text: str, suffix: str) -> None:
+        """An Event about a pod under a fixed name per pod and `suffix`: a second replica, or this one after a
+        restart, gets 409 and posts no twin."""
+        if self._closed:
+            return
+        self._submit(self._pod_event, namespace, name, uid, reason, kind, text, suffix)
+
+    def _pod_event(self, namespace: str, name: str, uid: str, reason: str, kind: str, text: str, suffix: str) -> None:
+        source = self._source()
+        if source is None:
+            return
+        event = self._body(namespace, name, uid, reason, kind, text)
+        tail = f".{uid}.{suffix}"
+        event["metadata"]["name"] = name[: MAX_EVENT_NAME - len(tail)].rstrip(".-") + tail
+        try:
+            source.create_event(namespace, event)
+        except KubeError as e:
+            if e.status != 409:
+                log.warning(
+                    f"could not create the {reason} event", extra={"pod": f"{namespace}/{name}", "error": str(e)}
+                )
 
     def _placed(self, namespace: str, name: str, uid: str, sentence: str) -> None:
         source = self._source()

@@ -2,9 +2,10 @@
 the project's Kubernetes layer (`gputopo.kube`), and the informers that keep the cache current.
 
 `KubeSource` lists and watches the kinds the extender reads (nodes, pods, the agents' Leases, Jobs,
-PodGroups, DRA's ResourceClaims and ResourceSlices) as raw JSON and makes its two writes (Binding,
-Event). `Informer` runs one list+watch loop per kind in a thread (`gputopo.kube.run_list_watch`, the
-informer core the agent's pod view shares) and hands objects to a handler (the cache, which locks):
+PodGroups, DRA's ResourceClaims and ResourceSlices) as raw JSON and makes its three writes (Binding,
+Event, and the JSON patch that removes gputopo's scheduling gate from a pod). `Informer` runs one
+list+watch loop per kind in a thread (`gputopo.kube.run_list_watch`, the informer core the agent's pod
+view shares) and hands objects to a handler (the cache, which locks):
 410 Gone relists, any other failure reconnects, both after a jittered, capped exponential backoff as
 client-go's reflector waits (a watch that ends at once counts as a failure too), and the cache keeps
 serving meanwhile. The kinds, their paths and scopes are declared once, in `gputopo.kube.kinds.WATCHED`.
@@ -67,6 +68,10 @@ class ClusterSource(Protocol):
 
     def create_event(self, namespace: str, event: JSON) -> None: ...
 
+    def patch_pod(self, namespace: str, name: str, ops: list[JSON]) -> None:
+        """A JSON patch of the pod (gputopo's scheduling gate removed: gputopo.extender.groupgates)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -108,6 +113,9 @@ class KubeSource:
 
     def create_event(self, namespace: str, event: JSON) -> None:
         self.api.create_event(namespace, event)
+
+    def patch_pod(self, namespace: str, name: str, ops: list[JSON]) -> None:
+        self.api.json_patch(pod_path(namespace, name), ops)
 
     def close(self) -> None:
         self.api.close()

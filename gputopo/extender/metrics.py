@@ -81,6 +81,13 @@ class Metrics:
             ["kind"],
             registry=self.registry,
         )
+        self.gates_lifted = Counter(
+            "gputopo_extender_group_gates_lifted",
+            "gputopo.io/group-complete scheduling gates the extender lifted, by why: complete (the group is "
+            "whole), no-group, held-elsewhere (Kueue or a PodGroup holds the pod), cannot-place, timeout.",
+            ["reason"],
+            registry=self.registry,
+        )
         self.fragmentation: FragmentationTracker | None = None  # track_fragmentation sets it
         for kind in KIND_NAMES:  # every watched kind's series exists from the start, at 0
             self.bad_objects.labels(kind)

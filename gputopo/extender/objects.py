@@ -192,6 +192,7 @@ class PodRecord:
     node_selector: tuple[tuple[str, str], ...] = ()  # where it may go (PodInfo's, bounded there): group planning
     selector_problem: str = ""  # why node_selector was not kept (PodInfo's)
     topology_gated: bool = False  # Kueue has not written its topology domain yet
+    gates: tuple[str, ...] = ()  # PodInfo's: gputopo's gate is lifted by gputopo.extender.groupgates
     claim_templates: tuple[str, ...] = ()  # PodInfo's: its ComputeDomain is read again when a template changes
 
     @property
@@ -340,6 +341,7 @@ def record_of(
         node_selector=info.node_selector,
         selector_problem=info.selector_problem,
         topology_gated=info.topology_gated,
+        gates=info.gates,
         claim_templates=info.claim_templates,
     )
 

@@ -24,6 +24,7 @@ from gputopo.extender.objects import PodRecord
 from gputopo.extender.reservations import GroupKey
 from gputopo.model import SCHEDULER_NAME
 from gputopo.model.controllers import JOB_NAME, JOBSET_NAME
+from gputopo.model.gates import GROUP_GATE
 
 ControllerRef = tuple[str, str, str]  # (namespace, "job" | "jobset" | "podgroup", name)
 
@@ -118,6 +119,7 @@ class PodTable(dict[str, PodRecord]):
         self.groups: dict[GroupKey, GroupTally] = {}  # only groups with members
         # node -> the ComputeDomains whose IMEX channel its bound active pods claim (gputopo.engine.imex)
         self.channels: dict[str, Counter[str]] = {}
+        self.gated: set[str] = set()  # the pods that carry gputopo's gate (gputopo.extender.groupgates lifts it)
         for uid, rec in (records or {}).items():
             self[uid] = rec
 
@@ -141,6 +143,10 @@ class PodTable(dict[str, PodRecord]):
             self._unindex(uid, old, rec)
         super().__setitem__(uid, rec)
         _serve(self.channels, rec, 1)
+        if GROUP_GATE in rec.gates:
+            self.gated.add(uid)
+        else:
+            self.gated.discard(uid)
         for ref in controller_refs(rec):
             self.by_controller.setdefault(ref, set()).add(uid)
         key = self.group_of(rec)
@@ -154,6 +160,7 @@ class PodTable(dict[str, PodRecord]):
     def __delitem__(self, uid: str) -> None:
         rec = self[uid]
         super().__delitem__(uid)
+        self.gated.discard(uid)
         self._unindex(uid, rec, None)
 
     @overload

@@ -129,6 +129,14 @@ class Settings(BaseSettings):
         description="with --dra: comma-separated GPU memory figures (MiB, as NVML reports them) a claim's minimum "
         "HBM may round up to, beside the named systems'",
     )
+    # Gang members wait outside kube-scheduler's queue until their group is whole (docs/annotations.md, "While
+    # a gang is gated"): the webhook gates them, the extender lifts the gate (gputopo.extender.groupgates).
+    group_gate: bool = Field(
+        False, description="the webhook gives group members the gputopo.io/group-complete scheduling gate"
+    )
+    group_gate_release_seconds: float = Field(
+        900.0, gt=0, le=7 * 86400, description="a gated group still not whole after this long is told so and released"
+    )
     # Environment only (JSON): GPUTOPO_SCORE_WEIGHTS, and GPUTOPO_TIERS as the chart passes it. Hidden from
     # --help because a JSON object per flag invites quoting mistakes; the environment is the documented way.
     score_weights: CliSuppress[ScoreWeights] = ScoreWeights()

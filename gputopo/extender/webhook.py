@@ -35,6 +35,13 @@ more GPUs than a claim holds, an unreadable ``nvidia.com/gpu``) is refused with 
 admitted unchanged it would ask for a resource no DRA node serves. So is a review whose namespace is not a
 DNS-1123 label or whose pod name is not a DNS-1123 subdomain (gputopo.model.k8snames): the API server never
 sends one, and its namespace would go into the path of the template read; it is refused before any request.
+
+**Group gate** (``--group-gate``, docs/annotations.md "While a gang is gated"): a member of a group under
+gputopo's scheduler (after this webhook's own patch) gets the ``gputopo.io/group-complete`` scheduling gate, so
+it waits outside kube-scheduler's queue until the extender lifts it for the whole group
+(gputopo/extender/groupgates.py); a pod another holder keeps back (Kueue's gates, a native PodGroup) or a JobSet
+under exclusive placement gets none (gputopo.model.gates.admission_gate). A gate in a list the pod's author
+wrote is appended, never replacing theirs.
 """
 
 from __future__ import annotations
@@ -50,9 +57,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gputopo.engine.draclaims import MEMORY_CLASSES_MIB, REQUEST, ClaimError, ClaimTemplate, claim_template
 from gputopo.extender.wire import WireError, pod_gpus
 from gputopo.model import ANN_MIN_GPU_MEMORY, ANN_NVLINK, GPU_RESOURCE, PREFIX, SCHEDULER_NAME, AnnotationError
-from gputopo.model.jobs import group_identity
+from gputopo.model.gates import admission_gate, gate_names, gate_patch
+from gputopo.model.jobs import JOBSET_EXCLUSIVE, JOBSET_NODE_SELECTOR, group_identity
 from gputopo.model.k8snames import InvalidName, check_name, check_namespace
-from gputopo.model.request import parse_pod_request
+from gputopo.model.request import ANN_GROUP, parse_pod_request
 
 __all__ = [
     "ADMISSION_API_VERSION",
@@ -66,6 +74,7 @@ __all__ = [
     "admit_pod",
     "claim_patch",
     "error_review",
+    "group_gate_patch",
     "is_opted_in",
     "mutate_pod",
     "names_problem",
@@ -200,7 +209,11 @@ def mutate_pod(admission_review: dict[str, Any], scheduler_name: str = SCHEDULER
 
 
 def admit_pod(
-    admission_review: dict[str, Any], scheduler_name: str = SCHEDULER_NAME, dra: DraMode | None = None
+    admission_review: dict[str, Any],
+    scheduler_name: str = SCHEDULER_NAME,
+    dra: DraMode | None = None,
+    *,
+    group_gate: bool = False,
 ) -> Admission:
     """:func:`mutate_pod`, and with `dra` the claim: see the module's docstring. Raises ValueError as
     mutate_pod does; a pod whose request no claim can express gets a refusal, not an exception."""
@@ -220,6 +233,8 @@ def admit_pod(
     ops: list[dict[str, Any]] = []
     if is_opted_in(pod):
         ops.extend(scheduler_name_patch(scheduler_name))
+    if group_gate:
+        ops.extend(group_gate_patch(pod, scheduler_name, opted_in=bool(ops)))
     template: ClaimTemplate | None = None
     namespace = request.namespace or _str_at(pod, "metadata", "namespace")
     if dra is not None:
@@ -258,6 +273,30 @@ def names_problem(request: AdmissionRequest, pod: Mapping[str, Any]) -> str:
     except InvalidName as e:
         return str(e)
     return ""
+
+
+def group_gate_patch(pod: Mapping[str, Any], scheduler_name: str, *, opted_in: bool) -> list[dict[str, Any]]:
+    """The JSONPatch that adds gputopo's scheduling gate to a group member under gputopo's scheduler
+    (`opted_in`: this webhook sets that scheduler); none for any other pod (gputopo.model.gates says which)."""
+    metadata, spec = pod.get("metadata"), pod.get("spec")
+    if not isinstance(metadata, Mapping) or not isinstance(spec, Mapping):
+        return []
+    labels = _str_map(metadata.get("labels"))
+    annotations = _str_map(metadata.get("annotations"))
+    pod_group = _str_at(spec, "schedulingGroup", "podGroupName")
+    group = annotations.get(ANN_GROUP) or group_identity(labels, pod_group)
+    gates = gate_names(spec)
+    why_not = admission_gate(
+        scheduler=scheduler_name if opted_in else _str_at(spec, "schedulerName"),
+        ours=scheduler_name,
+        group=group,
+        gates=gates,
+        pod_group=pod_group,
+        exclusive=JOBSET_EXCLUSIVE in annotations and JOBSET_NODE_SELECTOR not in annotations,
+    )
+    if why_not is not None:
+        return []
+    return gate_patch(isinstance(spec.get("schedulingGates"), list) and bool(spec.get("schedulingGates")))
 
 
 def _str_at(obj: Mapping[str, Any], *keys: str) -> str:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gputopo.model import GPU_RESOURCE
 from gputopo.model.dra import pod_claim_gpus
+from gputopo.model.gates import gate_names
 from gputopo.model.podspec import PodSpecError, read_pod_gpus
 from gputopo.model.podspec import short_repr as _short
 
@@ -231,6 +232,7 @@ class PodInfo:
     node_selector: tuple[tuple[str, str], ...] = ()
     selector_problem: str = ""  # why node_selector was not kept (over the bounds); its group cannot plan
     topology_gated: bool = False  # still held by Kueue's topology gate: its domain is not written yet
+    gates: tuple[str, ...] = ()  # spec.schedulingGates' names (gputopo.model.gates reads them): gputopo's gate
     # The ResourceClaimTemplates its spec.resourceClaims name (a ComputeDomain's IMEX channel is one).
     claim_templates: tuple[str, ...] = ()
 
@@ -347,6 +349,7 @@ def _placement_limits(spec: Mapping[str, Any], where: str) -> dict[str, Any]:
             out["node_selector"] = tuple(sorted(selector.items()))
     if gates and isinstance(gates, list):
         out["topology_gated"] = any(isinstance(g, Mapping) and g.get("name") == KUEUE_TOPOLOGY_GATE for g in gates)
+        out["gates"] = gate_names(spec)
     return out
 
 

@@ -99,6 +99,11 @@ class _ApiClientStream:
         self.raw.release_conn()
 
 
+def _plain(body: Mapping[str, Any] | list[Any]) -> JSON | list[Any]:
+    """A request body as the client encodes it: an object (a dict), or a JSON patch's list of operations."""
+    return body if isinstance(body, list) else dict(body)
+
+
 def _pairs(query: Query | None) -> list[tuple[str, str]]:
     if query is None:
         return []
@@ -153,7 +158,7 @@ class Kube:
         self,
         method: str,
         path: str,
-        body: JSON | None,
+        body: JSON | list[Any] | None,
         query: Query | None,
         content_type: str,
         timeout: float | tuple[float, float] | None,
@@ -184,7 +189,7 @@ class Kube:
         self,
         method: str,
         path: str,
-        body: Mapping[str, Any] | None = None,
+        body: Mapping[str, Any] | list[Any] | None = None,
         *,
         query: Query | None = None,
         content_type: str = "application/json",
@@ -194,12 +199,12 @@ class Kube:
         last byte; the decoded JSON answer ({} when empty). Raises `KubeError` (`Gone` for 410)."""
         timeout = timeout or self.request_timeout
         if self.transport is not None:
-            payload = orjson.dumps(dict(body)) if body is not None else None
+            payload = orjson.dumps(_plain(body)) if body is not None else None
             status, data = self.transport.request(method, path, _pairs(query), payload, content_type, timeout)
         else:
             seconds = total_seconds(timeout)
             deadline = None if seconds is None else time.monotonic() + seconds
-            resp = self._send(method, path, dict(body) if body is not None else None, query, content_type, timeout)
+            resp = self._send(method, path, _plain(body) if body is not None else None, query, content_type, timeout)
             data = self._read_body(resp.response, deadline, seconds, method, path)
             status = int(resp.status)
         if not 200 <= status <= 299:
@@ -246,6 +251,10 @@ class Kube:
     def merge_patch(self, path: str, patch: Mapping[str, Any]) -> JSON:
         """JSON merge patch: only the named fields change (a None value removes one)."""
         return self.request("PATCH", path, patch, content_type="application/merge-patch+json")
+
+    def json_patch(self, path: str, ops: list[dict[str, Any]]) -> JSON:
+        """JSON patch (RFC 6902): the operations in order, all or none (a failed `test` gets 422)."""
+        return self.request("PATCH", path, ops, content_type="application/json-patch+json")
 
     def delete(self, path: str, body: Mapping[str, Any] | None = None) -> JSON:
         return self.request("DELETE", path, body)

@@ -93,6 +93,8 @@ BASE_OBJECTS = {
     ("ValidatingAdmissionPolicyBinding", "gputopo-agent"),
     ("ValidatingAdmissionPolicy", "gputopo-placement"),
     ("ValidatingAdmissionPolicyBinding", "gputopo-placement"),
+    ("ValidatingAdmissionPolicy", "gputopo-gate"),
+    ("ValidatingAdmissionPolicyBinding", "gputopo-gate"),
     ("NetworkPolicy", "gputopo-scheduler"),
     ("NetworkPolicy", "gputopo-agent"),
 }
@@ -148,14 +150,20 @@ BASE_OBJECTS |= CLEANUP_HOOK
         pytest.param([], {"agent__enabled": "false"}, (BASE_OBJECTS | TEST_HOOK) - AGENT, id="agent off"),
         pytest.param(
             [],
-            {"scheduler__placementPolicy__enabled": "false", "scheduler__podDisruptionBudget__enabled": "false"},
+            {
+                "scheduler__placementPolicy__enabled": "false",
+                "scheduler__gatePolicy__enabled": "false",
+                "scheduler__podDisruptionBudget__enabled": "false",
+            },
             (BASE_OBJECTS | TEST_HOOK)
             - {
                 ("ValidatingAdmissionPolicy", "gputopo-placement"),
                 ("ValidatingAdmissionPolicyBinding", "gputopo-placement"),
+                ("ValidatingAdmissionPolicy", "gputopo-gate"),
+                ("ValidatingAdmissionPolicyBinding", "gputopo-gate"),
                 ("PodDisruptionBudget", "gputopo-scheduler"),
             },
-            id="placement policy and PDB off",
+            id="placement and gate policies and PDB off",
         ),
         pytest.param([], {"cleanup__enabled": "false"}, (BASE_OBJECTS | TEST_HOOK) - CLEANUP_HOOK, id="cleanup off"),
     ],
@@ -355,14 +363,15 @@ def test_the_webhook_turns_on_the_tls_listener_and_its_service() -> None:
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
 
 
-def test_extender_cluster_role_reads_nodes_and_pods_and_writes_only_bindings_and_events() -> None:
+def test_extender_cluster_role_reads_nodes_and_pods_and_writes_only_bindings_events_and_gate_lifts() -> None:
     docs = render()
     role = one(docs, "ClusterRole", component="extender")
     assert _verbs_on(role, "", "nodes") == {"get", "list", "watch"}
     assert not _verbs_on(role, "", "nodes") & WRITE_VERBS
     assert not _verbs_on(role, "", "nodes/status")
-    # The Binding carries the placement annotation: no Pod write other than pods/binding.
-    assert _verbs_on(role, "", "pods") == {"get", "list", "watch"}
+    # The Binding carries the placement annotation; the one Pod patch lifts gputopo's scheduling gate, and the
+    # gate policy (below) refuses any other.
+    assert _verbs_on(role, "", "pods") == {"get", "list", "watch", "patch"}
     assert _verbs_on(role, "", "pods/binding") == {"create"}
     assert _verbs_on(role, "", "events") == {"create"}
     assert not _verbs_on(role, "events.k8s.io", "events")

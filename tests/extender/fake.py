@@ -39,6 +39,7 @@ class FakeSource:
         self.calls: list[str] = []
         self.down = False
         self.fail_binding: KubeError | None = None
+        self.patches: list[tuple[str, str, list[JSON]]] = []  # (namespace, name, ops) of each pod patch applied
         self.closed = False
 
     # ------------------------------------------------------------------ test helpers
@@ -161,6 +162,33 @@ class FakeSource:
         if name and any((e.get("metadata") or {}).get("name") == name for e in self.events):
             raise KubeError(409, f'events "{name}" already exists', "AlreadyExists")
         self.events.append(copy.deepcopy(event))
+
+    def patch_pod(self, namespace: str, name: str, ops: list[JSON]) -> None:
+        """JSON patch, the two operations the extender sends (`test`, `remove`), all or none as the API
+        server applies them: a failed test or a path that is not there gets 422."""
+        self._check(f"patch {namespace}/{name}")
+        obj = self.get("pods", namespace, name)
+        if obj is None:
+            raise KubeError(404, f'pods "{name}" not found', "NotFound")
+        obj = copy.deepcopy(obj)
+        for op in ops:
+            *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in str(op.get("path", "")).split("/")[1:]]
+            at: Any = obj
+            try:
+                for p in parents:
+                    at = at[int(p)] if isinstance(at, list) else at[p]
+                key: Any = int(last) if isinstance(at, list) else last
+                if op.get("op") == "test":
+                    if at[key] != op.get("value"):
+                        raise KubeError(422, f"the test at {op['path']} failed", "Invalid")
+                elif op.get("op") == "remove":
+                    del at[key]
+                else:
+                    raise KubeError(422, f"the fake applies no {op.get('op')!r}", "Invalid")
+            except (KeyError, IndexError, ValueError, TypeError):
+                raise KubeError(422, f"no {op.get('path')} in the pod", "Invalid") from None
+        self.patches.append((namespace, name, copy.deepcopy(ops)))
+        self.put("pods", obj)
 
     def close(self) -> None:
         self.closed = True

@@ -83,7 +83,9 @@ def review_workers(request: Request) -> BoundedWorkers:
     return cast(BoundedWorkers, workers)
 
 
-def _read(body: bytes, scheduler_name: str, dra: webhook.DraMode | None) -> tuple[Any, webhook.Admission | ValueError]:
+def _read(
+    body: bytes, scheduler_name: str, dra: webhook.DraMode | None, group_gate: bool
+) -> tuple[Any, webhook.Admission | ValueError]:
     """The review and what to admit, or the ValueError saying why it cannot be read (on a worker thread)."""
     review: Any = None
     try:
@@ -92,7 +94,7 @@ def _read(body: bytes, scheduler_name: str, dra: webhook.DraMode | None) -> tupl
         review = from_json(body)
         if not isinstance(review, dict):
             raise ValueError("an AdmissionReview object is expected")
-        return review, webhook.admit_pod(review, scheduler_name, dra=dra)
+        return review, webhook.admit_pod(review, scheduler_name, dra=dra, group_gate=group_gate)
     except ValueError as e:
         return review, e
 
@@ -115,7 +117,9 @@ async def mutate(request: Request, extender: ExtenderDep, metrics: MetricsDep) -
     peer = request.client.host if request.client is not None else "?"
     try:
         # Parsed off the loop, which answers this listener's probes; bounded in all and per address.
-        review, admission = await review_workers(request).run(peer, lambda: _read(body, settings.scheduler_name, dra))
+        review, admission = await review_workers(request).run(
+            peer, lambda: _read(body, settings.scheduler_name, dra, settings.group_gate)
+        )
     except Busy as e:
         metrics.decision("mutate", "busy")
         return Response(to_json({"Error": f"webhook busy: {e}"}), 503, media_type="application/json")
