@@ -260,6 +260,7 @@ class Ledger:
             ns.settle(e, self.clock())
             ns.nodes[facts.name] = e
             ns.label_channel(facts.name, e.labels)
+            ns.labels.put(facts.name, e.labels)
             ns.changed()
             for uid in e.report.pods:
                 self._check_mismatch(uid)
@@ -277,6 +278,7 @@ class Ledger:
             for name in names:
                 if self.nodes.pop(name, None) is not None:
                     self.node_states.forget(name)
+                    self.node_states.labels.drop([name])
                     self.node_states.changed()
 
     def put_lease(self, node: str, renew: float | None) -> bool:
@@ -328,7 +330,8 @@ class Ledger:
     def replace_pods(self, records: Mapping[str, PodRecord]) -> None:
         with self.lock:
             touched = {p.placed_node for p in self.pods.values()} | {p.placed_node for p in records.values()}
-            self.pods = PodTable(records, self.scheduler_name)
+            before, self.pods = self.pods, PodTable(records, self.scheduler_name)
+            self.pods.keep_versions(before)
             self.node_states.clear_assumed()
             for rec in self.pods.values():
                 self._index(rec)
