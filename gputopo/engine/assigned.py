@@ -361,6 +361,10 @@ def _failure(group: str, held: Sequence[Held], why: str) -> GroupFailure:
     who = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     where = selector_text(held[0].selector)
     noun = "members" if len(names) > 1 else "member"
+    if any(h.selector != held[0].selector for h in held):  # selectors that select the same nodes (often none)
+        return GroupFailure(
+            group, f"group {group}: {noun} {who} held by their spec.nodeSelectors ({where}, ...): {why}"
+        )
     return GroupFailure(
         group, f"group {group}: {noun} {who} held by spec.nodeSelector {where} (Kueue's topology assignment): {why}"
     )

@@ -18,7 +18,8 @@ labels_st = st.dictionaries(st.sampled_from(KEYS), st.sampled_from(VALUES), max_
 selector_st = st.dictionaries(st.sampled_from(KEYS), st.sampled_from(VALUES), max_size=3).map(
     lambda d: tuple(sorted(d.items()))
 )
-step_st = st.one_of(
+Step = tuple[str, str, dict[str, str]]
+step_st: st.SearchStrategy[Step] = st.one_of(
     st.tuples(st.just("put"), st.sampled_from(NAMES), labels_st),
     st.tuples(st.just("drop"), st.sampled_from(NAMES), st.just({})),
     st.tuples(st.just("ask"), st.sampled_from(NAMES), st.just({})),
@@ -31,8 +32,8 @@ def _scan(nodes: dict[str, dict[str, str]], selector: Selector) -> frozenset[str
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(step_st, max_size=30), st.lists(selector_st, min_size=1, max_size=6))
-def test_the_index_equals_the_scan(steps: list[tuple[str, str, dict[str, str]]], selectors: list[Selector]) -> None:
-    index, nodes = LabelIndex(), {}
+def test_the_index_equals_the_scan(steps: list[Step], selectors: list[Selector]) -> None:
+    index, nodes = LabelIndex(), dict[str, dict[str, str]]()
     for kind, name, labels in steps:
         if kind == "put":
             index.put(name, labels)

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gputopo.engine.replan import replan
 from gputopo.extender import groupdesk
 from gputopo.extender.settings import Settings
 from tests.extender.fake import FakeSource
@@ -33,7 +34,7 @@ def node(name: str, leaf: str = "leaf-a", in_use: list[int] | None = None) -> JS
 def plans(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
     """Plans the group desk makes (calls of the engine's replan)."""
     made: Counter[str] = Counter()
-    real = groupdesk.replan
+    real = replan
 
     def counted(*a: Any, **kw: Any) -> Any:
         made["plans"] += 1
