@@ -146,6 +146,7 @@ def create_listeners(
         cache.load_static(cluster_states(load_cluster(settings.snapshot), settings.tiers))
     prometheus = Metrics(cache.age_seconds)
     extender = Extender(cache, None if settings.snapshot is not None else cluster, prometheus)
+    extender.best_only = settings.filter_best_only
 
     def build(title: str, *routers: APIRouter) -> FastAPI:
         app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)

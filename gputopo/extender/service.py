@@ -145,6 +145,9 @@ class Extender:
         self._preempted: dict[str, tuple[float, list[frozenset[str]]]] = {}
         self.events = EventPoster(lambda: self.source)
         self.groups = GroupDesk(self.ledger, cache.facts, self.serving)
+        # A lone pod's filter passes only the engine's best node (--filter-best-only, the chart's default):
+        # kube-scheduler then neither scores nor calls prioritize. False: every fitting node passes.
+        self.best_only = False
         self.binder = Binder(self.ledger, lambda: self.source, self.events, cache.facts, self.recent.recall)
         self.binder.channels = cache.channels
         self.ledger.on_mismatch = self._on_mismatch
@@ -263,6 +266,8 @@ class Extender:
         if len(present) == 1:  # one kind of node (often: none fits): no per-node split at all
             if passing:
                 passed_all = nodes if isinstance(nodes, list) else list(nodes)
+                if self.best_only and d.kind == "evaluated" and len(passed_all) > 1:
+                    return self._best(d, passed_all, outcomes, d.kinds, raw)
                 self.ahead.passed(outcomes, passed_all, outcomes, d.kinds, raw)
                 return FilterAnswer(list(nodes), {}, {}, d)
         else:
@@ -270,6 +275,8 @@ class Extender:
             passed = list(compress(nodes, selected))
             if passed:  # prioritize will name exactly these nodes
                 kinds = Kinds(list(compress(ids, selected)), d.kinds.verdicts) if d.kinds is not None else None
+                if self.best_only and d.kind == "evaluated" and len(passed) > 1:
+                    return self._best(d, passed, list(compress(outcomes, selected)), kinds, raw)
                 self.ahead.passed(outcomes, passed, list(compress(outcomes, selected)), kinds, raw)
                 # kube-scheduler reads why nodes failed only when none passed (to explain the pod and to pick
                 # preemption candidates): thousands of reasons per call would be built, sent and decoded for
@@ -293,6 +300,18 @@ class Extender:
             self._split(nodes, ids, unresolvable_ids, messages),
             d,
         )
+
+    def _best(
+        self, d: Decision, passed: list[str], outcomes: list[Outcome], kinds: Kinds | None, raw: bytes
+    ) -> FilterAnswer:
+        """Only the node prioritize would rank first (`ranked`: the engine's score, then best fit above the
+        node, then the name) passes: with one feasible node kube-scheduler skips its score plugins and
+        the prioritize call, the cost of which is most of what a lone pod adds to its cycle."""
+        scores = ranked(passed, outcomes, kinds, self.ledger.fabric.now().order)
+        i = scores.index(max(scores))
+        one = Kinds([kinds.keys[i]], kinds.verdicts) if kinds is not None else None
+        self.ahead.passed(d.outcomes, [passed[i]], [outcomes[i]], one, raw)
+        return FilterAnswer([passed[i]], {}, {}, d)
 
     def _catch_up_with_preemption(self, info: PodInfo) -> None:
         """kube-scheduler evicts the victims this extender's preempt answer named and retries the preemptor

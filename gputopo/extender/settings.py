@@ -76,6 +76,11 @@ class Settings(BaseSettings):
     )
     stale_after_seconds: float = Field(120.0, gt=0, description="a node whose agent Lease is older is stale")
     reservation_timeout_seconds: float = Field(120.0, gt=0, description="unbound group reservations expire")
+    filter_best_only: bool = Field(
+        False,
+        description="a lone pod's filter passes only the engine's best node, so kube-scheduler skips its own "
+        "scoring and prioritize (the chart turns it on)",
+    )
     snapshot: Path | None = Field(None, description="serve from a static cluster file, no API server")
     log_level: LogLevel = "info"
     # Larger request bodies get 413 before they are parsed (gputopo/extender/limits.py sizes the default).
