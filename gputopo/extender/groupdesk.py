@@ -47,7 +47,7 @@ DRY_RUN_PLANS_KEPT = 1024  # groups at once; the oldest plan goes first
 # What a group's plan reads of the asking pod beyond the members' records: its nodeSelector (its candidates
 # obey it; members with it go where it may), its spread rule and the group's size.
 Asker = tuple[Selector, Spread, int]
-FAILURES_KEPT = 1024  # groups whose failed plan is kept at once; the oldest goes first
+FAILURES_KEPT = 512  # groups whose failed plan is kept at once (a list of node names each); the oldest goes first
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class _Failed:
     failure: GroupFailure
     asker: Asker
     written: int
-    names: frozenset[str]
+    names: list[str]  # the candidates as they were named (the node cache's strings: no copy of each name)
     selected: list[str]
     generation: int
     labels: int
@@ -89,7 +89,8 @@ class FailedPlans:
         if f is None or f.asker != asker or f.written != written or len(names) != len(f.names):
             return None
         ledger = self.ledger
-        if ledger.node_states.labels.generation != f.labels or not f.names.issuperset(names):
+        # kube-scheduler lists the nodes in one order: compared as lists first (no hashing of thousands)
+        if ledger.node_states.labels.generation != f.labels or not (f.names == names or set(f.names) == set(names)):
             return None
         ledger.expire(ledger.clock())  # a hold due to expire frees GPUs: a change of the nodes it held
         if not ledger.unchanged_since(f.generation, itertools.chain(f.names, f.selected)):
@@ -344,7 +345,7 @@ class GroupDesk:
             if isinstance(out, GroupFailure) and left_out:
                 return GroupFailure(out.group, f"{out.message}; {left_out}")
             if isinstance(out, GroupFailure) and asker is not None:
-                self.failures.keep(key, _Failed(out, asker, written, frozenset(names), selected, generation, labels))
+                self.failures.keep(key, _Failed(out, asker, written, self._names(names), selected, generation, labels))
             if not isinstance(out, Replan):
                 return out
             res = Reservation(key, now, dict(out.slots), out.plan)
@@ -359,6 +360,11 @@ class GroupDesk:
                 )
                 return res
         return GroupFailure(group, f"group {group}: the planned GPUs kept changing while planning; retrying")
+
+    def _names(self, names: Sequence[str]) -> list[str]:
+        """`names` as the node cache spells them (its strings, shared), for keeping."""
+        nodes = self.ledger.nodes
+        return [e.name if (e := nodes.get(n)) is not None else n for n in names]
 
     def _asker(self, info: PodInfo, req: PodRequest, size: int) -> Asker | None:
         """What a plan reads of the asking pod beyond the members' records, when its record is what its

@@ -55,6 +55,10 @@ PREEMPTION_CATCH_UP_SECONDS = 0.5
 MAX_PREEMPTORS_KEPT = 1024
 
 
+# Decisions that tell every node one outcome (`[o] * len(names)`): a group's, or a pod's that is invalid.
+ONE_OUTCOME = frozenset({"invalid", "group_waiting", "group_failed"})
+
+
 @dataclass
 class Decision:
     """Per-node outcomes for one pod, plus the kind of decision (a bounded metrics label)."""
@@ -68,6 +72,9 @@ class Decision:
 
     def reason_label(self) -> str:
         """The dominant failure reason when nothing fits ('' when something does)."""
+        if self.kind in ONE_OUTCOME and self.outcomes:  # one outcome for every node: no count
+            o = self.outcomes[0]
+            return o.reason.value if o.reason else "unknown"
         # Outcomes are shared between equivalent nodes: look at each distinct one; count nodes per
         # outcome (C-level) only when none fits.
         distinct = dict(zip(map(id, self.outcomes), self.outcomes, strict=True))
@@ -247,6 +254,12 @@ class Extender:
             self.recent.remember(info)  # the pod as its filter carried it: its bind needs no GET
         if d.kind == "pass_through":
             return FilterAnswer(list(names), {}, {}, d)
+        if d.kind in ONE_OUTCOME and d.outcomes:  # no node passes; one reason for all (a waiting gang's)
+            o = d.outcomes[0]
+            answer = dict.fromkeys(d.names, o.message)
+            if o.code is Code.UNRESOLVABLE or o.reason is Reason.NO_FREE_CLIQUE:
+                return FilterAnswer([], {}, answer, d)
+            return FilterAnswer([], answer, {}, d)
         # Nodes of one kind share one outcome: sort the kinds into passed or not once, then split the node
         # list with C-level maps (thousands of nodes per call). Kinds are the ledger's keys when the decision
         # has them (ints, and the ledger keeps which of them fit), else the outcomes' identities.
