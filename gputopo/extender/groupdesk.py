@@ -198,12 +198,12 @@ class GroupDesk:
         with self.locks(key):
             res = ledger.reservations.get(key)
             if res is not None and res.members != frozenset(members):
-                ledger.release(key)  # the group changed (a member replaced): plan again
+                ledger.release(key, replan=True)  # the group changed (a member replaced): plan again
                 res = None
             if res is not None:
                 slot = res.slots.get(info.name)
                 if slot is None or (not slot.pinned and ledger.resolve(slot.node, ledger.clock()).problem):
-                    ledger.release(key)  # the planned node went stale or away
+                    ledger.release(key, replan=True)  # the planned node went stale or away
                     res = None
             if res is None:
                 planned = self._plan(key, info, req, members, names, asker, written)

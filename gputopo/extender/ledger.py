@@ -428,9 +428,10 @@ class Ledger:
             self.node_states.rebuild(self.book.put(res))
             return True
 
-    def release(self, key: GroupKey) -> None:
+    def release(self, key: GroupKey, *, replan: bool = False) -> None:
+        """Release the group's reservation; `replan` keeps its hold clock for the next one (`ReservationBook.drop`)."""
         with self.lock:
-            self.node_states.rebuild(self.book.drop(key))
+            self.node_states.rebuild(self.book.drop(key, replan=replan))
 
     def pin(self, key: GroupKey, member: str) -> None:
         with self.lock:
