@@ -147,6 +147,7 @@ def create_listeners(
     prometheus = Metrics(cache.age_seconds)
     extender = Extender(cache, None if settings.snapshot is not None else cluster, prometheus)
     extender.best_only = settings.filter_best_only
+    extender.groups.exclusive.max_promised = settings.max_held_gpus_per_namespace
 
     def build(title: str, *routers: APIRouter) -> FastAPI:
         app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)

@@ -19,6 +19,7 @@ from gputopo.engine.exclusive import ExclusiveJob, plan_exclusive
 from gputopo.engine.groupplan import GroupFailure, Member, Placed
 from gputopo.engine.replan import GroupWaiting, MemberView, Slot
 from gputopo.extender.ledger import Ledger
+from gputopo.extender.limits import DEFAULT_MAX_HELD_GPUS_PER_NAMESPACE
 from gputopo.extender.objects import PodRecord
 from gputopo.extender.reservations import GroupKey, Reservation
 from gputopo.extender.wire import PodInfo
@@ -41,6 +42,9 @@ class ExclusiveDesk:
         self.ledger = ledger
         self.facts = facts
         self.view = view
+        # GPUs one namespace may hold for pods not created yet (--max-held-gpus-per-namespace): no
+        # ResourceQuota counts a pod that does not exist, so this bounds what a tenant's JobSets promise.
+        self.max_promised = DEFAULT_MAX_HELD_GPUS_PER_NAMESPACE
 
     def slot_for(
         self, info: PodInfo, req: PodRequest, names: Sequence[str], records: Sequence[PodRecord]
@@ -79,6 +83,27 @@ class ExclusiveDesk:
                 "Jobs exist, waiting",
             )
         return self._plan(key, info.name, ex, views, names)
+
+    def _over_bound(self, key: GroupKey, slots: dict[str, Slot]) -> GroupFailure | None:
+        """The failure when holding `slots`' followers not created yet would take the namespace's GPUs
+        held for pods not created yet past `max_promised` (None: within it)."""
+        promised = sum(len(s.gpus) for name, s in slots.items() if "#" in name and not s.pinned)
+        if not promised:
+            return None
+        ledger = self.ledger
+        with ledger.lock:
+            held = ledger.book.held_by_namespace(promised=True).get(key[0], 0)
+            mine = ledger.reservations.get(key)
+            if mine is not None:  # replaced by this plan's reservation
+                held -= sum(len(s.gpus) for name, s in mine.slots.items() if "#" in name and not s.pinned)
+        if held + promised <= self.max_promised:
+            return None
+        return GroupFailure(
+            key[1],
+            f"group {key[1]}: JobSet exclusive placement would hold {promised} GPUs for pods not created yet; "
+            f"namespace {key[0]} holds {held} for such pods already and may hold at most {self.max_promised} "
+            "(--max-held-gpus-per-namespace)",
+        )
 
     def _unheld(
         self, info: PodInfo, group: str, rank: int, ex: ExclusiveJobs, records: Sequence[PodRecord]
@@ -174,6 +199,9 @@ class ExclusiveDesk:
             for _job, off, _todo, bound in jobs:
                 for i, v in bound:
                     slots[v.name] = Slot(v.name, v.node or "", v.gpus, off + i, True)
+            over = self._over_bound(key, slots)
+            if over is not None:
+                return over
             if ledger.reserve(Reservation(key, now, slots, planned)):
                 log.info(
                     "JobSet planned for exclusive placement and reserved",

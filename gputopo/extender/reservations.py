@@ -146,6 +146,20 @@ class ReservationBook:
         renamed.progressed = res.progressed
         return renamed
 
+    def held_on(self) -> Mapping[str, Mapping[SlotKey, frozenset[int]]]:
+        """The nodes with GPUs held, and what each holds per (group, member)."""
+        return self._by_node
+
+    def held_by_namespace(self, *, promised: bool = False) -> dict[str, int]:
+        """GPUs held for members not bound yet, per namespace; `promised`: only for pods not created yet
+        (JobSet exclusive placement's followers, slots named 'job#index')."""
+        out: dict[str, int] = {}
+        for per in self._by_node.values():
+            for ((namespace, _), member), gpus in per.items():
+                if not promised or "#" in member:
+                    out[namespace] = out.get(namespace, 0) + len(gpus)
+        return out
+
     def due(self, now: float) -> list[GroupKey]:
         """Reservations no member of which bound within the timeout."""
         return [k for k, r in self.reservations.items() if r.expires(self.timeout) <= now and r.waiting]

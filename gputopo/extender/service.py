@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from itertools import compress, repeat
 
 from pydantic_core import to_json
@@ -164,6 +165,12 @@ class Extender:
             ledger = self.ledger
             metrics.track_fragmentation(lambda: ledger.generation, ledger.states, ledger.clock)
 
+            def held() -> dict[str, int]:
+                with ledger.lock:
+                    return ledger.book.held_by_namespace()
+
+            metrics.track_holds(held)
+
     def close(self) -> None:
         """Shutdown: post the queued events, then stop their threads."""
         self.events.close()
@@ -305,14 +312,37 @@ class Extender:
         }
         messages = {k: o.message for k, o in distinct.items()}
         if len(distinct) == 1:
-            answer = dict(zip(nodes, repeat(messages[next(iter(distinct))])))
+            answer = self._holds_told(info, dict(zip(nodes, repeat(messages[next(iter(distinct))]))))
             return FilterAnswer([], {}, answer, d) if unresolvable_ids else FilterAnswer([], answer, {}, d)
         return FilterAnswer(
             [],
-            self._split(nodes, ids, present - unresolvable_ids, messages),
-            self._split(nodes, ids, unresolvable_ids, messages),
+            self._holds_told(info, self._split(nodes, ids, present - unresolvable_ids, messages)),
+            self._holds_told(info, self._split(nodes, ids, unresolvable_ids, messages)),
             d,
         )
+
+    def _holds_told(self, info: PodInfo, answer: dict[str, str]) -> dict[str, str]:
+        """`answer` with each refused node that another namespace's group holds GPUs on telling whose
+        hold it is and until when (the earliest-expiring such group), so a tenant refused for someone
+        else's reservation knows what to wait for."""
+        book = self.ledger.book
+        if not book.reservations:
+            return answer  # the common case: nothing held anywhere
+        timeout = book.timeout
+        with self.ledger.lock:
+            held = {n: per for n, per in book.held_on().items() if n in answer}
+            for node, per in held.items():
+                groups = {k for k, _ in per if k[0] != info.namespace}
+                res = [book.reservations[k] for k in groups if k in book.reservations]
+                if not res:
+                    continue
+                first = min(res, key=lambda r: (r.expires(timeout), r.key))
+                gpus = sum(len(g) for (k, _), g in per.items() if k == first.key)
+                until = datetime.fromtimestamp(first.expires(timeout), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+                answer[node] = (
+                    f"{answer[node]} ({gpus} GPUs here held for group {first.key[0]}/{first.key[1]} until {until})"
+                )
+        return answer
 
     def _best(
         self, d: Decision, passed: list[str], outcomes: list[Outcome], kinds: Kinds | None, raw: bytes
