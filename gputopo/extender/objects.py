@@ -16,6 +16,7 @@ from typing import Any, TypedDict, Unpack
 from gputopo.engine.reasons import Reason
 from gputopo.engine.snapshot import NodeState, node_state
 from gputopo.extender.computedomains import ChannelReader, no_channels
+from gputopo.extender.jobstate import job_state
 from gputopo.extender.wire import PodInfo, WireError, pod_info
 from gputopo.kube import parse_time
 from gputopo.model import (
@@ -345,8 +346,7 @@ def record_of(
 
 
 def job_shape(obj: Any) -> tuple[str, JobShape, str | None]:
-    """A batch/v1 Job: its namespace, its shape, and the JobSet it belongs to (None when none);
-    BadObject naming the field that is unreadable."""
+    """A batch/v1 Job: its namespace, shape and JobSet (None: none); BadObject naming the unreadable field."""
     name = object_name(obj)
     meta = obj["metadata"]
     namespace = meta.get("namespace") or "default"
@@ -369,8 +369,7 @@ def job_shape(obj: Any) -> tuple[str, JobShape, str | None]:
         v = labels.get(key)
         return int(v) if v is not None and v.isascii() and v.isdigit() and len(v) <= 9 else None
 
-    uid = meta.get("uid") or ""
-    if not isinstance(uid, str):
+    if (state := job_state(obj)) is None:
         raise BadObject("metadata.uid is not a string")
     shape = JobShape(
         name,
@@ -379,34 +378,9 @@ def job_shape(obj: Any) -> tuple[str, JobShape, str | None]:
         spec.get("completionMode") == "Indexed",
         index(JOBSET_JOB_GLOBAL_INDEX),
         index(JOBSET_GLOBAL_REPLICAS),
-        uid=uid,
-        suspended=spec.get("suspend") is True,
-        finished=_finished(obj.get("status")),
-        owner_jobset=_controller_of(meta.get("ownerReferences"), "JobSet"),
+        **state,
     )
     return namespace, shape, labels.get(JOBSET_NAME)
-
-
-def _finished(status: Any) -> bool:
-    """A Job's status says Complete or Failed (a condition of status True): it creates no more pods."""
-    conditions = status.get("conditions") if isinstance(status, Mapping) else None
-    if not isinstance(conditions, list):
-        return False
-    return any(
-        isinstance(c, Mapping) and c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
-        for c in conditions[:64]
-    )
-
-
-def _controller_of(refs: Any, kind: str) -> str | None:
-    """The name of the controller ownerReference of `kind` (None when there is none, or it is unreadable)."""
-    if not isinstance(refs, list):
-        return None
-    for ref in refs[:64]:
-        if isinstance(ref, Mapping) and ref.get("controller") is True and ref.get("kind") == kind:
-            name = ref.get("name")
-            return name if isinstance(name, str) else None
-    return None
 
 
 # --------------------------------------------------------------------------------------- podgroups

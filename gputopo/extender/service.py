@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from itertools import compress, repeat
 
 from pydantic_core import to_json
@@ -35,11 +33,13 @@ from gputopo.extender.binder import Binder
 from gputopo.extender.cache import ClusterCache
 from gputopo.extender.events import MISMATCH_REASON, EventPoster
 from gputopo.extender.groupdesk import GroupDesk
+from gputopo.extender.holdnotes import held_gpus, whose_holds
 from gputopo.extender.kube import ClusterSource, Kind
 from gputopo.extender.ledger import Kinds
 from gputopo.extender.metrics import Metrics
 from gputopo.extender.mismatch import Mismatch
 from gputopo.extender.objects import resolve_pod
+from gputopo.extender.recentpods import RecentPods
 from gputopo.extender.reservations import GroupKey
 from gputopo.extender.wire import ExtenderPreemptionArgs, MetaPod, MetaVictims, PodInfo, pod_info
 from gputopo.model import AnnotationError, PodRequest, is_gputopo_pod, parse_pod_request
@@ -96,39 +96,6 @@ class FilterAnswer:
     decision: Decision
 
 
-class RecentPods:
-    """Pods as their filter call carried them moments ago (saves a GET per bind). Bounded in count and
-    in bytes of annotations, since filter bodies carry whatever the pod's author wrote."""
-
-    MAX_PODS = 4096
-    MAX_BYTES = 64 * 1024 * 1024
-
-    def __init__(self) -> None:
-        self._pods: collections.OrderedDict[str, tuple[PodInfo, int]] = collections.OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._pods)
-
-    def remember(self, info: PodInfo) -> None:
-        size = sum(len(k) + len(v) for k, v in info.annotations.items()) + 256
-        with self._lock:
-            for key in (info.uid, info.ref):
-                if key:
-                    old = self._pods.pop(key, None)
-                    self._bytes += size - (old[1] if old else 0)
-                    self._pods[key] = (info, size)
-            while self._pods and (len(self._pods) > self.MAX_PODS or self._bytes > self.MAX_BYTES):
-                self._bytes -= self._pods.popitem(last=False)[1][1]
-
-    def recall(self, uid: str, ref: str) -> PodInfo | None:
-        with self._lock:
-            hit = self._pods.get(uid) if uid else self._pods.get(ref)
-        info = hit[0] if hit is not None else None
-        return info if info is not None and (not uid or info.uid == uid) else None
-
-
 def _outcome(reason: Reason, text: str = "") -> Outcome:
     return Outcome(code=code_for(reason), reason=reason, message=text or message(reason), detail=text)
 
@@ -164,12 +131,7 @@ class Extender:
             # Computed when /metrics is scraped, throttled on the ledger's generation: never per filter.
             ledger = self.ledger
             metrics.track_fragmentation(lambda: ledger.generation, ledger.states, ledger.clock)
-
-            def held() -> dict[str, int]:
-                with ledger.lock:
-                    return ledger.book.held_by_namespace()
-
-            metrics.track_holds(held)
+            metrics.track_holds(lambda: held_gpus(ledger))
 
     def close(self) -> None:
         """Shutdown: post the queued events, then stop their threads."""
@@ -312,37 +274,14 @@ class Extender:
         }
         messages = {k: o.message for k, o in distinct.items()}
         if len(distinct) == 1:
-            answer = self._holds_told(info, dict(zip(nodes, repeat(messages[next(iter(distinct))]))))
+            answer = whose_holds(self.ledger, info.namespace, dict(zip(nodes, repeat(messages[next(iter(distinct))]))))
             return FilterAnswer([], {}, answer, d) if unresolvable_ids else FilterAnswer([], answer, {}, d)
         return FilterAnswer(
             [],
-            self._holds_told(info, self._split(nodes, ids, present - unresolvable_ids, messages)),
-            self._holds_told(info, self._split(nodes, ids, unresolvable_ids, messages)),
+            whose_holds(self.ledger, info.namespace, self._split(nodes, ids, present - unresolvable_ids, messages)),
+            whose_holds(self.ledger, info.namespace, self._split(nodes, ids, unresolvable_ids, messages)),
             d,
         )
-
-    def _holds_told(self, info: PodInfo, answer: dict[str, str]) -> dict[str, str]:
-        """`answer` with each refused node that another namespace's group holds GPUs on telling whose
-        hold it is and until when (the earliest-expiring such group), so a tenant refused for someone
-        else's reservation knows what to wait for."""
-        book = self.ledger.book
-        if not book.reservations:
-            return answer  # the common case: nothing held anywhere
-        timeout = book.timeout
-        with self.ledger.lock:
-            held = {n: per for n, per in book.held_on().items() if n in answer}
-            for node, per in held.items():
-                groups = {k for k, _ in per if k[0] != info.namespace}
-                res = [book.reservations[k] for k in groups if k in book.reservations]
-                if not res:
-                    continue
-                first = min(res, key=lambda r: (r.expires(timeout), r.key))
-                gpus = sum(len(g) for (k, _), g in per.items() if k == first.key)
-                until = datetime.fromtimestamp(first.expires(timeout), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-                answer[node] = (
-                    f"{answer[node]} ({gpus} GPUs here held for group {first.key[0]}/{first.key[1]} until {until})"
-                )
-        return answer
 
     def _best(
         self, d: Decision, passed: list[str], outcomes: list[Outcome], kinds: Kinds | None, raw: bytes
