@@ -20,6 +20,7 @@ only the processes this script started.
     .venv/bin/python bench/scheduler_throughput.py                     # 1,000 nodes, 500 pods, 3 rounds
     .venv/bin/python bench/scheduler_throughput.py --nodes 200 --pods 100
     .venv/bin/python bench/scheduler_throughput.py --diagnose     # + run C: the scheduler binds itself
+    .venv/bin/python bench/scheduler_throughput.py --filter-all   # run B without the one-node filter
 
 Runs A and B alternate for `--rounds` rounds (every process of a run stopped, its pods gone, before the
 next); each round's figures and their medians are printed, with the details of the median round.
@@ -290,7 +291,9 @@ def one_round(args: argparse.Namespace, cp: ControlPlane, kube: KubeClient, stac
     delete_pods(kube, "bench-plain", args.workers, deadline)
     if deadline.expired():
         return rnd
-    stack.start_extender(extra_args=[f"--log-level={args.extender_log_level}"])
+    # The chart passes --filter-best-only (a lone pod's filter passes one node): --filter-all turns it off.
+    every = ["--no-filter-best-only"] if args.filter_all else []
+    stack.start_extender(extra_args=[f"--log-level={args.extender_log_level}", *every])
     status, body = http_get(f"{stack.extender_url}/readyz")
     cached = json.loads(body).get("nodes") if status == 200 else None
     say(f"extender ready at {stack.extender_url}: {cached} nodes in its cache")
@@ -438,6 +441,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--diagnose",
         action="store_true",
         help="add run C: the gputopo profile with kube-scheduler binding itself (extender filter+prioritize only)",
+    )
+    p.add_argument(
+        "--filter-all",
+        action="store_true",
+        help="the extender's filter passes every fitting node (kube-scheduler scores them and calls prioritize), "
+        "not the chart's one best node",
     )
     p.add_argument("--keep", action="store_true", help="keep the control plane's folder (logs) after teardown")
     p.add_argument("--verbose", action="store_true", help="show control-plane progress")

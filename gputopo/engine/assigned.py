@@ -19,7 +19,7 @@ that requires NVLink is told so; one that prefers it is placed as the selectors 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from gputopo.engine.groupplan import (
@@ -42,6 +42,7 @@ from gputopo.model import NvlinkPolicy, PodRequest, Spread
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 Selector = tuple[tuple[str, str], ...]  # spec.nodeSelector, sorted
+Select = Callable[[Selector], Collection[str]]  # the names of the nodes a selector selects
 HOSTNAME = "kubernetes.io/hostname"  # a node without the label answers to its name, as kubelets set it
 
 
@@ -82,13 +83,15 @@ def plan_held(
     *,
     placed: Sequence[Placed] = (),
     mine: Selector = (),
+    select: Select | None = None,
 ) -> GroupPlan | GroupFailure:
     """Place every member or none, each on a node its selector allows.
 
     `nodes`: the asking pod's candidates (kube-scheduler's verdict for its selector `mine`), where members
     with its selector or none go, as every member does without selectors; `extra`: other nodes that
     members' selectors name. `placed`: members placed already (a re-plan's pinned ones): their stages are
-    taken, their GPUs line up the rails, and a `spread: node` set avoids their nodes."""
+    taken, their GPUs line up the rails, and a `spread: node` set avoids their nodes. `select`: the names
+    of the nodes a selector selects (gputopo.engine.labelindex), else each node is matched."""
     if not members:
         return GroupFailure(group, f"group {group}: no members")
     pinned = tuple(placed)
@@ -97,7 +100,7 @@ def plan_held(
         dup = sorted({s for s in stages if stages.count(s) > 1})
         return GroupFailure(group, f"group {group}: stage {dup[0]} is claimed by more than one pod")
     stage_of = {m.name: s for s, m in assign_stages([h.member for h in members], _stages(pinned))}
-    by_nodes = _sets(members, nodes, extra, mine)
+    by_nodes = _sets(members, nodes, extra, mine, select)
     # The most constrained set first (it has the fewest choices), then in Kueue's rank order.
     sets = sorted(by_nodes.items(), key=lambda kv: (len(kv[0]), min(stage_of[h.member.name] for h in kv[1])))
     lead = members[0].member.request
@@ -287,10 +290,16 @@ def _spanned(group: str, members: Sequence[Held], placed: Sequence[NodeState]) -
 
 
 def _sets(
-    members: Sequence[Held], nodes: Sequence[NodeState], extra: Sequence[NodeState], mine: Selector
+    members: Sequence[Held],
+    nodes: Sequence[NodeState],
+    extra: Sequence[NodeState],
+    mine: Selector,
+    select: Select | None = None,
 ) -> dict[tuple[str, ...], list[Held]]:
-    """Members by the nodes they may use (in the order of `nodes`, then `extra`)."""
+    """Members by the nodes they may use (in the order of `nodes`, then `extra`). With `select`, a selector's
+    nodes are looked up, not matched node by node: thousands of distinct selectors cost one lookup each."""
     every = (*nodes, *extra)
+    order: dict[str, int] = {}
     hosts: dict[str, list[str]] = {}  # a hostname selector (Kueue's lowest level) finds its node at once
     for n in every:
         hosts.setdefault(n.labels.get(HOSTNAME, n.name), []).append(n.name)
@@ -304,6 +313,10 @@ def _sets(
         if allowed is None:
             if len(h.selector) == 1 and h.selector[0][0] == HOSTNAME:
                 allowed = tuple(hosts.get(h.selector[0][1], ()))
+            elif select is not None:
+                if not order:
+                    order.update((n.name, i) for i, n in enumerate(every))
+                allowed = tuple(sorted((n for n in select(h.selector) if n in order), key=order.__getitem__))
             else:
                 allowed = tuple(n.name for n in every if selects(h.selector, n.name, n.labels))
             memo[h.selector] = allowed
@@ -348,6 +361,10 @@ def _failure(group: str, held: Sequence[Held], why: str) -> GroupFailure:
     who = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     where = selector_text(held[0].selector)
     noun = "members" if len(names) > 1 else "member"
+    if any(h.selector != held[0].selector for h in held):  # selectors that select the same nodes (often none)
+        return GroupFailure(
+            group, f"group {group}: {noun} {who} held by their spec.nodeSelectors ({where}, ...): {why}"
+        )
     return GroupFailure(
         group, f"group {group}: {noun} {who} held by spec.nodeSelector {where} (Kueue's topology assignment): {why}"
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gputopo.engine.assigned import Held, Selector, plan_held
+from gputopo.engine.assigned import Held, Select, Selector, plan_held
 from gputopo.engine.groupplan import Assignment, GroupFailure, GroupPlan, Member, Placed, group_waiting_message
 from gputopo.engine.groups import plan_group
 from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
@@ -68,11 +68,13 @@ def replan(
     tiers: TierConfig = DEFAULT_TIERS,
     weights: ScoreWeights = DEFAULT_WEIGHTS,
     extra: Sequence[NodeState] = (),
+    select: Select | None = None,
 ) -> Replan | GroupWaiting | GroupFailure:
     """Plan the members of `group` not placed yet; `me` (the pod asking) is always planned afresh.
 
     `members` must hold `me` with its request. Fewer members than `size` wait; more fail. `nodes` are
-    the asking pod's candidates; `extra`, nodes beyond them that other members' selectors name."""
+    the asking pod's candidates; `extra`, nodes beyond them that other members' selectors name;
+    `select`, where given, the nodes a selector selects (gputopo.engine.labelindex)."""
     miscounted = counted(group, len(members), size)
     if miscounted is not None:
         return miscounted
@@ -90,7 +92,7 @@ def replan(
             return GroupWaiting(group, f"group {group}: waiting for member {name}'s node assignment ({m.gated})")
         todo.append(Member(name, m.request))
     if todo and any(members[m.name].selector for m in todo):  # its own spread rule: before `nodes` narrows
-        return _replan_held(group, me, members, todo, pinned, nodes, extra, tiers, weights)
+        return _replan_held(group, me, members, todo, pinned, nodes, extra, tiers, weights, select)
     # Pinned members, on the nodes given: their stages are taken, the new members line up with their rails.
     by_name = {n.name: n for n in nodes}
     placed = [Placed(_stage(m), by_name.get(m.node or ""), tuple(sorted(m.gpus))) for m in pinned.values()]
@@ -136,12 +138,13 @@ def _replan_held(
     extra: Sequence[NodeState],
     tiers: TierConfig,
     weights: ScoreWeights,
+    select: Select | None,
 ) -> Replan | GroupFailure:
     """`replan` for a group some of whose members carry a nodeSelector (gputopo.engine.assigned)."""
     by_name = {n.name: n for n in (*nodes, *extra)}
     placed = [Placed(_stage(m), by_name.get(m.node or ""), tuple(sorted(m.gpus))) for m in pinned.values()]
     held = [Held(m, members[m.name].selector) for m in todo]
-    plan = plan_held(group, held, nodes, extra, tiers, weights, placed=placed, mine=members[me].selector)
+    plan = plan_held(group, held, nodes, extra, tiers, weights, placed=placed, mine=members[me].selector, select=select)
     if isinstance(plan, GroupFailure):
         return plan
     slots = {

@@ -177,6 +177,8 @@ def create_listeners(
         cache.load_static(cluster_states(load_cluster(settings.snapshot), settings.tiers))
     prometheus = Metrics(cache.age_seconds)
     extender = Extender(cache, None if settings.snapshot is not None else cluster, prometheus)
+    extender.best_only = settings.filter_best_only
+    extender.groups.exclusive.max_promised = settings.max_held_gpus_per_namespace
 
     def head_refused(path: str, status: int) -> None:
         """A /mutate refused from its request head, counted as the route counts its own refusals."""

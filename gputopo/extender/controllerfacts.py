@@ -97,8 +97,9 @@ class Controllers:
         else:
             jobs[shape.name] = (shape, jobset)
         self._put_jobs(namespace, jobs)
-        if event_type == "DELETED":
-            # The controller is gone: its group's reservation holds GPUs for pods that will not come.
+        if event_type == "DELETED" or shape.suspended or shape.finished:
+            # The controller is gone, suspended or done: its group's reservation holds GPUs for pods that
+            # will not come.
             self.ledger.release((namespace, f"job/{shape.name}"))
             if jobset is not None:
                 self.ledger.release((namespace, f"jobset/{jobset}"))

@@ -19,11 +19,12 @@ from gputopo.engine.exclusive import ExclusiveJob, plan_exclusive
 from gputopo.engine.groupplan import GroupFailure, Member, Placed
 from gputopo.engine.replan import GroupWaiting, MemberView, Slot
 from gputopo.extender.ledger import Ledger
+from gputopo.extender.limits import DEFAULT_MAX_HELD_GPUS_PER_NAMESPACE
 from gputopo.extender.objects import PodRecord
 from gputopo.extender.reservations import GroupKey, Reservation
 from gputopo.extender.wire import PodInfo
 from gputopo.model import AnnotationError, ControllerFacts, PodRequest, infer_group
-from gputopo.model.jobs import JOBSET_EXCLUSIVE, ExclusiveJobs
+from gputopo.model.jobs import JOB_CONTROLLER_UID, JOBSET_EXCLUSIVE, ExclusiveJobs
 
 log = logging.getLogger("gputopo.extender.groups")
 
@@ -41,6 +42,9 @@ class ExclusiveDesk:
         self.ledger = ledger
         self.facts = facts
         self.view = view
+        # GPUs one namespace may hold for pods not created yet (--max-held-gpus-per-namespace): no
+        # ResourceQuota counts a pod that does not exist, so this bounds what a tenant's JobSets promise.
+        self.max_promised = DEFAULT_MAX_HELD_GPUS_PER_NAMESPACE
 
     def slot_for(
         self, info: PodInfo, req: PodRequest, names: Sequence[str], records: Sequence[PodRecord]
@@ -58,6 +62,15 @@ class ExclusiveDesk:
         views = _views(req, info, ex.key, records, self.view)
         if isinstance(views, GroupFailure):
             return views
+        unheld = self._unheld(info, req.group, req.stage, ex, records)
+        if unheld is not None:
+            if key in self.ledger.reservations:
+                self.ledger.release(key)  # what it held for will not come
+            return GroupFailure(
+                req.group,
+                f"group {req.group}: JobSet exclusive placement holds GPUs only for pods a running Job of the "
+                f"JobSet will create: {unheld}",
+            )
         held = self._held(key, info.name, req.stage, ex, views, req.group_size)
         if held is not None:
             return held
@@ -70,6 +83,57 @@ class ExclusiveDesk:
                 "Jobs exist, waiting",
             )
         return self._plan(key, info.name, ex, views, names)
+
+    def _over_bound(self, key: GroupKey, slots: dict[str, Slot]) -> GroupFailure | None:
+        """The failure when holding `slots`' followers not created yet would take the namespace's GPUs
+        held for pods not created yet past `max_promised` (None: within it)."""
+        promised = sum(len(s.gpus) for name, s in slots.items() if "#" in name and not s.pinned)
+        if not promised:
+            return None
+        ledger = self.ledger
+        with ledger.lock:
+            held = ledger.book.held_by_namespace(promised=True).get(key[0], 0)
+            mine = ledger.reservations.get(key)
+            if mine is not None:  # replaced by this plan's reservation
+                held -= sum(len(s.gpus) for name, s in mine.slots.items() if "#" in name and not s.pinned)
+        if held + promised <= self.max_promised:
+            return None
+        return GroupFailure(
+            key[1],
+            f"group {key[1]}: JobSet exclusive placement would hold {promised} GPUs for pods not created yet; "
+            f"namespace {key[0]} holds {held} for such pods already and may hold at most {self.max_promised} "
+            "(--max-held-gpus-per-namespace)",
+        )
+
+    def _unheld(
+        self, info: PodInfo, group: str, rank: int, ex: ExclusiveJobs, records: Sequence[PodRecord]
+    ) -> str | None:
+        """Why the followers not created yet may not be held (None: they may): each Job must exist, be
+        controlled by the JobSet, not be suspended nor finished, and its leader must be its own pod (its
+        controller-uid label the Job's UID), not one made by hand with the JobSet's labels."""
+        jobset = group.split("/", 1)[1]
+        facts = self.facts(info.namespace)
+        offsets = _offsets(ex)
+        leaders = set(offsets)
+        uids = {rank: (info.name, info.labels.get(JOB_CONTROLLER_UID, ""))} if rank in leaders else {}
+        for rec in records:
+            stage = rec.request.stage if rec.request is not None else None
+            if stage in leaders and rec.name != info.name:
+                uids[stage] = (rec.name, dict(rec.job_keys).get(JOB_CONTROLLER_UID, ""))
+        for (job, _), off in zip(ex.jobs, offsets, strict=True):
+            shape = facts.jobs.get(job)
+            if shape is None:
+                return f"Job {job} does not exist"
+            why = shape.creates(jobset)
+            if why is not None:
+                return why
+            pod, uid = uids.get(off, ("", shape.uid))
+            if uid != shape.uid:
+                return (
+                    f"pod {pod} carries Job {job}'s labels but the Job did not create it "
+                    f"({JOB_CONTROLLER_UID} is not the Job's UID)"
+                )
+        return None
 
     def _held(self, key: GroupKey, me: str, rank: int, ex: ExclusiveJobs, views: Views, size: int) -> Slot | None:
         """The member's slot when the reservation stands for these members (each existing pod's rank held
@@ -95,7 +159,7 @@ class ExclusiveDesk:
                         renamed = ledger.book.rename(key, renames)
                     res = renamed if renamed is not None else res
                 return res.slots.get(me)
-        ledger.release(key)  # a member replaced, a node gone: plan again
+        ledger.release(key, replan=True)  # a member replaced, a node gone: plan again
         return None
 
     def _plan(
@@ -135,6 +199,9 @@ class ExclusiveDesk:
             for _job, off, _todo, bound in jobs:
                 for i, v in bound:
                     slots[v.name] = Slot(v.name, v.node or "", v.gpus, off + i, True)
+            over = self._over_bound(key, slots)
+            if over is not None:
+                return over
             if ledger.reserve(Reservation(key, now, slots, planned)):
                 log.info(
                     "JobSet planned for exclusive placement and reserved",

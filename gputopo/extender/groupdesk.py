@@ -13,9 +13,11 @@ the group's later members of the same dry run, whose requests name only the node
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from gputopo.engine.assigned import HOSTNAME, Selector, selects
 from gputopo.engine.groupplan import GroupFailure
@@ -29,7 +31,7 @@ from gputopo.extender.objects import PodRecord
 from gputopo.extender.podindex import GroupTally
 from gputopo.extender.reservations import Reservation
 from gputopo.extender.wire import KUEUE_TOPOLOGY_GATE, PodInfo
-from gputopo.model import NO_FACTS, ControllerFacts, PodRequest
+from gputopo.model import NO_FACTS, ControllerFacts, PodRequest, Spread
 from gputopo.model.jobs import JOBSET_EXCLUSIVE
 
 log = logging.getLogger("gputopo.extender.groups")
@@ -40,6 +42,66 @@ PLAN_ATTEMPTS = 3
 # first member's request names every node the plan needs. A cycle takes well under this.
 DRY_RUN_PLAN_SECONDS = 10.0
 DRY_RUN_PLANS_KEPT = 1024  # groups at once; the oldest plan goes first
+
+
+# What a group's plan reads of the asking pod beyond the members' records: its nodeSelector (its candidates
+# obey it; members with it go where it may), its spread rule and the group's size.
+Asker = tuple[Selector, Spread, int]
+FAILURES_KEPT = 512  # groups whose failed plan is kept at once (a list of node names each); the oldest goes first
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """A group's failed plan and what it read: the asking pod, the members' records (`written`), the
+    candidates (`names`) and the selected nodes beyond them, the ledger's generation and the labels'."""
+
+    failure: GroupFailure
+    asker: Asker
+    written: int
+    names: list[str]  # the candidates as they were named (the node cache's strings: no copy of each name)
+    selected: list[str]
+    generation: int
+    labels: int
+
+
+class FailedPlans:
+    """Each group's last failed plan, told to the group's members while nothing it read has changed: a
+    retry round of an unplaceable gang (every member filtered again) costs one plan, not one a member.
+    Stale as soon as a member comes, goes or is written (bound, its request or selector changed), the
+    asking pod's candidates differ, a node it planned over changes kind (GPUs taken or freed, a hold
+    made or expired, health, a Lease gone stale), or any node's labels change."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self._kept: dict[tuple[str, str], _Failed] = {}
+        self._lock = threading.Lock()
+
+    def keep(self, key: tuple[str, str], failed: _Failed) -> None:
+        with self._lock:
+            self._kept.pop(key, None)
+            while len(self._kept) >= FAILURES_KEPT:
+                del self._kept[next(iter(self._kept))]
+            self._kept[key] = failed
+
+    def reused(self, key: tuple[str, str], asker: Asker, written: int, names: Sequence[str]) -> GroupFailure | None:
+        """The group's failure when it still stands for this asking pod and its candidates, else None."""
+        f = self._kept.get(key)
+        if f is None or f.asker != asker or f.written != written or len(names) != len(f.names):
+            return None
+        ledger = self.ledger
+        # kube-scheduler lists the nodes in one order: compared as lists first (no hashing of thousands)
+        if ledger.node_states.labels.generation != f.labels or not (f.names == names or set(f.names) == set(names)):
+            return None
+        ledger.expire(ledger.clock())  # a hold due to expire frees GPUs: a change of the nodes it held
+        if not ledger.unchanged_since(f.generation, itertools.chain(f.names, f.selected)):
+            with self._lock:
+                if self._kept.get(key) is f:
+                    del self._kept[key]
+            return None
+        return f.failure
+
+    def __len__(self) -> int:
+        return len(self._kept)
 
 
 def member_view(rec: PodRecord) -> MemberView:
@@ -83,6 +145,11 @@ class GroupDesk:
         self.serving = serving  # which ComputeDomains' IMEX channels each node serves (the extender's)
         self.locks = StripedLocks()
         self.exclusive = ExclusiveDesk(ledger, facts, member_view)  # JobSet exclusive placement
+        self.failures = FailedPlans(ledger)
+        # False: every filter plans again (`reuse`), selectors matched node by node (`indexed`): the
+        # references the reuse and the label index are tested and measured against.
+        self.reuse = True
+        self.indexed = True
         # group -> (made at, its members, the slots): the latest preemption dry run's plan
         self._dry_runs: dict[tuple[str, str], tuple[float, frozenset[str], dict[str, Slot]]] = {}
         self._dry_runs_lock = threading.Lock()
@@ -92,6 +159,7 @@ class GroupDesk:
         ledger = self.ledger
         key = (info.namespace, req.group)
         size = req.group_size
+        asked = req
         if req.group_size_at_least:  # a PodGroup's minCount: every member present, once there are that many
             with ledger.lock:
                 tally = ledger.pods.tally(key)
@@ -111,23 +179,34 @@ class GroupDesk:
         with ledger.lock:  # the counts and the members read together
             tally = ledger.pods.tally(key)
             early = _rank_clash(key[1], tally, info.name, req.stage) or counted(key[1], tally.present(info.name), size)
-            records = ledger.group_members(key) if early is None else []
+            written = tally.written
+            asker = self._asker(info, asked, size) if early is None else None
+            reused = None
+            if asker is not None and self.reuse and key not in ledger.reservations:
+                reused = self.failures.reused(key, asker, written, names)
+            records = ledger.group_members(key) if early is None and (reused is None or info.pod_group) else []
         if early is not None:
             return early
+        if reused is not None:
+            if not info.pod_group:
+                return reused
+            members = {r.name: member_view(r) for r in records}
+            members[info.name] = MemberView(info.name, req)
+            return self._preemption_dry_run(key, info, req, members, names) or reused
         members = {r.name: member_view(r) for r in records}
         members[info.name] = MemberView(info.name, req)  # the asking pod is always planned afresh
         with self.locks(key):
             res = ledger.reservations.get(key)
             if res is not None and res.members != frozenset(members):
-                ledger.release(key)  # the group changed (a member replaced): plan again
+                ledger.release(key, replan=True)  # the group changed (a member replaced): plan again
                 res = None
             if res is not None:
                 slot = res.slots.get(info.name)
                 if slot is None or (not slot.pinned and ledger.resolve(slot.node, ledger.clock()).problem):
-                    ledger.release(key)  # the planned node went stale or away
+                    ledger.release(key, replan=True)  # the planned node went stale or away
                     res = None
             if res is None:
-                planned = self._plan(key, info, req, members, names)
+                planned = self._plan(key, info, req, members, names, asker, written)
                 if isinstance(planned, GroupFailure) and info.pod_group:
                     return self._preemption_dry_run(key, info, req, members, names) or planned
                 if not isinstance(planned, Reservation):
@@ -233,23 +312,40 @@ class GroupDesk:
         req: PodRequest,
         members: dict[str, MemberView],
         names: Sequence[str],
+        asker: Asker | None = None,
+        written: int = 0,
     ) -> Reservation | GroupWaiting | GroupFailure:
+        """Plan and reserve; a failure read from what `FailedPlans` can tell unchanged is kept for the
+        group's next filters (`asker`: what the plan read of the asking pod, None: keep nothing)."""
         group = key[1]
         assert req.group_size is not None
         if info.node_selector:  # its candidates obey it already; other members' selectors name other nodes
             members = {**members, info.name: dataclasses.replace(members[info.name], selector=info.node_selector)}
         for _ in range(PLAN_ATTEMPTS):
             now = self.ledger.clock()
+            generation = self.ledger.generation  # read before the nodes: a change meanwhile makes it stale
+            labels = self.ledger.node_states.labels.generation
             states = self.ledger.states(names, now)
-            extra = self.ledger.states(self._selected(members, names, info.node_selector), now)
+            selected = self._selected(members, names, info.node_selector)
+            extra = self.ledger.states(selected, now)
             left_out = ""
             if req.compute_domain is not None:
                 states, extra, left_out = self._channels(req.compute_domain, states, extra, now)
             out = replan(
-                group, req.group_size, info.name, members, states, self.ledger.tiers, self.ledger.weights, extra
+                group,
+                req.group_size,
+                info.name,
+                members,
+                states,
+                self.ledger.tiers,
+                self.ledger.weights,
+                extra,
+                self._select if self.indexed else None,
             )
             if isinstance(out, GroupFailure) and left_out:
                 return GroupFailure(out.group, f"{out.message}; {left_out}")
+            if isinstance(out, GroupFailure) and asker is not None:
+                self.failures.keep(key, _Failed(out, asker, written, self._names(names), selected, generation, labels))
             if not isinstance(out, Replan):
                 return out
             res = Reservation(key, now, dict(out.slots), out.plan)
@@ -265,6 +361,34 @@ class GroupDesk:
                 return res
         return GroupFailure(group, f"group {group}: the planned GPUs kept changing while planning; retrying")
 
+    def _names(self, names: Sequence[str]) -> list[str]:
+        """`names` as the node cache spells them (its strings, shared), for keeping."""
+        nodes = self.ledger.nodes
+        return [e.name if (e := nodes.get(n)) is not None else n for n in names]
+
+    def _asker(self, info: PodInfo, req: PodRequest, size: int) -> Asker | None:
+        """What a plan reads of the asking pod beyond the members' records, when its record is what its
+        filter carries (so the group's members read the same whoever asks); None: a plan made for it is
+        kept for no one (it is not in the ledger yet, or its record differs, or its ComputeDomain's
+        channels move with other pods)."""
+        rec = self.ledger.pods.get(info.uid) if info.uid else None
+        if (
+            rec is None
+            or req.compute_domain is not None
+            or rec.name != info.name
+            or rec.node_name
+            or rec.topology_gated
+            or rec.node_selector != info.node_selector
+            or rec.request != req
+        ):
+            return None
+        return (info.node_selector, req.spread, size)
+
+    def _select(self, selector: Selector) -> frozenset[str]:
+        """The nodes `selector` selects, from the node cache's label index."""
+        with self.ledger.lock:
+            return self.ledger.node_states.labels.select(selector)
+
     def _channels(
         self, cd: str, states: list[NodeState], extra: list[NodeState], now: float
     ) -> tuple[list[NodeState], list[NodeState], str]:
@@ -278,13 +402,17 @@ class GroupDesk:
     def _selected(self, members: dict[str, MemberView], names: Sequence[str], mine: Selector) -> list[str]:
         """The nodes outside `names` that members' nodeSelectors select (Kueue TAS writes each member's
         domain there): a member held to other nodes than the asking pod's is planned there. Members with
-        the asking pod's selector (`mine`) go where it may. A hostname selector names its node; other
-        selectors are matched against every node's labels, once each."""
+        the asking pod's selector (`mine`) go where it may. Each distinct selector is looked up in the
+        label index (`indexed`), else matched against every node's labels."""
         selectors = {m.selector for m in members.values() if m.selector and m.selector != mine}
         if not selectors:
             return []
-        nodes = self.ledger.nodes
         out: set[str] = set()
+        if self.indexed:
+            for sel in selectors:
+                out.update(self._select(sel))
+            return sorted(out.difference(names))
+        nodes = self.ledger.nodes
         scan: list[Selector] = []
         for sel in selectors:
             host = dict(sel).get(HOSTNAME)

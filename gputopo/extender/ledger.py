@@ -263,6 +263,7 @@ class Ledger:
             ns.settle(e, self.clock())
             ns.nodes[facts.name] = e
             ns.label_channel(facts.name, e.labels)
+            ns.labels.put(facts.name, e.labels)
             ns.changed()
             for uid in e.report.pods:
                 self._check_mismatch(uid)
@@ -281,6 +282,7 @@ class Ledger:
                 if self.nodes.pop(name, None) is not None:
                     self.where_version += 1
                     self.node_states.forget(name)
+                    self.node_states.labels.drop([name])
                     self.node_states.changed()
 
     def put_lease(self, node: str, renew: float | None) -> bool:
@@ -332,7 +334,8 @@ class Ledger:
     def replace_pods(self, records: Mapping[str, PodRecord]) -> None:
         with self.lock:
             touched = {p.placed_node for p in self.pods.values()} | {p.placed_node for p in records.values()}
-            self.pods = PodTable(records, self.scheduler_name)
+            before, self.pods = self.pods, PodTable(records, self.scheduler_name)
+            self.pods.keep_versions(before)
             self.node_states.clear_assumed()
             for rec in self.pods.values():
                 self._index(rec)
@@ -429,9 +432,10 @@ class Ledger:
             self.node_states.rebuild(self.book.put(res))
             return True
 
-    def release(self, key: GroupKey) -> None:
+    def release(self, key: GroupKey, *, replan: bool = False) -> None:
+        """Release the group's reservation; `replan` keeps its hold clock for the next one (`ReservationBook.drop`)."""
         with self.lock:
-            self.node_states.rebuild(self.book.drop(key))
+            self.node_states.rebuild(self.book.drop(key, replan=replan))
 
     def pin(self, key: GroupKey, member: str) -> None:
         with self.lock:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from gputopo.engine.fragmentation import DEFAULT_SIZES, Figures, cluster_figures
 from gputopo.engine.snapshot import NodeState
@@ -104,6 +106,10 @@ class Metrics:
     def decision(self, verb: str, outcome: str, reason: str = "") -> None:
         self.decisions.labels(verb, outcome, reason).inc()
 
+    def track_holds(self, held: Callable[[], Mapping[str, int]]) -> None:
+        """Serve the GPUs group reservations hold per namespace (`held`, read when /metrics is scraped)."""
+        self.registry.register(_HeldGpus(held))
+
     def track_fragmentation(
         self,
         generation: Callable[[], int],
@@ -120,6 +126,32 @@ class Metrics:
             self.free_cliques.labels(size=str(k)).set_function(_clique_count(tracker, i))
         self.stranded_gpus.set_function(lambda: tracker.figures().stranded)
         return tracker
+
+
+class _HeldGpus(Collector):
+    """gputopo_extender_held_gpus{namespace}: GPUs held by group reservations for members not bound yet
+    (at most one series per namespace with a reservation: bounded by the reservation book)."""
+
+    def __init__(self, held: Callable[[], Mapping[str, int]]) -> None:
+        self.held = held
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [self._family()]
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        family = self._family()
+        for namespace, gpus in sorted(self.held().items()):
+            family.add_metric([namespace], gpus)
+        return [family]
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "gputopo_extender_held_gpus",
+            "GPUs group reservations hold for members not bound yet (JobSet followers not created yet "
+            "included), by namespace.",
+            labels=["namespace"],
+        )
 
 
 def _clique_count(tracker: FragmentationTracker, i: int) -> Callable[[], float]:

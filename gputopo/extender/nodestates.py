@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 
 from gputopo.engine.imex import DRIVER_NODE_LABEL
+from gputopo.engine.labelindex import LabelIndex
 from gputopo.engine.reasons import Reason
 from gputopo.engine.snapshot import NodeState, node_state, taking
 from gputopo.extender.objects import NodeEntry
@@ -53,6 +54,7 @@ class NodeStates:
         self._assumed: dict[str, dict[str, frozenset[int]]] = {}  # node -> pod uid -> GPUs
         self._claims: dict[str, dict[str, frozenset[int]]] = {}  # node -> pod uid -> GPUs being bound
         self.channel_labels: dict[str, str] = {}  # node -> the ComputeDomain UID of its DRIVER_NODE_LABEL
+        self.labels = LabelIndex()  # the nodes each nodeSelector selects (group members'), kept as labels change
         self.book = ReservationBook(reservation_timeout_seconds)
         # Bumps on every change that can alter a verdict (node states, leases, reservations). Cheap
         # "did anything change" for reusing a filter's outcomes in the prioritize that follows.

@@ -16,6 +16,7 @@ from typing import Any, TypedDict, Unpack
 from gputopo.engine.reasons import Reason
 from gputopo.engine.snapshot import NodeState, node_state
 from gputopo.extender.computedomains import ChannelReader, no_channels
+from gputopo.extender.jobstate import job_state
 from gputopo.extender.wire import PodInfo, WireError, pod_info
 from gputopo.kube import parse_time
 from gputopo.model import (
@@ -350,8 +351,7 @@ def record_of(
 
 
 def job_shape(obj: Any) -> tuple[str, JobShape, str | None]:
-    """A batch/v1 Job: its namespace, its shape, and the JobSet it belongs to (None when none);
-    BadObject naming the field that is unreadable."""
+    """A batch/v1 Job: its namespace, shape and JobSet (None: none); BadObject naming the unreadable field."""
     name = object_name(obj)
     meta = obj["metadata"]
     namespace = meta.get("namespace") or "default"
@@ -374,6 +374,8 @@ def job_shape(obj: Any) -> tuple[str, JobShape, str | None]:
         v = labels.get(key)
         return int(v) if v is not None and v.isascii() and v.isdigit() and len(v) <= 9 else None
 
+    if (state := job_state(obj)) is None:
+        raise BadObject("metadata.uid is not a string")
     shape = JobShape(
         name,
         count("completions"),
@@ -381,6 +383,7 @@ def job_shape(obj: Any) -> tuple[str, JobShape, str | None]:
         spec.get("completionMode") == "Indexed",
         index(JOBSET_JOB_GLOBAL_INDEX),
         index(JOBSET_GLOBAL_REPLICAS),
+        **state,
     )
     return namespace, shape, labels.get(JOBSET_NAME)
 

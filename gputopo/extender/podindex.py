@@ -59,6 +59,9 @@ class GroupTally:
     def __init__(self) -> None:
         self.uids: set[str] = set()
         self.version = 0
+        # Moves on every write that changes a member's record (bound, its request or selector edited) as
+        # well as with `version`: a plan's failure is reused only while it stands (gputopo.extender.groupdesk).
+        self.written = 0
         self.names: Counter[str] = Counter()
         self.labels: Counter[str] = Counter()  # the controllers' rank labels the members were inferred from
         self.ranks: dict[int, Counter[str]] = {}
@@ -130,6 +133,14 @@ class PodTable(dict[str, PodRecord]):
             return (rec.namespace, rec.group)
         return None
 
+    def keep_versions(self, before: PodTable) -> None:
+        """Give each group whose members are the same records as in `before` (a relist that changed
+        nothing of it) its versions there: what was checked or planned against them stays valid."""
+        for key, tally in self.groups.items():
+            old = before.groups.get(key)
+            if old is not None and old.uids == tally.uids and all(before.get(u) == self[u] for u in tally.uids):
+                tally.version, tally.written = old.version, old.written
+
     def members(self, key: GroupKey) -> list[PodRecord]:
         return [self[u] for u in self.tally(key).uids]
 
@@ -156,6 +167,8 @@ class PodTable(dict[str, PodRecord]):
             if old is None or not self._same_member(old, rec):
                 tally.uids.add(uid)
                 tally.version = next(_VERSIONS)
+            if old != rec:
+                tally.written = next(_VERSIONS)
 
     def __delitem__(self, uid: str) -> None:
         rec = self[uid]
@@ -210,6 +223,6 @@ class PodTable(dict[str, PodRecord]):
         if new is not None and self._same_member(rec, new):
             return  # counted in again at once
         tally.uids.discard(uid)
-        tally.version = next(_VERSIONS)
+        tally.version = tally.written = next(_VERSIONS)
         if not tally.uids:
             del self.groups[key]

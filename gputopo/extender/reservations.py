@@ -61,12 +61,19 @@ class ReservationBook:
         self.reservations: dict[GroupKey, Reservation] = {}
         self._by_node: dict[str, dict[SlotKey, frozenset[int]]] = {}
         self.next_expiry = math.inf
+        # group -> the hold clock (`progressed`) of its reservation released to be planned again: the
+        # next reservation of the group runs from it, so replacing a member (re-creating a leader) never
+        # renews a hold; only a bind does. Bounded: the oldest goes first.
+        self._carried: dict[GroupKey, float] = {}
 
     def on(self, node: str) -> Mapping[SlotKey, frozenset[int]]:
         """GPUs reserved on `node`, per (group, member)."""
         return self._by_node.get(node, {})
 
     def put(self, res: Reservation) -> set[str]:
+        carried = self._carried.pop(res.key, None)
+        if carried is not None:
+            res.progressed = min(res.progressed, carried)
         touched = self.drop(res.key)
         while len(self.reservations) >= self.max_groups:
             oldest = min(self.reservations.values(), key=lambda r: r.created)
@@ -80,11 +87,18 @@ class ReservationBook:
         self._schedule()
         return touched
 
-    def drop(self, key: GroupKey) -> set[str]:
+    def drop(self, key: GroupKey, *, replan: bool = False) -> set[str]:
+        """Release the group's reservation; `replan`: to plan the group again at once (a member replaced, a
+        planned node gone), so the next reservation keeps this one's hold clock."""
         res = self.reservations.pop(key, None)
         touched: set[str] = set()
         if res is None:
             return touched
+        if replan and res.waiting:
+            self._carried.pop(key, None)
+            while len(self._carried) >= self.max_groups:
+                del self._carried[next(iter(self._carried))]
+            self._carried[key] = res.progressed
         for slot in res.slots.values():
             if self._unreserve(slot.node, (key, slot.member)):
                 touched.add(slot.node)
@@ -97,6 +111,7 @@ class ReservationBook:
         res = self.reservations.get(key)
         if res is None or member not in res.slots or res.slots[member].pinned:
             return set()
+        self._carried.pop(key, None)  # a bind is progress: the group's next hold runs afresh
         slot = res.slots[member] = replace(res.slots[member], pinned=True)
         res.unpinned -= 1
         if now is not None:
@@ -130,6 +145,20 @@ class ReservationBook:
         self.reservations[key] = renamed = Reservation(key, res.created, slots, plan)
         renamed.progressed = res.progressed
         return renamed
+
+    def held_on(self) -> Mapping[str, Mapping[SlotKey, frozenset[int]]]:
+        """The nodes with GPUs held, and what each holds per (group, member)."""
+        return self._by_node
+
+    def held_by_namespace(self, *, promised: bool = False) -> dict[str, int]:
+        """GPUs held for members not bound yet, per namespace; `promised`: only for pods not created yet
+        (JobSet exclusive placement's followers, slots named 'job#index')."""
+        out: dict[str, int] = {}
+        for per in self._by_node.values():
+            for ((namespace, _), member), gpus in per.items():
+                if not promised or "#" in member:
+                    out[namespace] = out.get(namespace, 0) + len(gpus)
+        return out
 
     def due(self, now: float) -> list[GroupKey]:
         """Reservations no member of which bound within the timeout."""

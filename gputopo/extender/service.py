@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,11 +33,13 @@ from gputopo.extender.binder import Binder
 from gputopo.extender.cache import ClusterCache
 from gputopo.extender.events import MISMATCH_REASON, EventPoster
 from gputopo.extender.groupdesk import GroupDesk
+from gputopo.extender.holdnotes import held_gpus, whose_holds
 from gputopo.extender.kube import ClusterSource, Kind
 from gputopo.extender.ledger import Kinds
 from gputopo.extender.metrics import Metrics
 from gputopo.extender.mismatch import Mismatch
 from gputopo.extender.objects import resolve_pod
+from gputopo.extender.recentpods import RecentPods
 from gputopo.extender.reservations import GroupKey
 from gputopo.extender.wire import ExtenderPreemptionArgs, MetaPod, MetaVictims, PodInfo, pod_info
 from gputopo.model import AnnotationError, PodRequest, is_gputopo_pod, parse_pod_request
@@ -56,6 +57,10 @@ MAX_PREEMPTORS_KEPT = 1024
 Imex = list[Outcome] | None  # outcomes under the ComputeDomain rules; None when none applies
 
 
+# Decisions that tell every node one outcome (`[o] * len(names)`): a group's, or a pod's that is invalid.
+ONE_OUTCOME = frozenset({"invalid", "group_waiting", "group_failed"})
+
+
 @dataclass
 class Decision:
     """Per-node outcomes for one pod, plus the kind of decision (a bounded metrics label)."""
@@ -69,6 +74,9 @@ class Decision:
 
     def reason_label(self) -> str:
         """The dominant failure reason when nothing fits ('' when something does)."""
+        if self.kind in ONE_OUTCOME and self.outcomes:  # one outcome for every node: no count
+            o = self.outcomes[0]
+            return o.reason.value if o.reason else "unknown"
         # Outcomes are shared between equivalent nodes: look at each distinct one; count nodes per
         # outcome (C-level) only when none fits.
         distinct = dict(zip(map(id, self.outcomes), self.outcomes, strict=True))
@@ -87,39 +95,6 @@ class FilterAnswer:
     failed: dict[str, str]
     unresolvable: dict[str, str]
     decision: Decision
-
-
-class RecentPods:
-    """Pods as their filter call carried them moments ago (saves a GET per bind). Bounded in count and
-    in bytes of annotations, since filter bodies carry whatever the pod's author wrote."""
-
-    MAX_PODS = 4096
-    MAX_BYTES = 64 * 1024 * 1024
-
-    def __init__(self) -> None:
-        self._pods: collections.OrderedDict[str, tuple[PodInfo, int]] = collections.OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._pods)
-
-    def remember(self, info: PodInfo) -> None:
-        size = sum(len(k) + len(v) for k, v in info.annotations.items()) + 256
-        with self._lock:
-            for key in (info.uid, info.ref):
-                if key:
-                    old = self._pods.pop(key, None)
-                    self._bytes += size - (old[1] if old else 0)
-                    self._pods[key] = (info, size)
-            while self._pods and (len(self._pods) > self.MAX_PODS or self._bytes > self.MAX_BYTES):
-                self._bytes -= self._pods.popitem(last=False)[1][1]
-
-    def recall(self, uid: str, ref: str) -> PodInfo | None:
-        with self._lock:
-            hit = self._pods.get(uid) if uid else self._pods.get(ref)
-        info = hit[0] if hit is not None else None
-        return info if info is not None and (not uid or info.uid == uid) else None
 
 
 def _outcome(reason: Reason, text: str = "") -> Outcome:
@@ -146,6 +121,9 @@ class Extender:
         self._preempted: dict[str, tuple[float, list[frozenset[str]]]] = {}
         self.events = EventPoster(lambda: self.source)
         self.groups = GroupDesk(self.ledger, cache.facts, self.serving)
+        # A lone pod's filter passes only the engine's best node (--filter-best-only, off by default):
+        # kube-scheduler then neither scores nor calls prioritize. False: every fitting node passes.
+        self.best_only = False
         self.binder = Binder(self.ledger, lambda: self.source, self.events, cache.facts, self.recent.recall)
         self.binder.channels = cache.channels
         self.binder.rules = self._rules_on
@@ -155,6 +133,7 @@ class Extender:
             # Computed when /metrics is scraped, throttled on the ledger's generation: never per filter.
             ledger = self.ledger
             metrics.track_fragmentation(lambda: ledger.generation, ledger.states, ledger.clock)
+            metrics.track_holds(lambda: held_gpus(ledger))
 
     def close(self) -> None:
         """Shutdown: post the queued events, then stop their threads."""
@@ -252,6 +231,12 @@ class Extender:
             self.recent.remember(info)  # the pod as its filter carried it: its bind needs no GET
         if d.kind == "pass_through":
             return FilterAnswer(list(names), {}, {}, d)
+        if d.kind in ONE_OUTCOME and d.outcomes:  # no node passes; one reason for all (a waiting gang's)
+            o = d.outcomes[0]
+            answer = dict.fromkeys(d.names, o.message)
+            if o.code is Code.UNRESOLVABLE or o.reason is Reason.NO_FREE_CLIQUE:
+                return FilterAnswer([], {}, answer, d)
+            return FilterAnswer([], answer, {}, d)
         # Nodes of one kind share one outcome: sort the kinds into passed or not once, then split the node
         # list with C-level maps (thousands of nodes per call). Kinds are the ledger's keys when the decision
         # has them (ints, and the ledger keeps which of them fit), else the outcomes' identities.
@@ -271,6 +256,8 @@ class Extender:
         if len(present) == 1:  # one kind of node (often: none fits): no per-node split at all
             if passing:
                 passed_all = nodes if isinstance(nodes, list) else list(nodes)
+                if self.best_only and d.kind == "evaluated" and len(passed_all) > 1:
+                    return self._best(d, passed_all, outcomes, d.kinds, raw)
                 self.ahead.passed(outcomes, passed_all, outcomes, d.kinds, raw)
                 return FilterAnswer(list(nodes), {}, {}, d)
         else:
@@ -278,6 +265,8 @@ class Extender:
             passed = list(compress(nodes, selected))
             if passed:  # prioritize will name exactly these nodes
                 kinds = Kinds(list(compress(ids, selected)), d.kinds.verdicts) if d.kinds is not None else None
+                if self.best_only and d.kind == "evaluated" and len(passed) > 1:
+                    return self._best(d, passed, list(compress(outcomes, selected)), kinds, raw)
                 self.ahead.passed(outcomes, passed, list(compress(outcomes, selected)), kinds, raw)
                 # kube-scheduler reads why nodes failed only when none passed (to explain the pod and to pick
                 # preemption candidates): thousands of reasons per call would be built, sent and decoded for
@@ -293,14 +282,26 @@ class Extender:
         }
         messages = {k: o.message for k, o in distinct.items()}
         if len(distinct) == 1:
-            answer = dict(zip(nodes, repeat(messages[next(iter(distinct))])))
+            answer = whose_holds(self.ledger, info.namespace, dict(zip(nodes, repeat(messages[next(iter(distinct))]))))
             return FilterAnswer([], {}, answer, d) if unresolvable_ids else FilterAnswer([], answer, {}, d)
         return FilterAnswer(
             [],
-            self._split(nodes, ids, present - unresolvable_ids, messages),
-            self._split(nodes, ids, unresolvable_ids, messages),
+            whose_holds(self.ledger, info.namespace, self._split(nodes, ids, present - unresolvable_ids, messages)),
+            whose_holds(self.ledger, info.namespace, self._split(nodes, ids, unresolvable_ids, messages)),
             d,
         )
+
+    def _best(
+        self, d: Decision, passed: list[str], outcomes: list[Outcome], kinds: Kinds | None, raw: bytes
+    ) -> FilterAnswer:
+        """Only the node prioritize would rank first (`ranked`: the engine's score, then best fit above the
+        node, then the name) passes: with one feasible node kube-scheduler skips its score plugins and
+        the prioritize call, the cost of which is most of what a lone pod adds to its cycle."""
+        scores = ranked(passed, outcomes, kinds, self.ledger.fabric.now().order)
+        i = scores.index(max(scores))
+        one = Kinds([kinds.keys[i]], kinds.verdicts) if kinds is not None else None
+        self.ahead.passed(d.outcomes, [passed[i]], [outcomes[i]], one, raw)
+        return FilterAnswer([passed[i]], {}, {}, d)
 
     def _catch_up_with_preemption(self, info: PodInfo) -> None:
         """kube-scheduler evicts the victims this extender's preempt answer named and retries the preemptor

@@ -22,7 +22,7 @@ from gputopo.extender.bounds import (
     DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_READ_TIMEOUT_S,
 )
-from gputopo.extender.limits import DEFAULT_MAX_REQUEST_BYTES
+from gputopo.extender.limits import DEFAULT_MAX_HELD_GPUS_PER_NAMESPACE, DEFAULT_MAX_REQUEST_BYTES
 from gputopo.model import DEFAULT_NAMESPACE, EXTENDER_COMPONENT, SCHEDULER_NAME
 from gputopo.settingsconfig import ENV_PREFIX, command_settings
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
@@ -77,6 +77,18 @@ class Settings(BaseSettings):
     )
     stale_after_seconds: float = Field(120.0, gt=0, description="a node whose agent Lease is older is stale")
     reservation_timeout_seconds: float = Field(120.0, gt=0, description="unbound group reservations expire")
+    max_held_gpus_per_namespace: int = Field(
+        DEFAULT_MAX_HELD_GPUS_PER_NAMESPACE,
+        ge=0,
+        le=1_000_000,
+        description="GPUs one namespace's JobSets may hold for pods not created yet (exclusive placement's "
+        "followers); 0: none are held",
+    )
+    filter_best_only: bool = Field(
+        False,
+        description="a lone pod's filter passes only the engine's best node, so kube-scheduler skips its own "
+        "scoring and prioritize (the chart turns it on)",
+    )
     snapshot: Path | None = Field(None, description="serve from a static cluster file, no API server")
     log_level: LogLevel = "info"
     # Larger request bodies get 413 before they are parsed (gputopo/extender/limits.py sizes the default).

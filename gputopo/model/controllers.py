@@ -25,6 +25,7 @@ from gputopo.model.k8snames import ascii_int
 # JobCompletionIndexAnnotation (also a pod label since v1.28, PodIndexLabel).
 JOB_NAME = "batch.kubernetes.io/job-name"
 JOB_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+JOB_CONTROLLER_UID = "batch.kubernetes.io/controller-uid"  # the Job's UID, on every pod it creates
 # JobSet: kubernetes-sigs/jobset api/jobset/v1alpha2/jobset_types.go (v0.8): JobSetNameKey, JobSetUIDKey,
 # ReplicatedJobNameKey, ReplicatedJobReplicas, GlobalReplicasKey, JobIndexKey, JobGlobalIndexKey.
 JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
@@ -68,6 +69,20 @@ class JobShape:
     indexed: bool
     global_index: int | None = None  # jobset.sigs.k8s.io/job-global-index on a JobSet's Job
     global_replicas: int | None = None  # jobset.sigs.k8s.io/global-replicas on a JobSet's Job
+    uid: str = ""  # metadata.uid: its pods carry it (JOB_CONTROLLER_UID)
+    suspended: bool = False  # spec.suspend: it creates no pods
+    finished: bool = False  # a Complete or Failed condition: it creates no more pods
+    owner_jobset: str | None = None  # the JobSet of its controller ownerReference (None: none)
+
+    def creates(self, jobset: str) -> str | None:
+        """Why this Job will not create the pods of JobSet `jobset` a hold would wait for (None: it will)."""
+        if self.owner_jobset != jobset:
+            return f"Job {self.name} is not controlled by JobSet {jobset} (its ownerReferences)"
+        if self.suspended:
+            return f"Job {self.name} is suspended (spec.suspend)"
+        if self.finished:
+            return f"Job {self.name} has finished"
+        return None
 
     def gang(self) -> int | str:
         """The Job's pod count, or why its pods cannot run as one group."""
@@ -341,4 +356,4 @@ CONTROLLERS: tuple[Controller, ...] = (
 
 # Every label or annotation inference reads: what a pod record keeps to infer again when the
 # controller's object arrives after its pods.
-JOB_KEYS = frozenset(k for c in CONTROLLERS for k in (*c.identity, *c.reads))
+JOB_KEYS = frozenset(k for c in CONTROLLERS for k in (*c.identity, *c.reads)) | {JOB_CONTROLLER_UID}

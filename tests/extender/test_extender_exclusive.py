@@ -23,6 +23,16 @@ def cluster(env: Env) -> Env:
     return env
 
 
+# What the JobSet controller writes on its Jobs (its controller ownerReference).
+JOBSET_OWNER = {
+    "apiVersion": "jobset.x-k8s.io/v1alpha2",
+    "kind": "JobSet",
+    "name": "js",
+    "uid": "uid-js",
+    "controller": True,
+}
+
+
 def job_obj(index: int, pods: int = 2, replicas: int = 2) -> JSON:
     return {
         "metadata": {
@@ -35,6 +45,7 @@ def job_obj(index: int, pods: int = 2, replicas: int = 2) -> JSON:
                 J.JOBSET_GLOBAL_REPLICAS: str(replicas),
             },
             "annotations": {J.JOBSET_EXCLUSIVE: LEAF},
+            "ownerReferences": [dict(JOBSET_OWNER)],
         },
         "spec": {"completions": pods, "parallelism": pods, "completionMode": "Indexed"},
     }
@@ -55,6 +66,7 @@ def member(
         J.JOBSET_JOB_GLOBAL_INDEX: str(job),
         J.JOB_NAME: f"js-w-{job}",
         J.JOB_COMPLETION_INDEX: str(index),
+        J.JOB_CONTROLLER_UID: f"uid-job-{job}",  # the Job controller's label: its Job's UID
     }
     if leaf is not None:
         pod["spec"]["nodeSelector"] = {LEAF: leaf}
