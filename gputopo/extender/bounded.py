@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gputopo.extender.bounds import HeadMeter, ListenerLimits, read_too_slow, refusal
+from gputopo.extender.bounds import HeadMeter, read_too_slow, refusal
 from gputopo.extender.heads import BodyBudget, HeadPolicy
+from gputopo.extender.settings import ListenerLimits
 
 if TYPE_CHECKING:
     from gputopo.extender.gate import Slot

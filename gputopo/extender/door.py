@@ -36,9 +36,9 @@ import orjson
 from pydantic import BaseModel, ValidationError
 from pydantic_core import to_json
 
-from gputopo.extender.limits import DEFAULT_MAX_REQUEST_BYTES
 from gputopo.extender.metrics import Metrics
 from gputopo.extender.service import HEALTHY, NEUTRAL_SCORE, Extender
+from gputopo.extender.settings import DEFAULT_MAX_REQUEST_BYTES
 from gputopo.extender.wire import (
     ExtenderArgs,
     ExtenderBindingArgs,

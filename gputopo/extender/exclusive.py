@@ -19,9 +19,9 @@ from gputopo.engine.exclusive import ExclusiveJob, plan_exclusive
 from gputopo.engine.groupplan import GroupFailure, Member, Placed
 from gputopo.engine.replan import GroupWaiting, MemberView, Slot
 from gputopo.extender.ledger import Ledger
-from gputopo.extender.limits import DEFAULT_MAX_HELD_GPUS_PER_NAMESPACE
 from gputopo.extender.objects import PodRecord
 from gputopo.extender.reservations import GroupKey, Reservation
+from gputopo.extender.settings import DEFAULT_MAX_HELD_GPUS_PER_NAMESPACE
 from gputopo.extender.wire import PodInfo
 from gputopo.model import AnnotationError, ControllerFacts, PodRequest, infer_group
 from gputopo.model.jobs import JOB_CONTROLLER_UID, JOBSET_EXCLUSIVE, ExclusiveJobs

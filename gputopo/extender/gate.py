@@ -17,8 +17,9 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
-from gputopo.extender.bounds import TOO_MANY, TOO_MANY_FROM_PEER, ListenerLimits, refusal
+from gputopo.extender.bounds import TOO_MANY, TOO_MANY_FROM_PEER, refusal
 from gputopo.extender.heads import BodyBudget
+from gputopo.extender.settings import ListenerLimits
 
 # Addresses whose handshake pace is remembered; past this, the ones back at a full burst are forgotten.
 _MAX_PACED_PEERS = 4096

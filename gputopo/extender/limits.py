@@ -17,6 +17,8 @@ from typing import Any
 
 from pydantic_core import to_json
 
+from gputopo.extender.settings import DEFAULT_MAX_REQUEST_BYTES
+
 log = logging.getLogger("gputopo.extender.http")
 
 Scope = MutableMapping[str, Any]
@@ -24,14 +26,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-# A kube-scheduler filter call for 15,000 nodes with typical 40-character node names is ~0.7 MB
-# (NodeNames only: the chart's extender is nodeCacheCapable). 15,000 names of the longest legal length
-# (253 characters) plus a Pod at etcd's 1.5 MiB object limit is ~5.4 MB. 8 MiB covers both with headroom.
-DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
-# GPUs one namespace's JobSets may hold for pods not created yet (128 8-GPU nodes): no ResourceQuota
-# counts a pod that does not exist (gputopo.extender.exclusive).
-DEFAULT_MAX_HELD_GPUS_PER_NAMESPACE = 1024
 
 
 async def _answer(send: Send, status: int, body: dict[str, Any], *, close: bool = False) -> None:

@@ -40,11 +40,16 @@ from pydantic_settings import SettingsError
 
 from gputopo.clusterfile import ClusterFileError
 from gputopo.extender.bounded import BoundedHttpTools, bounded_protocol
-from gputopo.extender.bounds import ListenerLimits
 from gputopo.extender.gate import Gate, Slots
 from gputopo.extender.heads import HeadPolicy
-from gputopo.extender.limits import DEFAULT_MAX_REQUEST_BYTES
-from gputopo.extender.settings import PROG, Settings, describe_error, load_settings
+from gputopo.extender.settings import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    PROG,
+    ListenerLimits,
+    Settings,
+    describe_error,
+    load_settings,
+)
 from gputopo.jsonlog import configure_logging
 
 if TYPE_CHECKING:  # the app (cache, engine) is imported only once the settings are valid

@@ -1,10 +1,12 @@
 """Settings of gputopo-extender (docs/configuration.md): every setting is a flag and a GPUTOPO_* environment
-variable, both read by pydantic-settings itself (`load_settings`); flags win over the environment."""
+variable, both read by pydantic-settings itself (`load_settings`); flags win over the environment. What one
+listener allows, as its servers read it, is `ListenerLimits`; the defaults live here, beside the settings."""
 
 from __future__ import annotations
 
 import ipaddress
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -13,19 +15,41 @@ from pydantic_settings import BaseSettings, CliSuppress
 
 from gputopo.engine import draclaims
 from gputopo.engine.scoring import ScoreWeights
-from gputopo.extender.bounds import (
-    DEFAULT_HANDSHAKE_TIMEOUT_S,
-    DEFAULT_HANDSHAKES_PER_PEER_PER_S,
-    DEFAULT_IDLE_TIMEOUT_S,
-    DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
-    DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_MAX_HEADER_BYTES,
-    DEFAULT_READ_TIMEOUT_S,
-)
-from gputopo.extender.limits import DEFAULT_MAX_HELD_GPUS_PER_NAMESPACE, DEFAULT_MAX_REQUEST_BYTES
 from gputopo.model import DEFAULT_NAMESPACE, EXTENDER_COMPONENT, SCHEDULER_NAME
 from gputopo.settingsconfig import ENV_PREFIX, command_settings
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
+
+# A kube-scheduler filter call for 15,000 nodes with typical 40-character node names is ~0.7 MB
+# (NodeNames only: the chart's extender is nodeCacheCapable). 15,000 names of the longest legal length
+# (253 characters) plus a Pod at etcd's 1.5 MiB object limit is ~5.4 MB. 8 MiB covers both with headroom.
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+# GPUs one namespace's JobSets may hold for pods not created yet (128 8-GPU nodes): no ResourceQuota
+# counts a pod that does not exist (gputopo.extender.exclusive).
+DEFAULT_MAX_HELD_GPUS_PER_NAMESPACE = 1024
+
+# Every listener (docs/configuration.md): what a client on the pod network may hold of the process.
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024
+# Longer than the 90 s that Go's HTTP clients (kube-scheduler's, the API server's) keep an idle connection:
+# the server then never closes one the client is about to reuse.
+DEFAULT_IDLE_TIMEOUT_S = 120.0
+DEFAULT_READ_TIMEOUT_S = 10.0
+DEFAULT_MAX_CONNECTIONS = 256
+# Near the read timeout: a handshake on the pod network takes milliseconds, and until it is done the
+# connection holds a slot that nobody can be answered on.
+DEFAULT_HANDSHAKE_TIMEOUT_S = 10.0
+# A quarter of the default cap: one address (an attacker's, or one misbehaving client's) holds at most a
+# quarter of a listener, while the API server's few addresses (one per replica) still find room.
+DEFAULT_MAX_CONNECTIONS_PER_PEER = DEFAULT_MAX_CONNECTIONS // 4
+# New TLS handshakes one address may start per second (and as a burst): the API server keeps its
+# connections alive and opens a few per replica, while a flood of handshakes from one address is CPU the
+# verbs listener shares (on two cores 400 handshakes a second took its p99 to 3.3x idle).
+DEFAULT_HANDSHAKES_PER_PEER_PER_S = 20.0
+# Request bodies one listener holds at once, over all its connections: four of the largest the verbs take
+# (--max-request-bytes, 8 MiB). Parsed, a body costs a few times its size: 32 MiB of them stays well inside
+# the chart's 1 GiB memory limit, while the API server's reviews (a pod, at most etcd's 1.5 MiB, twice) fit
+# many at once.
+DEFAULT_MAX_BODY_BYTES_IN_FLIGHT = 32 * 1024 * 1024
+
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 PROG = EXTENDER_COMPONENT
@@ -255,3 +279,39 @@ def load_settings(argv: Sequence[str] | None = None) -> Settings:
 
     Raises pydantic's ValidationError (a bad value) or pydantic-settings' SettingsError (an unknown flag)."""
     return Settings(_cli_parse_args=list(argv or ()))
+
+
+@dataclass(frozen=True)
+class ListenerLimits:
+    """What one listener allows (the settings of the same names, docs/configuration.md)."""
+
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S  # head and body of one request, from its first byte
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S  # a kept-alive connection with nothing to do
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # open at once, per listener, counted from the accept
+    handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S  # TLS handshake, from the accept
+    max_connections_per_peer: int = DEFAULT_MAX_CONNECTIONS_PER_PEER  # of one client address (webhook, metrics)
+    handshakes_per_peer_per_s: float = DEFAULT_HANDSHAKES_PER_PEER_PER_S  # TLS handshakes one address starts; 0: any
+    max_body_bytes_in_flight: int = DEFAULT_MAX_BODY_BYTES_IN_FLIGHT  # request bodies held at once, all connections
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # one body (an address's share of the above is at least this)
+
+    @classmethod
+    def of(cls, settings: Settings) -> ListenerLimits:
+        per_peer = settings.max_connections_per_peer
+        return cls(
+            max_header_bytes=settings.max_header_bytes,
+            read_timeout_s=settings.read_timeout_seconds,
+            idle_timeout_s=settings.idle_timeout_seconds,
+            max_connections=settings.max_connections,
+            handshake_timeout_s=settings.handshake_timeout_seconds,
+            max_connections_per_peer=max(1, settings.max_connections // 4) if per_peer is None else per_peer,
+            handshakes_per_peer_per_s=settings.handshakes_per_peer_per_second,
+            max_body_bytes_in_flight=settings.max_body_bytes_in_flight,
+            max_request_bytes=settings.max_request_bytes,
+        )
+
+    @property
+    def body_bytes_per_peer(self) -> int:
+        """One client address's share of `max_body_bytes_in_flight` on the webhook: a quarter, and at least
+        one body of `max_request_bytes`."""
+        return min(self.max_body_bytes_in_flight, max(self.max_body_bytes_in_flight // 4, self.max_request_bytes))

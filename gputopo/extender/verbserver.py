@@ -32,8 +32,9 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, cast
 
-from gputopo.extender.bounds import TOO_MANY, ListenerLimits, read_too_slow, refusal
+from gputopo.extender.bounds import TOO_MANY, read_too_slow, refusal
 from gputopo.extender.heads import BodyBudget
+from gputopo.extender.settings import ListenerLimits
 from gputopo.extender.verbdispatch import Answer, Dispatch, Entry
 from gputopo.extender.verbframing import Request, RequestReader
 from gputopo.extender.verbpipeline import Pipeline

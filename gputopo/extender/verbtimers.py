@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from gputopo.extender.bounds import ListenerLimits
+from gputopo.extender.settings import ListenerLimits
 
 
 class Deadlines:

@@ -35,11 +35,10 @@ import pytest
 
 from gputopo.extender import webhook
 from gputopo.extender.app import create_listeners
-from gputopo.extender.bounds import ListenerLimits
 from gputopo.extender.clientauth import ClientAuth
 from gputopo.extender.heads import HeadPolicy
 from gputopo.extender.main import ListenerServer, _loop_factory, listener_config
-from gputopo.extender.settings import Settings
+from gputopo.extender.settings import ListenerLimits, Settings
 from gputopo.extender.verbserver import VerbServer
 from gputopo.extender.workers import BoundedWorkers, Busy
 from tests.extender.harness import certificate, gputopo_pod, start_server

@@ -24,7 +24,6 @@ import pytest
 import uvicorn
 
 from gputopo.extender.app import Listeners, create_listeners
-from gputopo.extender.bounds import ListenerLimits
 from gputopo.extender.cache import ClusterCache
 from gputopo.extender.door import Door
 from gputopo.extender.kube import Informer
@@ -32,7 +31,7 @@ from gputopo.extender.ledger import Ledger
 from gputopo.extender.main import ListenerServer, _loop_factory, listener_config, serve
 from gputopo.extender.metrics import Metrics
 from gputopo.extender.service import Extender
-from gputopo.extender.settings import Settings
+from gputopo.extender.settings import ListenerLimits, Settings
 from gputopo.extender.verbserver import VerbServer
 from gputopo.kube import KIND_NAMES
 from gputopo.model import (

@@ -26,10 +26,10 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from gputopo.extender.app import Listeners, create_listeners
-from gputopo.extender.bounds import HeadMeter, ListenerLimits
+from gputopo.extender.bounds import HeadMeter
 from gputopo.extender.gate import HandshakePace
 from gputopo.extender.main import ListenerServer, listener_config
-from gputopo.extender.settings import Settings, describe_error, load_settings
+from gputopo.extender.settings import ListenerLimits, Settings, describe_error, load_settings
 from gputopo.extender.verbserver import VerbServer
 from tests.extender.fake import FakeSource
 from tests.extender.harness import (
