@@ -33,7 +33,7 @@ from gputopo.model import (
 
 if TYPE_CHECKING:  # the extender is imported only when a command needs it
     from gputopo.extender.mismatch import Mismatch
-    from gputopo.extender.service import Decision
+    from gputopo.extender.verdicts import Decision
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -110,7 +110,8 @@ def run_topo(args: argparse.Namespace) -> int:
     except Exception as e:  # no kubeconfig, unreachable server
         print(f"gputopo topo: cannot reach the cluster: {e}", file=sys.stderr)
         return 1
-    from gputopo.extender.objects import BadObject, node_metadata
+    from gputopo.extender.objects import BadObject
+    from gputopo.extender.parsers import node_metadata
 
     try:
         labels, ann = node_metadata(node)
@@ -166,7 +167,7 @@ def run_topo(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """`gputopo explain POD`."""
     from gputopo.extender.cache import ClusterCache
-    from gputopo.extender.objects import resolve_pod
+    from gputopo.extender.parsers import resolve_pod
     from gputopo.extender.service import Extender
     from gputopo.extender.wire import WireError, pod_info
 

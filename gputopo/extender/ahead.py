@@ -32,7 +32,7 @@ from gputopo.engine.placement import Outcome
 from gputopo.engine.reasons import Code
 from gputopo.engine.scoring import wire_scores
 from gputopo.extender.fabric import FabricFigures
-from gputopo.extender.ledger import Kinds
+from gputopo.extender.verdicts import Kinds
 from gputopo.extender.wire import PodInfo
 from gputopo.model import AnnotationError, PodRequest, is_gputopo_pod, parse_pod_request
 

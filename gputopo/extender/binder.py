@@ -27,12 +27,12 @@ from gputopo.engine.scoring import grade
 from gputopo.engine.snapshot import NodeState
 from gputopo.engine.tiersets import set_words
 from gputopo.engine.tpgroups import DOMAIN
-from gputopo.extender.computedomains import ChannelReader, no_channels
 from gputopo.extender.events import EventPoster
 from gputopo.extender.kube import JSON, ClusterSource
 from gputopo.extender.ledger import Ledger
 from gputopo.extender.locks import StripedLocks
-from gputopo.extender.objects import record_of, resolve_pod
+from gputopo.extender.objects import ChannelReader, no_channels
+from gputopo.extender.parsers import record_of, resolve_pod
 from gputopo.extender.wire import PodInfo, pod_info
 from gputopo.kube import KubeError
 from gputopo.model import (

@@ -28,17 +28,8 @@ from gputopo.extender.dramerge import DraMerge
 from gputopo.extender.kindhandlers import KindHandler, each_readable
 from gputopo.extender.kube import JSON, Kind
 from gputopo.extender.ledger import Ledger, LedgerOptions
-from gputopo.extender.objects import (
-    BadObject,
-    NodeFacts,
-    PodRecord,
-    lease_renewal,
-    node_facts,
-    object_name,
-    pod_key,
-    pod_record,
-    short,
-)
+from gputopo.extender.objects import BadObject, NodeFacts, PodRecord, object_name, short
+from gputopo.extender.parsers import lease_renewal, node_facts, pod_key, pod_record
 from gputopo.kube import KIND_NAMES, LEASES, NODES, PODS, watched
 from gputopo.model import DEFAULT_NAMESPACE, ControllerFacts, GpusInUse
 

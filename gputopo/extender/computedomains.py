@@ -52,13 +52,6 @@ MAX_REQUESTS = 128  # resource.k8s.io's cap on a claim's requests
 MAX_NUM_NODES = 65_536  # far past any NVLink domain (NVL576 is 144 trays)
 
 Key = tuple[str, str]  # (namespace, template)
-# (namespace, the templates a pod's claims name) -> (its ComputeDomain or None, why it must wait or "").
-ChannelReader = Callable[[str, tuple[str, ...]], tuple[str | None, str]]
-
-
-def no_channels(_namespace: str, _templates: tuple[str, ...]) -> tuple[str | None, str]:
-    """The reader where no templates are watched (snapshot mode, `gputopo explain` offline): no channels."""
-    return None, ""
 
 
 def _map(obj: Any, where: str) -> Mapping[str, Any]:

@@ -12,10 +12,10 @@ import dataclasses
 import functools
 from collections.abc import Iterable
 
-from gputopo.extender.computedomains import ChannelReader, no_channels
 from gputopo.extender.kindhandlers import Bad, KindHandler, each_readable
 from gputopo.extender.ledger import Ledger
-from gputopo.extender.objects import PodRecord, job_shape, podgroup_of, record_of
+from gputopo.extender.objects import ChannelReader, PodRecord, no_channels
+from gputopo.extender.parsers import job_shape, podgroup_of, record_of
 from gputopo.extender.podindex import ControllerRef
 from gputopo.extender.wire import PodInfo
 from gputopo.kube import JOBS, JSON, PODGROUPS

@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import chain
-from typing import NamedTuple, TypedDict
+from typing import TypedDict
 
 from gputopo.engine.placement import Outcome, evaluate_node
 from gputopo.engine.reasons import Code
@@ -27,33 +27,9 @@ from gputopo.extender.nodestates import NodeStates
 from gputopo.extender.objects import NodeEntry, NodeFacts, PodRecord
 from gputopo.extender.podindex import PodTable
 from gputopo.extender.reservations import GroupKey, Reservation, ReservationBook, SlotKey
+from gputopo.extender.verdicts import Kinds, Verdicts
 from gputopo.model import SCHEDULER_NAME, GpusInUse, PodRequest
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
-
-
-class Verdicts(dict[int, Outcome]):
-    """The memoised outcome of each node kind for one request, and the kinds that fit (`passing`), kept as
-    outcomes are added: a filter over thousands of nodes splits them by set operations over kinds, without
-    reading an outcome per kind on every call."""
-
-    __slots__ = ("passing",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.passing: set[int] = set()
-
-    def __setitem__(self, key: int, outcome: Outcome) -> None:
-        super().__setitem__(key, outcome)
-        if outcome.code is Code.SUCCESS:
-            self.passing.add(key)
-
-
-class Kinds(NamedTuple):
-    """Each requested node's kind (parallel to the names) and the verdict of each kind for one request."""
-
-    keys: list[int]
-    verdicts: Verdicts
-
 
 log = logging.getLogger("gputopo.extender.ledger")
 

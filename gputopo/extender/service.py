@@ -10,11 +10,10 @@ Binding per pod, docs/extender.md).
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import compress, repeat
 
 from pydantic_core import to_json
@@ -35,12 +34,12 @@ from gputopo.extender.events import MISMATCH_REASON, EventPoster
 from gputopo.extender.groupdesk import GroupDesk
 from gputopo.extender.holdnotes import held_gpus, whose_holds
 from gputopo.extender.kube import ClusterSource, Kind
-from gputopo.extender.ledger import Kinds
 from gputopo.extender.metrics import Metrics
 from gputopo.extender.mismatch import Mismatch
-from gputopo.extender.objects import resolve_pod
+from gputopo.extender.parsers import resolve_pod
 from gputopo.extender.recentpods import RecentPods
 from gputopo.extender.reservations import GroupKey
+from gputopo.extender.verdicts import ONE_OUTCOME, Decision, Kinds
 from gputopo.extender.wire import ExtenderPreemptionArgs, MetaPod, MetaVictims, PodInfo, pod_info
 from gputopo.model import AnnotationError, PodRequest, is_gputopo_pod, parse_pod_request
 
@@ -55,38 +54,6 @@ HEALTHY = b'{"status":"ok"}'  # /healthz on every listener: the process answers
 PREEMPTION_CATCH_UP_SECONDS = 0.5
 MAX_PREEMPTORS_KEPT = 1024
 Imex = list[Outcome] | None  # outcomes under the ComputeDomain rules; None when none applies
-
-
-# Decisions that tell every node one outcome (`[o] * len(names)`): a group's, or a pod's that is invalid.
-ONE_OUTCOME = frozenset({"invalid", "group_waiting", "group_failed"})
-
-
-@dataclass
-class Decision:
-    """Per-node outcomes for one pod, plus the kind of decision (a bounded metrics label)."""
-
-    kind: str  # pass_through | invalid | evaluated | group_waiting | group_failed | group_planned
-    names: Sequence[str] = ()
-    outcomes: list[Outcome] = field(default_factory=list)  # parallel to names
-    priorities: list[int] | None = None  # overrides the outcome scores (group plans)
-    request: PodRequest | None = None
-    kinds: Kinds | None = None  # each node's kind, parallel to names (an evaluation over the ledger)
-
-    def reason_label(self) -> str:
-        """The dominant failure reason when nothing fits ('' when something does)."""
-        if self.kind in ONE_OUTCOME and self.outcomes:  # one outcome for every node: no count
-            o = self.outcomes[0]
-            return o.reason.value if o.reason else "unknown"
-        # Outcomes are shared between equivalent nodes: look at each distinct one; count nodes per
-        # outcome (C-level) only when none fits.
-        distinct = dict(zip(map(id, self.outcomes), self.outcomes, strict=True))
-        if not distinct or any(o.code is Code.SUCCESS for o in distinct.values()):
-            return ""
-        counts: collections.Counter[str] = collections.Counter()
-        for k, n in collections.Counter(map(id, self.outcomes)).items():
-            o = distinct[k]
-            counts[o.reason.value if o.reason else "unknown"] += n
-        return counts.most_common(1)[0][0]
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from gputopo.engine.groupplan import GroupFailure
 from gputopo.engine.labelindex import SELECTORS_KEPT, LabelIndex
 from gputopo.extender.groupdesk import FAILURES_KEPT, FailedPlans, _Failed
 from gputopo.extender.ledger import Ledger
-from gputopo.extender.objects import BadObject, job_shape
+from gputopo.extender.objects import BadObject
+from gputopo.extender.parsers import job_shape
 from gputopo.model import Spread
 from gputopo.model import jobs as J
 from tests.extender.harness import Env, two_leaves
