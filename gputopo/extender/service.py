@@ -145,7 +145,9 @@ class Extender:
         self._preempted: dict[str, tuple[float, list[frozenset[str]]]] = {}
         self.events = EventPoster(lambda: self.source)
         self.groups = GroupDesk(self.ledger, cache.facts, self.serving)
-        self.binder = Binder(self.ledger, lambda: self.source, self.events, cache.facts, self.recent.recall)
+        self.binder = Binder(
+            self.ledger, lambda: self.source, self.events, cache.facts, self.recent.recall, cache.dra.allocated
+        )
         self.binder.channels = cache.channels
         self.ledger.on_mismatch = self._on_mismatch
         cache.on_bad_object = self._on_bad_object
