@@ -22,9 +22,12 @@ the set gputopo's engine would choose among the sets the claim can match:
 What one order cannot say: the engine ranks link strength before fragmentation, and no single order
 gives every claim size the engine's choice where they disagree (on a DGX-1V an NV2 pair from a whole
 quad against an NV1 pair from a broken one: the order keeps the quad whole); NIC nearness is the pod's,
-and NUMA span may want GPUs from two blocks at once. So first fit equals the engine's choice on the
-fragmentation terms (the largest clique and the NVLink pairs left free) on every node, and on all its
-NVLink terms where a block's links are equal (NVSwitch, bridged pairs, a GB200 tray). Identity
+and NUMA span may want GPUs from two blocks at once. So first fit is best fit on the engine's
+fragmentation terms (the largest clique and the NVLink pairs left free) among the sets the claim can
+match: for a partition claim the k-sets inside one block of the first partition that has room, for a
+list claim (KEP-5491) every k-clique, a DGX-1V's cross-quad pairs included; and it equals the engine's
+own choice on all its NVLink terms where a block's links are equal (NVSwitch, bridged pairs, a GB200
+tray). `tests/engine/test_draorder.py` checks both on random node states. Identity
 never depends on order: a device's name is its GPU, so a slice published before an allocation that it
 does not know of costs only optimality, never a double allocation or a claim on GPUs that are no clique.
 """

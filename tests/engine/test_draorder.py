@@ -18,7 +18,7 @@ from gputopo.engine.dra import device_name, devices, encoding
 from gputopo.engine.gpusets import choose_clique, rank_key
 from gputopo.engine.snapshot import shape_of
 from gputopo.model import Health, NodeTopology
-from gputopo.sim.draallocator import allocate, partition_claim, unconstrained_claim
+from gputopo.sim.draallocator import allocate, list_claim, partition_claim, unconstrained_claim
 from gputopo.systems import build_system as _build
 
 
@@ -89,6 +89,34 @@ def test_first_fit_over_the_published_order_is_the_engines_best_claimable_choice
     free = mask_of([g for g in range(shape.n) if g not in in_use])
     # Equal on the engine's fragmentation terms: the largest clique and the NVLink pairs left free.
     assert rank_key("clique", shape, free, mask_of(list(got)), 0)[1:3] == rank_key("clique", shape, free, best, 0)[1:3]
+
+
+@settings(max_examples=150, deadline=None)
+@given(_states())
+def test_with_the_list_attribute_first_fit_is_best_fit_over_every_clique(
+    state: tuple[str, frozenset[int], int],
+) -> None:
+    """A list claim (one maximal clique in common, KEP-5491) can match every clique, DGX-1V's cross-quad
+    pairs included: first fit over the order is then the best of all of them on the engine's
+    fragmentation terms (the largest clique and the NVLink pairs left free)."""
+    system, in_use, k = state
+    if k < 2:
+        return
+    topo = build_system(system)
+    shape = shape_of(topo)
+    free_gpus = [g for g in range(shape.n) if g not in in_use]
+    free = mask_of(free_gpus)
+    cliques = [
+        mask_of(list(c))
+        for c in combinations(free_gpus, k)
+        if all(shape.adj[a] >> b & 1 for a, b in combinations(c, 2))
+    ]
+    devs = devices(topo, list_attributes=True, in_use=in_use)
+    got = allocate(devs, list_claim(k), [device_name(g) for g in sorted(in_use)])
+    assert (got is None) == (not cliques)
+    if got is not None:
+        best = max(rank_key("clique", shape, free, c, 0)[1:3] for c in cliques)
+        assert rank_key("clique", shape, free, mask_of(list(got.gpus)), 0)[1:3] == best
 
 
 @pytest.mark.parametrize("system", ONE_PARTITION)
