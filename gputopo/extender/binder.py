@@ -1,6 +1,8 @@
 """Bind: re-evaluate the pod on the node against the ledger, then ONE API call, a Binding whose
 annotations carry `gputopo.io/placement` (the API server copies a Binding's annotations onto the pod
-as it sets spec.nodeName). The TopologyPlacement Event follows off the critical path.
+as it sets spec.nodeName). The TopologyPlacement Event follows off the critical path. Under DRA the
+placement names the GPUs the pod's claims hold; a claim the cache has not yet seen allocated is read
+first (`claimed_gpus`: kube-scheduler wrote the allocation moments before this call).
 
 Safe only with one writer: the extender runs as a sidecar of the single leader kube-scheduler, and
 binds to one node are serialised in this process. Between choosing the GPUs and the Binding's answer
