@@ -32,7 +32,6 @@ from gputopo.engine.draclaims import claim_template
 from gputopo.engine.explain import gpu_ranges
 from gputopo.engine.snapshot import shape_of
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from gputopo.localcluster.binaries import kubernetes_version
 from gputopo.localcluster.kubelet import kubelet_unavailable
 from gputopo.localcluster.manifests import pod_webhook_manifest
 from gputopo.localcluster.stack import Stack
@@ -306,14 +305,14 @@ def test_dra_tp2_takes_the_cross_quad_pair_when_only_it_is_free(
 
 
 def test_dra_best_fit_order_fills_the_half_used_quad_and_the_placement_names_the_claims_gpus(
-    stack: Stack, control_plane: ControlPlane, test_id: str
+    stack: Stack, test_id: str
 ) -> None:
     """The issue's run through the real allocator: pairs take GPUs 4-5 (pinned), and with the agent in
     best-fit order a 2-GPU clique claim beside the half-used quad 4-7 and the whole quad 0-3 takes 6-7,
     where index order takes 0-1 (test_dra_tp4_waits_for_a_full_quad_and_tp2_gets_only_nvlink_pairs); a
-    4-GPU claim then still gets the whole quad. Each pod's placement names exactly its claim's GPUs."""
-    if kubernetes_version(control_plane.bin_dir)[:2] < (1, 36):
-        pytest.skip("the allocator's order is documented from Kubernetes 1.36 (slices by name, devices in order)")
+    4-GPU claim then still gets the whole quad. Each pod's placement names exactly its claim's GPUs.
+    The order is documented from 1.36 (the chart passes the flag from there); with one slice per node
+    1.34's allocator goes in slice order too, so the test runs on both releases."""
     n = DraNode(stack, test_id, best_fit=True)
     try:
         pins = n.pod("pins", n.pin_template([4, 5]))
