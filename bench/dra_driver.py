@@ -3,11 +3,15 @@
 - cliques: a 32-GPU "full mesh minus a perfect matching" NVLink graph has 2^16 maximal cliques. Prints
   the CPU seconds and the ResourceSlice spec's size (JSON bytes) for the scalar and the list encoding,
   and the CPU seconds of a second publish of the same topology (the memo).
+- bestfit: best-fit order's cost per claim change on each named system: 2,000 claims (1, 2 or 4 GPUs,
+  seeded) allocated by the emulated allocator over the published order and released at random, the
+  slice re-published after each change; prints slice writes per change, the slice's JSON bytes per
+  write, and the agent's CPU per re-publish (order, spec and compare).
 - unprepare: six Prepares whose ResourceClaim reads the API server answers only after `--api-s`
   seconds, then one Unprepare (which needs no API read) over the real unix socket; prints how long
   the Unprepare took.
 
-    .venv/bin/python bench/dra_driver.py [--api-s 2.5] [--skip cliques|unprepare]
+    .venv/bin/python bench/dra_driver.py [--api-s 2.5] [--skip cliques|bestfit|unprepare]
 """
 
 from __future__ import annotations
@@ -58,6 +62,84 @@ def cliques() -> None:
             size = len(json.dumps(spec).encode())
             kind = "list" if list_attributes else "scalar"
             print(f"cliques {kind:6} {attempt}: {cpu:.3f} s CPU, slice spec {size / 1024:.1f} KiB")
+
+
+class CountingSlices:
+    """A SliceApi in memory that counts writes and their bytes, as the API server would receive them."""
+
+    def __init__(self) -> None:
+        self.stored: dict[str, Any] = {}
+        self.writes = 0
+        self.bytes = 0
+
+    def node_uid(self, node: str) -> str:
+        return "node-uid"
+
+    def get_slice(self, name: str) -> Any:
+        return self.stored.get(name)
+
+    def list_slice_names(self, node: str, driver: str) -> list[str]:
+        return list(self.stored)
+
+    def _store(self, body: Any) -> Any:
+        self.writes += 1
+        self.bytes += len(json.dumps(body).encode())
+        doc = json.loads(json.dumps(body))
+        doc["metadata"]["resourceVersion"] = str(self.writes)
+        self.stored[doc["metadata"]["name"]] = doc
+        return doc
+
+    def create_slice(self, body: Any) -> Any:
+        return self._store(body)
+
+    def replace_slice(self, name: str, body: Any) -> Any:
+        return self._store(body)
+
+    def delete_slice(self, name: str) -> None:
+        self.stored.pop(name, None)
+
+
+def bestfit(claims: int = 2000, seed: int = 0) -> None:
+    import random
+
+    from gputopo.agent.dra.slices import SlicePublisher
+    from gputopo.engine.dra import device_name, devices
+    from gputopo.sim.draallocator import allocate, partition_claim, unconstrained_claim
+
+    for system in ("dgx-h100", "dgx-1v", "a100-pcie-bridged", "gb200-tray"):
+        topo = build_system(system, NODE)
+        api = CountingSlices()
+        pub = SlicePublisher(
+            api, NODE, list_attributes=False, device_taints=False, sleep=lambda _s: True, best_fit_order=True
+        )
+        pub.publish(topo, in_use=frozenset())
+        rng = random.Random(seed)
+        held: list[tuple[int, ...]] = []
+        in_use: frozenset[int] = frozenset()
+        writes0, bytes0, changes, cpu = api.writes, api.bytes, 0, 0.0
+        for _ in range(claims):
+            if held and (rng.random() < 0.5 or len(in_use) == len(topo.gpus)):
+                gone = held.pop(rng.randrange(len(held)))
+                in_use = in_use - set(gone)
+            else:
+                k = rng.choice([1, 2, 4] if len(topo.gpus) > 4 else [1, 2])
+                claim = unconstrained_claim(1) if k == 1 else partition_claim(k)
+                order = devices(topo, list_attributes=False, in_use=in_use)
+                got = allocate(order, claim, [device_name(g) for g in sorted(in_use)])
+                if got is None:
+                    continue
+                held.append(got.gpus)
+                in_use = in_use | set(got.gpus)
+            changes += 1
+            t0 = time.process_time()
+            pub.publish(topo, in_use=in_use)
+            cpu += time.process_time() - t0
+        writes = api.writes - writes0
+        print(
+            f"bestfit {system:18} {changes} changes: {writes / changes:.2f} slice writes per change, "
+            f"{(api.bytes - bytes0) / max(writes, 1) / 1024:.1f} KiB per write, "
+            f"{1e3 * cpu / changes:.2f} ms CPU per re-publish"
+        )
 
 
 class SlowClaims:
@@ -135,10 +217,12 @@ def unprepare(api_s: float) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--api-s", type=float, default=2.5)
-    ap.add_argument("--skip", action="append", default=[], choices=["cliques", "unprepare"])
+    ap.add_argument("--skip", action="append", default=[], choices=["cliques", "bestfit", "unprepare"])
     opts = ap.parse_args()
     if "cliques" not in opts.skip:
         cliques()
+    if "bestfit" not in opts.skip:
+        bestfit()
     if "unprepare" not in opts.skip:
         unprepare(opts.api_s)
     return 0

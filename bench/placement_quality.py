@@ -114,12 +114,15 @@ from gputopo.sim import SimResult, simulate  # noqa: E402
 from gputopo.sim.core import prepare_pods  # noqa: E402
 from gputopo.sim.dra import NodeChoice, expressiveness, simulate_dra  # noqa: E402
 from gputopo.sim.draallocator import ENCODINGS, Encoding  # noqa: E402
+from gputopo.sim.drachurn import MODES, Arrival, simulate_churn  # noqa: E402
+from gputopo.sim.drachurn import NodeChoice as ChurnNodeChoice  # noqa: E402
 from gputopo.systems import SYSTEMS, build_system  # noqa: E402
 from gputopo.tiers import DEFAULT_TIERS  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 NODES_CSV = DATA / "alibaba-gpu-v2023" / "openb_node_list_gpu_node.csv"
 PODS_CSV = DATA / "alibaba-gpu-v2023" / "openb_pod_list_multigpu50.csv"
+DEFAULT_PODS_CSV = DATA / "alibaba-gpu-v2023" / "openb_pod_list_default.csv"  # has creation and deletion times
 TOPO_CSV = DATA / "alibaba-lingjun-2023" / "topo.csv"
 
 POLICIES = ("gputopo", "default", "random")
@@ -400,6 +403,92 @@ def dra_tables(nodes: list[NodeState], jobs: list[JobSpec], device_plugin: dict[
     return out
 
 
+CHURN_SYSTEMS = ("dgx-h100", "dgx-1v", "a100-pcie-bridged", "gb200-tray")
+CHURN_NODES = 8
+CHURN_LABELS = {
+    "device-plugin": "device plugin (engine's GPUs)",
+    "dra-stock": "DRA, index order (stock)",
+    "dra-best-fit": "DRA, best-fit order",
+}
+
+
+def churn_arrivals(
+    node_gpus: int, count: int, capacity: int, load: float, seed: int, *, exponential: bool = False
+) -> list[Arrival]:
+    """The Alibaba multi-GPU replay's sizes (1/2/4/8, those a node holds) in a seeded order, each holding its
+    GPUs for the next duration of the default trace (deletion - creation, file order), scaled so the
+    GPUs asked average `load` of `capacity` (one arrival per time unit). `exponential`: durations drawn
+    from an exponential distribution instead (seeded), scaled the same way."""
+    sizes: list[int] = []
+    with PODS_CSV.open() as f:
+        for r in csv.DictReader(f):
+            g = int(r["num_gpu"])
+            if 0 < g <= node_gpus:
+                sizes.append(g)
+    # The file lists its 1-GPU pods first: a seeded shuffle mixes the sizes as they would arrive.
+    random.Random(seed).shuffle(sizes)
+    sizes = sizes[:count]
+    durations: list[int] = []
+    with DEFAULT_PODS_CSV.open() as f:
+        for r in csv.DictReader(f):
+            if int(r["num_gpu"]) > 0 and r["deletion_time"] and r["creation_time"]:
+                durations.append(max(1, int(r["deletion_time"]) - int(r["creation_time"])))
+    if exponential:  # the trace's durations are extreme (median 545 s, mean 27,176 s): few pods overlap
+        rng = random.Random(seed + 1)
+        durations = [max(1, round(rng.expovariate(1 / 1000))) for _ in sizes]
+    held = [sizes[i] * durations[i % len(durations)] for i in range(len(sizes))]
+    scale = load * capacity * len(sizes) / sum(held)  # Little's law: GPUs in use = arrival rate x GPU-time
+    return [Arrival(k, durations[i % len(durations)] * scale) for i, k in enumerate(sizes)]
+
+
+def churn_section(quick: bool, seed: int, load: float = 0.9) -> list[str]:
+    count = 1000 if quick else 3000
+    out = [
+        f"  {CHURN_NODES} nodes of each system; {count} claims arriving one per time unit, each leaving after",
+        f"  its duration (sizes: openb_pod_list_multigpu50.csv shuffled with seed {seed}; durations: the trace's",
+        "  (openb_pod_list_default.csv, deletion - creation, in file order) or exponential (seeded), both scaled to",
+        f"  {load:.0%} of the GPUs asked on average); the first {count // 6} arrivals warm up. The node: the engine's",
+        "  choice (the extender) or the first node by name that fits; the GPUs: the engine's (device plugin), or",
+        "  the DRA allocator's first fit for gputopo's partition claim over index order (stock) or best-fit order.",
+    ]
+    for system in CHURN_SYSTEMS:
+        topo = build_system(system)
+        nodes = [node_state(f"{system}-{i:02d}", topo) for i in range(CHURN_NODES)]
+        capacity = sum(n.gpu_count for n in nodes)
+        for exponential in (False, True):
+            out += _churn_rows(system, nodes, count, capacity, load, seed, exponential)
+    return out
+
+
+def _churn_rows(
+    system: str, nodes: list[NodeState], count: int, capacity: int, load: float, seed: int, exponential: bool
+) -> list[str]:
+    topo = nodes[0].topology
+    assert topo is not None
+    arrivals = churn_arrivals(len(topo.gpus), count, capacity, load, seed, exponential=exponential)
+    multi = sum(1 for a in arrivals if a.gpus > 1)
+    durations = "exponential durations" if exponential else "the trace's durations"
+    out = [
+        f"  {system} ({len(topo.gpus)} GPUs/node, {multi} multi-GPU claims, {durations}):",
+        f"    {'':<52} {'on one clique':>14} {'clique refused':>15} {'stranded':>9} {'largest free':>13}"
+        f" {'unplaced':>9} {'cpu s':>6}",
+    ]
+    choices: tuple[tuple[ChurnNodeChoice, str], ...] = (
+        ("engine", "extender picks the node"),
+        ("first", "first node by name"),
+    )
+    for choice, words in choices:
+        for mode in MODES:
+            t0 = time.process_time()
+            f = simulate_churn(nodes, arrivals, mode, warmup=count // 6, node_choice=choice)
+            cpu = time.process_time() - t0
+            out.append(
+                f"    {CHURN_LABELS[mode] + ', ' + words:<52} {f.on_clique_pct:>13.1f}% {f.clique_refused:>15} "
+                f"{f.stranded_pct:>8.1f}% {f.largest_free_clique:>13.2f} {f.unplaced:>9} {cpu:>6.1f}"
+            )
+    return out
+
+
 def island_cluster() -> list[NodeState]:
     v, b = build_system("dgx-1v"), build_system("a100-pcie-bridged")
     return [node_state(f"isl-{i:03d}", v if i % 2 == 0 else b) for i in range(128)]
@@ -638,9 +727,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="a quarter of the Alibaba pods, 1,000 nodes at scale")
     ap.add_argument("--skip", choices=("alibaba", "llm", "scale", "dra", "fabric", "rack"), action="append", default=[])
+    ap.add_argument("--only", choices=("dra-churn",), help="run only this section")
     ap.add_argument("--fabric-load", type=float, default=0.6, help="the fabric-packing mixes' load (default 0.6)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
+    if args.only == "dra-churn":
+        print("== 2c. DRA with departures: device plugin vs the DRA allocator over index or best-fit order")
+        print("\n".join(churn_section(args.quick, args.seed)))
+        print(f"total wall time {time.perf_counter() - t_start:.0f} s")
+        return 0
 
     if "alibaba" not in args.skip:
         nodes, mapping = alibaba_cluster()
@@ -709,6 +804,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         count = 1000 if args.quick else 5000
         print(f"== 3. Decision time at scale ({count} nodes)")
         print("\n".join(scale_section(count, args.seed)))
+        print()
+
+    if "dra" not in args.skip:
+        print("== 2c. DRA with departures: device plugin vs the DRA allocator over index or best-fit order")
+        print("\n".join(churn_section(args.quick, args.seed)))
         print()
 
     if "dra" not in args.skip:

@@ -83,7 +83,14 @@ class DraNode:
     """One test's DRA kubelet node, and the pods and claim templates it makes."""
 
     def __init__(
-        self, stack: Stack, test_id: str, *, list_attributes: bool = False, suffix: str = "", nvml: bool = False
+        self,
+        stack: Stack,
+        test_id: str,
+        *,
+        list_attributes: bool = False,
+        best_fit: bool = False,
+        suffix: str = "",
+        nvml: bool = False,
     ) -> None:
         self.stack = stack
         self.kube = stack.kube
@@ -91,7 +98,13 @@ class DraNode:
         self.list_attributes = list_attributes
         self.name = f"dra-{hashlib.sha256(test_id.encode()).hexdigest()[:8]}{suffix}"
         stack.add_kubelet_node(
-            self.name, SYSTEM, labels={TEST_LABEL: test_id}, dra=True, dra_list_attributes=list_attributes, nvml=nvml
+            self.name,
+            SYSTEM,
+            labels={TEST_LABEL: test_id},
+            dra=True,
+            dra_list_attributes=list_attributes,
+            dra_best_fit_order=best_fit,
+            nvml=nvml,
         )
         self.kubelet = stack.kubelets[self.name]
         self.pods: list[str] = []
@@ -318,6 +331,36 @@ def test_dra_tp2_takes_the_cross_quad_pair_when_only_it_is_free(
         assert n.running(pins) == (1, 2, 3, 5, 6, 7)
         pair = n.pod("tp2", n.tp_template(2))
         assert n.running(pair) == (0, 4)
+    finally:
+        n.close()
+
+
+def test_dra_best_fit_order_fills_the_half_used_quad_and_the_placement_names_the_claims_gpus(
+    stack: Stack, test_id: str
+) -> None:
+    """The issue's run through the real allocator: pairs take GPUs 4-5 (pinned), and with the agent in
+    best-fit order a 2-GPU clique claim beside the half-used quad 4-7 and the whole quad 0-3 takes 6-7,
+    where index order takes 0-1 (test_dra_tp4_waits_for_a_full_quad_and_tp2_gets_only_nvlink_pairs); a
+    4-GPU claim then still gets the whole quad. Each pod's placement names exactly its claim's GPUs.
+    The order is documented from 1.36 (the chart passes the flag from there); with one slice per node
+    1.34's allocator goes in slice order too, so the test runs on both releases."""
+    n = DraNode(stack, test_id, best_fit=True)
+    try:
+        pins = n.pod("pins", n.pin_template([4, 5]))
+        assert n.running(pins) == (4, 5)
+        # The agent re-publishes once the pin's claim is prepared: the half-used quad's free pair first.
+        deadline = time.monotonic() + 30
+        while [d["name"] for d in stack.resource_slices(n.name)[0]["spec"]["devices"]][:2] != ["gpu-6", "gpu-7"]:
+            assert time.monotonic() < deadline, "the slice was not re-published in best-fit order"
+            time.sleep(0.3)
+        ann = {"gputopo.io/nvlink": "required"}
+        pair = n.pod("tp2", n.tp_template(2), annotations=ann)
+        assert n.running(pair) == (6, 7)
+        quad = n.pod("tp4", n.tp_template(4), annotations=ann)
+        assert n.running(quad) == (0, 1, 2, 3)
+        for pod in (pair, quad):
+            annotations = stack.kube.get_pod(NS, pod)["metadata"]["annotations"]
+            assert tuple(parse_placement(annotations[PLACEMENT_ANNOTATION]).gpus) == n.gpus_of(pod)
     finally:
         n.close()
 

@@ -154,6 +154,7 @@ def start_dra(
         cdi_dir=settings.cdi_dir,
         list_attributes=settings.dra_list_attributes,
         device_taints=settings.dra_device_taints,
+        best_fit_order=settings.dra_best_fit_order,
         sysfs_root=settings.sysfs_root,
     )
     topology = backend.discover()

@@ -88,6 +88,11 @@ class AgentSettings(BaseSettings):
         description="DRA: publish a failed GPU with a NoSchedule device taint (needs DRADeviceTaints); "
         "without it a failed GPU is left out of the ResourceSlice",
     )
+    dra_best_fit_order: bool = Field(
+        False,
+        description="DRA: list the devices so that the allocator's first fit is best fit, re-published after "
+        "each claim prepared or unprepared (Kubernetes 1.36+ documents that order)",
+    )
     dra_plugins_dir: Path = Field(DEFAULT_DRA_PLUGINS_DIR, description="DRA: the kubelet's plugins directory")
     dra_registry_dir: Path = Field(
         DEFAULT_DRA_REGISTRY_DIR, description="DRA: the kubelet's plugin registration directory"

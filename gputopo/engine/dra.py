@@ -34,7 +34,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from gputopo.engine.cliques import bits, popcount
+from gputopo.engine.cliques import bits, mask_of, popcount
+from gputopo.engine.draorder import best_fit_order
+from gputopo.engine.snapshot import shape_of
 from gputopo.model.base import LabelError
 from gputopo.model.dra import DEVICE_CLASS as DEVICE_CLASS
 from gputopo.model.dra import DRIVER as DRIVER
@@ -239,10 +241,12 @@ def devices(
     list_attributes: bool,
     labels: Mapping[str, str] | None = None,
     pcie_roots: Mapping[int, str] | None = None,
+    in_use: frozenset[int] | None = None,
 ) -> list[Device]:
     """The node's GPUs as DRA devices. `list_attributes`: the cluster serves list-typed attributes
     (KEP-5491); without it only the scalar partitions are published. `pcie_roots`: per GPU index, the
-    root complex sysfs gives ('pci0000:3a'); without it the standard attribute is left out."""
+    root complex sysfs gives ('pci0000:3a'); without it the standard attribute is left out. `in_use`:
+    the GPUs allocated now, for best-fit order (`gputopo.engine.draorder`); None: index order."""
     enc = encoding(topology)
     try:
         rails = gpu_rail_masks(topology, nic_rails(topology, dict(labels or {})))
@@ -276,4 +280,9 @@ def devices(
         if g.numa_node is not None and g.numa_node >= 0:
             attrs[STD_NUMA_NODE] = g.numa_node
         out.append(Device(device_name(i), i, attrs, g.memory_mib, failed))
-    return out
+    if in_use is None:
+        return out
+    usable = sum(1 << g.index for g in topology.gpus if g.health is not Health.FAILED)
+    order = best_fit_order(shape_of(topology), enc.partitions[0], usable, mask_of(sorted(in_use)) & usable)
+    at = {d.index: d for d in out}
+    return [at[i] for i in order if i in at]

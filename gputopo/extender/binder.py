@@ -1,6 +1,8 @@
 """Bind: re-evaluate the pod on the node against the ledger, then ONE API call, a Binding whose
 annotations carry `gputopo.io/placement` (the API server copies a Binding's annotations onto the pod
-as it sets spec.nodeName). The TopologyPlacement Event follows off the critical path.
+as it sets spec.nodeName). The TopologyPlacement Event follows off the critical path. Under DRA the
+placement names the GPUs the pod's claims hold; a claim the cache has not yet seen allocated is read
+first (`claimed_gpus`: kube-scheduler wrote the allocation moments before this call).
 
 The re-evaluation applies every rule the filter applied, read again now: the GPUs' fit, the ComputeDomain
 rules on the node (`rules`, the service's: a tray relabelled for another ComputeDomain between filter and bind
@@ -44,6 +46,7 @@ from gputopo.model import (
     RunnerUp,
     is_gputopo_pod,
 )
+from gputopo.model.dra import ClaimInfo, DraObjectError, parse_claim
 from gputopo.model.k8snames import InvalidName, check_name, check_namespace
 
 log = logging.getLogger("gputopo.extender")
@@ -66,12 +69,14 @@ class Binder:
         events: EventPoster,
         facts: Callable[[str], ControllerFacts] = lambda _namespace: NO_FACTS,
         recall: Callable[[str, str], PodInfo | None] = lambda _uid, _ref: None,
+        allocated: Callable[[str, str], ClaimInfo | None] = lambda _ns, _name: None,
     ) -> None:
         self.ledger = ledger
         self.facts = facts  # a namespace's controller objects, as the cache reads pods with them
         self._source = source
         self.events = events
         self.recall = recall  # the pod as its filter carried it moments ago (by uid, else namespace/name)
+        self.allocated = allocated  # a ResourceClaim as the cache last saw it allocated with our GPUs
         self.locks = StripedLocks()
         self.channels: ChannelReader = no_channels  # which ComputeDomain a pod's claims join (the cache's)
         # The ComputeDomain rules on one node as the filter applies them (the service's); none by default.
@@ -111,8 +116,11 @@ class Binder:
         if not self._ours(info):
             assert source is not None
             return self._post_binding(source, info, node, None)[0]
+        # Under DRA kube-scheduler wrote the claims' allocation (PreBind) just before this call; the
+        # placement names those GPUs, read outside the node's lock.
+        held = self.claimed_gpus(source, info, node) if source is not None and info.claim_names else None
         with self.locks(node):  # choosing and claiming is atomic per node in this process
-            chosen = self.placement_for(info, node)
+            chosen = self.placement_for(info, node, held)
             if isinstance(chosen, str):
                 return chosen
             placement, req = chosen
@@ -159,8 +167,30 @@ class Binder:
             return True
         return resolve_pod(info, self.ledger.tier_names, scheduler=info.scheduler_name, channels=self.channels).opted_in
 
-    def placement_for(self, info: PodInfo, node: str) -> tuple[Placement, PodRequest] | str:
-        """The placement this pod gets on `node` now, or why it cannot have one."""
+    def claimed_gpus(self, source: ClusterSource, info: PodInfo, node: str) -> frozenset[int] | None:
+        """Our GPUs on `node` that the pod's ResourceClaims hold now, or None when a claim cannot be read
+        (then the cache's view stands). The cache's copy of a claim serves when it already shows the
+        allocation, reserved for this pod, on this node; otherwise the claim is read from the API server:
+        the watch may not yet have brought the allocation kube-scheduler wrote moments ago, and a
+        placement read off such a cache named the extender's own choice instead of the pod's GPUs."""
+        gpus: set[int] = set()
+        for name in info.claim_names:
+            claim = self.allocated(info.namespace, name)
+            if claim is None or claim.pool != node or info.uid not in claim.reserved_for:
+                try:
+                    claim = parse_claim(source.get_resource_claim(info.namespace, name))
+                except (KubeError, DraObjectError) as e:
+                    log.warning("cannot read a claim at bind", extra={"pod": info.ref, "claim": name, "error": str(e)})
+                    return None
+            if claim.pool == node:
+                gpus |= claim.gpus
+        return frozenset(gpus)
+
+    def placement_for(
+        self, info: PodInfo, node: str, held: frozenset[int] | None = None
+    ) -> tuple[Placement, PodRequest] | str:
+        """The placement this pod gets on `node` now, or why it cannot have one. `held`: the GPUs its
+        DRA claims hold there (None: as the cache reports them)."""
         # As the filter read it: a controller's labels make a group (the cache's record has the sizes its
         # Jobs give; without a record, what the labels alone give).
         rec = self.ledger.pods.get(info.uid) if info.uid else None
@@ -171,11 +201,14 @@ class Binder:
             if resolved.request is None:
                 return resolved.problem or f"pod {info.ref} is no gputopo pod"
             req = resolved.request
-        placement, _ = self.choose(info, req, node)
+        placement, _ = self.choose(info, req, node, held)
         return placement if isinstance(placement, str) else (placement, req)
 
-    def choose(self, info: PodInfo, req: PodRequest, node: str) -> tuple[Placement | str, Outcome | None]:
-        """Re-evaluate the pod on `node` against the ledger now; the Placement to write, or an error."""
+    def choose(
+        self, info: PodInfo, req: PodRequest, node: str, held: frozenset[int] | None = None
+    ) -> tuple[Placement | str, Outcome | None]:
+        """Re-evaluate the pod on `node` against the ledger now; the Placement to write, or an error.
+        `held`: the GPUs the pod's DRA claims hold on `node` (None: what the cache reports for it)."""
         ledger = self.ledger
         res = ledger.reservations.get((info.namespace, req.group)) if req.group else None
         slot_key = ((info.namespace, req.group), info.name) if req.group else None
@@ -187,13 +220,18 @@ class Binder:
         stale = self._plan_changed(req, node, state, res.plan if res is not None else None, slot)
         if stale:
             return f"node {node} no longer fits pod {info.ref}: {stale}", outcome
-        held = ledger.nodes[node].report.pods.get(info.uid) if info.uid and node in ledger.nodes else None
+        if held is None:
+            held = ledger.nodes[node].report.pods.get(info.uid) if info.uid and node in ledger.nodes else None
+        allocated: tuple[int, ...] = ()
         if held:
-            # The GPUs the pod already holds there: under DRA, kube-scheduler allocated its claim before
-            # this bind. Name those when they are an admissible choice; else the mismatch check speaks.
+            # The GPUs the pod already holds there: under DRA, kube-scheduler allocated its claims before
+            # this bind. The placement names them always (they are what the pod got), scored and explained
+            # as gputopo's own choice when they are an admissible one.
             actual = outcome_on(state, req, outcome, mask_of(sorted(held)), ledger.weights)
             if actual is not None:
                 outcome = actual
+            else:
+                allocated = tuple(sorted(held))
         elif slot is not None and slot.node == node and slot.gpus:
             # The group plan chose this member's GPUs (rail-aligned with the other members); bind those
             # when they are still an admissible choice here, not the node's default set.
@@ -213,9 +251,14 @@ class Binder:
         stage = req.stage
         if res is not None and info.name in res.slots:
             stage = res.slots[info.name].stage
+        if allocated:
+            sentence = (
+                f"GPUs {list(allocated)}: what kube-scheduler's DRA allocation gave the pod's claims, not "
+                f"an admissible choice of gputopo's here (it would have chosen {list(outcome.gpus)}). {sentence}"
+            )
         placement = Placement(
             node=node,
-            gpus=tuple(outcome.gpus),
+            gpus=allocated or tuple(outcome.gpus),
             score=grade(outcome.score),
             reason=sentence,
             runner_up=RunnerUp(

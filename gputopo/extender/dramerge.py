@@ -28,6 +28,7 @@ class DraMerge:
         self._bad = bad
         self._slices: dict[str, SliceInfo] = {}
         self._claims: dict[str, ClaimInfo] = {}
+        self._claim_uid: dict[tuple[str, str], str] = {}  # (namespace, name) -> uid, of self._claims
         self._pool_claims: dict[str, set[str]] = {}  # pool -> uids of the claims holding its GPUs
         self._pool_slice: dict[str, SliceInfo] = {}  # pool -> its slice (rebuilt on a slice's change)
         self._reports: dict[str, GpusInUse] = {}
@@ -76,6 +77,7 @@ class DraMerge:
             if claim.gpus:
                 claims[claim.uid] = claim
         self._claims = claims
+        self._claim_uid = {(c.namespace, c.name): c.uid for c in claims.values()}
         self._pool_claims = {}
         for claim in claims.values():
             if claim.pool is not None:
@@ -85,13 +87,22 @@ class DraMerge:
     def apply_claim(self, event_type: str, obj: JSON) -> None:
         claim = parse_claim(obj)
         before = self._claims.pop(claim.uid, None)
-        if before is not None and before.pool is not None:
-            self._pool_claims.get(before.pool, set()).discard(claim.uid)
+        if before is not None:
+            self._claim_uid.pop((before.namespace, before.name), None)
+            if before.pool is not None:
+                self._pool_claims.get(before.pool, set()).discard(claim.uid)
         if event_type != "DELETED" and claim.gpus and claim.pool is not None:
             self._claims[claim.uid] = claim
+            self._claim_uid[(claim.namespace, claim.name)] = claim.uid
             self._pool_claims.setdefault(claim.pool, set()).add(claim.uid)
         # One claim changes only its pools' nodes: no walk over every claim per event.
         self._redo({p for p in (before.pool if before else None, claim.pool) if p is not None})
+
+    def allocated(self, namespace: str, name: str) -> ClaimInfo | None:
+        """The claim `namespace/name` when this cache has seen our GPUs allocated to it, else None (not
+        seen yet, or none of ours). An allocation never changes while it stands, so a hit is current."""
+        uid = self._claim_uid.get((namespace, name))
+        return self._claims.get(uid) if uid is not None else None
 
     # ------------------------------------------------------------------ the merge
 

@@ -3,7 +3,8 @@ the project's Kubernetes layer (`gputopo.kube`), and the informers that keep the
 
 `KubeSource` lists and watches the kinds the extender reads (nodes, pods, the agents' Leases, Jobs,
 PodGroups, DRA's ResourceClaims and ResourceSlices) as raw JSON and makes its three writes (Binding,
-Event, and the JSON patch that removes gputopo's scheduling gate from a pod). `Informer` runs one
+Event, and the JSON patch that removes gputopo's scheduling gate from a pod); at bind it reads a DRA
+pod's ResourceClaims fresh. `Informer` runs one
 list+watch loop per kind in a thread (`gputopo.kube.run_list_watch`, the informer core the agent's pod
 view shares) and hands objects to a handler (the cache, which locks):
 410 Gone relists, any other failure reconnects, both after a jittered, capped exponential backoff as
@@ -26,6 +27,7 @@ from typing import Any, Protocol
 from gputopo.kube import JSON as JSON
 from gputopo.kube import (
     KIND_NAMES,
+    RESOURCECLAIMS,
     Gone,
     KindName,
     Kube,
@@ -59,6 +61,10 @@ class ClusterSource(Protocol):
         ...
 
     def get_pod(self, namespace: str, name: str) -> JSON: ...
+
+    def get_resource_claim(self, namespace: str, name: str) -> JSON:
+        """One ResourceClaim as the API server holds it now (the bind reads a DRA pod's allocation)."""
+        ...
 
     def create_binding(
         self, namespace: str, name: str, uid: str, node: str, *, annotations: Mapping[str, str] | None = None
@@ -94,6 +100,9 @@ class KubeSource:
 
     def get_pod(self, namespace: str, name: str) -> JSON:
         return self.api.get(pod_path(namespace, name))
+
+    def get_resource_claim(self, namespace: str, name: str) -> JSON:
+        return self.api.get(RESOURCECLAIMS.path(namespace, name))
 
     # `gputopo topo` reads these too, through the same client the extender uses.
 

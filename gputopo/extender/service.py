@@ -91,7 +91,9 @@ class Extender:
         # A lone pod's filter passes only the engine's best node (--filter-best-only, off by default):
         # kube-scheduler then neither scores nor calls prioritize. False: every fitting node passes.
         self.best_only = False
-        self.binder = Binder(self.ledger, lambda: self.source, self.events, cache.facts, self.recent.recall)
+        self.binder = Binder(
+            self.ledger, lambda: self.source, self.events, cache.facts, self.recent.recall, cache.dra.allocated
+        )
         self.binder.channels = cache.channels
         self.binder.rules = self._rules_on
         self.ledger.on_mismatch = self._on_mismatch

@@ -8,6 +8,7 @@ The embedded Pod stays a loose dict: only `pod_info()` reads what the extender n
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -235,6 +236,10 @@ class PodInfo:
     gates: tuple[str, ...] = ()  # spec.schedulingGates' names (gputopo.model.gates reads them): gputopo's gate
     # The ResourceClaimTemplates its spec.resourceClaims name (a ComputeDomain's IMEX channel is one).
     claim_templates: tuple[str, ...] = ()
+    # The ResourceClaim objects it uses: named in spec.resourceClaims, made from a template
+    # (status.resourceClaimStatuses) or for an extended resource (status.extendedResourceClaimStatus).
+    # The bind reads their allocation, which names the pod's GPUs under DRA.
+    claim_names: tuple[str, ...] = ()
 
     @property
     def terminated(self) -> bool:
@@ -305,6 +310,7 @@ def pod_info(pod: Mapping[str, Any], where: str = "Pod") -> PodInfo:
         priority=_priority(spec.get("priority")),
         pod_group=_pod_group(spec.get("schedulingGroup"), f"{where}.spec.schedulingGroup"),
         claim_templates=_claim_templates(spec.get("resourceClaims"), f"{where}.spec.resourceClaims"),
+        claim_names=_claim_names(spec, status, where),
         **_placement_limits(spec, f"{where}.spec"),
     )
 
@@ -324,6 +330,43 @@ def _claim_templates(value: Any, where: str) -> tuple[str, ...]:
         if name is not None:
             out.append(_opt_str(name, f"{where}[{i}].resourceClaimTemplateName"))
     return tuple(n for n in out if n)
+
+
+# An object name (DNS subdomain): a claim name read off a pod becomes an API path at bind.
+_OBJECT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def _claim_name(value: Any, where: str) -> str:
+    if not isinstance(value, str) or len(value) > 253 or not _OBJECT_NAME.fullmatch(value):
+        raise WireError(f"{where} must be an object name (a DNS subdomain of at most 253 characters)")
+    return value
+
+
+def _claim_names(spec: Mapping[str, Any], status: Mapping[str, Any], where: str) -> tuple[str, ...]:
+    """The names of the ResourceClaim objects the pod uses (each once), from its spec and status."""
+    names: list[str] = []
+    for key, field_, holder in (
+        ("resourceClaims", "resourceClaimName", spec),
+        ("resourceClaimStatuses", "resourceClaimName", status),
+    ):
+        value = holder.get(key)
+        at = f"{where}.{'spec' if holder is spec else 'status'}.{key}"
+        if value is None:
+            continue
+        if not isinstance(value, list) or len(value) > MAX_POD_CLAIMS:
+            raise WireError(f"{at} must be a list of at most {MAX_POD_CLAIMS} claims")
+        for i, entry in enumerate(value):
+            if not isinstance(entry, Mapping):
+                raise WireError(f"{at}[{i}] must be an object")
+            if entry.get(field_) is not None:  # a template's claim not made yet has none
+                names.append(_claim_name(entry[field_], f"{at}[{i}].{field_}"))
+    extended = status.get("extendedResourceClaimStatus")
+    if extended is not None:
+        at = f"{where}.status.extendedResourceClaimStatus"
+        if not isinstance(extended, Mapping):
+            raise WireError(f"{at} must be an object")
+        names.append(_claim_name(extended.get("resourceClaimName"), f"{at}.resourceClaimName"))
+    return tuple(dict.fromkeys(names))
 
 
 # A nodeSelector gputopo plans with: Kueue writes one key per topology level (at most 16 levels). A tenant's

@@ -52,8 +52,16 @@ JOBS = WatchedKind("jobs", "batch", "v1", "jobs", namespaced=True)
 # Native gangs kube-scheduler holds pods to (Kubernetes 1.36+ with the Workload API; read only).
 PODGROUPS = WatchedKind("podgroups", "scheduling.k8s.io", "v1beta1", "podgroups", namespaced=True, optional=True)
 # DRA (Kubernetes >= 1.34): read where the chart grants them (agent.dra.enabled).
+# `get`: the bind reads a DRA pod's claims fresh (the watch may not have brought their allocation yet).
 RESOURCECLAIMS = WatchedKind(
-    "resourceclaims", "resource.k8s.io", "v1", "resourceclaims", namespaced=True, optional=True, rbac_optional=True
+    "resourceclaims",
+    "resource.k8s.io",
+    "v1",
+    "resourceclaims",
+    namespaced=True,
+    optional=True,
+    rbac_optional=True,
+    verbs=frozenset({"get", "list", "watch"}),
 )
 RESOURCESLICES = WatchedKind(
     "resourceslices", "resource.k8s.io", "v1", "resourceslices", namespaced=False, optional=True, rbac_optional=True

@@ -59,10 +59,12 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 CGROUP_PARENT = "k8s.io"  # where containerd puts containers when the kubelet names no parent
 
 # Runs as the namespace's first process: $0 is this node's kubelet root directory, "$@" the
-# containerd command line. The mounts vanish with the namespace's last process.
+# containerd command line. The mounts vanish with the namespace's last process. The root is shared
+# before the kubelet starts, so the kubelet does not bind-mount it onto itself while creating its
+# sockets under it (the race kubelet.py's setup explains).
 _NAMESPACE_SETUP = (
     'set -e; for d in /run/containerd /var/log /var/lib/cni; do mount -t tmpfs -o mode=0755 tmpfs "$d"; done; '
-    f'mount --bind "$0" {FIXED_KUBELET_ROOT}; exec "$@"'
+    f'mount --bind "$0" {FIXED_KUBELET_ROOT}; mount --make-rshared {FIXED_KUBELET_ROOT}; exec "$@"'
 )
 
 _CONTAINERD_CONFIG = """version = 2

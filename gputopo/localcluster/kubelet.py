@@ -52,10 +52,18 @@ KERNEL_TUNABLES = (
     "kernel/keys/root_maxkeys",
     "kernel/keys/root_maxbytes",
 )
-# Runs as the namespace's first process: $0 is this kubelet's device-plugin directory, "$@" the
-# kubelet command line. The mounts vanish with the namespace when the kubelet exits.
+# Runs as the namespace's first process: $0 is this kubelet's directory (its device-plugin
+# directory and root dir inside), "$@" the kubelet command line. The mounts vanish with the namespace
+# when the kubelet exits. The root dir is made a shared mount point here, before the kubelet starts:
+# a kubelet whose root is not on a shared mount bind-mounts it onto itself at start (setupDataDirs,
+# MakeRShared) while its PodResources and pods-API goroutines already create their sockets under it
+# by a rename in one directory; a mount landing between the rename's two path lookups fails it with
+# EXDEV ("invalid cross-device link"), and the kubelet exits. Shared already, the kubelet mounts
+# nothing, as on a systemd host whose / is shared.
 _NAMESPACE_SETUP = (
-    f'set -e; mount -t tmpfs -o mode=0755 tmpfs /var/log; mount --bind "$0" {FIXED_DEVICE_PLUGIN_DIR}; exec "$@"'
+    "set -e; mount -t tmpfs -o mode=0755 tmpfs /var/log; "
+    f'mount --bind "$0/device-plugins" {FIXED_DEVICE_PLUGIN_DIR}; '
+    'mount --bind "$0/root" "$0/root"; mount --make-rshared "$0/root"; exec "$@"'
 )
 # The values found before this process started its first kubelet. Kubelets set the tunables only
 # when they start, so putting these back whenever one stops is safe while others still run.
@@ -236,7 +244,8 @@ class RealKubelet:
             ready=self.cri_socket.exists,
         )
         kubelet = self._kubelet_argv(endpoint, root_dir=self.root_dir)
-        argv = in_private_mounts(_NAMESPACE_SETUP, self.device_plugin_dir, kubelet)
+        # $0 of the setup: device_plugin_dir and root_dir are its "device-plugins" and "root".
+        argv = in_private_mounts(_NAMESPACE_SETUP, self.dir, kubelet)
         self._say(f"starting a real kubelet for {self.node}")
         healthz = f"http://{HOST}:{self.healthz_port}/healthz"
         self.cp.start_process(self.kubelet_component, argv, ready=lambda: _http_ok(healthz))

@@ -62,7 +62,7 @@ class NodeAgents:
     nodes: dict[str, GpuNode]
     kubelets: dict[str, RealKubelet]
     _plugin_options: dict[str, tuple[str, str]]
-    _dra: dict[str, bool]  # kubelet nodes whose agent is the DRA driver -> with list attributes
+    _dra: dict[str, tuple[bool, bool]]  # kubelet nodes whose agent is the DRA driver -> (list attributes, best fit)
     dir: Path
     _progress: Callable[[str], None] | None
 
@@ -174,7 +174,8 @@ class NodeAgents:
                 f"--dra-plugins-dir={kubelet.dra_plugins_dir}",
                 f"--dra-registry-dir={kubelet.plugins_registry_dir}",
                 f"--cdi-dir={kubelet.cdi_dir}",
-                *(["--dra-list-attributes"] if self._dra[node] else []),
+                *(["--dra-list-attributes"] if self._dra[node][0] else []),
+                *(["--dra-best-fit-order"] if self._dra[node][1] else []),
             ]
         mode, resource = self._plugin_options[node]
         return [
@@ -197,6 +198,7 @@ class NodeAgents:
         dra: bool = False,
         dra_list_attributes: bool = False,
         nvml: bool = False,
+        dra_best_fit_order: bool = False,
         timeout: float = 120.0,
     ) -> RealKubelet:
         """A node run by a real kubelet (``RealKubelet``, needs root) next to the simulated ones. Its
@@ -204,13 +206,14 @@ class NodeAgents:
         the kubelet as its device plugin. Returns once the kubelet advertises every GPU.
 
         With `dra`, the agent is the node's DRA driver instead (`--dra`, with the list attribute when
-        `dra_list_attributes`), and this returns once the node's ResourceSlice lists every GPU. With
-        `nvml`, the agent reads `system` through nvidia-ml-py from the NVML mock library instead."""
+        `dra_list_attributes`, in best-fit order when `dra_best_fit_order`), and this returns once the
+        node's ResourceSlice lists every GPU. With `nvml`, the agent reads `system` through nvidia-ml-py
+        from the NVML mock library instead."""
         kubelet = RealKubelet(self.cp, name, labels=labels, taints=taints, progress=self._progress)
         self.kubelets[name] = kubelet
         self._plugin_options[name] = (preferred_allocation, resource_name)
         if dra:
-            self._dra[name] = dra_list_attributes
+            self._dra[name] = (dra_list_attributes, dra_best_fit_order)
         self.nodes[name] = GpuNode(name, system, labels=dict(labels or {}), nvml=nvml)
         kubelet.start(timeout=timeout)
         # The agent's token is bound to the Node object, which the kubelet has just registered.

@@ -43,6 +43,7 @@ def _writable_host_paths(ds: Doc) -> set[str]:
             ["--dra", "--dra-list-attributes", "--dra-device-taints"],
             id="list attributes and device taints",
         ),
+        pytest.param({**DRA, "agent__dra__bestFitOrder": "false"}, ["--dra"], id="best-fit order off: index order"),
     ],
 )
 def test_dra_agent_gets_its_flags_and_the_kubelet_dirs_instead_of_the_device_plugin(
@@ -127,6 +128,22 @@ def test_without_dra_the_extender_gets_no_dra_settings() -> None:
 )
 def test_impossible_dra_values_fail_naming_them(sets: dict[str, str], expected: str) -> None:
     assert expected in render_fails(**sets)
+
+
+@pytest.mark.parametrize(
+    ("version", "args"),
+    [
+        pytest.param("1.34.4", ["--dra"], id="1.34: no documented order, index order"),
+        pytest.param("1.35.2", ["--dra"], id="1.35: no documented order, index order"),
+        pytest.param("1.36.0", ["--dra", "--dra-best-fit-order"], id="1.36: the documented order, best fit"),
+        pytest.param("1.37.2", ["--dra", "--dra-best-fit-order"], id="1.37: the documented order, best fit"),
+    ],
+)
+def test_best_fit_order_is_passed_where_the_allocator_documents_its_order(version: str, args: list[str]) -> None:
+    cmd = template_args((), {"agent.dra.enabled": "true"})
+    cmd[cmd.index("--kube-version") + 1] = version
+    docs = [d for d in yaml.safe_load_all(run_helm(cmd).stdout) if d]
+    assert container(one(docs, "DaemonSet", component="agent"))["args"] == args
 
 
 def test_dra_before_kubernetes_134_fails_naming_the_version() -> None:

@@ -124,6 +124,13 @@ class FakeSource:
             raise KubeError(404, f'pods "{name}" not found', "NotFound")
         return obj
 
+    def get_resource_claim(self, namespace: str, name: str) -> JSON:
+        self._check(f"get resourceclaim {namespace}/{name}")
+        obj = self.get("resourceclaims", namespace, name)
+        if obj is None:
+            raise KubeError(404, f'resourceclaims.resource.k8s.io "{name}" not found', "NotFound")
+        return obj
+
     def list_pods(self, *, field_selector: str = "") -> list[JSON]:
         self._check(f"list pods {field_selector}")
         out = []

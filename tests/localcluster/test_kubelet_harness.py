@@ -4,13 +4,20 @@ build script's notion of a complete cache (which now includes the kubelet and fa
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from gputopo.localcluster.binaries import BUILD_SCRIPT
-from gputopo.localcluster.kubelet import kubelet_configuration, kubelet_unavailable
+from gputopo.localcluster.kubelet import (
+    _NAMESPACE_SETUP,
+    FIXED_DEVICE_PLUGIN_DIR,
+    in_private_mounts,
+    kubelet_configuration,
+    kubelet_unavailable,
+)
 
 ALL_BINARIES = (
     "kube-apiserver",
@@ -80,3 +87,29 @@ def test_build_check_counts_a_cache_without_the_kubelet_or_fakecri_as_incomplete
     _bin_dir(bin_dir.parent, ("kubelet", "fakecri"))
     done = _check(tmp_path)
     assert (done.returncode, done.stdout.strip()) == (0, str(bin_dir))
+
+
+def _mount_fields(mountinfo: str, point: Path) -> list[str] | None:
+    """The optional fields (``shared:N``, ...) of the mount whose mount point is ``point``, or None."""
+    found = None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if fields[4] == str(point):
+            found = fields[6 : fields.index("-")]  # the last mount at a point is the one seen
+    return found
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
+def test_kubelet_namespace_hands_the_kubelet_a_root_dir_that_is_already_a_shared_mount(tmp_path: Path) -> None:
+    # A kubelet whose root is not on a shared mount bind-mounts it onto itself while it creates its
+    # sockets under it; a rename racing that mount failed with EXDEV. Shared already, it mounts nothing.
+    (tmp_path / "root").mkdir()
+    (tmp_path / "device-plugins").mkdir()
+    FIXED_DEVICE_PLUGIN_DIR.mkdir(parents=True, exist_ok=True)  # as RealKubelet.start makes it
+    argv = in_private_mounts(_NAMESPACE_SETUP, tmp_path, ["cat", "/proc/self/mountinfo"])
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True).stdout
+    fields = _mount_fields(out, tmp_path / "root")
+    assert fields is not None, "the root dir is no mount point of its own"
+    assert any(f.startswith("shared:") for f in fields), fields
+    # ... and none of it leaks onto the host's mounts.
+    assert _mount_fields(Path("/proc/self/mountinfo").read_text(), tmp_path / "root") is None

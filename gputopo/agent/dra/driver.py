@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -125,6 +125,8 @@ class DraDriver:
         # Per claim uid with a Prepare reading the API: [Prepares in flight, Unprepares seen meanwhile].
         self._inflight: dict[str, list[int]] = {}
         self.node_spec_error = ""  # why the node's CDI spec is not written ('' when it is)
+        # Called, outside the lock, after a claim is newly prepared or unprepared: the GPUs in use changed.
+        self.on_change: Callable[[], None] | None = None
         try:
             removed = cdi.remove_orphans(checkpoint.claims().keys())
         except OSError as e:
@@ -161,10 +163,28 @@ class DraDriver:
         with self._lock:
             return self._checkpoint.claims()
 
+    def in_use(self) -> frozenset[int]:
+        """The GPUs (indices) the prepared claims hold on this node."""
+        out: set[int] = set()
+        for claim in self.prepared().values():
+            for d in claim.devices:
+                index = device_index(d.device_name) if d.pool_name == self.node else None
+                if index is not None:
+                    out.add(index)
+        return frozenset(out)
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change()
+            except Exception:  # the slice's order is an optimisation: never fail a claim over it
+                log.exception("re-publishing after a claim's change failed")
+
     # ------------------------------------------------------------------ Prepare
 
     def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
         out: dict[str, PrepareResult] = {}
+        before = self._prepared_uids()
         for ref in refs:
             try:
                 out[ref.uid] = PrepareResult(devices=self._prepare_one(ref))
@@ -175,7 +195,13 @@ class DraDriver:
                 out[ref.uid] = PrepareResult(error=f"{ref}: {type(e).__name__}: {e}")
             if out[ref.uid].error:
                 log.warning("claim not prepared", extra={"claim": str(ref), "error": out[ref.uid].error})
+        if self._prepared_uids() != before:
+            self._changed()
         return out
+
+    def _prepared_uids(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._checkpoint.claims())
 
     def _prepare_one(self, ref: ClaimRef) -> tuple[PreparedDevice, ...]:
         _check_ref(ref)
@@ -288,6 +314,7 @@ class DraDriver:
     def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str]:
         """Per claim uid, the error ('' when unprepared, or never prepared)."""
         out: dict[str, str] = {}
+        before = self._prepared_uids()
         for ref in refs:
             try:
                 with self._lock:
@@ -304,4 +331,6 @@ class DraDriver:
             except Exception as e:
                 log.exception("unpreparing a claim failed", extra={"claim": str(ref)})
                 out[ref.uid] = f"{ref}: {type(e).__name__}: {e}"
+        if self._prepared_uids() != before:
+            self._changed()
         return out

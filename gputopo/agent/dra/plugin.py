@@ -5,11 +5,20 @@ registration sockets and publishes the node's ResourceSlice; the agent's loop ca
 after every successful discovery (CDI spec and slice follow topology and health, written only on change);
 `stop()` closes the sockets and leaves the slice and the checkpoint: a restarting agent answers the
 kubelet from them, and the kubelet deletes the slice itself when the driver stays away.
+
+With `best_fit_order` the slice lists the devices so that the allocator's first fit is best fit
+(`gputopo.engine.draorder`), from the GPUs the prepared claims hold; every Prepare or Unprepare that
+changes them wakes one thread that re-publishes (changes that come while it writes are coalesced into
+its next write, so at most one slice write follows each change, none when the order stays the same).
+The kubelet prepares a claim when its pod arrives, after kube-scheduler allocated it: allocations in
+between read the order before it, which costs only optimality (a device's name is its GPU whatever
+the order).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +48,7 @@ class DraConfig:
     dev_root: Path = Path("/")  # where /dev and /proc are read for the CDI spec
     poll_s: float = 1.0
     driver: str = DRIVER
+    best_fit_order: bool = False
 
 
 def _sysfs_bus_id(bus_id: str) -> str:
@@ -77,10 +87,16 @@ class DraPlugin:
             device_taints=config.device_taints,
             sleep=sleep,
             driver=config.driver,
+            best_fit_order=config.best_fit_order,
         )
         self.driver: DraDriver | None = None
         self.server: DraServer | None = None
         self._roots: tuple[tuple[str, ...], dict[int, str]] | None = None
+        self._publish_lock = threading.Lock()  # the discovery loop and the re-publisher share the publisher
+        self._topology: NodeTopology | None = None
+        self._dirty = threading.Event()
+        self._stopping = threading.Event()
+        self._republisher: threading.Thread | None = None
 
     def start(self, topology: NodeTopology) -> PublishResult:
         """Raises OSError or ValueError (a socket path too long) before anything is served."""
@@ -96,8 +112,27 @@ class DraPlugin:
         )
         self.server = server
         result = self._publish(topology)  # the slice first: a registered driver with no devices is useless
+        if c.best_fit_order:
+            self.driver.on_change = self._dirty.set
+            self._republisher = threading.Thread(target=self._republish_loop, name="dra-republish", daemon=True)
+            self._republisher.start()
         server.start()
         return result
+
+    def _republish_loop(self) -> None:
+        while True:
+            self._dirty.wait()
+            if self._stopping.is_set():
+                return
+            self._dirty.clear()
+            try:
+                self.republish()
+            except Exception:  # the next change or discovery cycle tries again
+                log.exception("re-publishing the ResourceSlice in best-fit order failed")
+
+    def republish(self) -> PublishResult | None:
+        """The slice again with the GPUs in use now (None before the first topology)."""
+        return self._publish(self._topology) if self._topology is not None else None
 
     def _on_registration(self, ok: bool, _error: str) -> None:
         if ok:
@@ -110,8 +145,11 @@ class DraPlugin:
         return self._roots[1]
 
     def _publish(self, topology: NodeTopology) -> PublishResult:
-        labels = self._labels() if self._labels is not None else None
-        return self.publisher.publish(topology, labels=labels, pcie_roots=self._pcie_roots(topology))
+        with self._publish_lock:
+            self._topology = topology
+            labels = self._labels() if self._labels is not None else None
+            in_use = self.driver.in_use() if self.driver is not None else frozenset()
+            return self.publisher.publish(topology, labels=labels, pcie_roots=self._pcie_roots(topology), in_use=in_use)
 
     def update(self, topology: NodeTopology) -> PublishResult:
         """The driver's devices follow `topology`, then the ResourceSlice is published."""
@@ -120,5 +158,9 @@ class DraPlugin:
         return self._publish(topology)
 
     def stop(self) -> None:
+        self._stopping.set()
+        self._dirty.set()
+        if self._republisher is not None:
+            self._republisher.join(timeout=10)
         if self.server is not None:
             self.server.stop()

@@ -8,6 +8,10 @@ refuses the field without the `DRAListTypeAttributes` gate), HBM as capacity `me
 A failed GPU carries a NoSchedule device taint when `device_taints` (the cluster serves KEP-5055:
 alpha and off in 1.34, GA in 1.37) and is left out of the slice otherwise, so no claim gets it.
 
+With `best_fit_order` the devices are listed so that the allocator's first fit is best fit
+(`gputopo.engine.draorder`, from the GPUs the node's prepared claims hold) and the order is part of
+what is compared: a change of the GPUs in use that changes the order costs one write.
+
 Zero writes in steady state (`gputopo.agent.publish`'s rules; `SliceTarget` is this object's part):
 the desired slice is compared with the API server's, as values (a
 quantity the server rewrote as `80Gi` equals our `81920Mi`; a taint's `timeAdded` is the server's).
@@ -75,10 +79,13 @@ def desired_spec(
     driver: str = DRIVER,
     labels: Mapping[str, str] | None = None,
     pcie_roots: Mapping[int, str] | None = None,
+    in_use: frozenset[int] | None = None,
 ) -> dict[str, Any]:
-    """The slice's spec without the pool generation (that is the writer's)."""
+    """The slice's spec without the pool generation (that is the writer's). `in_use`: the GPUs allocated
+    now, for best-fit order (`gputopo.engine.draorder`); None: index order."""
     wire = []
-    for d in devices(topology, list_attributes=list_attributes, labels=labels, pcie_roots=pcie_roots):
+    found = devices(topology, list_attributes=list_attributes, labels=labels, pcie_roots=pcie_roots, in_use=in_use)
+    for d in found:
         if d.failed and not device_taints:
             continue
         wire.append(wire_device(d, taint=d.failed))
@@ -97,9 +104,10 @@ def _quantity(v: Any) -> Any:
         return v
 
 
-def comparable(spec: Mapping[str, Any]) -> Any:
+def comparable(spec: Mapping[str, Any], *, ordered: bool = False) -> Any:
     """A spec as a value: no pool generation, quantities parsed, the server's taint times dropped,
-    and devices by name (order is ours, not meaning)."""
+    and devices by name; their order counts only when `ordered` (best-fit order is meaning: the
+    allocator takes the first fit in slice order)."""
     pool = {k: v for k, v in (spec.get("pool") or {}).items() if k != "generation"}
     devs: dict[str, Any] = {}
     for d in spec.get("devices") or []:
@@ -117,7 +125,10 @@ def comparable(spec: Mapping[str, Any]) -> Any:
             dd["taints"] = [{k: v for k, v in t.items() if k != "timeAdded"} for t in taints if isinstance(t, Mapping)]
         devs[str(dd.get("name"))] = dd
     rest = {k: v for k, v in spec.items() if k not in ("pool", "devices")}
-    return {**rest, "pool": pool, "devices": devs}
+    out = {**rest, "pool": pool, "devices": devs}
+    if ordered:
+        out["order"] = tuple(devs)
+    return out
 
 
 def _owner(node: str, node_uid: str) -> dict[str, Any]:
@@ -164,8 +175,10 @@ class SliceTarget:
         sleep: Callable[[float], bool],
         backoff: Backoff,
         describe: Mapping[str, Any],
+        ordered: bool = False,
     ) -> None:
         self._api = api
+        self.ordered = ordered  # device order is part of the slice (best-fit order)
         self.node = node
         self.driver = driver
         self.name = slice_name(node, driver)
@@ -176,7 +189,7 @@ class SliceTarget:
         self._cleaned = False
 
     def comparable(self, desired: dict[str, Any]) -> Any:
-        return comparable(desired)
+        return comparable(desired, ordered=self.ordered)
 
     def _call(self, fn: Callable[[], Any], what: str) -> Any:
         return retry(fn, self._backoff, self._sleep, what)
@@ -195,7 +208,7 @@ class SliceTarget:
         owners = (current.get("metadata") or {}).get("ownerReferences") or []
         if not any(isinstance(o, Mapping) and o.get("uid") == self._node_uid for o in owners):
             return None  # another owner's (or none): replaced by ours
-        return comparable(current.get("spec") or {})
+        return comparable(current.get("spec") or {}, ordered=self.ordered)
 
     def write(self, current: JSON | None, desired: dict[str, Any]) -> Any:
         body = self._body(desired, _generation(current) + 1 if current else 1)
@@ -207,8 +220,8 @@ class SliceTarget:
             body["metadata"]["resourceVersion"] = (current.get("metadata") or {}).get("resourceVersion")
             replace = lambda: self._api.replace_slice(self.name, body)  # noqa: E731
             answer = retry_write(replace, self._backoff, self._sleep, "replace resourceslice")
-        kept = comparable((answer or {}).get("spec") or {})
-        if kept != comparable(desired):
+        kept = comparable((answer or {}).get("spec") or {}, ordered=self.ordered)
+        if kept != comparable(desired, ordered=self.ordered):
             log.info("the ResourceSlice as the API server kept it", extra={"slice": self.name, **self._describe})
         log.info("published the ResourceSlice", extra={"slice": self.name, "devices": len(desired["devices"])})
         return kept
@@ -250,14 +263,17 @@ class SlicePublisher:
         backoff: Backoff = DEFAULT_BACKOFF,
         reverify_s: float = 60.0,
         monotonic: Callable[[], float] = time.monotonic,
+        best_fit_order: bool = False,
     ) -> None:
         self.node = node
+        self.best_fit_order = best_fit_order
         self.driver = driver
         self.name = slice_name(node, driver)
         self.list_attributes = list_attributes
         self.device_taints = device_taints
         describe = {"list_attributes": list_attributes, "taints": device_taints}
-        self.target = SliceTarget(api, node, driver, sleep, backoff, describe)
+        describe["best_fit_order"] = best_fit_order
+        self.target = SliceTarget(api, node, driver, sleep, backoff, describe, ordered=best_fit_order)
         self._slice = Confirmed(self.target, reverify_s, monotonic)
 
     @property
@@ -274,7 +290,9 @@ class SlicePublisher:
         topology: NodeTopology,
         labels: Mapping[str, str] | None = None,
         pcie_roots: Mapping[int, str] | None = None,
+        in_use: frozenset[int] = frozenset(),
     ) -> PublishResult:
+        """Publish the slice; `in_use` (the GPUs allocated now) orders it when `best_fit_order`."""
         spec = desired_spec(
             self.node,
             topology,
@@ -283,6 +301,7 @@ class SlicePublisher:
             driver=self.driver,
             labels=labels,
             pcie_roots=pcie_roots,
+            in_use=in_use if self.best_fit_order else None,
         )
         return self._slice.publish(spec)
 
