@@ -25,10 +25,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from gputopo.engine import gpusets  # noqa: E402
-from gputopo.engine.cliques import k_cliques, mask_of, max_clique_size, popcount  # noqa: E402
-from gputopo.engine.gpusets import Kind, best_set, classes, exhaustive_set, symmetric  # noqa: E402
-from gputopo.engine.snapshot import Shape, node_state  # noqa: E402
+from gputopo.engine.node import gpusets  # noqa: E402
+from gputopo.engine.node.gpusets import Kind, best_set, classes, exhaustive_set, symmetric  # noqa: E402
+from gputopo.engine.state.cliques import k_cliques, mask_of, max_clique_size, popcount  # noqa: E402
+from gputopo.engine.state.snapshot import Shape, node_state  # noqa: E402
 from gputopo.model import NetworkKind  # noqa: E402
 from gputopo.systems import SYSTEMS, build_system  # noqa: E402
 

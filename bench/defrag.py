@@ -15,10 +15,10 @@ import argparse
 import random
 import time
 
-from gputopo.engine.cliques import bits, k_cliques
-from gputopo.engine.defrag import PlacedPod, plan
-from gputopo.engine.fragmentation import DEFAULT_SIZES, Figures, class_figures
-from gputopo.engine.snapshot import NodeState, node_state, shape_of
+from gputopo.engine.cluster.defrag import PlacedPod, plan
+from gputopo.engine.cluster.fragmentation import DEFAULT_SIZES, Figures, class_figures
+from gputopo.engine.state.cliques import bits, k_cliques
+from gputopo.engine.state.snapshot import NodeState, node_state, shape_of
 from gputopo.model import PodRequest
 from gputopo.systems import build_system
 

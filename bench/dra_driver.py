@@ -49,7 +49,7 @@ def mesh_minus_matching(n: int = 32) -> NodeTopology:
 
 def cliques() -> None:
     from gputopo.agent.dra.slices import desired_spec
-    from gputopo.engine import dra
+    from gputopo.engine.dra import devices as dra
 
     topo = mesh_minus_matching()
     for list_attributes in (False, True):
@@ -103,7 +103,7 @@ def bestfit(claims: int = 2000, seed: int = 0) -> None:
     import random
 
     from gputopo.agent.dra.slices import SlicePublisher
-    from gputopo.engine.dra import device_name, devices
+    from gputopo.engine.dra.devices import device_name, devices
     from gputopo.sim.draallocator import allocate, partition_claim, unconstrained_claim
 
     for system in ("dgx-h100", "dgx-1v", "a100-pcie-bridged", "gb200-tray"):

@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from gputopo.clusterfile import JobSpec  # noqa: E402
-from gputopo.engine.snapshot import NodeState, node_state  # noqa: E402
+from gputopo.engine.state.snapshot import NodeState, node_state  # noqa: E402
 from gputopo.model import NodeTopology  # noqa: E402
 from gputopo.sim import exhaustive, prepare_pods, simulate  # noqa: E402
 from gputopo.systems import SYSTEMS, VARIANTS, build_system  # noqa: E402

@@ -44,7 +44,7 @@ import grpc
 from gputopo.agent.dra.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from gputopo.agent.dra.checkpoint import CHECKPOINT_NAME, Checkpoint
 from gputopo.agent.dra.plugin import DraConfig, DraPlugin
-from gputopo.engine.dra import DRIVER
+from gputopo.engine.dra.devices import DRIVER
 from gputopo.kube import KubeError
 from gputopo.systems import build_system
 

@@ -6,7 +6,7 @@ Cases, each a fresh pod per filter (so no answer is reused) through the door as 
 - `cd first`: the first pod of a ComputeDomain (numNodes 0: any domain);
 - `cd first, numNodes 16`: the same, held to domains with room for 16 trays;
 - `cd first, labels`: numNodes 16, and the two spare trays of every rack labelled by NVIDIA's plugin for
-  another ComputeDomain (the node label joined to the pods bound: gputopo.engine.imex.with_driver_labels);
+  another ComputeDomain (the node label joined to the pods bound: gputopo.engine.gang.imex.with_driver_labels);
 - `plain, labels`: a 1-GPU pod of no ComputeDomain among those labels (steered onto served trays).
 
 Prints CPU ms per filter, each case's ratio to `plain` and how many trays pass; the target (every case under
@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the harness lives under tests/
 
-from gputopo.engine.imex import DRIVER_NODE_LABEL
+from gputopo.engine.gang.imex import DRIVER_NODE_LABEL
 from gputopo.extender.computedomains import CHANNEL_DEVICE_CLASS
 from gputopo.extender.settings import Settings
 from tests.extender.fake import FakeSource

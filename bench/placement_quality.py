@@ -97,11 +97,11 @@ if str(ROOT) not in sys.path:
 import rack_quality  # noqa: E402  (beside this script)
 
 from gputopo.clusterfile import JobSpec  # noqa: E402
-from gputopo.engine.domains import domain_free, domain_of, free_gpus  # noqa: E402
-from gputopo.engine.groupplan import GroupFailure, Member  # noqa: E402
-from gputopo.engine.groups import plan_group  # noqa: E402
-from gputopo.engine.placement import evaluate_pod, rank  # noqa: E402
-from gputopo.engine.snapshot import NodeState, node_state, with_in_use  # noqa: E402
+from gputopo.engine.gang.groups import plan_group  # noqa: E402
+from gputopo.engine.gang.plan import GroupFailure, Member  # noqa: E402
+from gputopo.engine.network.domains import domain_free, domain_of, free_gpus  # noqa: E402
+from gputopo.engine.node.placement import evaluate_pod, rank  # noqa: E402
+from gputopo.engine.state.snapshot import NodeState, node_state, with_in_use  # noqa: E402
 from gputopo.model import (  # noqa: E402
     LABEL_NETWORK_LEAF,
     LABEL_NETWORK_SPINE,

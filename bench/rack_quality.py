@@ -40,14 +40,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from gputopo.clusterfile import JobSpec  # noqa: E402
-from gputopo.engine.cost import domain_allreduce_seconds  # noqa: E402
-from gputopo.engine.estimate import node_shape  # noqa: E402
-from gputopo.engine.groupplan import Assignment, GroupFailure, GroupPlan, Member, switches_of  # noqa: E402
-from gputopo.engine.groups import plan_group  # noqa: E402
-from gputopo.engine.placement import evaluate_node  # noqa: E402
-from gputopo.engine.scoring import ScoreWeights  # noqa: E402
-from gputopo.engine.snapshot import NodeState, node_state, with_in_use  # noqa: E402
-from gputopo.engine.tpgroups import DOMAIN, TpShape, straddle_gbps, tp_shape  # noqa: E402
+from gputopo.engine.gang.groups import plan_group  # noqa: E402
+from gputopo.engine.gang.plan import Assignment, GroupFailure, GroupPlan, Member, switches_of  # noqa: E402
+from gputopo.engine.gang.tpgroups import DOMAIN, TpShape, straddle_gbps, tp_shape  # noqa: E402
+from gputopo.engine.network.cost import domain_allreduce_seconds  # noqa: E402
+from gputopo.engine.network.estimate import node_shape  # noqa: E402
+from gputopo.engine.node.placement import evaluate_node  # noqa: E402
+from gputopo.engine.state.scoring import ScoreWeights  # noqa: E402
+from gputopo.engine.state.snapshot import NodeState, node_state, with_in_use  # noqa: E402
 from gputopo.model import LABEL_NETWORK_LEAF, LABEL_NETWORK_SPINE  # noqa: E402
 from gputopo.sim import SimResult, simulate  # noqa: E402
 from gputopo.sim.comm import tp_seconds  # noqa: E402
@@ -200,7 +200,7 @@ class RackFigures:
 def tp_group_seconds(where: Sequence[tuple[NodeState, tuple[int, ...]]], tp: int, message: float) -> float:
     """One TP all-reduce of `message` over the group's GPUs: inside one NVLink domain at the domain's bus
     bandwidth, inside one node over its links, else over the members' NICs (one per GPU, shared by the
-    members on a node), as gputopo.engine.rack predicts a TP group straddling two domains."""
+    members on a node), as gputopo.engine.gang.rack predicts a TP group straddling two domains."""
     domains = {node.location.get(DOMAIN) for node, _ in where}
     if len(domains) == 1 and None not in domains:
         return domain_allreduce_seconds(message, tp)

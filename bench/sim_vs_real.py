@@ -41,7 +41,7 @@ import placement_quality as pq  # noqa: E402  (beside this script)
 import rack_quality  # noqa: E402  (beside this script)
 
 from gputopo.clusterfile import JobSpec, cluster_states, load_cluster, load_jobs  # noqa: E402
-from gputopo.engine.snapshot import NodeState  # noqa: E402
+from gputopo.engine.state.snapshot import NodeState  # noqa: E402
 from gputopo.localcluster import ControlPlane, ControlPlaneError, KubeApiError, find_binaries  # noqa: E402
 from gputopo.localcluster.replay import MixRun, Replay  # noqa: E402
 from gputopo.localcluster.stack import Stack  # noqa: E402
@@ -180,7 +180,7 @@ def code_origin(cp: ControlPlane, component: str) -> str:
     except OSError as e:
         return f"unknown ({e})"
     env = dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
-    probe = "import gputopo.extender as e, gputopo.engine.scoring as s; print(e.__file__, s.__file__)"
+    probe = "import gputopo.extender as e, gputopo.engine.state.scoring as s; print(e.__file__, s.__file__)"
     out = subprocess.run([exe, "-c", probe], env=env, cwd=cwd, capture_output=True, text=True, timeout=60, check=False)
     return f"pid {pid}, PYTHONPATH={env.get('PYTHONPATH', '')!r}: {out.stdout.strip() or out.stderr.strip()[-200:]}"
 

@@ -5,7 +5,7 @@ Each kubelet node is DGX-1V-shaped (the hybrid cube mesh: quads 0-3 and 4-7 are 
 cliques; the cross-quad pairs 0-4, 1-5, 2-6 and 3-7 are linked too), run by an upstream kubelet on
 Kubernetes' fake CRI. Its gputopo-agent runs with `--dra`: it registers with the kubelet's plugin
 watcher, publishes one ResourceSlice, and serves NodePrepareResources. Claims come from the same
-builder the webhook uses (`gputopo.engine.draclaims`): the scalar partitions on every release, and the
+builder the webhook uses (`gputopo.engine.dra.claims`): the scalar partitions on every release, and the
 list attribute where the API server serves it (`DRAListTypeAttributes`, alpha from 1.36).
 
 GPUs are taken with "pin" pods whose one-device claims select a GPU by its `index` attribute, so the
@@ -28,10 +28,10 @@ from typing import Any
 
 import pytest
 
-from gputopo.engine.cliques import mask_of
-from gputopo.engine.draclaims import claim_template
-from gputopo.engine.explain import gpu_ranges
-from gputopo.engine.snapshot import shape_of
+from gputopo.engine.cluster.explain import gpu_ranges
+from gputopo.engine.dra.claims import claim_template
+from gputopo.engine.state.cliques import mask_of
+from gputopo.engine.state.snapshot import shape_of
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from gputopo.localcluster.kubelet import kubelet_unavailable
 from gputopo.localcluster.manifests import pod_webhook_manifest

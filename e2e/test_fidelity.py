@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from gputopo.clusterfile import JobSpec
-from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.localcluster import ControlPlane, KubeClient
 from gputopo.localcluster.replay import MixRun, Replay
 from gputopo.localcluster.stack import Stack

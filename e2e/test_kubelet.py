@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from gputopo.agent.podresources.client import PodResourcesClient, PodResourcesError
-from gputopo.engine.besteffort import best_effort
-from gputopo.engine.placement import evaluate_node
-from gputopo.engine.snapshot import node_state
+from gputopo.engine.node.besteffort import best_effort
+from gputopo.engine.node.placement import evaluate_node
+from gputopo.engine.state.snapshot import node_state
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from gputopo.localcluster.kubelet import RealKubelet, kubelet_unavailable
 from gputopo.localcluster.stack import Stack

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import StackNodes, serve
-from gputopo.engine.imex import DRIVER_NODE_LABEL
+from gputopo.engine.gang.imex import DRIVER_NODE_LABEL
 from gputopo.extender.computedomains import CHANNEL_DEVICE_CLASS, CHANNEL_DRIVER
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from gputopo.localcluster.stack import GpuNode, Stack
@@ -243,7 +243,7 @@ def test_rack_compute_domain_gang_is_planned_in_one_domain_whole(
     kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
     """A gang whose members claim one ComputeDomain's channel: the whole gang in one NVLink domain, the
-    rack that holds all four (b), never split over the two racks (gputopo.engine.rack, one domain)."""
+    rack that holds all four (b), never split over the two racks (gputopo.engine.gang.rack, one domain)."""
     name = add_trays(kube, nodes, test_id, {"a0": "a", "a1": "a", "b0": "b", "b1": "b", "b2": "b", "b3": "b"})
     cd = channel_template(kube, namespace, "gang-channel")
     mine = {TEST_LABEL: test_id}

@@ -10,7 +10,7 @@ from typing import Annotated, Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.model import ANN_GROUP, ANN_GROUP_SIZE, ANN_STAGE, NodeTopology
 from gputopo.systems import RACKS, UnknownSystemError, build_system, check_tray_numbers, rack_trays, tray_count
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
@@ -223,7 +223,7 @@ def load_jobs(path: Path | str) -> JobsSpec:
 
 def cluster_states(spec: ClusterSpec, tiers: TierConfig = DEFAULT_TIERS) -> list[NodeState]:
     """Engine node states for a cluster file (stale nodes carry the stale reason)."""
-    from gputopo.engine.reasons import Reason
+    from gputopo.engine.state.reasons import Reason
 
     out = []
     for n in spec.nodes:

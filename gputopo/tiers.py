@@ -30,7 +30,7 @@ class Tier(BaseModel):
     # a rack, the rest kept as spares); a node label `gputopo.io/nvlink-domain-cap` overrides it per domain.
     group_cap: int | None = Field(None, alias="groupCap", ge=1, le=4096)
     # All-reduce bus bandwidth (GB/s) inside one domain of this tier where it is a multi-node NVLink domain;
-    # None: the calibrated NVL72 default (gputopo.engine.cost); `gputopo calibrate --domain` fits it.
+    # None: the calibrated NVL72 default (gputopo.engine.network.cost); `gputopo calibrate --domain` fits it.
     busbw_gbps: float | None = Field(None, alias="busbwGbps", gt=0, le=100_000.0, allow_inf_nan=False)
 
     def __hash__(self) -> int:  # frozen, so hashable like before only_with (a dict) was added

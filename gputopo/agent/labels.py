@@ -6,7 +6,7 @@ engine's clique search, and the model sits below the engine.
 
 from __future__ import annotations
 
-from gputopo.engine.cliques import max_clique_size
+from gputopo.engine.state.cliques import max_clique_size
 from gputopo.model import (
     LABEL_GPU_MEMORY_GIB,
     LABEL_NVLINK_DOMAIN,

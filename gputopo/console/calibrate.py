@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gputopo.engine import cost
+from gputopo.engine.network import cost
 
 # nccl-tests' result rows: size, count, type, redop, [root,] then time/algbw/busbw/#wrong out of place
 # and in place. Older builds have no root column; `#wrong` is N/A when validation is off (-c 0).
@@ -154,7 +154,7 @@ def fit(rows: Sequence[Row], ranks: int) -> Fit:
 
 @dataclass(frozen=True)
 class Setting:
-    name: str  # a constant of gputopo.engine.cost
+    name: str  # a constant of gputopo.engine.network.cost
     value: float
     why: str
 
@@ -166,8 +166,8 @@ def settings_for(result: Fit, system: str | None) -> list[Setting]:
     step_s = result.alpha_us * 1e-6 / steps
     if system is None:
         return []
-    from gputopo.engine.estimate import FALLBACK_NIC_GBIT
-    from gputopo.engine.snapshot import shape_of
+    from gputopo.engine.network.estimate import FALLBACK_NIC_GBIT
+    from gputopo.engine.state.snapshot import shape_of
     from gputopo.systems import build_system
 
     topo = build_system(system)
@@ -204,7 +204,7 @@ def settings_for(result: Fit, system: str | None) -> list[Setting]:
 
 def domain_setting(result: Fit) -> Setting:
     """A run whose ranks all sat in one multi-node NVLink domain (an NVL72 rack): its bus bandwidth is the
-    `nvlink-domain` tier's `busbwGbps`, which the TP-group estimate reads (gputopo.engine.rack)."""
+    `nvlink-domain` tier's `busbwGbps`, which the TP-group estimate reads (gputopo.engine.gang.rack)."""
     why = (
         f"{result.busbw_gbps:.1f} GB/s measured over {result.ranks} GPUs of one NVLink domain vs "
         f"{cost.NVLINK_DOMAIN_BUSBW_GBPS:g} GB/s default"
@@ -227,7 +227,7 @@ def report(result: Fit, system: str | None, settings: Iterable[Setting]) -> str:
         lines.append("setting (the chart's tiers value or GPUTOPO_TIERS, tier nvlink-domain):")
         lines += [f"  {s.name.removeprefix('tiers: nvlink-domain ')}: {s.value:g}  # {s.why}" for s in tiers]
     if settings:
-        lines.append("settings (constants of gputopo.engine.cost):")
+        lines.append("settings (constants of gputopo.engine.network.cost):")
         lines += [f"  {s.name} = {s.value:g}  # {s.why}" for s in settings]
     elif not tiers:
         lines.append("settings: pass --system NAME (gputopo simulate's system names) to map the fit onto the constants")

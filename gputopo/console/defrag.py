@@ -4,7 +4,7 @@ A report only. It reads the live cluster the way `gputopo explain` does (one lis
 the agents' Leases into the extender's own cache, so in-use GPUs are counted exactly as the extender
 counts them), or a cluster file with an optional file of placed and pending pods; it never writes to
 the API server: no eviction, no annotation, no Event. The figures come from
-`gputopo/engine/fragmentation.py`, the moves from `gputopo/engine/defrag.py`; docs/defrag.md
+`gputopo/engine/cluster/fragmentation.py`, the moves from `gputopo/engine/cluster/defrag.py`; docs/defrag.md
 describes the output.
 """
 
@@ -21,8 +21,8 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gputopo.clusterfile import ClusterFileError, _load, cluster_states, load_cluster
-from gputopo.engine.defrag import MAX_MOVES, PlacedPod, Plan, plan
-from gputopo.engine.fragmentation import (
+from gputopo.engine.cluster.defrag import MAX_MOVES, PlacedPod, Plan, plan
+from gputopo.engine.cluster.fragmentation import (
     DEFAULT_SIZES,
     ClassFigures,
     Figures,
@@ -31,8 +31,8 @@ from gputopo.engine.fragmentation import (
     normalize_sizes,
     takes_pods,
 )
-from gputopo.engine.reasons import message
-from gputopo.engine.snapshot import NodeState, with_in_use
+from gputopo.engine.state.reasons import message
+from gputopo.engine.state.snapshot import NodeState, with_in_use
 from gputopo.model import AnnotationError, parse_pod_request
 
 NAME = "defrag"

@@ -24,7 +24,7 @@ from typing import Any
 from gputopo.clusterfile import ClusterFileError, load_cluster, load_jobs
 from gputopo.console.demojobset import jobset_part
 from gputopo.console.demorack import rack_part
-from gputopo.engine.explain import gpu_ranges
+from gputopo.engine.cluster.explain import gpu_ranges
 from gputopo.model import LABEL_NETWORK_LEAF, PLACEMENT_ANNOTATION, SCHEDULER_NAME, AnnotationError, parse_placement
 
 STALE_AFTER = 10.0

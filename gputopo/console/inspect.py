@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gputopo.engine.explain import describe_gpus, gpu_ranges, outcome_estimate
-from gputopo.engine.reasons import Code, summarize_failures
+from gputopo.engine.cluster.explain import describe_gpus, gpu_ranges, outcome_estimate
+from gputopo.engine.state.reasons import Code, summarize_failures
 from gputopo.kube import KubeError, find_kubeconfig
 from gputopo.model import (
     DEFAULT_NAMESPACE,

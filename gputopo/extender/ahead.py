@@ -27,10 +27,10 @@ from typing import Protocol
 
 import orjson
 
-from gputopo.engine.domains import TieKey
-from gputopo.engine.placement import Outcome
-from gputopo.engine.reasons import Code
-from gputopo.engine.scoring import wire_scores
+from gputopo.engine.network.domains import TieKey
+from gputopo.engine.node.placement import Outcome
+from gputopo.engine.state.reasons import Code
+from gputopo.engine.state.scoring import wire_scores
 from gputopo.extender.fabric import FabricFigures
 from gputopo.extender.verdicts import Kinds
 from gputopo.extender.wire import PodInfo

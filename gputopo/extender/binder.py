@@ -19,16 +19,22 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
-from gputopo.engine.cliques import mask_of
-from gputopo.engine.explain import packing_clause, placement_estimate, placement_sentence, tp_placement, why_lost
-from gputopo.engine.groupplan import GroupPlan
-from gputopo.engine.placement import NodeVerdict, Outcome, evaluate_node, outcome_on
-from gputopo.engine.rack import LABEL_DOMAIN_CAP, domain_cap
-from gputopo.engine.replan import Slot
-from gputopo.engine.scoring import grade
-from gputopo.engine.snapshot import NodeState
-from gputopo.engine.tiersets import set_words
-from gputopo.engine.tpgroups import DOMAIN
+from gputopo.engine.cluster.explain import (
+    packing_clause,
+    placement_estimate,
+    placement_sentence,
+    tp_placement,
+    why_lost,
+)
+from gputopo.engine.gang.plan import GroupPlan
+from gputopo.engine.gang.rack import LABEL_DOMAIN_CAP, domain_cap
+from gputopo.engine.gang.replan import Slot
+from gputopo.engine.gang.tiersets import set_words
+from gputopo.engine.gang.tpgroups import DOMAIN
+from gputopo.engine.node.placement import NodeVerdict, Outcome, evaluate_node, outcome_on
+from gputopo.engine.state.cliques import mask_of
+from gputopo.engine.state.scoring import grade
+from gputopo.engine.state.snapshot import NodeState
 from gputopo.extender.events import EventPoster
 from gputopo.extender.kube import JSON, ClusterSource
 from gputopo.extender.ledger import Ledger

@@ -20,8 +20,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, Unpack
 
-from gputopo.engine.reasons import Reason
-from gputopo.engine.snapshot import NodeState
+from gputopo.engine.state.reasons import Reason
+from gputopo.engine.state.snapshot import NodeState
 from gputopo.extender.computedomains import ChannelTemplates, ComputeDomainSizes, Key
 from gputopo.extender.controllerfacts import Controllers
 from gputopo.extender.dramerge import DraMerge

@@ -10,7 +10,7 @@ Writes follow objects the API server holds instead:
   cost one read.
 - `TemplateKeeper` (the extender's pod informer, `pod_changed`/`pods_replaced`): a pod that exists,
   is not terminated, runs under gputopo's scheduler and names a template that gputopo's builder makes
-  under that name (`gputopo.engine.draclaims.template_named`) gets it created in its namespace, at most
+  under that name (`gputopo.engine.dra.claims.template_named`) gets it created in its namespace, at most
   `max_per_namespace` of gputopo's templates per namespace. kube-controller-manager's resourceclaim
   controller retries a pod whose template is missing, so the pod's claim follows within seconds.
 - `TemplateKeeper.collect` (every `pass_seconds`, once the pod informer has listed): deletes gputopo's
@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-from gputopo.engine.draclaims import (
+from gputopo.engine.dra.claims import (
     MANAGED_BY,
     MANAGED_BY_LABEL,
     MEMORY_CLASSES_MIB,

@@ -6,7 +6,7 @@ the ComputeDomain's namespace): one request of the device class `compute-domain-
 A pod joins the ComputeDomain by naming the template in `spec.resourceClaims`; gputopo names the
 ComputeDomain `namespace/template`. The driver labels its templates, and each node whose channel serves a
 ComputeDomain, with `resource.nvidia.com/computeDomain` = the ComputeDomain's UID; the extender joins the
-nodes' labels to the pods bound (gputopo.engine.imex.with_driver_labels), naming each UID from its owner
+nodes' labels to the pods bound (gputopo.engine.gang.imex.with_driver_labels), naming each UID from its owner
 (`compute_domain_of`):
 
 - where the API server serves ComputeDomains, only the ComputeDomain object of that UID names it: its
@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gputopo.engine.imex import DRIVER_NODE_LABEL
+from gputopo.engine.gang.imex import DRIVER_NODE_LABEL
 from gputopo.extender.kindhandlers import Bad, KindHandler, each_readable
 from gputopo.kube import COMPUTEDOMAINS, JSON, RESOURCECLAIMTEMPLATES
 from gputopo.model.dra import TEMPLATE_PREFIX

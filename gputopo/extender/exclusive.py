@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from gputopo.engine.exclusive import ExclusiveJob, plan_exclusive
-from gputopo.engine.groupplan import GroupFailure, Member, Placed
-from gputopo.engine.replan import GroupWaiting, MemberView, Slot
+from gputopo.engine.gang.exclusive import ExclusiveJob, plan_exclusive
+from gputopo.engine.gang.plan import GroupFailure, Member, Placed
+from gputopo.engine.gang.replan import GroupWaiting, MemberView, Slot
 from gputopo.extender.ledger import Ledger
 from gputopo.extender.objects import PodRecord
 from gputopo.extender.reservations import GroupKey, Reservation

@@ -1,6 +1,6 @@
 """Best fit above the node in the extender: free GPUs per fabric domain over every node the ledger knows
 (not only one request's candidates) and each node's key in the engine's tie-break order
-(`gputopo.engine.domains`: `DomainFree.tie_key`), taken once per ledger generation and shared by every
+(`gputopo.engine.network.domains`: `DomainFree.tie_key`), taken once per ledger generation and shared by every
 request of it.
 
 Prioritize (`ahead.ranked`) breaks equal engine scores by these keys, and the binder's runner-up and
@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 
-from gputopo.engine.domains import DomainFree, TieKeys, domain_of, free_gpus, narrow_first
-from gputopo.engine.snapshot import NodeState
+from gputopo.engine.network.domains import DomainFree, TieKeys, domain_of, free_gpus, narrow_first
+from gputopo.engine.state.snapshot import NodeState
 from gputopo.tiers import TierConfig
 
 

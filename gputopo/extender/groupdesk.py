@@ -1,6 +1,6 @@
 """A group member's filter: its slot in the group's reservation, planning one when none holds.
 
-The members come from the ledger, the plan from the engine (`gputopo.engine.replan`, pure), and the
+The members come from the ledger, the plan from the engine (`gputopo.engine.gang.replan`, pure), and the
 reservation goes back to the ledger, which refuses it if a planned GPU was taken meanwhile (planning
 runs without the ledger's lock). Planning is serialised per group by a fixed table of locks.
 
@@ -19,11 +19,11 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from gputopo.engine.assigned import HOSTNAME, Selector, selects
-from gputopo.engine.groupplan import GroupFailure
-from gputopo.engine.imex import Serving, group_candidates, nvlink_domain
-from gputopo.engine.replan import GroupWaiting, MemberView, Replan, Slot, counted, replan
-from gputopo.engine.snapshot import NodeState, taking
+from gputopo.engine.gang.assigned import HOSTNAME, Selector, selects
+from gputopo.engine.gang.imex import Serving, group_candidates, nvlink_domain
+from gputopo.engine.gang.plan import GroupFailure
+from gputopo.engine.gang.replan import GroupWaiting, MemberView, Replan, Slot, counted, replan
+from gputopo.engine.state.snapshot import NodeState, taking
 from gputopo.extender.exclusive import ExclusiveDesk
 from gputopo.extender.ledger import Ledger
 from gputopo.extender.locks import StripedLocks
@@ -392,7 +392,7 @@ class GroupDesk:
     def _channels(
         self, cd: str, states: list[NodeState], extra: list[NodeState], now: float
     ) -> tuple[list[NodeState], list[NodeState], str]:
-        """The nodes a gang of ComputeDomain `cd` may be planned on (gputopo.engine.imex.group_candidates), among
+        """The nodes a gang of ComputeDomain `cd` may be planned on (gputopo.engine.gang.imex.group_candidates), among
         the candidates and the selected extra nodes, and what was left out."""
         serving = self.serving()
         served = {s.name: nvlink_domain(s) for s in self.ledger.states(serving, now)}

@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import chain
 from typing import TypedDict
 
-from gputopo.engine.placement import Outcome, evaluate_node
-from gputopo.engine.reasons import Code
-from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
-from gputopo.engine.snapshot import NodeState
+from gputopo.engine.node.placement import Outcome, evaluate_node
+from gputopo.engine.state.reasons import Code
+from gputopo.engine.state.scoring import DEFAULT_WEIGHTS, ScoreWeights
+from gputopo.engine.state.snapshot import NodeState
 from gputopo.extender import mismatch
 from gputopo.extender.fabric import FabricFigures
 from gputopo.extender.mismatch import Mismatch

@@ -1,7 +1,7 @@
 """Prometheus metrics of the extender, in a registry per app (tests create many apps).
 
 Names follow prometheus.io naming: `gputopo_` prefix, base units, `_total` counters; label values are
-bounded (verbs, outcomes, `gputopo.engine.reasons.Reason` values), never pod or node names.
+bounded (verbs, outcomes, `gputopo.engine.state.reasons.Reason` values), never pod or node names.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gputopo.engine.fragmentation import DEFAULT_SIZES, Figures, cluster_figures
-from gputopo.engine.snapshot import NodeState
+from gputopo.engine.cluster.fragmentation import DEFAULT_SIZES, Figures, cluster_figures
+from gputopo.engine.state.snapshot import NodeState
 from gputopo.kube import KIND_NAMES
 
 VERBS = ("filter", "prioritize", "bind", "preempt", "mutate")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from gputopo.engine.cliques import connected_pairs, mask_of
-from gputopo.engine.explain import gpu_ranges
-from gputopo.engine.snapshot import shape_of
+from gputopo.engine.cluster.explain import gpu_ranges
+from gputopo.engine.state.cliques import connected_pairs, mask_of
+from gputopo.engine.state.snapshot import shape_of
 from gputopo.extender.objects import NodeEntry, PodRecord
 from gputopo.model import NodeTopology
 

@@ -8,10 +8,10 @@ import operator
 import threading
 from collections.abc import Callable, Iterable, Mapping
 
-from gputopo.engine.imex import DRIVER_NODE_LABEL
-from gputopo.engine.labelindex import LabelIndex
-from gputopo.engine.reasons import Reason
-from gputopo.engine.snapshot import NodeState, node_state, taking
+from gputopo.engine.gang.imex import DRIVER_NODE_LABEL
+from gputopo.engine.gang.labelindex import LabelIndex
+from gputopo.engine.state.reasons import Reason
+from gputopo.engine.state.snapshot import NodeState, node_state, taking
 from gputopo.extender.objects import NodeEntry
 from gputopo.extender.reservations import ReservationBook, SlotKey
 from gputopo.model import GpusInUse, agent_lease_name
@@ -147,7 +147,7 @@ class NodeStates:
             self._moves.append((self.generation, name))
 
     def label_channel(self, name: str, labels: Mapping[str, str]) -> None:
-        """Keep the node's `DRIVER_NODE_LABEL` (gputopo.engine.imex): which ComputeDomain NVIDIA's driver
+        """Keep the node's `DRIVER_NODE_LABEL` (gputopo.engine.gang.imex): which ComputeDomain NVIDIA's driver
         says its IMEX channel serves."""
         uid = labels.get(DRIVER_NODE_LABEL)
         if uid:

@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gputopo.engine.reasons import Reason
-from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.engine.state.reasons import Reason
+from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.model import (
     GpusInUse,
     InferredGroup,

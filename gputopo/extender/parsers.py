@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict, Unpack
 
-from gputopo.engine.reasons import Reason
+from gputopo.engine.state.reasons import Reason
 from gputopo.extender.jobstate import job_state
 from gputopo.extender.objects import (
     MAX_VALUE_BYTES,

@@ -120,7 +120,7 @@ class PodTable(dict[str, PodRecord]):
         self.scheduler_name = scheduler_name  # only its pods are group members
         self.by_controller: dict[ControllerRef, set[str]] = {}
         self.groups: dict[GroupKey, GroupTally] = {}  # only groups with members
-        # node -> the ComputeDomains whose IMEX channel its bound active pods claim (gputopo.engine.imex)
+        # node -> the ComputeDomains whose IMEX channel its bound active pods claim (gputopo.engine.gang.imex)
         self.channels: dict[str, Counter[str]] = {}
         self.gated: set[str] = set()  # the pods that carry gputopo's gate (gputopo.extender.groupgates lifts it)
         for uid, rec in (records or {}).items():

@@ -15,8 +15,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from gputopo.engine.groupplan import GroupPlan
-from gputopo.engine.replan import Slot
+from gputopo.engine.gang.plan import GroupPlan
+from gputopo.engine.gang.replan import Slot
 
 log = logging.getLogger("gputopo.extender.reservations")
 

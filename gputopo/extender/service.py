@@ -18,15 +18,15 @@ from itertools import compress, repeat
 
 from pydantic_core import to_json
 
-from gputopo.engine.beside import beside
-from gputopo.engine.groupplan import GroupFailure
-from gputopo.engine.imex import nvlink_domain, with_compute_domains, with_driver_labels
-from gputopo.engine.placement import Outcome, evaluate_node, fail_invalid
-from gputopo.engine.preempt import Victim, choose_victims
-from gputopo.engine.reasons import Code, Reason, code_for, message
-from gputopo.engine.replan import GroupWaiting
-from gputopo.engine.scoring import MAX_EXTENDER_SCORE
-from gputopo.engine.snapshot import node_state
+from gputopo.engine.cluster.preempt import Victim, choose_victims
+from gputopo.engine.gang.beside import beside
+from gputopo.engine.gang.imex import nvlink_domain, with_compute_domains, with_driver_labels
+from gputopo.engine.gang.plan import GroupFailure
+from gputopo.engine.gang.replan import GroupWaiting
+from gputopo.engine.node.placement import Outcome, evaluate_node, fail_invalid
+from gputopo.engine.state.reasons import Code, Reason, code_for, message
+from gputopo.engine.state.scoring import MAX_EXTENDER_SCORE
+from gputopo.engine.state.snapshot import node_state
 from gputopo.extender.ahead import Ahead, ranked
 from gputopo.extender.binder import Binder
 from gputopo.extender.cache import ClusterCache
@@ -163,7 +163,8 @@ class Extender:
         return Decision("evaluated", names, outcomes, request=req, kinds=kinds)
 
     def _compute_domains(self, req: PodRequest, names: list[str], outs: list[Outcome], room: bool = True) -> Imex:
-        """The outcomes under the ComputeDomain rules (gputopo.engine.imex): which nodes serve which ComputeDomain's
+        """The outcomes under the ComputeDomain rules (gputopo.engine.gang.imex): which nodes serve which
+        ComputeDomain's
         IMEX channel comes from the pods bound there and the nodes' driver labels. None when no ComputeDomain is
         involved."""
         ledger = self.ledger
@@ -353,7 +354,7 @@ class Extender:
 
     def preempt(self, args: ExtenderPreemptionArgs) -> dict[str, MetaVictims]:
         """Per candidate node, the victims that free a GPU set the pod can take (the fewest, then the
-        lowest priorities, groups whole: `gputopo.engine.preempt`); nodes where none does are dropped.
+        lowest priorities, groups whole: `gputopo.engine.cluster.preempt`); nodes where none does are dropped.
 
         Victims' GPUs are what their node reports under their UID, else their placement; priorities
         and group membership come from the cache. Group members and plain pods get the candidates

@@ -13,8 +13,8 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliSuppress
 
-from gputopo.engine import draclaims
-from gputopo.engine.scoring import ScoreWeights
+from gputopo.engine.dra import claims as draclaims
+from gputopo.engine.state.scoring import ScoreWeights
 from gputopo.model import DEFAULT_NAMESPACE, EXTENDER_COMPONENT, SCHEDULER_NAME
 from gputopo.settingsconfig import ENV_PREFIX, command_settings
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
@@ -236,7 +236,7 @@ class Settings(BaseSettings):
 
     @property
     def memory_classes(self) -> tuple[int, ...]:
-        """--dra-memory-classes added to the named systems' figures (gputopo.engine.draclaims)."""
+        """--dra-memory-classes added to the named systems' figures (gputopo.engine.dra.claims)."""
         extra = tuple(int(m) for m in self.dra_memory_classes.split(",") if m.strip())
         return draclaims.memory_classes(extra)
 

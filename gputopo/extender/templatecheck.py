@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from gputopo.engine.draclaims import ClaimTemplate
+from gputopo.engine.dra.claims import ClaimTemplate
 from gputopo.kube import JSON, RESOURCECLAIMTEMPLATES, KubeError
 
 DEFAULT_TTL_SECONDS = 60.0

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from gputopo.engine.placement import Outcome
-from gputopo.engine.reasons import Code
+from gputopo.engine.node.placement import Outcome
+from gputopo.engine.state.reasons import Code
 from gputopo.model import PodRequest
 
 

@@ -26,7 +26,7 @@ an opted-in pod (a ``gputopo.io/`` annotation under no scheduler of its own or u
 known controller's group labels under gputopo's scheduler) with a patch that removes the containers'
 ``nvidia.com/gpu`` limits and requests, gives those containers ``resources.claims: [{name: gpus}]`` and
 the pod ``spec.resourceClaims: [{name: gpus, resourceClaimTemplateName: <name>}]``, and says which
-template (gputopo.engine.draclaims) that is. The webhook writes nothing: the caller only checks that no
+template (gputopo.engine.dra.claims) that is. The webhook writes nothing: the caller only checks that no
 other spec sits under that name, and the extender creates the template once the pod exists
 (gputopo/extender/claimtemplates.py), so a review that no real pod follows leaves nothing behind. A pod that
 already has claims keeps them as they are. Here the webhook may deny: a request no claim can express (a
@@ -54,7 +54,7 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gputopo.engine.draclaims import MEMORY_CLASSES_MIB, REQUEST, ClaimError, ClaimTemplate, claim_template
+from gputopo.engine.dra.claims import MEMORY_CLASSES_MIB, REQUEST, ClaimError, ClaimTemplate, claim_template
 from gputopo.extender.wire import WireError, pod_gpus
 from gputopo.model import ANN_MIN_GPU_MEMORY, ANN_NVLINK, GPU_RESOURCE, PREFIX, SCHEDULER_NAME, AnnotationError
 from gputopo.model.gates import admission_gate, gate_names, gate_patch
@@ -181,7 +181,7 @@ def scheduler_name_patch(scheduler_name: str = SCHEDULER_NAME) -> list[dict[str,
 @dataclass(frozen=True)
 class DraMode:
     """The webhook's DRA settings: `list_attributes` when the devices carry `nvlinkCliques`;
-    `memory_classes` what a minimum HBM rounds up to (gputopo.engine.draclaims)."""
+    `memory_classes` what a minimum HBM rounds up to (gputopo.engine.dra.claims)."""
 
     list_attributes: bool = False
     memory_classes: tuple[int, ...] = MEMORY_CLASSES_MIB

@@ -30,9 +30,9 @@ from datetime import UTC, datetime
 from prometheus_client.parser import text_string_to_metric_families
 
 from gputopo.clusterfile import JobSpec
-from gputopo.engine.reasons import Reason
-from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
-from gputopo.engine.snapshot import NodeState
+from gputopo.engine.state.reasons import Reason
+from gputopo.engine.state.scoring import DEFAULT_WEIGHTS, ScoreWeights
+from gputopo.engine.state.snapshot import NodeState
 from gputopo.kube import KubeError
 from gputopo.localcluster.kube import JSON, KubeClient, SimNode, pod_manifest
 from gputopo.localcluster.podwatch import PodTracker, pod_state, scheduling_message

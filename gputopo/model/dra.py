@@ -16,7 +16,7 @@ from gputopo.model.inuse import GpusInUse
 
 DRIVER = "gpu.gputopo.io"  # the DRA driver name, the attribute domain and the DeviceClass's name
 DEVICE_CLASS = DRIVER
-# gputopo's ResourceClaimTemplates: `gputopo-gpus-<count>-...` (gputopo.engine.draclaims names them).
+# gputopo's ResourceClaimTemplates: `gputopo-gpus-<count>-...` (gputopo.engine.dra.claims names them).
 TEMPLATE_PREFIX = "gputopo-gpus"
 
 # Upstream bounds (resource.k8s.io/v1 validation): devices per slice, results per allocation.

@@ -28,7 +28,7 @@ LABEL_NETWORK_LEAF = "gputopo.io/network-leaf"
 # Set by the operator, not the agent: each NIC's fabric rail (gputopo.model.rails reads it).
 LABEL_RAILS = "gputopo.io/rails"
 # Set by the operator on every tray of an NVLink domain: the trays one group may take there
-# (gputopo.engine.rack reads it where all of the domain's trays agree).
+# (gputopo.engine.gang.rack reads it where all of the domain's trays agree).
 LABEL_NVLINK_DOMAIN_CAP = "gputopo.io/nvlink-domain-cap"
 # The gputopo.io/ labels only the operator writes: the agents' admission policy forbids them to
 # add, change or remove these (charts/gputopo/templates/agent-validatingadmissionpolicy.yaml).

@@ -13,7 +13,7 @@ from gputopo.model.base import AnnotationError, Wire, format_validation_error
 from gputopo.model.names import SCHEMA_VERSION, TOPOLOGY_ANNOTATION
 
 # --------------------------------------------------------------------------------------------------
-# Ordered link and distance types (one score table lives in gputopo.engine.scoring).
+# Ordered link and distance types (one score table lives in gputopo.engine.state.scoring).
 
 
 class PcieDistance(StrEnum):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gputopo.engine.snapshot import NodeState
+from gputopo.engine.state.snapshot import NodeState
 from gputopo.model import NetworkKind, NvlinkPolicy, PodRequest, format_mib
 from gputopo.sim.comm import node_shape
 

@@ -1,5 +1,5 @@
-"""Estimated communication time of a placement, from the engine's cost model (gputopo.engine.cost and
-gputopo.engine.estimate, described in docs/cost-model.md).
+"""Estimated communication time of a placement, from the engine's cost model (gputopo.engine.network.cost and
+gputopo.engine.network.estimate, described in docs/cost-model.md).
 
 - TP: one ring allreduce of `message_bytes` over a pod's GPUs, at the set's bottleneck bandwidth
   (NVLink generation and link count, or PCIe inside or across sockets).
@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
-from gputopo.engine.cost import intra_node_bandwidth, tp_allreduce_seconds
-from gputopo.engine.estimate import FALLBACK_NIC_GBIT, best_nics, node_shape, stage_transfer_seconds
-from gputopo.engine.snapshot import NodeState, Shape
+from gputopo.engine.network.cost import intra_node_bandwidth, tp_allreduce_seconds
+from gputopo.engine.network.estimate import FALLBACK_NIC_GBIT, best_nics, node_shape, stage_transfer_seconds
+from gputopo.engine.state.snapshot import NodeState, Shape
 from gputopo.model import NetworkKind
 from gputopo.tiers import DEFAULT_TIERS, Tier, TierConfig
 

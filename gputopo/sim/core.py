@@ -11,7 +11,7 @@ Policies:
   `nvidia.com/gpu` (the fraction of the node's GPUs still free after the pod lands; the stock profile
   scores CPU and memory only, which for GPU pods is no better). Equal scores are broken at random, as
   kube-scheduler does (seeded here). Inside the node the NVIDIA device plugin picks GPUs with
-  go-gpuallocator's best-effort policy (`gputopo.engine.besteffort`: the best partition of the free
+  go-gpuallocator's best-effort policy (`gputopo.engine.node.besteffort`: the best partition of the free
   GPUs into sets of the pod's size by pairwise link scores, then its best set). gputopo annotations
   (HBM minimum, NVLink, network, tiers, groups) are invisible to it, so the pods of a group are placed
   one by one and a group may end up partly placed.
@@ -29,16 +29,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gputopo.clusterfile import JobSpec
-from gputopo.engine.besteffort import ScoreMatrix, best_effort_scores, pair_scores
-from gputopo.engine.cliques import bits, mask_of, popcount
-from gputopo.engine.domains import FreeTracker
-from gputopo.engine.explain import gpu_ranges, packing_clause, placement_sentence, runner_up
-from gputopo.engine.groupplan import GroupFailure, GroupPlan, Member, group_waiting_message
-from gputopo.engine.groups import plan_group
-from gputopo.engine.placement import evaluate_pod, rank
-from gputopo.engine.reasons import summarize_failures
-from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights, grade
-from gputopo.engine.snapshot import NodeState, Shape, shape_of, with_in_use
+from gputopo.engine.cluster.explain import gpu_ranges, packing_clause, placement_sentence, runner_up
+from gputopo.engine.gang.groups import plan_group
+from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, group_waiting_message
+from gputopo.engine.network.domains import FreeTracker
+from gputopo.engine.node.besteffort import ScoreMatrix, best_effort_scores, pair_scores
+from gputopo.engine.node.placement import evaluate_pod, rank
+from gputopo.engine.state.cliques import bits, mask_of, popcount
+from gputopo.engine.state.reasons import summarize_failures
+from gputopo.engine.state.scoring import DEFAULT_WEIGHTS, ScoreWeights, grade
+from gputopo.engine.state.snapshot import NodeState, Shape, shape_of, with_in_use
 from gputopo.model import AnnotationError, Health, is_gputopo_pod, parse_pod_request
 from gputopo.sim.checks import broken_requests
 from gputopo.sim.metrics import DEFAULT_PP_MESSAGE_BYTES, DEFAULT_TP_MESSAGE_BYTES, Summary, summarize

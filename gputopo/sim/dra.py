@@ -19,9 +19,8 @@ from itertools import combinations
 from typing import Literal
 
 from gputopo.clusterfile import JobSpec
-from gputopo.engine.cliques import popcount
-from gputopo.engine.domains import FreeTracker
-from gputopo.engine.dra import (
+from gputopo.engine.cluster.explain import gpu_ranges
+from gputopo.engine.dra.devices import (
     ATTR_CLIQUES,
     PARTITIONS,
     block_id,
@@ -31,13 +30,14 @@ from gputopo.engine.dra import (
     partition_cover,
     qualified,
 )
-from gputopo.engine.explain import gpu_ranges
-from gputopo.engine.groupplan import GroupFailure, Member
-from gputopo.engine.groups import plan_group
-from gputopo.engine.placement import evaluate_pod, rank
-from gputopo.engine.reasons import summarize_failures
-from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
-from gputopo.engine.snapshot import NodeState, with_in_use
+from gputopo.engine.gang.groups import plan_group
+from gputopo.engine.gang.plan import GroupFailure, Member
+from gputopo.engine.network.domains import FreeTracker
+from gputopo.engine.node.placement import evaluate_pod, rank
+from gputopo.engine.state.cliques import popcount
+from gputopo.engine.state.reasons import summarize_failures
+from gputopo.engine.state.scoring import DEFAULT_WEIGHTS, ScoreWeights
+from gputopo.engine.state.snapshot import NodeState, with_in_use
 from gputopo.model import NodeTopology
 from gputopo.sim.checks import broken_requests
 from gputopo.sim.core import SimResult, prepare_pods

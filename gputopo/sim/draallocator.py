@@ -27,8 +27,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from gputopo.engine.dra import DRIVER, Device
-from gputopo.engine.draclaims import MAX_DEVICES_PER_CLAIM, MAX_SUBREQUESTS, ClaimShape, claim_shape, device_claim
+from gputopo.engine.dra.claims import MAX_DEVICES_PER_CLAIM, MAX_SUBREQUESTS, ClaimShape, claim_shape, device_claim
+from gputopo.engine.dra.devices import DRIVER, Device
 from gputopo.model import NvlinkPolicy, PodRequest
 
 Encoding = Literal["none", "partitions", "list"]

@@ -9,7 +9,7 @@ the first node by name that fits, as kube-scheduler alone) meet one of three GPU
 - `dra-stock`: kube-scheduler's allocator (`gputopo.sim.draallocator.allocate`) over the devices in
   index order, gputopo's partition claim (today's DRA driver);
 - `dra-best-fit`: the same allocator and claim over the devices in best-fit order for the node's
-  GPUs in use at that moment (`gputopo.engine.draorder`, what the driver re-publishes).
+  GPUs in use at that moment (`gputopo.engine.dra.order`, what the driver re-publishes).
 
 Figures, over the arrivals after the first `warmup` (the nodes start empty):
 
@@ -30,10 +30,10 @@ from heapq import heappop, heappush
 from itertools import combinations
 from typing import Literal
 
-from gputopo.engine.cliques import max_clique_size, popcount
-from gputopo.engine.dra import device_name, devices
-from gputopo.engine.placement import evaluate_pod
-from gputopo.engine.snapshot import NodeState, node_state, shape_of
+from gputopo.engine.dra.devices import device_name, devices
+from gputopo.engine.node.placement import evaluate_pod
+from gputopo.engine.state.cliques import max_clique_size, popcount
+from gputopo.engine.state.snapshot import NodeState, node_state, shape_of
 from gputopo.model import NvlinkPolicy, PodRequest
 from gputopo.sim.draallocator import NodeDevices, allocate, claim_for
 

@@ -24,13 +24,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gputopo.clusterfile import JobSpec
-from gputopo.engine.besteffort import best_effort_scores, pair_scores
-from gputopo.engine.domains import domain_free
-from gputopo.engine.groupplan import GroupFailure, GroupPlan, Member
-from gputopo.engine.groups import plan_group
-from gputopo.engine.placement import evaluate_node, evaluate_pod, rank
-from gputopo.engine.scoring import DEFAULT_WEIGHTS, ScoreWeights
-from gputopo.engine.snapshot import NodeState, with_in_use
+from gputopo.engine.gang.groups import plan_group
+from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member
+from gputopo.engine.network.domains import domain_free
+from gputopo.engine.node.besteffort import best_effort_scores, pair_scores
+from gputopo.engine.node.placement import evaluate_node, evaluate_pod, rank
+from gputopo.engine.state.scoring import DEFAULT_WEIGHTS, ScoreWeights
+from gputopo.engine.state.snapshot import NodeState, with_in_use
 from gputopo.model import Health
 from gputopo.sim.core import prepare_pods
 from gputopo.sim.metrics import Summary, is_group_job, summarize

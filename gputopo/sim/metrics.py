@@ -12,7 +12,7 @@
   are counted separately: their GPUs are held by pods that cannot start their job.
 - Rail-aligned groups: of the groups placed in full that have a member on part of a node (fewer GPUs
   than the node has), those whose partial members all use the same fabric rails (the rails of the NICs
-  nearest their GPUs; gputopo.engine.rails). Members on whole nodes use every rail and align with any.
+  nearest their GPUs; gputopo.engine.network.rails). Members on whole nodes use every rail and align with any.
 - Broken requests: placed pods whose placement does not meet a request of their own annotations
   (HBM minimum, network kind, `nvlink: required`, `spread: node`, `required-tier`) or that sit on a
   node whose topology gputopo does not trust (stale). Always 0 under `gputopo`; the topology-blind
@@ -34,10 +34,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from gputopo.engine.placement import evaluate_node
-from gputopo.engine.rails import assess
-from gputopo.engine.scoring import ScoreWeights
-from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.engine.network.rails import assess
+from gputopo.engine.node.placement import evaluate_node
+from gputopo.engine.state.scoring import ScoreWeights
+from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.model import NvlinkPolicy, PodRequest, Spread
 from gputopo.sim.checks import broken_requests
 from gputopo.sim.comm import node_shape, pp_seconds, tp_seconds

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from gputopo.engine.explain import gpu_ranges
-from gputopo.engine.snapshot import NodeState
+from gputopo.engine.cluster.explain import gpu_ranges
+from gputopo.engine.state.snapshot import NodeState
 from gputopo.sim.core import SimResult
 from gputopo.sim.metrics import Summary
 

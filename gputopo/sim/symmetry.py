@@ -1,7 +1,7 @@
 """Which GPUs of a node kind are interchangeable, for the exhaustive search (gputopo.sim.exhaustive).
 
 Twin classes first: GPUs with the same attributes the search honours (NUMA node, health, degraded
-links, HBM) and the same links to every other GPU, the twins of gputopo.engine.gpusets with those
+links, HBM) and the same links to every other GPU, the twins of gputopo.engine.node.gpusets with those
 attributes added. Any permutation inside a class keeps the node as it is, so a class's state is how
 many of its GPUs are in use, and a pod's GPU sets are tried as how many to take from each class.
 The same step repeats one level up: classes (then groups of them) of the same make-up, linked alike
@@ -22,7 +22,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from gputopo.engine.cliques import bits, mask_of, popcount
+from gputopo.engine.state.cliques import bits, mask_of, popcount
 
 MAX_PERM_STEPS = 20_000
 

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import yaml
 
-from gputopo.engine.groupplan import GroupFailure, GroupPlan
-from gputopo.engine.groups import plan_group
-from gputopo.engine.rack import LABEL_DOMAIN_CAP
-from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.engine.gang.groups import plan_group
+from gputopo.engine.gang.plan import GroupFailure, GroupPlan
+from gputopo.engine.gang.rack import LABEL_DOMAIN_CAP
+from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.model import AnnotationError, LabelError, Placement, parse_placement, parse_pod_request
 from gputopo.model.controllers import index
 from gputopo.model.names import OPERATOR_LABEL_KEYS, PLACEMENT_ANNOTATION

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from gputopo.engine.imex import DRIVER_NODE_LABEL
-from gputopo.engine.rack import LABEL_DOMAIN_CAP
+from gputopo.engine.gang.imex import DRIVER_NODE_LABEL
+from gputopo.engine.gang.rack import LABEL_DOMAIN_CAP
 from gputopo.extender.cache import ClusterCache
 from gputopo.extender.computedomains import MAX_PER_NAMESPACE, ChannelTemplates, ComputeDomainSizes
 from gputopo.extender.kube import Informer

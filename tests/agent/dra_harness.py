@@ -15,7 +15,7 @@ import grpc
 
 from gputopo.agent.dra.api import dra_v1_pb2_grpc, dra_v1beta1_pb2_grpc, pluginregistration_pb2_grpc
 from gputopo.agent.dra.plugin import DraConfig, DraPlugin
-from gputopo.engine.dra import DRIVER
+from gputopo.engine.dra.devices import DRIVER
 from gputopo.kube import KubeError
 from gputopo.model import NodeTopology
 from tests.agent.dp_harness import NODE

@@ -14,7 +14,7 @@ import pytest
 from gputopo.agent.deviceplugin.preferred import PreferredAllocation, pod_slices
 from gputopo.agent.podresources import api_pb2 as pr_pb2
 from gputopo.agent.pods import StaticLocalPods, parse_local_pod
-from gputopo.engine.besteffort import best_effort
+from gputopo.engine.node.besteffort import best_effort
 from tests.agent.dp_harness import NODE, Harness, pod_object, running_plugin, serve_podresources, topology
 
 TOPO = topology()

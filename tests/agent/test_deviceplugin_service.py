@@ -17,7 +17,7 @@ from gputopo.agent.deviceplugin.preferred import PreferredAllocation, Preferrer
 from gputopo.agent.deviceplugin.servicer import DevicePluginServicer
 from gputopo.agent.nvml_backend import MIG_REASON, NvmlAdapter
 from gputopo.agent.pods import StaticLocalPods
-from gputopo.engine.besteffort import best_effort
+from gputopo.engine.node.besteffort import best_effort
 from gputopo.model import Health
 from tests.agent.dp_harness import NODE, running_plugin, topology, wait_for, with_gpu
 from tests.agent.fake_pynvml import fake_system

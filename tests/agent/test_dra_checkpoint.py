@@ -25,7 +25,7 @@ from gputopo.agent.dra.checkpoint import (
 )
 from gputopo.agent.dra.driver import DraDriver
 from gputopo.agent.dra.service import DraPluginServicer
-from gputopo.engine.dra import DRIVER
+from gputopo.engine.dra.devices import DRIVER
 from tests.agent.dp_harness import NODE, topology
 from tests.agent.dra_harness import FakeClaims
 

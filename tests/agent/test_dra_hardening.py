@@ -25,7 +25,7 @@ from gputopo.agent.dra.cdi import CdiWriter, claim_spec_path, node_spec_path
 from gputopo.agent.dra.checkpoint import CHECKPOINT_NAME, Checkpoint, PreparedClaim, PreparedDevice, encode
 from gputopo.agent.dra.driver import MAX_API_READS, DraDriver
 from gputopo.agent.dra.service import DraPluginServicer
-from gputopo.engine.dra import DRIVER
+from gputopo.engine.dra.devices import DRIVER
 from gputopo.model.dra import device_index, template_gpus
 from tests.agent.dp_harness import NODE, topology, wait_for
 from tests.agent.dra_harness import FakeClaims, Running, claim_object, running_dra

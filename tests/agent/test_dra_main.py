@@ -16,7 +16,7 @@ from gputopo.agent.dra.plugin import DraConfig, DraPlugin
 from gputopo.agent.dra.slices import slice_name
 from gputopo.agent.main import main
 from gputopo.agent.settings import AgentSettings, load_settings
-from gputopo.engine.dra import DRIVER
+from gputopo.engine.dra.devices import DRIVER
 from tests.agent.dp_harness import NODE, topology
 from tests.agent.dra_harness import FakeClaims, FakeSlices
 from tests.agent.memory_api import InMemoryNodeApi

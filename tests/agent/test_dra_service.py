@@ -12,7 +12,7 @@ import pytest
 
 from gputopo.agent.dra.api import dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_pb2
 from gputopo.agent.dra.cdi import claim_spec_path, node_spec_path
-from gputopo.engine.dra import DRIVER
+from gputopo.engine.dra.devices import DRIVER
 from gputopo.kube import KubeError
 from gputopo.model import Health
 from tests.agent.dp_harness import NODE, topology, wait_for, with_gpu

@@ -10,7 +10,7 @@ import pytest
 
 from gputopo.agent.dra.slices import KubeSliceApi, SlicePublisher, comparable, desired_spec, slice_name, wire_attribute
 from gputopo.agent.publish import PublishResult
-from gputopo.engine.dra import DRIVER
+from gputopo.engine.dra.devices import DRIVER
 from gputopo.kube import Kube, KubeError
 from gputopo.model import Health, NodeTopology
 from tests.agent.dp_harness import NODE, topology, with_gpu

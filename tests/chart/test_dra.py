@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gputopo.engine.dra import DEVICE_CLASS, DRIVER
+from gputopo.engine.dra.devices import DEVICE_CLASS, DRIVER
 from gputopo.extender.settings import Settings
 from tests.chart.helm import Doc, by_kind, container, env_of, one, render, render_fails, run_helm, template_args
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gputopo.engine.scoring import ScoreWeights
+from gputopo.engine.state.scoring import ScoreWeights
 from gputopo.model import AGENT_LEASE_PREFIX, GPU_RESOURCE, SCHEDULER_NAME
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 from tests.chart.helm import (

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.besteffort import (
+from gputopo.engine.node.besteffort import (
     PcieMatrix,
     ScoreMatrix,
     best_effort,

@@ -6,8 +6,8 @@ from itertools import combinations
 
 import pytest
 
-from gputopo.engine.cliques import bits, k_cliques, mask_of, max_clique_size
-from gputopo.engine.snapshot import shape_of
+from gputopo.engine.state.cliques import bits, k_cliques, mask_of, max_clique_size
+from gputopo.engine.state.snapshot import shape_of
 from gputopo.systems import build_system
 
 

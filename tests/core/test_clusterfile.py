@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gputopo.clusterfile import ClusterFileError, cluster_states, load_cluster, load_jobs
-from gputopo.engine.reasons import Reason
+from gputopo.engine.state.reasons import Reason
 from gputopo.model import FabricHealth
 from gputopo.systems import RACKS, rack_clique
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from gputopo.engine.cost import (
+from gputopo.engine.cluster.explain import gpu_ranges, placement_sentence, runner_up, stage_clause
+from gputopo.engine.gang.groups import plan_group
+from gputopo.engine.gang.plan import GroupPlan, Member
+from gputopo.engine.network.cost import (
     REFERENCE_BUSBW_GBPS,
     intra_node_bandwidth,
     nic_gbps,
@@ -12,11 +15,8 @@ from gputopo.engine.cost import (
     tiers_crossed,
     tp_allreduce_seconds,
 )
-from gputopo.engine.explain import gpu_ranges, placement_sentence, runner_up, stage_clause
-from gputopo.engine.groupplan import GroupPlan, Member
-from gputopo.engine.groups import plan_group
-from gputopo.engine.placement import evaluate_pod, rank
-from gputopo.engine.snapshot import shape_of
+from gputopo.engine.node.placement import evaluate_pod, rank
+from gputopo.engine.state.snapshot import shape_of
 from gputopo.model import parse_pod_request
 from gputopo.systems import build_system
 from tests.core.test_groups import TWO_SPINES, cluster

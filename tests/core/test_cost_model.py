@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from gputopo.engine.cost import (
+from gputopo.engine.cluster.explain import outcome_estimate, placement_estimate, placement_sentence, runner_up
+from gputopo.engine.gang.groups import plan_group
+from gputopo.engine.gang.plan import GroupPlan
+from gputopo.engine.network.cost import (
     allreduce_seconds,
     format_bytes,
     format_ms,
@@ -14,12 +17,9 @@ from gputopo.engine.cost import (
     tier_share,
     tiers_crossed,
 )
-from gputopo.engine.estimate import group_allreduce_seconds, stage_transfer_seconds, widest_crossing
-from gputopo.engine.explain import outcome_estimate, placement_estimate, placement_sentence, runner_up
-from gputopo.engine.groupplan import GroupPlan
-from gputopo.engine.groups import plan_group
-from gputopo.engine.placement import evaluate_pod, rank
-from gputopo.engine.snapshot import NodeState, node_state, shape_of
+from gputopo.engine.network.estimate import group_allreduce_seconds, stage_transfer_seconds, widest_crossing
+from gputopo.engine.node.placement import evaluate_pod, rank
+from gputopo.engine.state.snapshot import NodeState, node_state, shape_of
 from gputopo.model import (
     AnnotationError,
     CommEstimate,

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from gputopo.console.cli import main
-from gputopo.engine import fragmentation as defrag_engine
-from gputopo.engine.defrag import PlacedPod, plan
-from gputopo.engine.fragmentation import class_figures, node_figures
-from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.engine.cluster import fragmentation as defrag_engine
+from gputopo.engine.cluster.defrag import PlacedPod, plan
+from gputopo.engine.cluster.fragmentation import class_figures, node_figures
+from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.model import PodRequest, parse_pod_request
 from gputopo.systems import build_system
 from tests.paths import REPO
@@ -88,7 +88,7 @@ def test_past_the_search_budget_a_greedy_packing_answers(
 
 
 def test_figures_are_grouped_by_node_class_and_skip_stale_nodes() -> None:
-    from gputopo.engine.reasons import Reason
+    from gputopo.engine.state.reasons import Reason
 
     stale = node_state("s", build_system("dgx-h100", "s"), problem=Reason.TOPOLOGY_STALE)
     nodes = [node("a", "dgx-h100", {2, 5}), node("b", "dgx-h100"), node("c", "dgx-1v", {0, 4}), stale]

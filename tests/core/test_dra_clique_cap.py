@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine import dra
-from gputopo.engine.cliques import bits, popcount
+from gputopo.engine.dra import devices as dra
+from gputopo.engine.state.cliques import bits, popcount
 from gputopo.model import NodeTopology
 from gputopo.systems import build_system
 

@@ -1,4 +1,4 @@
-"""GPUs as DRA devices (gputopo.engine.dra) and the DRA objects the extender reads (gputopo.model.dra)."""
+"""GPUs as DRA devices (gputopo.engine.dra.devices) and the DRA objects the extender reads (gputopo.model.dra)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine import dra
-from gputopo.engine.cliques import bits, mask_of, popcount
+from gputopo.engine.dra import devices as dra
+from gputopo.engine.state.cliques import bits, mask_of, popcount
 from gputopo.model.dra import (
     DRIVER,
     ClaimInfo,

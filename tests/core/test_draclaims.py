@@ -11,8 +11,8 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gputopo.engine import dra
-from gputopo.engine.draclaims import (
+from gputopo.engine.dra import devices as dra
+from gputopo.engine.dra.claims import (
     MAX_DEVICES_PER_CLAIM,
     MAX_NAME_LENGTH,
     MAX_SUBREQUESTS,

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.exclusive import ExclusiveJob, plan_exclusive
-from gputopo.engine.groupplan import GroupFailure, GroupPlan, Member, Placed
-from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.engine.gang.exclusive import ExclusiveJob, plan_exclusive
+from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, Placed
+from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.model import NvlinkPolicy, PodRequest, Spread
 from gputopo.systems import build_system
 

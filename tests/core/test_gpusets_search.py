@@ -8,11 +8,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine import gpusets
-from gputopo.engine.cliques import bits, mask_of, popcount
-from gputopo.engine.gpusets import Kind, best_set, class_search, exhaustive_set, greedy_clique, symmetric_set
-from gputopo.engine.placement import evaluate_node
-from gputopo.engine.snapshot import Shape, node_state
+from gputopo.engine.node import gpusets
+from gputopo.engine.node.gpusets import Kind, best_set, class_search, exhaustive_set, greedy_clique, symmetric_set
+from gputopo.engine.node.placement import evaluate_node
+from gputopo.engine.state.cliques import bits, mask_of, popcount
+from gputopo.engine.state.snapshot import Shape, node_state
 from gputopo.model import NetworkKind, NodeTopology, NvlinkInfo, parse_pod_request
 from gputopo.systems import SYSTEMS, VARIANTS, build_system
 

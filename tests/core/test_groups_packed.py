@@ -7,9 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.groupplan import GroupFailure, GroupPlan, Member
-from gputopo.engine.groups import plan_group
-from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.engine.gang.groups import plan_group
+from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member
+from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.model import parse_pod_request
 from gputopo.sim import simulate
 from gputopo.systems import build_system

@@ -1,4 +1,4 @@
-"""ComputeDomains in placement (gputopo.engine.imex): a ComputeDomain's pods in one NVLink domain, never on a
+"""ComputeDomains in placement (gputopo.engine.gang.imex): a ComputeDomain's pods in one NVLink domain, never on a
 node serving another ComputeDomain's IMEX channel; pods of none steered off the trays a ComputeDomain needs."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gputopo.engine.imex import (
+from gputopo.engine.gang.imex import (
     FIRST,
     LAST,
     domains_of,
@@ -19,9 +19,9 @@ from gputopo.engine.imex import (
     with_compute_domains,
     with_driver_labels,
 )
-from gputopo.engine.placement import Outcome, evaluate_node
-from gputopo.engine.reasons import Code, Reason, code_for
-from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.engine.node.placement import Outcome, evaluate_node
+from gputopo.engine.state.reasons import Code, Reason, code_for
+from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.model import PodRequest
 from gputopo.systems import build_system, gb200_tray
 

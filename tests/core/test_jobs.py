@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gputopo.engine.groupplan import GroupPlan, Member
-from gputopo.engine.groups import plan_group
-from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.engine.gang.groups import plan_group
+from gputopo.engine.gang.plan import GroupPlan, Member
+from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.model import (
     AnnotationError,
     ControllerFacts,

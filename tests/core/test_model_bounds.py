@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gputopo.clusterfile import ClusterFileError, load_cluster
-from gputopo.engine.placement import evaluate_node
-from gputopo.engine.snapshot import node_state
+from gputopo.engine.node.placement import evaluate_node
+from gputopo.engine.state.snapshot import node_state
 from gputopo.model import (
     ANN_GROUP,
     ANN_GROUP_SIZE,

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from gputopo.engine.placement import evaluate_node, evaluate_pod, fail_invalid, rank
-from gputopo.engine.reasons import Code, Reason, summarize_failures
-from gputopo.engine.scoring import grade
-from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.engine.node.placement import evaluate_node, evaluate_pod, fail_invalid, rank
+from gputopo.engine.state.reasons import Code, Reason, summarize_failures
+from gputopo.engine.state.scoring import grade
+from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.model import NodeTopology, parse_pod_request, parse_topology
 from gputopo.systems import build_system
 

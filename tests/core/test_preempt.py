@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gputopo.engine import preempt
-from gputopo.engine.preempt import Victim, choose_victims
-from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.engine.cluster import preempt
+from gputopo.engine.cluster.preempt import Victim, choose_victims
+from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.model import parse_pod_request
 from gputopo.systems import build_system
 

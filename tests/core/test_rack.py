@@ -1,4 +1,4 @@
-"""TP groups across nodes (gputopo.engine.rack): each TP group in one NVLink domain, gangs split over the
+"""TP groups across nodes (gputopo.engine.gang.rack): each TP group in one NVLink domain, gangs split over the
 fewest domains in balance on TP boundaries, per-domain caps, trays with unhealthy fabric left out."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gputopo.engine.assigned import Held, plan_held
-from gputopo.engine.explain import placement_sentence, tp_clause, tp_placement
-from gputopo.engine.groupplan import GroupFailure, GroupPlan, Member, Placed
-from gputopo.engine.groups import plan_group
-from gputopo.engine.rack import LABEL_DOMAIN_CAP, balanced
-from gputopo.engine.snapshot import NodeState, node_state
-from gputopo.engine.tpgroups import tp_shape
+from gputopo.engine.cluster.explain import placement_sentence, tp_clause, tp_placement
+from gputopo.engine.gang.assigned import Held, plan_held
+from gputopo.engine.gang.groups import plan_group
+from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, Placed
+from gputopo.engine.gang.rack import LABEL_DOMAIN_CAP, balanced
+from gputopo.engine.gang.tpgroups import tp_shape
+from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.model import (
     HEALTHY_MASK,
     AnnotationError,

@@ -7,16 +7,16 @@ import random
 
 import pytest
 
-from gputopo.engine.cliques import all_subsets, bits, k_cliques, mask_of, popcount
-from gputopo.engine.explain import placement_sentence
-from gputopo.engine.gpusets import RAIL_AFTER, Kind, exhaustive_set, rail_options, rank_key
-from gputopo.engine.groupplan import GroupPlan, Member
-from gputopo.engine.groups import plan_group
-from gputopo.engine.placement import evaluate_node, outcome_on
-from gputopo.engine.rails import assess, rail_ranges
-from gputopo.engine.reasons import Reason
-from gputopo.engine.replan import MemberView, Replan, replan
-from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.engine.cluster.explain import placement_sentence
+from gputopo.engine.gang.groups import plan_group
+from gputopo.engine.gang.plan import GroupPlan, Member
+from gputopo.engine.gang.replan import MemberView, Replan, replan
+from gputopo.engine.network.rails import assess, rail_ranges
+from gputopo.engine.node.gpusets import RAIL_AFTER, Kind, exhaustive_set, rail_options, rank_key
+from gputopo.engine.node.placement import evaluate_node, outcome_on
+from gputopo.engine.state.cliques import all_subsets, bits, k_cliques, mask_of, popcount
+from gputopo.engine.state.reasons import Reason
+from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.model import LABEL_RAILS, LabelError, NicInfo, parse_pod_request, parse_rails_label
 from gputopo.systems import SYSTEMS, build_system
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gputopo.engine import snapshot
+from gputopo.engine.state import snapshot
 
 
 class _YieldingDict(dict[tuple[object, ...], int]):

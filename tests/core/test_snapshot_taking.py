@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.reasons import Reason
-from gputopo.engine.snapshot import NodeState, node_state, taking
+from gputopo.engine.state.reasons import Reason
+from gputopo.engine.state.snapshot import NodeState, node_state, taking
 from gputopo.model import LABEL_NETWORK_LEAF, LABEL_RAILS
 from gputopo.systems import SYSTEMS, build_system
 

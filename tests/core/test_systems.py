@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from gputopo.agent.labels import node_labels
-from gputopo.engine.placement import evaluate_node
-from gputopo.engine.reasons import Code, Reason
-from gputopo.engine.snapshot import node_state
+from gputopo.engine.node.placement import evaluate_node
+from gputopo.engine.state.reasons import Code, Reason
+from gputopo.engine.state.snapshot import node_state
 from gputopo.localcluster.nodes import GpuNode
 from gputopo.model import HEALTHY_MASK, FabricHealth, FabricState, Health, LinkLayer, PcieDistance, parse_pod_request
 from gputopo.model.fabric import decode_health, tray_health

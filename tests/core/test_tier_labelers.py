@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.snapshot import locate
+from gputopo.engine.state.snapshot import locate
 from gputopo.model.jobs import tier_of_label
 from gputopo.tiers import DEFAULT_TIERS, Tier, TierConfig
 from tests.paths import REPO

@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from gputopo.clusterfile import JobSpec
-from gputopo.engine.cost import NVLINK_DOMAIN_BUSBW_GBPS, domain_allreduce_seconds
-from gputopo.engine.estimate import group_allreduce_seconds, stage_transfer_seconds
-from gputopo.engine.exclusive import domain_words
-from gputopo.engine.groupplan import GroupFailure, GroupPlan, Member, Placed
-from gputopo.engine.groups import plan_group
-from gputopo.engine.snapshot import NodeState, locate, node_state, taking, with_in_use
-from gputopo.engine.tiersets import by_tier_set
+from gputopo.engine.gang.exclusive import domain_words
+from gputopo.engine.gang.groups import plan_group
+from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, Placed
+from gputopo.engine.gang.tiersets import by_tier_set
+from gputopo.engine.network.cost import NVLINK_DOMAIN_BUSBW_GBPS, domain_allreduce_seconds
+from gputopo.engine.network.estimate import group_allreduce_seconds, stage_transfer_seconds
+from gputopo.engine.state.snapshot import NodeState, locate, node_state, taking, with_in_use
 from gputopo.model import parse_pod_request
 from gputopo.model.jobs import podgroup_shape
 from gputopo.sim.core import simulate

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.assigned import HOSTNAME, Held, plan_held, selects
-from gputopo.engine.groupplan import GroupFailure, Member
-from gputopo.engine.groups import plan_group
-from gputopo.engine.replan import GroupWaiting, MemberView, Replan, replan
-from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.engine.gang.assigned import HOSTNAME, Held, plan_held, selects
+from gputopo.engine.gang.groups import plan_group
+from gputopo.engine.gang.plan import GroupFailure, Member
+from gputopo.engine.gang.replan import GroupWaiting, MemberView, Replan, replan
+from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.model import PodRequest, parse_pod_request
 from gputopo.systems import build_system
 

@@ -7,12 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.beside import beside, nearest_stage
-from gputopo.engine.explain import placement_sentence, stage_clause
-from gputopo.engine.groupplan import GroupFailure, GroupPlan, Member, Placed
-from gputopo.engine.groups import plan_group
-from gputopo.engine.replan import MemberView, Replan, replan
-from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.engine.cluster.explain import placement_sentence, stage_clause
+from gputopo.engine.gang.beside import beside, nearest_stage
+from gputopo.engine.gang.groups import plan_group
+from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, Placed
+from gputopo.engine.gang.replan import MemberView, Replan, replan
+from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.model import parse_pod_request
 from tests.core.test_groups import TWO_SPINES, cluster
 

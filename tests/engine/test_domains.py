@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gputopo.engine.domains import FreeTracker, domain_free, domain_of, free_gpus
-from gputopo.engine.snapshot import NodeState, node_state, with_in_use
+from gputopo.engine.network.domains import FreeTracker, domain_free, domain_of, free_gpus
+from gputopo.engine.state.snapshot import NodeState, node_state, with_in_use
 from gputopo.systems import build_system
 
 

@@ -1,4 +1,4 @@
-"""Best-fit order for DRA (gputopo/engine/draorder.py): the allocator's first fit over the published order
+"""Best-fit order for DRA (gputopo/engine/dra/order.py): the allocator's first fit over the published order
 is the engine's best choice among the sets the claim can match, on random node states; and a slice
 published before allocations it does not know of (re-publication racing allocation) costs only
 optimality: no GPU is allocated twice, and every clique claim still gets GPUs that are one clique."""
@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.cliques import mask_of
-from gputopo.engine.dra import device_name, devices, encoding
-from gputopo.engine.gpusets import choose_clique, rank_key
-from gputopo.engine.snapshot import shape_of
+from gputopo.engine.dra.devices import device_name, devices, encoding
+from gputopo.engine.node.gpusets import choose_clique, rank_key
+from gputopo.engine.state.cliques import mask_of
+from gputopo.engine.state.snapshot import shape_of
 from gputopo.model import Health, NodeTopology
 from gputopo.sim.draallocator import allocate, list_claim, partition_claim, unconstrained_claim
 from gputopo.systems import build_system as _build

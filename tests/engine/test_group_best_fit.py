@@ -12,11 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.domains import domain_free, domain_of
-from gputopo.engine.explain import placement_sentence
-from gputopo.engine.groupplan import GroupFailure, GroupPlan, Member, Placed, fit_tiers
-from gputopo.engine.groups import plan_group
-from gputopo.engine.snapshot import NodeState, node_state, with_in_use
+from gputopo.engine.cluster.explain import placement_sentence
+from gputopo.engine.gang.groups import plan_group
+from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, Placed, fit_tiers
+from gputopo.engine.network.domains import domain_free, domain_of
+from gputopo.engine.state.snapshot import NodeState, node_state, with_in_use
 from gputopo.model import parse_pod_request
 from gputopo.systems import build_system
 from gputopo.tiers import DEFAULT_TIERS

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.assigned import HOSTNAME, Selector, selects
-from gputopo.engine.labelindex import LabelIndex
+from gputopo.engine.gang.assigned import HOSTNAME, Selector, selects
+from gputopo.engine.gang.labelindex import LabelIndex
 
 KEYS = ["leaf", "rack", "zone", HOSTNAME]
 VALUES = ["a", "b", "n0", "n1"]

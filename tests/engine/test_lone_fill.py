@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.domains import domain_free, narrow_first, tie_keys
-from gputopo.engine.placement import evaluate_pod, rank
-from gputopo.engine.snapshot import NodeState, node_state, taking
+from gputopo.engine.network.domains import domain_free, narrow_first, tie_keys
+from gputopo.engine.node.placement import evaluate_pod, rank
+from gputopo.engine.state.snapshot import NodeState, node_state, taking
 from gputopo.model import parse_pod_request
 from gputopo.sim import simulate
 from gputopo.systems import build_system

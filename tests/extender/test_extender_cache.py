@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from gputopo.engine.reasons import Reason
+from gputopo.engine.state.reasons import Reason
 from gputopo.extender.cache import ClusterCache
 from gputopo.extender.kube import Informer, start_informers
 from gputopo.kube import Backoff, Pacing

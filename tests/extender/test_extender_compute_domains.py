@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gputopo.engine.imex import DRIVER_NODE_LABEL
+from gputopo.engine.gang.imex import DRIVER_NODE_LABEL
 from gputopo.extender.cache import ClusterCache
 from gputopo.extender.computedomains import (
     CHANNEL_DEVICE_CLASS,

@@ -12,9 +12,9 @@ from typing import Any, cast
 import pytest
 
 from gputopo.console import inspect
-from gputopo.engine.placement import Outcome, evaluate_node
-from gputopo.engine.reasons import Reason
-from gputopo.engine.snapshot import NodeState
+from gputopo.engine.node.placement import Outcome, evaluate_node
+from gputopo.engine.state.reasons import Reason
+from gputopo.engine.state.snapshot import NodeState
 from gputopo.extender.kube import ClusterSource, Informer, Kind
 from gputopo.kube import WatchEvent
 from gputopo.model import PodRequest, parse_pod_request

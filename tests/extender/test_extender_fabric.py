@@ -11,10 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.domains import TieKeys, domain_free, narrow_first, tie_keys
-from gputopo.engine.placement import evaluate_pod, rank
-from gputopo.engine.scoring import MAX_EXTENDER_SCORE, wire_scores
-from gputopo.engine.snapshot import NodeState, node_state, taking
+from gputopo.engine.network.domains import TieKeys, domain_free, narrow_first, tie_keys
+from gputopo.engine.node.placement import evaluate_pod, rank
+from gputopo.engine.state.scoring import MAX_EXTENDER_SCORE, wire_scores
+from gputopo.engine.state.snapshot import NodeState, node_state, taking
 from gputopo.extender.fabric import FabricFigures
 from gputopo.extender.settings import Settings
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement, parse_pod_request

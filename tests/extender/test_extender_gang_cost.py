@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.replan import Slot
+from gputopo.engine.gang.replan import Slot
 from gputopo.extender import groupdesk
 from gputopo.extender.ledger import Ledger
 from gputopo.extender.objects import PodRecord

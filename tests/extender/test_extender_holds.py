@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from gputopo.engine.replan import Slot
+from gputopo.engine.gang.replan import Slot
 from gputopo.extender.reservations import Reservation
 from gputopo.extender.settings import Settings
 from gputopo.model import jobs as J

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from gputopo.engine.groupplan import GroupFailure
-from gputopo.engine.labelindex import SELECTORS_KEPT, LabelIndex
+from gputopo.engine.gang.labelindex import SELECTORS_KEPT, LabelIndex
+from gputopo.engine.gang.plan import GroupFailure
 from gputopo.extender.groupdesk import FAILURES_KEPT, FailedPlans, _Failed
 from gputopo.extender.ledger import Ledger
 from gputopo.extender.objects import BadObject

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gputopo.engine.domains import domain_free, narrow_first
-from gputopo.engine.reasons import Code, Reason
-from gputopo.engine.snapshot import NodeState
+from gputopo.engine.network.domains import domain_free, narrow_first
+from gputopo.engine.state.reasons import Code, Reason
+from gputopo.engine.state.snapshot import NodeState
 from gputopo.extender import nodestates
 from gputopo.extender.door import _priorities
 from gputopo.extender.wire import MAX_JSON_DEPTH, ExtenderArgs, fast_extender_args, pod_info

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gputopo.engine.placement import evaluate_node
+from gputopo.engine.node.placement import evaluate_node
 from gputopo.extender import ledger
 from gputopo.extender.app import create_listeners
 from gputopo.extender.main import ListenError, serve

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.replan import replan
+from gputopo.engine.gang.replan import replan
 from gputopo.extender import groupdesk
 from gputopo.extender.settings import Settings
 from tests.extender.fake import FakeSource
@@ -222,7 +222,7 @@ def test_members_with_selectors_that_match_nothing_are_looked_up_once_and_named(
     """One GPU member beside 40 that ask no GPU, each with its own selector matching no node: the members'
     selectors are looked up in the label index (no node matched per selector), the members that no node
     can take are named, and the next filter reuses that answer."""
-    from gputopo.engine import assigned
+    from gputopo.engine.gang import assigned
 
     env.add_nodes(*(node(n) for n in NODES))
     size = 41

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from gputopo.engine.reasons import summarize_failures
+from gputopo.engine.state.reasons import summarize_failures
 from gputopo.extender.app import create_listeners
 from gputopo.extender.door import NOT_READY
 from gputopo.extender.kube import Informer

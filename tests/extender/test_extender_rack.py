@@ -24,7 +24,7 @@ def test_every_member_of_a_tp16_group_is_told_its_tp_group_and_domain(env: Env, 
     trays = [f"{r}-tray-{i}" for r in "ab" for i in range(1, 5)]
     env.add_nodes(*[tray(t, t[0]) for t in trays])
     pods = [gputopo_pod(f"tp-{i}", 4, group="tp", group_size="4", stage=str(i), **{"tp-size": "16"}) for i in range(4)]
-    if selector:  # members with a nodeSelector are planned by gputopo.engine.assigned
+    if selector:  # members with a nodeSelector are planned by gputopo.engine.gang.assigned
         for pod in pods:
             pod["spec"]["nodeSelector"] = {"team": "llm"}
 

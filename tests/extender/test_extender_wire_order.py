@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gputopo.console import inspect
-from gputopo.engine.placement import evaluate_pod, rank
-from gputopo.engine.scoring import MAX_EXTENDER_SCORE, wire_scores
-from gputopo.engine.snapshot import node_state
+from gputopo.engine.node.placement import evaluate_pod, rank
+from gputopo.engine.state.scoring import MAX_EXTENDER_SCORE, wire_scores
+from gputopo.engine.state.snapshot import node_state
 from gputopo.extender.settings import Settings
 from gputopo.model import parse_pod_request
 from gputopo.systems import SYSTEMS, build_system

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.draclaims import (
+from gputopo.engine.dra.claims import (
     MEMORY_CLASSES_MIB,
     SPEC_DIGEST_ANNOTATION,
     ClaimTemplate,

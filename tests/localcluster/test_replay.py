@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from gputopo.engine.reasons import Reason
-from gputopo.engine.snapshot import node_state
+from gputopo.engine.state.reasons import Reason
+from gputopo.engine.state.snapshot import node_state
 from gputopo.localcluster.podwatch import pod_state
 from gputopo.localcluster.replay import MIX_LABEL, pod_requests, sim_node
 from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION, parse_gpus_in_use_report, parse_topology

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from itertools import combinations
 
-from gputopo.engine.cliques import bits, k_cliques, mask_of
-from gputopo.engine.snapshot import NodeState
+from gputopo.engine.state.cliques import bits, k_cliques, mask_of
+from gputopo.engine.state.snapshot import NodeState
 from gputopo.model import Health, NetworkKind, NvlinkPolicy, PodRequest, Spread
 from gputopo.sim.comm import pp_seconds, tp_seconds
 from gputopo.sim.records import SimPod

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gputopo.clusterfile import JobSpec
-from gputopo.engine.snapshot import NodeState, node_state
+from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.systems import build_system
 
 IB = {"gputopo.io/network": "infiniband"}

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.dra import ATTR_CLIQUES, DRIVER, Device, device_name, devices, qualified
+from gputopo.engine.dra.devices import ATTR_CLIQUES, DRIVER, Device, device_name, devices, qualified
 from gputopo.model import Health, NodeTopology, NvlinkPolicy, PodRequest
 from gputopo.sim.dra import (
     Allocation,

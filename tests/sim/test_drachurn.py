@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gputopo.engine.snapshot import node_state
+from gputopo.engine.state.snapshot import node_state
 from gputopo.sim.drachurn import MODES, Arrival, Mode, simulate_churn
 from gputopo.systems import build_system
 

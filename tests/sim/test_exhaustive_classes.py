@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gputopo.clusterfile import JobSpec
-from gputopo.engine.snapshot import NodeState, node_state, shape_of
+from gputopo.engine.state.snapshot import NodeState, node_state, shape_of
 from gputopo.model import NodeTopology
 from gputopo.sim import prepare_pods
 from gputopo.sim.comm import pp_seconds, tp_seconds

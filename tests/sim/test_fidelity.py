@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gputopo.clusterfile import JobSpec, cluster_states, load_cluster, load_jobs
-from gputopo.engine.snapshot import NodeState
+from gputopo.engine.state.snapshot import NodeState
 from gputopo.sim import prepare_pods, simulate
 from gputopo.sim.fidelity import Follower, RealPlacement, follow_engine
 from tests.paths import REPO

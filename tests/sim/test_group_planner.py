@@ -6,10 +6,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from gputopo.engine.groupplan import GroupFailure, GroupPlan, Member
-from gputopo.engine.groups import plan_group
-from gputopo.engine.scoring import ScoreWeights
-from gputopo.engine.snapshot import NodeState
+from gputopo.engine.gang.groups import plan_group
+from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member
+from gputopo.engine.state.scoring import ScoreWeights
+from gputopo.engine.state.snapshot import NodeState
 from gputopo.sim import simulate
 from gputopo.tiers import TierConfig
 from tests.sim.helpers import job, node

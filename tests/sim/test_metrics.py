@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gputopo.engine.snapshot import shape_of
+from gputopo.engine.state.snapshot import shape_of
 from gputopo.sim import prepare_pods, simulate
 from gputopo.sim.comm import tp_seconds
 from gputopo.sim.exhaustive import best_placement

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gputopo.engine.besteffort import best_effort
-from gputopo.engine.cliques import bits
-from gputopo.engine.snapshot import NodeState
+from gputopo.engine.node.besteffort import best_effort
+from gputopo.engine.state.cliques import bits
+from gputopo.engine.state.snapshot import NodeState
 from gputopo.sim import simulate
 from gputopo.systems import build_system
 from tests.sim.helpers import job, node

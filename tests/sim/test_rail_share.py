@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gputopo.engine.snapshot import NodeState
+from gputopo.engine.state.snapshot import NodeState
 from gputopo.sim.core import simulate
 from gputopo.sim.output import render_text, to_json
 from tests.sim.helpers import IB, job, node

@@ -21,7 +21,7 @@ from gputopo.agent.deviceplugin.server import DEFAULT_PLUGIN_DIR, PluginServer
 from gputopo.agent.deviceplugin.servicer import DevicePluginServicer
 from gputopo.agent.podresources.client import PodResourcesClient
 from gputopo.agent.pods import LocalPods
-from gputopo.engine.besteffort import best_effort
+from gputopo.engine.node.besteffort import best_effort
 from gputopo.model import GPU_RESOURCE, NodeTopology
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from gputopo.agent.pods import LocalPod, LocalPods
-from gputopo.engine.besteffort import best_effort
+from gputopo.engine.node.besteffort import best_effort
 from gputopo.model import NodeTopology
 
 log = logging.getLogger(__name__)

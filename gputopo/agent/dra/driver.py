@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from gputopo.agent.dra.cdi import CdiNameError, CdiWriter, claim_device_id, gpu_device_id
 from gputopo.agent.dra.checkpoint import CLAIM_UID, Checkpoint, PreparedClaim, PreparedDevice
-from gputopo.engine.dra import DRIVER, device_index
+from gputopo.engine.dra.devices import DRIVER, device_index
 from gputopo.kube import short_error
 from gputopo.model import Health, NodeTopology
 

@@ -7,7 +7,7 @@ after every successful discovery (CDI spec and slice follow topology and health,
 kubelet from them, and the kubelet deletes the slice itself when the driver stays away.
 
 With `best_fit_order` the slice lists the devices so that the allocator's first fit is best fit
-(`gputopo.engine.draorder`), from the GPUs the prepared claims hold; every Prepare or Unprepare that
+(`gputopo.engine.dra.order`), from the GPUs the prepared claims hold; every Prepare or Unprepare that
 changes them wakes one thread that re-publishes (changes that come while it writes are coalesced into
 its next write, so at most one slice write follows each change, none when the order stays the same).
 The kubelet prepares a claim when its pod arrives, after kube-scheduler allocated it: allocations in
@@ -30,7 +30,7 @@ from gputopo.agent.dra.server import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR, 
 from gputopo.agent.dra.slices import SliceApi, SlicePublisher
 from gputopo.agent.publish import PublishResult
 from gputopo.agent.sysfs import pci_path
-from gputopo.engine.dra import DRIVER
+from gputopo.engine.dra.devices import DRIVER
 from gputopo.model import NodeTopology
 
 log = logging.getLogger(__name__)

@@ -2,14 +2,14 @@
 
 One slice per node and driver, named `<node>-gpu.gputopo.io`: pool = the node's name, `nodeName` the
 node, `resourceSliceCount` 1, owned by the Node (deleted with it). The devices are
-`gputopo.engine.dra.devices()` in the v1 wire shape: each attribute one of `int`, `bool`, `string`
+`gputopo.engine.dra.devices.devices()` in the v1 wire shape: each attribute one of `int`, `bool`, `string`
 (`version` unused), a clique list as `strings` (KEP-5491, only with `list_attributes`: the API server
 refuses the field without the `DRAListTypeAttributes` gate), HBM as capacity `memory: {value: <n>Mi}`.
 A failed GPU carries a NoSchedule device taint when `device_taints` (the cluster serves KEP-5055:
 alpha and off in 1.34, GA in 1.37) and is left out of the slice otherwise, so no claim gets it.
 
 With `best_fit_order` the devices are listed so that the allocator's first fit is best fit
-(`gputopo.engine.draorder`, from the GPUs the node's prepared claims hold) and the order is part of
+(`gputopo.engine.dra.order`, from the GPUs the node's prepared claims hold) and the order is part of
 what is compared: a change of the GPUs in use that changes the order costs one write.
 
 Zero writes in steady state (`gputopo.agent.publish`'s rules; `SliceTarget` is this object's part):
@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from gputopo.agent.publish import Confirmed, PublishResult, retry_write
-from gputopo.engine.dra import DRIVER, Device, devices
+from gputopo.engine.dra.devices import DRIVER, Device, devices
 from gputopo.kube import JSON, RESOURCESLICES, Backoff, Kube, node_path, retry
 from gputopo.model import NodeTopology, parse_quantity
 
@@ -82,7 +82,7 @@ def desired_spec(
     in_use: frozenset[int] | None = None,
 ) -> dict[str, Any]:
     """The slice's spec without the pool generation (that is the writer's). `in_use`: the GPUs allocated
-    now, for best-fit order (`gputopo.engine.draorder`); None: index order."""
+    now, for best-fit order (`gputopo.engine.dra.order`); None: index order."""
     wire = []
     found = devices(topology, list_attributes=list_attributes, labels=labels, pcie_roots=pcie_roots, in_use=in_use)
     for d in found:
