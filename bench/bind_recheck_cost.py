@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the harness lives under tests/
 
-from gputopo.extender.binder import Binder
 from gputopo.extender.settings import Settings
+from gputopo.extender.verbs.binder import Binder
 from gputopo.model import HEALTHY_MASK, GpuFabric
 from gputopo.systems import build_system
 from tests.extender.fake import FakeSource

@@ -2,7 +2,7 @@
 
 For 100, 1,000 and 5,000 nodes this writes a cluster file (a mix of dgx-h100, hgx-h200, dgx-a100 and
 l40s-4 nodes under leaf/spine labels, some GPUs in use), starts the real `gputopo-extender --snapshot`
-in a subprocess, and a floor: the extender's own verbs server (`gputopo.extender.verbserver`: same loop, same
+in a subprocess, and a floor: the extender's own verbs server (`gputopo.extender.http.verbserver`: same loop, same
 HTTP parser, same worker-thread hop) with verbs that only decode the same request with the same JSON
 library (orjson) and encode an answer of the same size (the extender's own answer to that request,
 handed to it beforehand as Python objects).
@@ -107,7 +107,7 @@ def free_port() -> int:
 
 class FloorDoor:
     """The floor's verbs: decode the request with orjson, answer the extender's own answer to it, encoded
-    again. Served by the extender's verbs server (`gputopo.extender.verbserver`) as its door, worker-thread hop
+    again. Served by the extender's verbs server (`gputopo.extender.http.verbserver`) as its door, worker-thread hop
     included; readyz on the loop, as the extender's."""
 
     max_request_bytes = 64 * 1024 * 1024
@@ -143,8 +143,8 @@ class FloorDoor:
 
 def serve_floor(port: int, answers_file: Path) -> None:
     """The floor on the extender's own verbs server and loop, answering what `answers_file` holds."""
+    from gputopo.extender.http.verbserver import VerbServer
     from gputopo.extender.main import _loop_factory
-    from gputopo.extender.verbserver import VerbServer
 
     server = VerbServer(FloorDoor(orjson.loads(answers_file.read_bytes())))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

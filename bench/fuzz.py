@@ -16,7 +16,7 @@ the cases or `--time-limit` seconds, and prints:
 Exit status 1 when any 5xx, non-JSON answer, drop or hang was seen.
 
 With `--door` the same cases for the verbs (not /mutate, which is the webhook's) go straight into the one
-door, in process (`gputopo.extender.door.Door.answer`, what the verbs server calls for every request): no socket,
+door, in process (`gputopo.extender.verbs.door.Door.answer`, what the verbs server calls for every request): no socket,
 so 100,000 cases take seconds; bodies over the limit are handed over whole (the limit is the server's).
 It prints the answers by status, 5xx and non-JSON answers, failed probes, and exits 1 on any.
 

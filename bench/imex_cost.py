@@ -28,8 +28,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the harness lives under tests/
 
 from gputopo.engine.gang.imex import DRIVER_NODE_LABEL
-from gputopo.extender.computedomains import CHANNEL_DEVICE_CLASS
 from gputopo.extender.settings import Settings
+from gputopo.extender.watch.computedomains import CHANNEL_DEVICE_CLASS
 from tests.extender.fake import FakeSource
 from tests.extender.harness import NS, Env, FakeClock, make_env, node_obj, pod_obj
 

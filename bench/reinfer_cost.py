@@ -1,5 +1,5 @@
 """What one Job event costs the extender's cache: the pods inferred again, before (every labelled pod of the
-namespace) and after (only the pods that name the Job, or its JobSet; `gputopo.extender.podindex`).
+namespace) and after (only the pods that name the Job, or its JobSet; `gputopo.extender.state.podindex`).
 
 One namespace holds `--jobsets` JobSets of two Indexed Jobs each (4,096 pods in all by default), one
 Indexed Job of 8 pods, and one Job no pod names. Then `--events` spec changes of the unrelated Job and as
@@ -17,7 +17,7 @@ import argparse
 import time
 from typing import Any
 
-from gputopo.extender.cache import ClusterCache
+from gputopo.extender.watch.cache import ClusterCache
 from gputopo.model import SCHEDULER_NAME
 from gputopo.model import jobs as J
 

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import StackNodes, serve
 from gputopo.engine.gang.imex import DRIVER_NODE_LABEL
-from gputopo.extender.computedomains import CHANNEL_DEVICE_CLASS, CHANNEL_DRIVER
+from gputopo.extender.watch.computedomains import CHANNEL_DEVICE_CLASS, CHANNEL_DRIVER
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from gputopo.localcluster.stack import GpuNode, Stack
 

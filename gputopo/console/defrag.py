@@ -58,7 +58,7 @@ class Snapshot:
 def load_live(source: Reader, *, namespace: str, stale_after_seconds: float) -> Snapshot:
     """One list of each kind into the extender's cache; pods' GPUs as the extender counts them
     (reported by the node under the pod's UID, else its placement once bound)."""
-    from gputopo.extender.cache import ClusterCache
+    from gputopo.extender.watch.cache import ClusterCache
 
     cache = ClusterCache(stale_after_seconds=stale_after_seconds, lease_namespace=namespace)
     for kind in ("nodes", "pods", "leases"):

@@ -32,8 +32,8 @@ from gputopo.model import (
 )
 
 if TYPE_CHECKING:  # the extender is imported only when a command needs it
-    from gputopo.extender.mismatch import Mismatch
-    from gputopo.extender.verdicts import Decision
+    from gputopo.extender.state.mismatch import Mismatch
+    from gputopo.extender.state.verdicts import Decision
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -69,7 +69,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _source(args: argparse.Namespace) -> Any:
-    from gputopo.extender.kube import KubeSource  # the extender's client: the same reads the extender makes
+    from gputopo.extender.watch.source import KubeSource  # the extender's client: the same reads the extender makes
 
     return KubeSource(find_kubeconfig(args.kubeconfig), args.gputopo_namespace)
 
@@ -110,8 +110,8 @@ def run_topo(args: argparse.Namespace) -> int:
     except Exception as e:  # no kubeconfig, unreachable server
         print(f"gputopo topo: cannot reach the cluster: {e}", file=sys.stderr)
         return 1
-    from gputopo.extender.objects import BadObject
-    from gputopo.extender.parsers import node_metadata
+    from gputopo.extender.state.records import BadObject
+    from gputopo.extender.watch.parsers import node_metadata
 
     try:
         labels, ann = node_metadata(node)
@@ -166,9 +166,9 @@ def run_topo(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """`gputopo explain POD`."""
-    from gputopo.extender.cache import ClusterCache
-    from gputopo.extender.parsers import resolve_pod
-    from gputopo.extender.service import Extender
+    from gputopo.extender.verbs.service import Extender
+    from gputopo.extender.watch.cache import ClusterCache
+    from gputopo.extender.watch.parsers import resolve_pod
     from gputopo.extender.wire import WireError, pod_info
 
     try:
@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_binding(node: str, placed: str | None, actual: frozenset[int] | None, mismatch: Mismatch | None) -> None:
     """Where a bound pod is, on which GPUs, and what the node reports it got."""
-    from gputopo.extender.service import MISMATCH_REASON
+    from gputopo.extender.verbs.service import MISMATCH_REASON
 
     line = f"Bound to {node}"
     if placed:

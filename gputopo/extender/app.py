@@ -4,7 +4,7 @@
 cache and service (docs/extender.md, "Listeners"):
 
 - `door`: the verbs (POST /filter, /prioritize, /bind, /preempt, GET /healthz, /readyz), served by the
-  verbs listener's own server (`gputopo.extender.verbserver`, `--host`/`--port`, loopback) and called directly by
+  verbs listener's own server (`gputopo.extender.http.verbserver`, `--host`/`--port`, loopback) and called directly by
   the unit tests (`door.answer("filter", body)`);
 - `webhook`: a FastAPI app, POST /mutate, GET /healthz, /readyz (`--webhook-port`, HTTPS);
 - `metrics`: a FastAPI app, GET /metrics, /healthz, /readyz (`--metrics-port`).
@@ -32,23 +32,23 @@ from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
 
 from gputopo.clusterfile import cluster_states, load_cluster
-from gputopo.extender.cache import ClusterCache
-from gputopo.extender.claimtemplates import TemplateKeeper
-from gputopo.extender.clientauth import ClientAuth
-from gputopo.extender.door import Door
-from gputopo.extender.groupgates import GateLifter
-from gputopo.extender.kube import ClusterSource, Informer, KubeSource, start_informers
-from gputopo.extender.limits import RequestGuard
+from gputopo.extender.http.bodylimit import RequestGuard
+from gputopo.extender.http.clientauth import ClientAuth
+from gputopo.extender.http.workers import BoundedWorkers
 from gputopo.extender.metrics import Metrics
 from gputopo.extender.routers import health, metrics, mutate
-from gputopo.extender.service import Extender
 from gputopo.extender.settings import Settings
-from gputopo.extender.workers import BoundedWorkers
+from gputopo.extender.verbs.door import Door
+from gputopo.extender.verbs.groupgates import GateLifter
+from gputopo.extender.verbs.service import Extender
+from gputopo.extender.watch.cache import ClusterCache
+from gputopo.extender.watch.source import ClusterSource, Informer, KubeSource, start_informers
+from gputopo.extender.webhook.claimtemplates import TemplateKeeper
 
 log = logging.getLogger("gputopo.extender")
 
 # /mutate's decision outcomes (gputopo_extender_decisions_total) for the refusals its listener answers from the
-# request head (gputopo/extender/heads.py).
+# request head (gputopo/extender/http/heads.py).
 HEAD_OUTCOMES = {401: "unauthenticated", 403: "forbidden", 413: "too_large", 503: "busy"}
 
 
@@ -67,9 +67,9 @@ class Listeners:
     watch_timeout_seconds: int = 300
     informers: list[Informer] = field(default_factory=list)
     keeper: TemplateKeeper | None = (
-        None  # --dra: the claim templates real pods name (gputopo/extender/claimtemplates.py)
+        None  # --dra: the claim templates real pods name (gputopo/extender/webhook/claimtemplates.py)
     )
-    lifter: GateLifter | None = None  # lifts gputopo's scheduling gate (gputopo/extender/groupgates.py)
+    lifter: GateLifter | None = None  # lifts gputopo's scheduling gate (gputopo/extender/verbs/groupgates.py)
     _lifting: threading.Event = field(default_factory=threading.Event)
 
     @contextmanager
@@ -193,7 +193,7 @@ def create_listeners(
         app.state.metrics = prometheus
         for router in routers:
             app.include_router(router)
-        # What the listener's server decides from a request's head (gputopo/extender/heads.py): the paths it
+        # What the listener's server decides from a request's head (gputopo/extender/http/heads.py): the paths it
         # serves, the POST paths whose body it reads (no other body is read, nor 100 Continue sent), and the
         # guarded ones, answered only for the API server's client certificate before their body is read.
         routes = [r for router in routers for r in router.routes if isinstance(r, APIRoute)]

@@ -39,9 +39,9 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from gputopo.clusterfile import ClusterFileError
-from gputopo.extender.bounded import BoundedHttpTools, bounded_protocol
-from gputopo.extender.gate import Gate, Slots
-from gputopo.extender.heads import HeadPolicy
+from gputopo.extender.http.acceptgate import Gate, Slots
+from gputopo.extender.http.heads import HeadPolicy
+from gputopo.extender.http.uvicornprotocol import BoundedHttpTools, bounded_protocol
 from gputopo.extender.settings import (
     DEFAULT_MAX_REQUEST_BYTES,
     PROG,
@@ -54,7 +54,7 @@ from gputopo.jsonlog import configure_logging
 
 if TYPE_CHECKING:  # the app (cache, engine) is imported only once the settings are valid
     from gputopo.extender.app import Listeners
-    from gputopo.extender.limits import ASGIApp
+    from gputopo.extender.http.bodylimit import ASGIApp
 
 __all__ = [
     "Endpoint",
@@ -153,7 +153,8 @@ def listener_config(
 
 
 class ListenerServer(uvicorn.Server):
-    """uvicorn's server for the webhook or metrics listener, accepting through `gputopo.extender.gate.Gate`: each
+    """uvicorn's server for the webhook or metrics listener, accepting through `gputopo.extender.http.acceptgate.Gate`:
+    each
     connection counts against `limits` from its accept, and the webhook's TLS handshake runs under the
     handshake timeout (uvicorn hands the TLS context to the loop's server, which counts a connection only
     after a handshake it gives 60 s). Its signals `serve` handles once for all listeners (uvicorn's own
@@ -255,7 +256,7 @@ async def serve(listeners: Listeners, settings: Settings, stop: asyncio.Event | 
     cannot be loaded."""
     apps = {"webhook": listeners.webhook, "metrics": listeners.metrics}  # the verbs have their own server
     eps = endpoints(settings)
-    from gputopo.extender.verbserver import VerbServer  # with the app: only once the settings are valid
+    from gputopo.extender.http.verbserver import VerbServer  # with the app: only once the settings are valid
 
     limits = ListenerLimits.of(settings)
     servers: list[tuple[_Serving, socket.socket]] = []
@@ -264,7 +265,7 @@ async def serve(listeners: Listeners, settings: Settings, stop: asyncio.Event | 
             sock = _bind(ep)
             if (
                 ep.name == "verbs"
-            ):  # kube-scheduler's calls: the door on its own server (gputopo/extender/verbserver.py)
+            ):  # kube-scheduler's calls: the door on its own server (gputopo/extender/http/verbserver.py)
                 servers.append((VerbServer(listeners.door, limits), sock))
                 continue
             config = listener_config(apps[ep.name], limits, ep.tls, ep.client_ca)

@@ -24,7 +24,7 @@ from gputopo.tiers import DEFAULT_TIERS, TierConfig
 # (253 characters) plus a Pod at etcd's 1.5 MiB object limit is ~5.4 MB. 8 MiB covers both with headroom.
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 # GPUs one namespace's JobSets may hold for pods not created yet (128 8-GPU nodes): no ResourceQuota
-# counts a pod that does not exist (gputopo.extender.exclusive).
+# counts a pod that does not exist (gputopo.extender.verbs.exclusive).
 DEFAULT_MAX_HELD_GPUS_PER_NAMESPACE = 1024
 
 # Every listener (docs/configuration.md): what a client on the pod network may hold of the process.
@@ -80,7 +80,7 @@ class Settings(BaseSettings):
     webhook_port: int = Field(0, ge=0, le=65535, description="HTTPS port of /mutate, /healthz, /readyz (0 = off)")
     tls_cert_file: Path | None = Field(None, description="the webhook's serving certificate (PEM)")
     tls_key_file: Path | None = Field(None, description="private key of --tls-cert-file")
-    # Who may call /mutate (gputopo/extender/clientauth.py): the API server, by its client certificate.
+    # Who may call /mutate (gputopo/extender/http/clientauth.py): the API server, by its client certificate.
     webhook_client_ca_file: Path | None = Field(
         None, description="CA (PEM) of the API server's webhook client certificate; /mutate refuses other callers"
     )
@@ -115,11 +115,11 @@ class Settings(BaseSettings):
     )
     snapshot: Path | None = Field(None, description="serve from a static cluster file, no API server")
     log_level: LogLevel = "info"
-    # Larger request bodies get 413 before they are parsed (gputopo/extender/limits.py sizes the default).
+    # Larger request bodies get 413 before they are parsed (gputopo/extender/http/bodylimit.py sizes the default).
     max_request_bytes: int = Field(
         DEFAULT_MAX_REQUEST_BYTES, ge=64 * 1024, le=1024**3, description="larger bodies get HTTP 413 unparsed"
     )
-    # Every listener (gputopo/extender/bounds.py): what a client on the pod network may hold of the process.
+    # Every listener (gputopo/extender/http/refusals.py): what a client on the pod network may hold of the process.
     max_header_bytes: int = Field(
         DEFAULT_MAX_HEADER_BYTES, ge=4096, le=16 * 1024**2, description="larger request heads get HTTP 431"
     )
@@ -166,7 +166,7 @@ class Settings(BaseSettings):
         "HBM may round up to, beside the named systems'",
     )
     # Gang members wait outside kube-scheduler's queue until their group is whole (docs/annotations.md, "While
-    # a gang is gated"): the webhook gates them, the extender lifts the gate (gputopo.extender.groupgates).
+    # a gang is gated"): the webhook gates them, the extender lifts the gate (gputopo.extender.verbs.groupgates).
     group_gate: bool = Field(
         False, description="the webhook gives group members the gputopo.io/group-complete scheduling gate"
     )

@@ -1,6 +1,6 @@
 """The project's one Kubernetes access layer: configuration, raw-JSON requests, list+watch, retries.
 
-Everything that talks to an API server goes through here: the extender (`gputopo.extender.kube`), the node
+Everything that talks to an API server goes through here: the extender (`gputopo.extender.watch.source`), the node
 agent, the local control plane's client and the benchmarks. Importers take every name from
 `gputopo.kube`; each lives in one module:
 

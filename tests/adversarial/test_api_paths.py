@@ -15,8 +15,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gputopo.extender.app import create_listeners
-from gputopo.extender.claimtemplates import ClaimTemplates, templates_path
 from gputopo.extender.settings import Settings
+from gputopo.extender.webhook.claimtemplates import ClaimTemplates, templates_path
 from gputopo.kube import (
     COMPUTEDOMAINS,
     LEASES,

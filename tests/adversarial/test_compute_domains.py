@@ -13,10 +13,10 @@ import pytest
 
 from gputopo.engine.gang.imex import DRIVER_NODE_LABEL
 from gputopo.engine.gang.rack import LABEL_DOMAIN_CAP
-from gputopo.extender.cache import ClusterCache
-from gputopo.extender.computedomains import MAX_PER_NAMESPACE, ChannelTemplates, ComputeDomainSizes
-from gputopo.extender.kube import Informer
 from gputopo.extender.settings import Settings
+from gputopo.extender.watch.cache import ClusterCache
+from gputopo.extender.watch.computedomains import MAX_PER_NAMESPACE, ChannelTemplates, ComputeDomainSizes
+from gputopo.extender.watch.source import Informer
 from gputopo.model import HEALTHY_MASK, GpuFabric
 from gputopo.systems import build_system
 from gputopo.tiers import DEFAULT_TIERS, TierConfig, TierSet

@@ -33,14 +33,14 @@ from typing import Any
 import orjson
 import pytest
 
-from gputopo.extender import webhook
 from gputopo.extender.app import create_listeners
-from gputopo.extender.clientauth import ClientAuth
-from gputopo.extender.heads import HeadPolicy
+from gputopo.extender.http.clientauth import ClientAuth
+from gputopo.extender.http.heads import HeadPolicy
+from gputopo.extender.http.verbserver import VerbServer
+from gputopo.extender.http.workers import BoundedWorkers, Busy
 from gputopo.extender.main import ListenerServer, _loop_factory, listener_config
 from gputopo.extender.settings import ListenerLimits, Settings
-from gputopo.extender.verbserver import VerbServer
-from gputopo.extender.workers import BoundedWorkers, Busy
+from gputopo.extender.webhook import mutation
 from tests.extender.harness import certificate, gputopo_pod, start_server
 
 WAIT_S = 15.0
@@ -417,7 +417,7 @@ def test_one_address_holds_at_most_its_share_of_the_budget_while_another_is_read
     ],
 )
 def test_the_budget_admits_a_body_only_while_it_fits(held: int, declared: int, fits: bool) -> None:
-    from gputopo.extender.heads import BodyBudget
+    from gputopo.extender.http.heads import BodyBudget
 
     budget = BodyBudget(BUDGET)
     assert budget.take(held)
@@ -435,7 +435,7 @@ def test_the_budget_admits_a_body_only_while_it_fits(held: int, declared: int, f
     ],
 )
 def test_the_budget_holds_each_address_to_its_share(takes: list[tuple[str, int]], refused: list[int]) -> None:
-    from gputopo.extender.heads import BodyBudget
+    from gputopo.extender.http.heads import BodyBudget
 
     budget = BodyBudget(BUDGET, per_peer=BODY_CAP)
     got = [i for i, (peer, size) in enumerate(takes) if not budget.take(size, peer)]
@@ -555,14 +555,14 @@ def test_reviews_are_parsed_off_the_loop_so_probes_answer_while_every_worker_is_
     served = listeners["webhook"]
     release = threading.Event()
     threads: list[str] = []
-    admit = webhook.admit_pod
+    admit = mutation.admit_pod
 
     def held_admit(*a: Any, **kw: Any) -> Any:
         threads.append(threading.current_thread().name)
         release.wait(WAIT_S)
         return admit(*a, **kw)
 
-    monkeypatch.setattr(webhook, "admit_pod", held_admit)
+    monkeypatch.setattr(mutation, "admit_pod", held_admit)
     workers = BoundedWorkers()  # the app's own bounds: 2 threads, 16 queued, 4 per address
     reviews = b"POST /mutate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(REVIEW), REVIEW)
     conns: list[socket.socket] = []

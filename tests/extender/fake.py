@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from gputopo.extender.kube import JSON, Kind
+from gputopo.extender.watch.source import JSON, Kind
 from gputopo.kube import KIND_NAMES, Gone, KubeError, WatchEvent
 from gputopo.model import DEFAULT_NAMESPACE
 

@@ -24,15 +24,15 @@ import pytest
 import uvicorn
 
 from gputopo.extender.app import Listeners, create_listeners
-from gputopo.extender.cache import ClusterCache
-from gputopo.extender.door import Door
-from gputopo.extender.kube import Informer
-from gputopo.extender.ledger import Ledger
+from gputopo.extender.http.verbserver import VerbServer
 from gputopo.extender.main import ListenerServer, _loop_factory, listener_config, serve
 from gputopo.extender.metrics import Metrics
-from gputopo.extender.service import Extender
 from gputopo.extender.settings import ListenerLimits, Settings
-from gputopo.extender.verbserver import VerbServer
+from gputopo.extender.state.ledger import Ledger
+from gputopo.extender.verbs.door import Door
+from gputopo.extender.verbs.service import Extender
+from gputopo.extender.watch.cache import ClusterCache
+from gputopo.extender.watch.source import Informer
 from gputopo.kube import KIND_NAMES
 from gputopo.model import (
     DEFAULT_NAMESPACE,

@@ -10,9 +10,9 @@ import json
 import pytest
 
 from gputopo.console import inspect
-from gputopo.extender.cache import ClusterCache
 from gputopo.extender.metrics import Metrics
-from gputopo.extender.service import Extender
+from gputopo.extender.verbs.service import Extender
+from gputopo.extender.watch.cache import ClusterCache
 from gputopo.model import PLACEMENT_ANNOTATION, GpusInUse
 from tests.extender.harness import JSON, NS, Env, gputopo_pod, node_obj, pod_obj, sync
 

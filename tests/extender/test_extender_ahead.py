@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gputopo.extender.app import Listeners, create_listeners
-from gputopo.extender.door import prioritize
 from gputopo.extender.settings import Settings
+from gputopo.extender.verbs.door import prioritize
 from tests.extender.fake import FakeSource
 from tests.extender.harness import NS, FakeClock, args, gputopo_pod, lease_obj, node_obj, start_server, sync
 

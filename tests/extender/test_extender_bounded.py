@@ -1,4 +1,5 @@
-"""The limits every listener holds to (gputopo/extender/bounded.py), over raw sockets against each of the three
+"""The limits every listener holds to (gputopo/extender/http/uvicornprotocol.py), over raw sockets against each of the
+three
 listeners on the server production gives it: the verbs' own server, uvicorn for the webhook (TLS) and the
 metrics. Small limits (a 8 KiB head, 1 s timeouts) keep the waits short; every wait is bounded."""
 
@@ -26,11 +27,11 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from gputopo.extender.app import Listeners, create_listeners
-from gputopo.extender.bounds import HeadMeter
-from gputopo.extender.gate import HandshakePace
+from gputopo.extender.http.acceptgate import HandshakePace
+from gputopo.extender.http.refusals import HeadMeter
+from gputopo.extender.http.verbserver import VerbServer
 from gputopo.extender.main import ListenerServer, listener_config
 from gputopo.extender.settings import ListenerLimits, Settings, describe_error, load_settings
-from gputopo.extender.verbserver import VerbServer
 from tests.extender.fake import FakeSource
 from tests.extender.harness import (
     NS,

@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from gputopo.engine.state.reasons import Reason
-from gputopo.extender.cache import ClusterCache
-from gputopo.extender.kube import Informer, start_informers
+from gputopo.extender.watch.cache import ClusterCache
+from gputopo.extender.watch.source import Informer, start_informers
 from gputopo.kube import Backoff, Pacing
 from gputopo.model import PLACEMENT_ANNOTATION, parse_pod_request
 from tests.extender.fake import FakeSource

@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gputopo.engine.gang.imex import DRIVER_NODE_LABEL
-from gputopo.extender.cache import ClusterCache
-from gputopo.extender.computedomains import (
+from gputopo.extender.watch.cache import ClusterCache
+from gputopo.extender.watch.computedomains import (
     CHANNEL_DEVICE_CLASS,
     MAX_NUM_NODES,
     ChannelTemplates,

@@ -15,7 +15,7 @@ from gputopo.console import inspect
 from gputopo.engine.node.placement import Outcome, evaluate_node
 from gputopo.engine.state.reasons import Reason
 from gputopo.engine.state.snapshot import NodeState
-from gputopo.extender.kube import ClusterSource, Informer, Kind
+from gputopo.extender.watch.source import ClusterSource, Informer, Kind
 from gputopo.kube import WatchEvent
 from gputopo.model import PodRequest, parse_pod_request
 from tests.extender.harness import JSON, Env, gputopo_pod, lease_obj, node_obj
@@ -161,7 +161,7 @@ def test_a_decision_leaves_the_ledger_lock_free_while_it_computes(env: Env, monk
         assert release.wait(30), "the test never released the decision"
         return evaluate_node(state, req, weights)
 
-    monkeypatch.setattr("gputopo.extender.ledger.evaluate_node", slow)
+    monkeypatch.setattr("gputopo.extender.state.ledger.evaluate_node", slow)
     results: list[list[Outcome]] = []
     worker = threading.Thread(
         target=lambda: results.append(env.ledger.evaluate(["n1", "n2"], parse_pod_request({}, 4))), daemon=True

@@ -1,4 +1,5 @@
-"""The one door into the verbs (`gputopo.extender.door.Door`): what it routes, where each verb runs, and the two hooks
+"""The one door into the verbs (`gputopo.extender.verbs.door.Door`): what it routes, where each verb runs, and the two
+hooks
 the verbs server calls for the prioritize-ahead memory, driven in process as the server drives them."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The extender over DRA: ResourceSlices and ResourceClaims join a node's GPUs in use (gputopo/extender/cache.py),
+"""The extender over DRA: ResourceSlices and ResourceClaims join a node's GPUs in use (gputopo/extender/watch/cache.py),
 and a pod converted for DRA counts the GPUs of its gputopo claim template (gputopo/extender/wire.py)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from gputopo.extender.cache import ClusterCache
-from gputopo.extender.kube import Informer
+from gputopo.extender.watch.cache import ClusterCache
+from gputopo.extender.watch.source import Informer
 from gputopo.extender.wire import pod_gpus
 from gputopo.kube import KubeError
 from gputopo.model import TOPOLOGY_ANNOTATION, GpusInUse

@@ -1,6 +1,6 @@
 """Under DRA the placement a pod carries is the allocation of its claims: kube-scheduler writes the
 allocation just before it calls bind, and the bind reads it even when the cache has not seen it yet
-(gputopo/extender/binder.py); the claim names a pod gives are read hostile-safe (gputopo/extender/wire.py)."""
+(gputopo/extender/verbs/binder.py); the claim names a pod gives are read hostile-safe (gputopo/extender/wire.py)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from gputopo.extender.events import EventPoster
+from gputopo.extender.verbs.events import EventPoster
 from gputopo.kube import KubeError
 from tests.extender.fake import FakeSource
 from tests.extender.harness import JSON, NS

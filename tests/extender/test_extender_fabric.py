@@ -15,8 +15,8 @@ from gputopo.engine.network.domains import TieKeys, domain_free, narrow_first, t
 from gputopo.engine.node.placement import evaluate_pod, rank
 from gputopo.engine.state.scoring import MAX_EXTENDER_SCORE, wire_scores
 from gputopo.engine.state.snapshot import NodeState, node_state, taking
-from gputopo.extender.fabric import FabricFigures
 from gputopo.extender.settings import Settings
+from gputopo.extender.state.domainfree import FabricFigures
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement, parse_pod_request
 from gputopo.systems import build_system
 from gputopo.tiers import DEFAULT_TIERS

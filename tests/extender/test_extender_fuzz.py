@@ -354,7 +354,7 @@ def test_an_unexpected_error_is_a_json_500_and_the_connection_stays_open(
     def boom(*_: object, **__: object) -> None:
         raise RuntimeError("bug")
 
-    monkeypatch.setattr("gputopo.extender.door.pod_info", boom)
+    monkeypatch.setattr("gputopo.extender.verbs.door.pod_info", boom)
     r = client.post("/filter", json=args(gputopo_pod("p", 1), ["h100-a"]))
     assert r.status_code == 500
     assert r.json() == {"Error": "internal: RuntimeError: bug"}

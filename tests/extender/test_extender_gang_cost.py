@@ -1,6 +1,6 @@
 """A big gang's members cost the extender the same whatever the gang's size: a member's filter, prioritize and
 bind read no view of every other member (bench/gang_member_cost.py measures the CPU). The counts a filter
-reads instead (`gputopo.extender.podindex.GroupTally`) and the reservation's count of unbound slots are
+reads instead (`gputopo.extender.state.podindex.GroupTally`) and the reservation's count of unbound slots are
 checked against what they stand for, over any sequence of writes."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gputopo.engine.gang.replan import Slot
-from gputopo.extender import groupdesk
-from gputopo.extender.ledger import Ledger
-from gputopo.extender.objects import PodRecord
-from gputopo.extender.podindex import PodTable
-from gputopo.extender.reservations import Reservation, ReservationBook
 from gputopo.extender.settings import Settings
+from gputopo.extender.state.ledger import Ledger
+from gputopo.extender.state.podindex import PodTable
+from gputopo.extender.state.records import PodRecord
+from gputopo.extender.state.reservations import Reservation, ReservationBook
+from gputopo.extender.verbs import gangs
 from gputopo.model import SCHEDULER_NAME, InferredGroup, PodRequest
 from gputopo.model import jobs as J
 from tests.extender.fake import FakeSource
@@ -47,7 +47,7 @@ def _job(size: int, active: int = 0) -> JSON:
 def counted_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
     """Member records the group desk reads: the group's members listed, and views made of them."""
     reads: Counter[str] = Counter()
-    members, view = Ledger.group_members, groupdesk.member_view
+    members, view = Ledger.group_members, gangs.member_view
 
     def group_members(self: Ledger, key: tuple[str, str]) -> list[PodRecord]:
         out = members(self, key)
@@ -59,7 +59,7 @@ def counted_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
         return view(rec)
 
     monkeypatch.setattr(Ledger, "group_members", group_members)
-    monkeypatch.setattr(groupdesk, "member_view", member_view)
+    monkeypatch.setattr(gangs, "member_view", member_view)
     yield reads
 
 

@@ -11,10 +11,10 @@ import pytest
 
 from gputopo.engine.gang.labelindex import SELECTORS_KEPT, LabelIndex
 from gputopo.engine.gang.plan import GroupFailure
-from gputopo.extender.groupdesk import FAILURES_KEPT, FailedPlans, _Failed
-from gputopo.extender.ledger import Ledger
-from gputopo.extender.objects import BadObject
-from gputopo.extender.parsers import job_shape
+from gputopo.extender.state.ledger import Ledger
+from gputopo.extender.state.records import BadObject
+from gputopo.extender.verbs.gangs import FAILURES_KEPT, FailedPlans, _Failed
+from gputopo.extender.watch.parsers import job_shape
 from gputopo.model import Spread
 from gputopo.model import jobs as J
 from tests.extender.harness import Env, two_leaves

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from gputopo.engine.network.domains import domain_free, narrow_first
 from gputopo.engine.state.reasons import Code, Reason
 from gputopo.engine.state.snapshot import NodeState
-from gputopo.extender import nodestates
-from gputopo.extender.door import _priorities
+from gputopo.extender.state import nodestates
+from gputopo.extender.verbs.door import _priorities
 from gputopo.extender.wire import MAX_JSON_DEPTH, ExtenderArgs, fast_extender_args, pod_info
 from gputopo.model import parse_pod_request
 from tests.extender.harness import Env, gputopo_pod, node_obj, pod_obj

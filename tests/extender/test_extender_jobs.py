@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gputopo.extender.parsers import pod_record
+from gputopo.extender.watch.parsers import pod_record
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
 from gputopo.model import jobs as J
 from tests.extender.harness import JSON, Env, pod_obj, two_leaves

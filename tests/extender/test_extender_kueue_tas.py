@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gputopo.extender.parsers import pod_record
+from gputopo.extender.watch.parsers import pod_record
 from gputopo.extender.wire import MAX_SELECTOR_BYTES, MAX_SELECTOR_KEYS, WireError, pod_info
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
 from gputopo.model import jobs as J

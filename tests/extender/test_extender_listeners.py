@@ -16,10 +16,10 @@ import httpx
 import pytest
 
 from gputopo.engine.node.placement import evaluate_node
-from gputopo.extender import ledger
 from gputopo.extender.app import create_listeners
 from gputopo.extender.main import ListenError, serve
 from gputopo.extender.settings import Settings
+from gputopo.extender.state import ledger
 from tests.extender.harness import args, certificate, gputopo_pod, serving
 
 CLUSTER = "nodes:\n  - {name: h1, fixture: dgx-h100}\n  - {name: h2, fixture: hgx-h200}\n"

@@ -1,5 +1,5 @@
 """A group's failed plan is made once and told to every member until something it read changes
-(gputopo.extender.groupdesk.FailedPlans): a retry round of an unplaceable gang costs one plan. Every change
+(gputopo.extender.verbs.gangs.FailedPlans): a retry round of an unplaceable gang costs one plan. Every change
 the plan depends on makes the next filter plan again, and for random sequences of node and member changes
 the desk that reuses answers every filter and bind exactly as one that plans every time."""
 
@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gputopo.engine.gang.replan import replan
-from gputopo.extender import groupdesk
 from gputopo.extender.settings import Settings
+from gputopo.extender.verbs import gangs
 from tests.extender.fake import FakeSource
 from tests.extender.harness import JSON, NS, Env, FakeClock, gputopo_pod, lease_obj, make_env, node_obj
 
@@ -40,7 +40,7 @@ def plans(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
         made["plans"] += 1
         return real(*a, **kw)
 
-    monkeypatch.setattr(groupdesk, "replan", counted)
+    monkeypatch.setattr(gangs, "replan", counted)
     yield made
 
 
@@ -239,7 +239,7 @@ def test_members_with_selectors_that_match_nothing_are_looked_up_once_and_named(
         return real(selector, name, labels)
 
     monkeypatch.setattr(assigned, "selects", counted)
-    monkeypatch.setattr(groupdesk, "selects", counted)
+    monkeypatch.setattr(gangs, "selects", counted)
     told = env.reasons(gputopo_pod("gpu-pod", 8, group="sel", group_size=str(size)), NODES)
     (message,) = told
     assert "example.com/slot=s-" in message and "matches none of the nodes gputopo may use" in message

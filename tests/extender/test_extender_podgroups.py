@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from gputopo.extender.cache import ClusterCache
-from gputopo.extender.kube import Informer
+from gputopo.extender.watch.cache import ClusterCache
+from gputopo.extender.watch.source import Informer
 from gputopo.model import PLACEMENT_ANNOTATION
 from tests.extender.fake import FakeSource
 from tests.extender.harness import JSON, Env, node_obj, pod_obj

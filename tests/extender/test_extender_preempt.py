@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from gputopo.extender import service
+from gputopo.extender.verbs import service
 from gputopo.model import PLACEMENT_ANNOTATION
 from tests.extender.harness import JSON, Env, gputopo_pod, node_obj, pod_obj
 

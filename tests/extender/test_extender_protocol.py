@@ -9,9 +9,9 @@ from fastapi.testclient import TestClient
 
 from gputopo.engine.state.reasons import summarize_failures
 from gputopo.extender.app import create_listeners
-from gputopo.extender.door import NOT_READY
-from gputopo.extender.kube import Informer
 from gputopo.extender.settings import Settings
+from gputopo.extender.verbs.door import NOT_READY
+from gputopo.extender.watch.source import Informer
 from tests.extender.fake import FakeSource
 from tests.extender.harness import NS, Env, FakeClock, Reply, args, call, gputopo_pod, lease_obj, node_obj, pod_obj
 

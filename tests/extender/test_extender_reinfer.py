@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gputopo.extender.cache import ClusterCache
-from gputopo.extender.podindex import PodTable
 from gputopo.extender.settings import Settings
+from gputopo.extender.state.podindex import PodTable
+from gputopo.extender.watch.cache import ClusterCache
 from gputopo.model import PLACEMENT_ANNOTATION, SCHEDULER_NAME
 from gputopo.model import jobs as J
 from tests.extender.fake import FakeSource

@@ -1,4 +1,5 @@
-"""`BoundedHttpTools` (gputopo.extender.bounded) overrides and reads private parts of uvicorn's httptools protocol.
+"""`BoundedHttpTools` (gputopo.extender.http.uvicornprotocol) overrides and reads private parts of uvicorn's httptools
+protocol.
 These fail, naming the part, on a uvicorn that no longer has them as relied on; the range in pyproject.toml is the
 one they passed on."""
 
@@ -14,7 +15,7 @@ import uvicorn
 from uvicorn.protocols.http import httptools_impl
 from uvicorn.server import ServerState
 
-from gputopo.extender.bounded import BoundedHttpTools, bounded_protocol
+from gputopo.extender.http.uvicornprotocol import BoundedHttpTools, bounded_protocol
 
 # Each method BoundedHttpTools overrides or calls, with the parameters (after self) it is called with.
 _METHODS = {
@@ -35,7 +36,8 @@ _CYCLE = ("more_body", "response_complete", "response_started", "waiting_for_100
 
 
 def _incompatible(what: str) -> str:
-    return f"uvicorn {uvicorn.__version__} changed {what}, which gputopo.extender.bounded.BoundedHttpTools relies on"
+    relier = "gputopo.extender.http.uvicornprotocol.BoundedHttpTools"
+    return f"uvicorn {uvicorn.__version__} changed {what}, which {relier} relies on"
 
 
 @pytest.mark.parametrize("name", sorted(_METHODS))

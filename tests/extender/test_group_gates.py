@@ -1,4 +1,4 @@
-"""gputopo's scheduling gate for gang members (gputopo.model.gates, gputopo/extender/groupgates.py): the webhook
+"""gputopo's scheduling gate for gang members (gputopo.model.gates, gputopo/extender/verbs/groupgates.py): the webhook
 gates a group member at its creation, the extender lifts the gate of every member once the group is whole, and a
 gate never outlives its reason (no group, another holder, a group that cannot be placed, the bound)."""
 
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gputopo.extender.groupgates import GATED_REASON, LIFTED_REASON, GateLifter
-from gputopo.extender.webhook import admit_pod
+from gputopo.extender.verbs.groupgates import GATED_REASON, LIFTED_REASON, GateLifter
+from gputopo.extender.webhook.mutation import admit_pod
 from gputopo.kube import KubeError
 from gputopo.model import SCHEDULER_NAME
 from gputopo.model import jobs as J

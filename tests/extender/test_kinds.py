@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from gputopo.extender.cache import ClusterCache, check_handlers
-from gputopo.extender.kindhandlers import KindHandler
-from gputopo.extender.kube import KubeSource
+from gputopo.extender.watch.cache import ClusterCache, check_handlers
+from gputopo.extender.watch.handlers import KindHandler
+from gputopo.extender.watch.source import KubeSource
 from gputopo.kube import (
     KIND_NAMES,
     WATCHED,

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gputopo.extender.webhook import mutate_pod
+from gputopo.extender.webhook.mutation import mutate_pod
 from gputopo.model import SCHEDULER_NAME
 
 

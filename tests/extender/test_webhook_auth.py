@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gputopo.extender.app import create_listeners
-from gputopo.extender.clientauth import ClientAuth, certificate_names
+from gputopo.extender.http.clientauth import ClientAuth, certificate_names
 from gputopo.extender.settings import Settings
 from tests.extender.harness import certificate, gputopo_pod, serving
 

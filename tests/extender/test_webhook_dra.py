@@ -24,9 +24,9 @@ from gputopo.engine.dra.claims import (
     memory_quantity,
 )
 from gputopo.extender.app import create_listeners
-from gputopo.extender.claimtemplates import ClaimTemplates, TemplateConflict, TemplateKeeper, templates_path
 from gputopo.extender.settings import Settings
-from gputopo.extender.webhook import Admission, DraMode, admit_pod
+from gputopo.extender.webhook.claimtemplates import ClaimTemplates, TemplateConflict, TemplateKeeper, templates_path
+from gputopo.extender.webhook.mutation import Admission, DraMode, admit_pod
 from gputopo.kube import KubeError
 from gputopo.model import GPU_RESOURCE, SCHEDULER_NAME
 from gputopo.model.jobs import JOB_COMPLETION_INDEX, JOB_NAME, JOBSET_NAME

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from gputopo.agent.pods import KubeLocalPods, KubePodSource
 from gputopo.extender.app import create_listeners
-from gputopo.extender.kube import Informer, Kind, KubeSource
 from gputopo.extender.metrics import Metrics
 from gputopo.extender.settings import Settings
+from gputopo.extender.watch.source import Informer, Kind, KubeSource
 from gputopo.kube import KIND_NAMES, REFLECTOR_BACKOFF, Backoff, Kube, Pacing
 from tests.extender.fake import FakeSource
 from tests.kube.scripted import (

@@ -55,7 +55,7 @@ from gputopo.systems import SYSTEMS
 
 API_VERSION = "resource.k8s.io/v1"
 KIND = "ResourceClaimTemplate"
-REQUEST = "gpus"  # the one device request; also the pod's claim name (gputopo.extender.webhook)
+REQUEST = "gpus"  # the one device request; also the pod's claim name (gputopo.extender.webhook.mutation)
 ANY_SUBREQUEST = "any"  # the unconstrained fallback of `preferred`
 CLIQUE_SUBREQUEST = "clique"  # the constrained subrequest of `preferred` with list attributes
 NAME_PREFIX = TEMPLATE_PREFIX

@@ -1,12 +1,12 @@
 """GET /healthz (the process answers) and /readyz (the cache finished its first full sync) on the webhook
-and metrics listeners; the verbs listener answers the same through its door (`gputopo.extender.door`)."""
+and metrics listeners; the verbs listener answers the same through its door (`gputopo.extender.verbs.door`)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
-from gputopo.extender.deps import ExtenderDep
-from gputopo.extender.service import HEALTHY
+from gputopo.extender.routers.deps import ExtenderDep
+from gputopo.extender.verbs.service import HEALTHY
 
 router = APIRouter(tags=["health"])
 

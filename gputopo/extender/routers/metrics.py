@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gputopo.extender.deps import ExtenderDep, MetricsDep
+from gputopo.extender.routers.deps import ExtenderDep, MetricsDep
 
 router = APIRouter(tags=["metrics"])
 

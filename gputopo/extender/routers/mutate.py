@@ -1,10 +1,11 @@
-"""POST /mutate, the mutating admission webhook (gputopo/extender/webhook.py), served only on the webhook listener.
+"""POST /mutate, the mutating admission webhook (gputopo/extender/webhook/mutation.py), served only on the webhook
+listener.
 
 With `--webhook-client-ca-file` only a caller whose verified client certificate names one of
-`--webhook-client-names` is answered (gputopo/extender/clientauth.py): the API server. Anyone else gets 401 or 403
-with a JSON body saying why, from the request head, before the body is read (gputopo/extender/heads.py).
+`--webhook-client-names` is answered (gputopo/extender/http/clientauth.py): the API server. Anyone else gets 401 or 403
+with a JSON body saying why, from the request head, before the body is read (gputopo/extender/http/heads.py).
 
-The review is parsed and read on the app's review workers (gputopo/extender/workers.py: 2 threads, at most 16
+The review is parsed and read on the app's review workers (gputopo/extender/http/workers.py: 2 threads, at most 16
 reviews queued in all and 4 per client address, past which 503 at once), never on the event loop that answers
 the listener's probes.
 
@@ -12,7 +13,7 @@ A review that cannot be read but carries a readable `request.uid` is answered wi
 allows the pod unchanged (an unreadable review never denies a pod); only a body without one gets HTTP 400.
 
 With `--dra` the answer names the pod's claim template; the webhook writes nothing. It reads the template
-(gputopo/extender/claimtemplates.py, on a worker thread) and refuses the pod when one of that name holds another
+(gputopo/extender/webhook/claimtemplates.py, on a worker thread) and refuses the pod when one of that name holds another
 spec; the template itself is created by the extender once the pod exists (`TemplateKeeper`), so a forged
 review, or a pod the API server refuses after this answer, leaves nothing behind.
 """
@@ -26,14 +27,14 @@ from fastapi import APIRouter, Request, Response
 from pydantic_core import from_json, to_json
 from starlette.concurrency import run_in_threadpool
 
-from gputopo.extender import webhook
-from gputopo.extender.claimtemplates import ClaimTemplates, TemplateConflict
-from gputopo.extender.clientauth import ClientAuth
-from gputopo.extender.deps import ExtenderDep, MetricsDep
-from gputopo.extender.kube import KubeSource
-from gputopo.extender.service import Extender
+from gputopo.extender.http.clientauth import ClientAuth
+from gputopo.extender.http.workers import BoundedWorkers, Busy
+from gputopo.extender.routers.deps import ExtenderDep, MetricsDep
 from gputopo.extender.settings import Settings
-from gputopo.extender.workers import BoundedWorkers, Busy
+from gputopo.extender.verbs.service import Extender
+from gputopo.extender.watch.source import KubeSource
+from gputopo.extender.webhook import mutation
+from gputopo.extender.webhook.claimtemplates import ClaimTemplates, TemplateConflict
 from gputopo.kube import KubeError
 
 router = APIRouter(tags=["webhook"])
@@ -49,21 +50,23 @@ def claim_templates(request: Request, extender: Extender) -> ClaimTemplates | No
     return cast(ClaimTemplates | None, templates)
 
 
-async def _check(request: Request, extender: Extender, admission: webhook.Admission) -> dict[str, Any]:
+async def _check(request: Request, extender: Extender, admission: mutation.Admission) -> dict[str, Any]:
     template = admission.template
     if template is None:
         return admission.answer
     templates = claim_templates(request, extender)
     if templates is None:
-        return webhook.refusal(admission.uid, "DRA claims need the API server (the extender runs from a snapshot)", 503)
+        return mutation.refusal(
+            admission.uid, "DRA claims need the API server (the extender runs from a snapshot)", 503
+        )
     try:
         await run_in_threadpool(templates.check, admission.namespace, template)
     except TemplateConflict as e:
-        return webhook.refusal(admission.uid, str(e), 409)
+        return mutation.refusal(admission.uid, str(e), 409)
     except KubeError as e:
         where = f"{admission.namespace}/{template.name}"
         why = f"{e.reason or e.status or 'unreachable'}: {e.message}"[:200]
-        return webhook.refusal(admission.uid, f"cannot read ResourceClaimTemplate {where}: {why}", 503)
+        return mutation.refusal(admission.uid, f"cannot read ResourceClaimTemplate {where}: {why}", 503)
     return admission.answer
 
 
@@ -75,7 +78,7 @@ def _client_auth(request: Request) -> ClientAuth | None:
 
 
 def review_workers(request: Request) -> BoundedWorkers:
-    """The app's review workers, made once (`gputopo.extender.workers`)."""
+    """The app's review workers, made once (`gputopo.extender.http.workers`)."""
     state = request.app.state
     workers = getattr(state, "review_workers", None)
     if workers is None:
@@ -84,8 +87,8 @@ def review_workers(request: Request) -> BoundedWorkers:
 
 
 def _read(
-    body: bytes, scheduler_name: str, dra: webhook.DraMode | None, group_gate: bool
-) -> tuple[Any, webhook.Admission | ValueError]:
+    body: bytes, scheduler_name: str, dra: mutation.DraMode | None, group_gate: bool
+) -> tuple[Any, mutation.Admission | ValueError]:
     """The review and what to admit, or the ValueError saying why it cannot be read (on a worker thread)."""
     review: Any = None
     try:
@@ -94,7 +97,7 @@ def _read(
         review = from_json(body)
         if not isinstance(review, dict):
             raise ValueError("an AdmissionReview object is expected")
-        return review, webhook.admit_pod(review, scheduler_name, dra=dra, group_gate=group_gate)
+        return review, mutation.admit_pod(review, scheduler_name, dra=dra, group_gate=group_gate)
     except ValueError as e:
         return review, e
 
@@ -109,7 +112,7 @@ async def mutate(request: Request, extender: ExtenderDep, metrics: MetricsDep) -
         metrics.decision("mutate", "unauthenticated" if refused[0] == 401 else "forbidden")
         return Response(to_json({"Error": refused[1]}), refused[0], media_type="application/json")
     dra = (
-        webhook.DraMode(list_attributes=settings.dra_list_attributes, memory_classes=settings.memory_classes)
+        mutation.DraMode(list_attributes=settings.dra_list_attributes, memory_classes=settings.memory_classes)
         if settings.dra
         else None
     )
@@ -124,12 +127,12 @@ async def mutate(request: Request, extender: ExtenderDep, metrics: MetricsDep) -
         metrics.decision("mutate", "busy")
         return Response(to_json({"Error": f"webhook busy: {e}"}), 503, media_type="application/json")
     if isinstance(admission, ValueError):  # malformed JSON or a review mutate_pod cannot read: the client's fault
-        uid = webhook.review_uid(review)
+        uid = mutation.review_uid(review)
         if uid is None:  # nothing to address an AdmissionReview answer to
             metrics.decision("mutate", "bad_request")
             error = {"Error": f"malformed AdmissionReview: {admission}"}
             return Response(to_json(error), 400, media_type="application/json")
-        answer = webhook.error_review(uid, f"malformed AdmissionReview: {admission}")
+        answer = mutation.error_review(uid, f"malformed AdmissionReview: {admission}")
         outcome = "bad_request"
     else:
         answer = await _check(request, extender, admission)

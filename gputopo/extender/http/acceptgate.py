@@ -1,0 +1,261 @@
+"""The accept loop of the webhook and metrics listeners (`Gate`): every connection is counted against
+`--max-connections` and `--max-connections-per-peer` (`Slots`) at accept, before any byte is read, and on the
+webhook its TLS handshake runs here under `--handshake-timeout-seconds`, paced per address (`HandshakePace`).
+asyncio's own server-side TLS counted a connection only once its handshake was done and gave the handshake 60 s,
+so silent connections held file descriptors and memory past every bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Callable
+from typing import Any, Protocol, cast
+
+from gputopo.extender.http.heads import BodyBudget
+from gputopo.extender.http.refusals import TOO_MANY, TOO_MANY_FROM_PEER, refusal
+from gputopo.extender.settings import ListenerLimits
+
+# Addresses whose handshake pace is remembered; past this, the ones back at a full burst are forgotten.
+_MAX_PACED_PEERS = 4096
+
+log = logging.getLogger("gputopo.extender.http")
+
+
+class Released(Protocol):
+    """A connection's protocol that calls `on_lost` once the connection ends (`BoundedHttpTools`), and says
+    whether it may be closed to make room for another address (`Slot.evictable`)."""
+
+    on_lost: Callable[[], None] | None
+    slot: Slot | None
+
+    def answering(self) -> bool:
+        """A whole request is in and its answer is not yet written out."""
+        ...
+
+    def evict(self) -> None: ...
+
+
+class Slots:
+    """The connections one listener holds, in all and per client address, each from its accept to its
+    close (whether its handshake succeeds, fails or times out); and what they share: the request bodies'
+    `BodyBudget` and the bytes read, counted for the tests and the benchmark.
+
+    When the listener is full, a connection from an address holding fewer connections than the address that
+    holds the most takes the place of that address's oldest connection that is not being answered and not the
+    API server's (`Slot.evictable`): a few addresses cannot fill the listener against everyone else (the
+    kubelet's probes, the API server, Prometheus), and who holds the most pays first. Among many addresses
+    holding one each, a newcomer takes the oldest one's place: a probe, the newest and answered within its
+    first read, is the last to be chosen, and once its request is in it cannot be."""
+
+    def __init__(self, limits: ListenerLimits) -> None:
+        self.limits = limits
+        self.total = 0
+        self.per_peer: collections.Counter[str] = collections.Counter()
+        self.handshakes: set[asyncio.Task[None]] = set()  # held here: the loop keeps only weak references
+        self.open: dict[Slot, None] = {}  # held connections, oldest first
+        self.budget = BodyBudget(limits.max_body_bytes_in_flight, limits.body_bytes_per_peer)
+        self.bytes_received = 0  # every byte the listener's connections handed the parser
+        self.body_bytes = 0  # of those, request body bytes
+        self.evicted = 0
+        self.accepted = 0  # connections counted in, ever
+        self.on_idle: Callable[[], None] | None = None  # once no connection is held (`ListenerServer`: a trim)
+
+    def take(self, peer: str) -> str | None:
+        """Count a connection from `peer`, making room as the class doc says; or the refusal's text when it
+        does not fit (nothing counted)."""
+        if self.per_peer[peer] >= self.limits.max_connections_per_peer:
+            return TOO_MANY_FROM_PEER
+        if self.total >= self.limits.max_connections and not self._make_room(peer):
+            return TOO_MANY
+        self.total += 1
+        self.per_peer[peer] += 1
+        self.accepted += 1
+        return None
+
+    def _make_room(self, peer: str) -> bool:
+        mine = self.per_peer[peer]
+        victim: Slot | None = None
+        most = mine  # only an address holding more than `peer` gives way: ties go to the newcomer's turn
+        for slot in self.open:  # oldest first: the first of the heaviest address is its oldest
+            held = self.per_peer[slot.peer]
+            if held > most and slot.evictable():
+                victim, most = slot, held
+        if victim is None:
+            return False
+        self.evicted += 1
+        victim.evict()
+        return True
+
+    def release(self, peer: str) -> None:
+        self.total -= 1
+        self.per_peer[peer] -= 1
+        if not self.per_peer[peer]:
+            del self.per_peer[peer]
+        if self.on_idle is not None and self.total == 0:
+            self.on_idle()
+
+
+class HandshakePace:
+    """A token bucket per client address for starting TLS handshakes: `rate` a second, bursts of `rate`
+    (at least one).
+
+    `delay(peer)` reserves the address's next start and says how long its connection waits for it (0: at
+    once), or None when that wait would not end within `within_s` (the connection is then closed before its
+    handshake). A waiting connection keeps its slot and its handshake timeout runs from the accept, so a
+    flood from one address is bounded in connections (`Slots`) and in handshake CPU (here), while other
+    addresses, the API server's, start theirs at once."""
+
+    def __init__(self, rate: float, within_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.within_s = within_s
+        self.clock = clock
+        self._peers: dict[str, tuple[float, float]] = {}  # peer -> (tokens, when counted); tokens may go below 0
+
+    def delay(self, peer: str) -> float | None:
+        if self.rate <= 0:
+            return 0.0
+        now = self.clock()
+        burst = max(1.0, self.rate)
+        tokens, then = self._peers.get(peer, (burst, now))
+        tokens = min(burst, tokens + (now - then) * self.rate)
+        wait = 0.0 if tokens >= 1 else (1 - tokens) / self.rate
+        if wait >= self.within_s:
+            self._peers[peer] = (tokens, now)
+            return None
+        if len(self._peers) >= _MAX_PACED_PEERS and peer not in self._peers:
+            self._forget_rested(now)
+        self._peers[peer] = (tokens - 1, now)
+        return wait
+
+    def _forget_rested(self, now: float) -> None:
+        burst = max(1.0, self.rate)
+        rested = [p for p, (t, then) in self._peers.items() if t + (now - then) * self.rate >= burst]
+        for p in rested:
+            del self._peers[p]
+
+
+class Slot:
+    """One connection's place in `Slots`, given back once, however the connection ends (or is evicted)."""
+
+    def __init__(self, slots: Slots, peer: str) -> None:
+        self.slots = slots
+        self.peer = peer
+        self.held = True
+        self.trusted = False  # the API server's client certificate: never evicted
+        self.protocol: Released | None = None  # once the connection is set up (after its TLS handshake)
+        self.task: asyncio.Task[None] | None = None  # its setup (pace, handshake) until then
+        slots.open[self] = None
+
+    def evictable(self) -> bool:
+        if self.trusted:
+            return False
+        return self.protocol is None or not self.protocol.answering()
+
+    def evict(self) -> None:
+        """Give the place back now (the newcomer takes it) and close the connection."""
+        protocol, task = self.protocol, self.task
+        self.release()
+        if protocol is not None:
+            protocol.evict()
+        elif task is not None:
+            task.cancel()  # `Gate._connect` closes the socket
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.slots.open.pop(self, None)
+            self.slots.release(self.peer)
+
+
+class Gate:
+    """The accept loop of the webhook or metrics listener: every connection is counted (`Slots`) as it is
+    accepted, before any byte is read.
+
+    One that does not fit is closed at once: over plain TCP after a 503, over TLS before the handshake (an
+    answer would cost the very handshake the refusal spares). The others become transports with
+    `loop.connect_accepted_socket` (asyncio and uvloop alike), over TLS with the handshake timeout; the
+    protocol made by `make()` gives the slot back when the connection ends (`BoundedHttpTools.on_lost`),
+    and a handshake that fails or times out gives it back here. A listening socket read by the loop's own
+    server would hand a connection over only after its handshake, and the loop would read its ClientHello
+    before a `start_tls` could take it."""
+
+    def __init__(self, slots: Slots, make: Callable[[], Released], tls: ssl.SSLContext | None = None) -> None:
+        self.slots = slots
+        self.make = make
+        self.tls = tls
+        self.task: asyncio.Task[None] | None = None
+        limits = slots.limits
+        self.pace = HandshakePace(limits.handshakes_per_peer_per_s, limits.handshake_timeout_s)
+
+    def start(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.task = asyncio.get_running_loop().create_task(self._accept(sock))
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    async def wait_closed(self) -> None:
+        if self.task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+
+    async def _accept(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, address = await loop.sock_accept(sock)
+            except OSError as e:  # out of open files: let the connections in hand end first
+                log.warning("cannot accept a connection", extra={"error": str(e)})
+                await asyncio.sleep(0.1)
+                continue
+            self._admit(conn, address)
+
+    def _admit(self, conn: socket.socket, address: Any) -> None:
+        peer = str(address[0]) if isinstance(address, tuple) and address else "?"
+        refused = self.slots.take(peer)
+        if refused is not None:
+            if self.tls is None:
+                with contextlib.suppress(OSError):  # a few hundred bytes: the socket's buffer takes them
+                    conn.send(refusal(503, refused))
+            conn.close()
+            return
+        wait = self.pace.delay(peer) if self.tls is not None else 0.0
+        if wait is None:  # this address starts handshakes faster than its pace for longer than the timeout
+            self.slots.release(peer)
+            conn.close()
+            return
+        slot = Slot(self.slots, peer)
+        task = slot.task = asyncio.get_running_loop().create_task(self._connect(conn, slot, wait))
+        self.slots.handshakes.add(task)
+        task.add_done_callback(self.slots.handshakes.discard)
+
+    async def _connect(self, conn: socket.socket, slot: Slot, wait: float = 0.0) -> None:
+        def protocol() -> asyncio.BaseProtocol:
+            made = self.make()
+            made.on_lost = slot.release
+            made.slot = slot
+            setup.append(made)
+            return cast(asyncio.BaseProtocol, made)  # `Released` names only the part the gate sets
+
+        setup: list[Released] = []
+        loop = asyncio.get_running_loop()
+        timeout = self.slots.limits.handshake_timeout_s - wait if self.tls is not None else None
+        try:
+            if wait > 0:  # its address's handshake pace (HandshakePace); the timeout runs from the accept
+                await asyncio.sleep(wait)
+            await loop.connect_accepted_socket(protocol, conn, ssl=self.tls, ssl_handshake_timeout=timeout)
+            if slot.held:  # set up: from now on an eviction closes its transport
+                slot.protocol, slot.task = setup[0], None
+        except BaseException as e:  # timed out, failed, reset, or the server stopping: the slot is free
+            conn.close()
+            slot.release()
+            if not isinstance(e, Exception):
+                raise
+            log.debug("connection not set up", extra={"peer": slot.peer, "error": repr(e)})

@@ -1,0 +1,143 @@
+"""The DRA merge: on DRA nodes the GPUs our ResourceClaims hold (per pod they are reserved for) join the
+agent's gpus-in-use report, so the ledger, the filter and the mismatch check read DRA's allocations as
+they read the device plugin's.
+
+Every Node's facts pass through here on their way to the ledger: what each Node object says is kept, so
+that a claim's or slice's change re-merges its node without the Node changing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from gputopo.extender.state.ledger import Ledger
+from gputopo.extender.state.records import NodeFacts, object_name
+from gputopo.extender.watch.handlers import Bad, KindHandler, each_readable
+from gputopo.kube import JSON, RESOURCECLAIMS, RESOURCESLICES
+from gputopo.model import GpusInUse
+from gputopo.model.dra import ClaimInfo, SliceInfo, in_use_by_node, parse_claim, parse_slice
+
+
+class DraMerge:
+    """Our ResourceSlices (by name) and the ResourceClaims holding our GPUs (by uid), merged into the
+    Node facts handed to the ledger."""
+
+    def __init__(self, ledger: Ledger, bad: Bad) -> None:
+        self.ledger = ledger
+        self._bad = bad
+        self._slices: dict[str, SliceInfo] = {}
+        self._claims: dict[str, ClaimInfo] = {}
+        self._claim_uid: dict[tuple[str, str], str] = {}  # (namespace, name) -> uid, of self._claims
+        self._pool_claims: dict[str, set[str]] = {}  # pool -> uids of the claims holding its GPUs
+        self._pool_slice: dict[str, SliceInfo] = {}  # pool -> its slice (rebuilt on a slice's change)
+        self._reports: dict[str, GpusInUse] = {}
+        self._node_facts: dict[str, NodeFacts] = {}
+
+    def handlers(self) -> dict[str, KindHandler]:
+        return {
+            RESOURCESLICES.name: KindHandler(self.replace_slices, self.apply_slice),
+            RESOURCECLAIMS.name: KindHandler(self.replace_claims, self.apply_claim),
+        }
+
+    # ------------------------------------------------------------------ nodes
+
+    def put_node(self, facts: NodeFacts) -> None:
+        self._node_facts[facts.name] = facts
+        self.ledger.put_node(self._with_dra(facts))
+
+    def drop_nodes(self, names: Iterable[str]) -> None:
+        names = list(names)
+        for name in names:
+            self._node_facts.pop(name, None)
+        self.ledger.drop_nodes(names)
+
+    # ------------------------------------------------------------------ slices and claims
+
+    def replace_slices(self, items: list[JSON]) -> None:
+        slices: dict[str, SliceInfo] = {}
+        for obj, ours in each_readable(RESOURCESLICES.name, items, parse_slice, self._bad):
+            if ours is not None:
+                slices[object_name(obj)] = ours
+        self._slices = slices
+        self._redo()
+
+    def apply_slice(self, event_type: str, obj: JSON) -> None:
+        name = object_name(obj)
+        ours = None if event_type == "DELETED" else parse_slice(obj)
+        if ours is None:
+            self._slices.pop(name, None)
+        else:
+            self._slices[name] = ours
+        self._redo()
+
+    def replace_claims(self, items: list[JSON]) -> None:
+        claims: dict[str, ClaimInfo] = {}
+        for _, claim in each_readable(RESOURCECLAIMS.name, items, parse_claim, self._bad):
+            if claim.gpus:
+                claims[claim.uid] = claim
+        self._claims = claims
+        self._claim_uid = {(c.namespace, c.name): c.uid for c in claims.values()}
+        self._pool_claims = {}
+        for claim in claims.values():
+            if claim.pool is not None:
+                self._pool_claims.setdefault(claim.pool, set()).add(claim.uid)
+        self._redo()
+
+    def apply_claim(self, event_type: str, obj: JSON) -> None:
+        claim = parse_claim(obj)
+        before = self._claims.pop(claim.uid, None)
+        if before is not None:
+            self._claim_uid.pop((before.namespace, before.name), None)
+            if before.pool is not None:
+                self._pool_claims.get(before.pool, set()).discard(claim.uid)
+        if event_type != "DELETED" and claim.gpus and claim.pool is not None:
+            self._claims[claim.uid] = claim
+            self._claim_uid[(claim.namespace, claim.name)] = claim.uid
+            self._pool_claims.setdefault(claim.pool, set()).add(claim.uid)
+        # One claim changes only its pools' nodes: no walk over every claim per event.
+        self._redo({p for p in (before.pool if before else None, claim.pool) if p is not None})
+
+    def allocated(self, namespace: str, name: str) -> ClaimInfo | None:
+        """The claim `namespace/name` when this cache has seen our GPUs allocated to it, else None (not
+        seen yet, or none of ours). An allocation never changes while it stands, so a hit is current."""
+        uid = self._claim_uid.get((namespace, name))
+        return self._claims.get(uid) if uid is not None else None
+
+    # ------------------------------------------------------------------ the merge
+
+    def _with_dra(self, facts: NodeFacts) -> NodeFacts:
+        """The Node's facts with its DRA claims' GPUs added to what its agent reports."""
+        dra = self._reports.get(facts.name)
+        if dra is None or (not dra.pods and not dra.other):
+            return facts
+        pods = {uid: frozenset(g) for uid, g in facts.report.pods.items()}
+        for uid, gpus in dra.pods.items():
+            pods[uid] = pods.get(uid, frozenset()) | gpus
+        return dataclasses.replace(facts, report=GpusInUse(pods=pods, other=facts.report.other | dra.other))
+
+    def _redo(self, pools: set[str] | None = None) -> None:
+        """Recompute which GPUs the claims hold per node (only `pools`' nodes when given: a pool is one
+        node's, as gputopo's agent publishes it); re-put each node whose share changed."""
+        if pools is not None:
+            for pool in pools:
+                found = self._pool_slice.get(pool)
+                if found is None:
+                    continue
+                claims = [self._claims[u] for u in self._pool_claims.get(pool, ())]
+                report = in_use_by_node(claims, [found])[found.node]
+                if report != self._reports.get(found.node):
+                    self._reports[found.node] = report
+                    self._reput(found.node)
+            return
+        self._pool_slice = {sl.pool: sl for sl in self._slices.values()}
+        reports = in_use_by_node(self._claims.values(), self._slices.values())
+        changed = {n for n in set(reports) | set(self._reports) if reports.get(n) != self._reports.get(n)}
+        self._reports = reports
+        for name in changed:
+            self._reput(name)
+
+    def _reput(self, name: str) -> None:
+        facts = self._node_facts.get(name)
+        if facts is not None:
+            self.ledger.put_node(self._with_dra(facts))
