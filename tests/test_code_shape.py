@@ -41,3 +41,25 @@ def test_product_modules_and_functions_stay_short() -> None:
     assert modules, f"no product modules found under {PACKAGE}"
     found = [line for path in modules for line in _oversized(path)]
     assert not found, "split these by job:\n" + "\n".join(found)
+
+
+# The extender and the engine are laid out a folder per concern (docs/architecture.md): a folder that
+# grows past about a dozen modules holds more than one concern, and a package says what lives in it.
+LAID_OUT = ("extender", "engine")
+MAX_FOLDER_MODULES = 12
+
+
+def _packages() -> list[Path]:
+    return sorted(p.parent for top in LAID_OUT for p in (PACKAGE / top).rglob("__init__.py"))
+
+
+def test_each_folder_holds_one_concern_and_says_what() -> None:
+    found = []
+    for folder in _packages():
+        name = folder.relative_to(PACKAGE.parent).as_posix()
+        modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+        if len(modules) > MAX_FOLDER_MODULES:
+            found.append(f"{name}: {len(modules)} modules (max {MAX_FOLDER_MODULES})")
+        if not ast.get_docstring(ast.parse((folder / "__init__.py").read_text(encoding="utf-8"))):
+            found.append(f"{name}/__init__.py: no docstring saying what lives there and what it may import")
+    assert not found, "\n".join(found)

@@ -24,7 +24,7 @@ from gputopo.model.names import OPERATOR_LABEL_KEYS, PLACEMENT_ANNOTATION
 from gputopo.model.topology import parse_topology
 from gputopo.systems import build_system
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
-from tests.core.test_rack import members, rack, tray
+from tests.engine.gang.test_rack import members, rack, tray
 from tests.extender.harness import Env, gputopo_pod, node_obj, pod_obj
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -22,7 +22,7 @@ from gputopo.systems import build_system
 from gputopo.tiers import DEFAULT_TIERS, TierConfig, TierSet
 from tests.extender.fake import FakeSource
 from tests.extender.harness import JSON, NS, Env, FakeClock, gputopo_pod, make_env, node_obj
-from tests.extender.test_extender_compute_domains import NAMES, TRAYS, cd_pod, compute_domain, template, tray
+from tests.extender.watch.test_compute_domains import NAMES, TRAYS, cd_pod, compute_domain, template, tray
 
 
 def labelled(obj: JSON, uid: str) -> JSON:

@@ -27,7 +27,7 @@ fragmentation terms (the largest clique and the NVLink pairs left free) among th
 match: for a partition claim the k-sets inside one block of the first partition that has room, for a
 list claim (KEP-5491) every k-clique, a DGX-1V's cross-quad pairs included; and it equals the engine's
 own choice on all its NVLink terms where a block's links are equal (NVSwitch, bridged pairs, a GB200
-tray). `tests/engine/test_draorder.py` checks both on random node states. Identity
+tray). `tests/engine/dra/test_order.py` checks both on random node states. Identity
 never depends on order: a device's name is its GPU, so a slice published before an allocation that it
 does not know of costs only optimality, never a double allocation or a claim on GPUs that are no clique.
 """

@@ -6,7 +6,7 @@ overtook a pipelined answer in progress. Refusals here wait for the answers befo
 
 `BoundedHttpTools` overrides private parts of `uvicorn.protocols.http.httptools_impl.HttpToolsProtocol`; the
 range of uvicorn in pyproject.toml is the one it was checked against, and a test
-(`tests/extender/test_extender_uvicorn_compat.py`) says which part is gone when uvicorn changes them.
+(`tests/extender/http/test_uvicorn_compat.py`) says which part is gone when uvicorn changes them.
 """
 
 from __future__ import annotations

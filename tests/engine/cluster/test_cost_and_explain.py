@@ -19,8 +19,8 @@ from gputopo.engine.node.placement import evaluate_pod, rank
 from gputopo.engine.state.snapshot import shape_of
 from gputopo.model import parse_pod_request
 from gputopo.systems import build_system
-from tests.core.test_groups import TWO_SPINES, cluster
-from tests.core.test_placement import node
+from tests.engine.gang.test_groups import TWO_SPINES, cluster
+from tests.engine.node.test_placement import node
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, Placed
 from gputopo.engine.gang.replan import MemberView, Replan, replan
 from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.model import parse_pod_request
-from tests.core.test_groups import TWO_SPINES, cluster
+from tests.engine.gang.test_groups import TWO_SPINES, cluster
 
 FOUR = {"spine-a": [("n1", "leaf-1"), ("n2", "leaf-1"), ("n3", "leaf-2"), ("n4", "leaf-2")]}
 

@@ -149,7 +149,7 @@ def garbage(draw: st.DrawFn, verb: str) -> bytes:
 @pytest.fixture(scope="module")
 def clients() -> Iterator[dict[str, httpx.Client]]:
     """One keep-alive client per listener: the verbs app, and the webhook app (/mutate) over plain HTTP, since
-    TLS is not what this suite exercises (tests/extender/test_extender_listeners.py serves it over TLS)."""
+    TLS is not what this suite exercises (tests/extender/http/test_listeners.py serves it over TLS)."""
     source, clock = FakeSource(NS), FakeClock()
     listeners = create_listeners(
         Settings(namespace=NS, max_request_bytes=LIMIT, log_level="critical"),

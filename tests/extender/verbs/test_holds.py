@@ -14,7 +14,7 @@ from gputopo.extender.settings import Settings
 from gputopo.extender.state.reservations import Reservation
 from gputopo.model import jobs as J
 from tests.extender.harness import JSON, Env, gputopo_pod, node_obj, pod_obj, two_leaves
-from tests.extender.test_extender_exclusive import KEY, NODES, job_obj, member, reasons, with_jobs
+from tests.extender.verbs.test_exclusive import KEY, NODES, job_obj, member, reasons, with_jobs
 
 
 @pytest.fixture

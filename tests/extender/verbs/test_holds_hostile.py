@@ -18,7 +18,7 @@ from gputopo.extender.watch.parsers import job_shape
 from gputopo.model import Spread
 from gputopo.model import jobs as J
 from tests.extender.harness import Env, two_leaves
-from tests.extender.test_extender_exclusive import KEY, NODES, job_obj, member, with_jobs
+from tests.extender.verbs.test_exclusive import KEY, NODES, job_obj, member, with_jobs
 
 
 def _job(**meta: Any) -> dict[str, Any]:

@@ -30,8 +30,8 @@ from gputopo.model import (
 from gputopo.sim import simulate
 from gputopo.systems import build_system
 from gputopo.tiers import DEFAULT_TIERS, Tier, TierConfig
-from tests.core.test_groups import TWO_SPINES, cluster, members
-from tests.core.test_placement import node
+from tests.engine.gang.test_groups import TWO_SPINES, cluster, members
+from tests.engine.node.test_placement import node
 from tests.paths import REPO
 from tests.sim.helpers import job
 
