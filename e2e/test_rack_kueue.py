@@ -3,7 +3,7 @@ docs/annotations.md ("Tensor parallelism across nodes") reports, not a race to m
 
 What runs: real etcd, kube-apiserver and kube-scheduler with the real gputopo-extender, one real
 gputopo-agent per tray (the racks of e2e/test_rack.py: racks ra and rb of 18 GB200 trays of 4 GPUs, ra's
-tray 5 reporting a degraded NVLink fabric, healthMask 0xa9), and the real Kueue v0.17.0 manager with
+tray 5 reporting a degraded NVLink fabric, healthMask 0xa9), and the real Kueue v0.19.2 manager with
 `TopologyAwareScheduling` and `TASBalancedPlacement` on. Every tray also carries `nvidia.com/gpu.clique`
 (as GPU Feature Discovery writes it), the one NVLink domain both read, and one spine label (each rack
 has its own leaf already).
@@ -194,7 +194,7 @@ def test_rack_kueue_32_trays_of_tp16_both_split_16_16_on_tp_boundaries(
 
 
 def test_rack_kueue_preferring_the_clique_itself_refuses_slices_and_straddles_without_them(kueue: Kueue) -> None:
-    # Slices required at the preferred level: Kueue v0.17.0's balanced placement admits nothing.
+    # Slices required at the preferred level: Kueue v0.19.2's balanced placement admits nothing.
     kueue.run("same-level", 32, 16, preferred=CLIQUE)
     kueue.refused("TAS Balanced Placement: Cannot find optimal domain set to fit the request")
     kueue.delete()
