@@ -3,7 +3,7 @@ docs/annotations.md ("Tensor parallelism across nodes") reports, not a race to m
 
 What runs: real etcd, kube-apiserver and kube-scheduler with the real gputopo-extender, one real
 gputopo-agent per tray (the racks of e2e/test_rack.py: racks ra and rb of 18 GB200 trays of 4 GPUs, ra's
-tray 5 reporting a degraded NVLink fabric, healthMask 0xa9), and the real Kueue v0.17.0 manager with
+tray 5 reporting a degraded NVLink fabric, healthMask 0xa9), and the real Kueue v0.19.2 manager with
 `TopologyAwareScheduling` and `TASBalancedPlacement` on. Every tray also carries `nvidia.com/gpu.clique`
 (as GPU Feature Discovery writes it), the one NVLink domain both read, and one spine label (each rack
 has its own leaf already).
@@ -193,10 +193,12 @@ def test_rack_kueue_32_trays_of_tp16_both_split_16_16_on_tp_boundaries(
     assert per_rack(theirs) == Counter({"ra": 16, "rb": 16}) and straddling(theirs, 4) == []
 
 
-def test_rack_kueue_preferring_the_clique_itself_refuses_slices_and_straddles_without_them(kueue: Kueue) -> None:
-    # Slices required at the preferred level: Kueue v0.17.0's balanced placement admits nothing.
+def test_rack_kueue_preferring_the_clique_itself_admits_whole_slices_and_straddles_without_them(kueue: Kueue) -> None:
+    # Slices required at the preferred level: Kueue v0.19.2 admits them, each slice in one clique (v0.17.0's
+    # balanced placement admitted nothing: "Cannot find optimal domain set to fit the request").
     kueue.run("same-level", 32, 16, preferred=CLIQUE)
-    kueue.refused("TAS Balanced Placement: Cannot find optimal domain set to fit the request")
+    sliced = kueue.placed("same-level", 32)
+    assert sum(per_rack(sliced).values()) == 32 and straddling(sliced, 4) == [], sliced
     kueue.delete()
     # Without slices Kueue counts pods (balance is per tray, the level below the preferred one): one rack
     # full, the rest on the other (which one comes first varies between runs), one TP group across them.

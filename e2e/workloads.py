@@ -17,7 +17,7 @@ from gputopo.localcluster import KubeClient
 
 JSON = dict[str, Any]
 
-# ---------------------------------------------------------------- keys JobSet v0.11.1 writes
+# ---------------------------------------------------------------- keys JobSet v0.12.0 writes
 
 JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
 JOB_INDEX = "jobset.sigs.k8s.io/job-index"
@@ -25,7 +25,7 @@ JOB_GLOBAL_INDEX = "jobset.sigs.k8s.io/job-global-index"
 REPLICATED_JOB = "jobset.sigs.k8s.io/replicatedjob-name"
 EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 
-# ---------------------------------------------------------------- keys LeaderWorkerSet v0.8.0 writes
+# ---------------------------------------------------------------- keys LeaderWorkerSet v0.9.0 writes
 
 LWS_NAME = "leaderworkerset.sigs.k8s.io/name"
 LWS_GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"

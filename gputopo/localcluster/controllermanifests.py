@@ -118,7 +118,7 @@ SPECS: dict[str, ControllerSpec] = {
                 "integrations": {"frameworks": list(KUEUE_FRAMEWORKS)},
                 "managedJobsNamespaceSelector": KUEUE_NAMESPACE_SELECTOR,
                 # VisibilityOnDemand starts an API server on 0.0.0.0; TAS is what the tests use, and
-                # TASBalancedPlacement (alpha, off by default in v0.17) is what e2e/test_rack_kueue.py compares.
+                # TASBalancedPlacement (alpha, off by default to v0.19) is what e2e/test_rack_kueue.py compares.
                 "featureGates": {
                     "VisibilityOnDemand": False,
                     "TopologyAwareScheduling": True,

@@ -12,7 +12,7 @@ Credentials: each manager authenticates with a token of its own ServiceAccount (
 ``gputopo-controllers``), bound to the project's own manager ClusterRole, as its install does. Only the
 setup here (CRDs, webhook configurations, RBAC, Trainer's runtimes) uses the admin.
 
-Two fixed paths: Kueue v0.17 reads a metrics serving certificate from ``/etc/kueue/metrics/certs`` even
+Two fixed paths: Kueue (v0.17 to v0.19) reads a metrics serving certificate from ``/etc/kueue/metrics/certs`` even
 with metrics off and exits without one (cmd/kueue/main.go has no setting for it), so one is written there
 when none is; Trainer's webhook server takes no certificate directory, so it runs with ``TMPDIR`` set to a
 private directory whose ``k8s-webhook-server/serving-certs`` holds its certificate.

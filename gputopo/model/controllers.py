@@ -34,8 +34,8 @@ JOBSET_REPLICATED_JOB_REPLICAS = "jobset.sigs.k8s.io/replicatedjob-replicas"
 JOBSET_GLOBAL_REPLICAS = "jobset.sigs.k8s.io/global-replicas"
 JOBSET_JOB_INDEX = "jobset.sigs.k8s.io/job-index"
 JOBSET_JOB_GLOBAL_INDEX = "jobset.sigs.k8s.io/job-global-index"
-# JobSet exclusive placement (v0.11.1: ExclusiveKey, NodeSelectorStrategyKey): annotations the JobSet controller
-# copies from the JobSet (or a ReplicatedJob's template) onto its Jobs and their pods.
+# JobSet exclusive placement (v0.11.1 to v0.12.0: ExclusiveKey, NodeSelectorStrategyKey): annotations the JobSet
+# controller copies from the JobSet (or a ReplicatedJob's template) onto its Jobs and their pods.
 JOBSET_EXCLUSIVE = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 JOBSET_NODE_SELECTOR = "alpha.jobset.sigs.k8s.io/node-selector"
 MAX_LABEL_KEY = 317  # a label key: a 253-character prefix, "/", a 63-character name

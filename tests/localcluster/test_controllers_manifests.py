@@ -5,6 +5,7 @@ their conversion webhook only where they convert, and each manager's configurati
 from __future__ import annotations
 
 import base64
+import re
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,8 @@ from gputopo.localcluster.controllermanifests import (
     webhook_configurations,
     with_conversion,
 )
-from gputopo.localcluster.controllers import controllers_missing
+from gputopo.localcluster.controllers import BUILD_CONTROLLERS_SCRIPT, controllers_missing
+from tests.paths import REPO
 
 CA = b"-----BEGIN CERTIFICATE-----\nabc\n-----END CERTIFICATE-----\n"
 BASE = "https://127.0.0.1:9443"
@@ -89,6 +91,8 @@ def test_service_to_url_calls_loopback_with_the_ca_bundle(client_config: dict[st
         ("jobset", _hook("mpod.kb.io", "", "pods", "/mutate--v1-pod"), "jobset.sigs.k8s.io/jobset-name", None),
         ("jobset", _hook("mjobset.kb.io", "jobset.x-k8s.io", "jobsets", "/m"), None, None),
         ("lws", _hook("vpod.kb.io", "", "pods", "/validate--v1-pod"), "leaderworkerset.sigs.k8s.io/name", None),
+        # v0.9 serves a second kind of its own (DisaggregatedSet): left as the project writes it.
+        ("lws", _hook("vdisaggregatedset.kb.io", "disaggregatedset.x-k8s.io", "disaggregatedsets", "/v"), None, None),
         ("kueue", _hook("mpod.kb.io", "", "pods", "/mutate--v1-pod"), None, KUEUE_NAMESPACE_SELECTOR),
         ("kueue", _hook("mjob.kb.io", "batch", "jobs", "/mutate-batch-v1-job"), None, KUEUE_NAMESPACE_SELECTOR),
         ("kueue", _hook("mworkload.kb.io", "kueue.x-k8s.io", "workloads", "/m"), None, None),
@@ -212,3 +216,35 @@ def test_controllers_missing_names_the_controller_and_the_fix(tmp_path: Path) ->
     assert controllers_missing(tmp_path, ["jobset"]) is None
     missing = controllers_missing(tmp_path, ["jobset", "kueue"])
     assert missing is not None and missing.startswith("Kueue: ") and "bin/kueue is missing" in missing
+
+
+def _pins() -> dict[str, str]:
+    """The versions build_controllers.sh builds when no GPUTOPO_*_VERSION is set, by controller title."""
+    text = BUILD_CONTROLLERS_SCRIPT.read_text()
+    found = dict(re.findall(r'^(\w+)_VERSION="\$\{GPUTOPO_\w+_VERSION:-([0-9.]+)\}"$', text, re.M))
+    titles = {"JOBSET": "JobSet", "LWS": "LeaderWorkerSet", "KUEUE": "Kueue", "TRAINER": "Kubeflow Trainer"}
+    assert set(found) == set(titles), f"pins in {BUILD_CONTROLLERS_SCRIPT.name}: {found}"
+    return {titles[k]: v for k, v in found.items()}
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        pytest.param("docs/install.md", id="install-states-the-tested-versions"),
+        pytest.param("README.md", id="readme-names-the-versions-the-tests-build"),
+        pytest.param("docs/local-cluster.md", id="local-cluster-names-the-versions-the-e2e-suite-runs"),
+    ],
+)
+def test_the_docs_name_the_controller_versions_the_build_pins(doc: str) -> None:
+    text = " ".join((REPO / doc).read_text().split())  # a name may wrap across lines
+    for title, version in _pins().items():
+        assert f"{title} v{version}" in text, f"{doc} does not name {title} v{version}"
+
+
+def test_the_local_cluster_docs_name_the_cache_directory_of_the_pinned_build() -> None:
+    pins = _pins()
+    key = (
+        f"controllers_jobset-v{pins['JobSet']}_lws-v{pins['LeaderWorkerSet']}_kueue-v{pins['Kueue']}"
+        f"_trainer-v{pins['Kubeflow Trainer']}"
+    )
+    assert key in (REPO / "docs/local-cluster.md").read_text()
