@@ -1,4 +1,4 @@
-"""End to end, ComputeDomains on NVL72 racks (docs/install.md, "Beside NVIDIA's DRA driver on NVL72 racks"):
+"""End to end, ComputeDomains on NVL72 racks (docs/devices.md, "ComputeDomains on NVL72 racks"):
 the pods of one ComputeDomain, each claiming its IMEX channel through the ComputeDomain's ResourceClaimTemplate,
 land in one NVLink domain even where best fit alone would take another rack's free tray.
 
