@@ -36,9 +36,9 @@ from gputopo.agent.backends import FixtureBackend, InUseSource, NoneInUse
 from gputopo.agent.deviceplugin import api_pb2, api_pb2_grpc
 from gputopo.agent.deviceplugin.plugin import DevicePlugin, PluginConfig
 from gputopo.agent.metrics import AgentMetrics
+from gputopo.agent.nodepublisher import Publisher
 from gputopo.agent.podresources import api_pb2 as pr_pb2
 from gputopo.agent.pods import StaticLocalPods
-from gputopo.agent.publisher import Publisher
 from gputopo.agent.runner import Agent
 from gputopo.model import (
     DEFAULT_NAMESPACE,

@@ -60,7 +60,7 @@ from gputopo.localcluster import (
     network_labels,
     pod_manifest,
 )
-from gputopo.localcluster.controllers import JobControllers, controllers_missing, find_controllers_dir
+from gputopo.localcluster.jobcontrollers import JobControllers, controllers_missing, find_controllers_dir
 from gputopo.localcluster.manifests import pod_webhook_manifest
 from gputopo.localcluster.procstats import cpu_snapshot
 from gputopo.localcluster.stack import Stack

@@ -44,7 +44,7 @@ from gputopo.localcluster import (
     parse_flag_map,
 )
 from gputopo.localcluster.binaries import kubernetes_version
-from gputopo.localcluster.controllers import JobControllers, controllers_missing, find_controllers_dir
+from gputopo.localcluster.jobcontrollers import JobControllers, controllers_missing, find_controllers_dir
 from gputopo.localcluster.stack import GpuNode, Stack
 
 MakeNodes = Callable[[Sequence[SimNode]], list[str]]

@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from gputopo.agent.publish import PublishResult
-from gputopo.agent.publisher import KubeNodeApi, Publisher
+from gputopo.agent.confirmedwrite import PublishResult
+from gputopo.agent.nodepublisher import KubeNodeApi, Publisher
 from gputopo.kube import Kube
 from gputopo.localcluster import ControlPlane, KubeClient, SimNode
 from gputopo.model import LABEL_NVLINK_FABRIC, LABEL_NVSWITCH

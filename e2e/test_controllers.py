@@ -1,6 +1,6 @@
 """The real job controllers place their pods with gputopo: JobSet, LeaderWorkerSet, Kueue and Kubeflow Trainer,
 built from their Go modules (``gputopo/localcluster/build_controllers.sh``), each with its own admission
-webhooks (``gputopo.localcluster.controllers``). Objects are written as users submit them: whatever the
+webhooks (``gputopo.localcluster.jobcontrollers``). Objects are written as users submit them: whatever the
 controllers and their webhooks add, they add here for real; gputopo-scheduler then binds the pods.
 """
 
@@ -24,7 +24,7 @@ from gputopo.localcluster import (
     pod_manifest,
 )
 from gputopo.localcluster.controllermanifests import KUEUE_MANAGED_LABEL, KUEUE_MANAGED_VALUE, start_order
-from gputopo.localcluster.controllers import JobControllers, controllers_missing
+from gputopo.localcluster.jobcontrollers import JobControllers, controllers_missing
 from gputopo.localcluster.stack import GpuNode, Stack
 from gputopo.model import LABEL_NETWORK_LEAF, LABEL_NETWORK_SPINE, PLACEMENT_ANNOTATION, parse_placement
 

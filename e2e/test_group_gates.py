@@ -17,7 +17,7 @@ import workloads as wl
 from conftest import StackNodes, serve
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeApiError, KubeClient, pod_manifest
 from gputopo.localcluster.controllermanifests import start_order
-from gputopo.localcluster.controllers import JobControllers, controllers_missing
+from gputopo.localcluster.jobcontrollers import JobControllers, controllers_missing
 from gputopo.localcluster.manifests import pod_webhook_manifest
 from gputopo.localcluster.promstats import http_get
 from gputopo.localcluster.stack import GpuNode, Stack

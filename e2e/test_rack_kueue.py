@@ -38,7 +38,7 @@ from test_rack import CAP_LABEL, DEGRADED, RACKS, Gang, rack_of, tray_topology
 
 from gputopo.localcluster import KubeApiError, KubeClient
 from gputopo.localcluster.controllermanifests import start_order
-from gputopo.localcluster.controllers import JobControllers, controllers_missing
+from gputopo.localcluster.jobcontrollers import JobControllers, controllers_missing
 from gputopo.model import LABEL_NETWORK_SPINE, PLACEMENT_ANNOTATION, parse_placement
 
 pytestmark = pytest.mark.e2e

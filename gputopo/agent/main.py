@@ -27,15 +27,15 @@ from gputopo.agent.backends import (
     TopologyBackend,
     make_backend,
 )
+from gputopo.agent.confirmedwrite import PublishResult
 from gputopo.agent.deviceplugin.devices import MigModeError
 from gputopo.agent.deviceplugin.plugin import DevicePlugin, PluginConfig, TopologyTap
 from gputopo.agent.dra.plugin import DraConfig, DraPlugin
 from gputopo.agent.dra.slices import KubeSliceApi
 from gputopo.agent.metrics import AgentMetrics
+from gputopo.agent.nodepublisher import KubeNodeApi, NodeApi, Publisher
 from gputopo.agent.nvml_backend import NvmlLib, NvmlUnavailableError
 from gputopo.agent.pods import KubeLocalPods, KubePodSource, LocalPods, StaticLocalPods
-from gputopo.agent.publish import PublishResult
-from gputopo.agent.publisher import KubeNodeApi, NodeApi, Publisher
 from gputopo.agent.runner import Agent
 from gputopo.agent.settings import (
     PROG,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from gputopo.agent.publish import PublishResult
+from gputopo.agent.confirmedwrite import PublishResult
 
 
 class AgentMetrics:

@@ -2,7 +2,7 @@
 
 Discovery only returns data; each cycle then publishes openly: the Node's metadata and, in DRA mode,
 the DRA driver's update (its devices, then its ResourceSlice). Both write only on change
-(`gputopo.agent.publish`).
+(`gputopo.agent.confirmedwrite`).
 
 Time and stopping are injected (a clock and a stop signal such as threading.Event), so tests and the benchmark run the
 loop fast and deterministically; SIGTERM sets the event and the loop ends at its next wait.
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gputopo.agent.backends import BackendError, InUseError, InUseSource, TopologyBackend
+from gputopo.agent.confirmedwrite import PublishResult
 from gputopo.agent.metrics import AgentMetrics
-from gputopo.agent.publish import PublishResult
-from gputopo.agent.publisher import Publisher
+from gputopo.agent.nodepublisher import Publisher
 from gputopo.model import GpusInUse, NodeTopology
 
 log = logging.getLogger(__name__)

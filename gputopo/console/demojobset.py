@@ -64,7 +64,7 @@ def jobset_part(
 ) -> None:
     """Build (once) and start the JobSet controller, submit the JobSet, report its pods by rank."""
     from gputopo.localcluster import ControlPlaneError
-    from gputopo.localcluster.controllers import JobControllers, ensure_controllers
+    from gputopo.localcluster.jobcontrollers import JobControllers, ensure_controllers
 
     say(
         "\n== a JobSet through the real JobSet controller, no gputopo annotation: "

@@ -10,7 +10,6 @@ controllers (JobSet, LeaderWorkerSet, Kueue, Kubeflow Trainer) by ``build_contro
 """
 
 from gputopo.localcluster.binaries import BUILD_SCRIPT, BinariesError, ensure_binaries, expected_bin_dir, find_binaries
-from gputopo.localcluster.controllers import JobControllers, find_controllers_dir
 from gputopo.localcluster.controlplane import (
     APISERVER,
     CONTROLLER_MANAGER,
@@ -26,6 +25,7 @@ from gputopo.localcluster.controlplane import (
     scheduler_configuration,
 )
 from gputopo.localcluster.featureflags import FlagError, parse_flag_map
+from gputopo.localcluster.jobcontrollers import JobControllers, find_controllers_dir
 from gputopo.localcluster.kube import (
     NODE_NAME_EXTRA,
     TEST_LABEL,

@@ -5,7 +5,7 @@ Trainer v2 TrainJob, a LeaderWorkerSet group, a Kueue pod group)
 is a gputopo group member without any `gputopo.io/` annotation. `infer_group` reads the group's
 identity, its size and the member's rank (its stage: placement order) from the pod's labels and
 annotations, and, where the labels do not carry the size, from what the controller's objects say
-(`ControllerFacts`, read by the caller). The controllers are one table, `gputopo.model.controllers`.
+(`ControllerFacts`, read by the caller). The controllers are one table, `gputopo.model.joblabels`.
 The annotations `gputopo.io/group`, `group-size` and `stage`, where present, override what is inferred
 (`gputopo.model.request.parse_pod_request`).
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from gputopo.model.controllers import (
+from gputopo.model.joblabels import (
     CONTROLLERS,
     INDEX,
     JOB_COMPLETION_INDEX,

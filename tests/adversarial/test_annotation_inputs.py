@@ -19,7 +19,7 @@ from gputopo.engine.gang.plan import GroupFailure, GroupPlan
 from gputopo.engine.gang.rack import LABEL_DOMAIN_CAP
 from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.model import AnnotationError, LabelError, Placement, parse_placement, parse_pod_request
-from gputopo.model.controllers import index
+from gputopo.model.joblabels import index
 from gputopo.model.names import OPERATOR_LABEL_KEYS, PLACEMENT_ANNOTATION
 from gputopo.model.topology import parse_topology
 from gputopo.systems import build_system

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from gputopo.agent.publisher import LeaseSpec, NodeMeta
+from gputopo.agent.nodepublisher import LeaseSpec, NodeMeta
 from gputopo.kube import KubeError
 
 

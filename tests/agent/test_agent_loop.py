@@ -10,7 +10,7 @@ import pytest
 
 from gputopo.agent.backends import FileBackend, InUseFile
 from gputopo.agent.metrics import AgentMetrics
-from gputopo.agent.publisher import Publisher
+from gputopo.agent.nodepublisher import Publisher
 from gputopo.agent.runner import Agent
 from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,

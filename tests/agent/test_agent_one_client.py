@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from gputopo.agent.main import AgentKube, make_local_pods
+from gputopo.agent.nodepublisher import KubeNodeApi
 from gputopo.agent.pods import KubeLocalPods
-from gputopo.agent.publisher import KubeNodeApi
 from gputopo.agent.settings import load_settings
 from tests.kube.test_kube_layer import FakeApiServer, Reply, write_kubeconfig
 

@@ -8,8 +8,8 @@ from typing import Any, cast
 
 import pytest
 
+from gputopo.agent.confirmedwrite import PublishResult
 from gputopo.agent.dra.slices import KubeSliceApi, SlicePublisher, comparable, desired_spec, slice_name, wire_attribute
-from gputopo.agent.publish import PublishResult
 from gputopo.engine.dra.devices import DRIVER
 from gputopo.kube import Kube, KubeError
 from gputopo.model import Health, NodeTopology

@@ -26,7 +26,7 @@ from gputopo.localcluster.controllermanifests import (
     webhook_configurations,
     with_conversion,
 )
-from gputopo.localcluster.controllers import BUILD_CONTROLLERS_SCRIPT, controllers_missing
+from gputopo.localcluster.jobcontrollers import BUILD_CONTROLLERS_SCRIPT, controllers_missing
 from tests.paths import REPO
 
 CA = b"-----BEGIN CERTIFICATE-----\nabc\n-----END CERTIFICATE-----\n"

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from gputopo.model import AnnotationError, ControllerFacts, JobShape, infer_group
 from gputopo.model import jobs as J
-from gputopo.model.controllers import ExclusiveJobs
+from gputopo.model.joblabels import ExclusiveJobs
 
 LEAF = "gputopo.io/network-leaf"
 

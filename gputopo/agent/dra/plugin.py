@@ -23,12 +23,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from gputopo.agent.confirmedwrite import PublishResult
 from gputopo.agent.dra.cdi import DEFAULT_CDI_DIR, CdiWriter
 from gputopo.agent.dra.checkpoint import CHECKPOINT_NAME, Checkpoint
 from gputopo.agent.dra.driver import ClaimReader, DraDriver
 from gputopo.agent.dra.server import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR, DraServer, plugin_dir
 from gputopo.agent.dra.slices import SliceApi, SlicePublisher
-from gputopo.agent.publish import PublishResult
 from gputopo.agent.sysfs import pci_path
 from gputopo.engine.dra.devices import DRIVER
 from gputopo.model import NodeTopology

@@ -12,7 +12,7 @@ With `best_fit_order` the devices are listed so that the allocator's first fit i
 (`gputopo.engine.dra.order`, from the GPUs the node's prepared claims hold) and the order is part of
 what is compared: a change of the GPUs in use that changes the order costs one write.
 
-Zero writes in steady state (`gputopo.agent.publish`'s rules; `SliceTarget` is this object's part):
+Zero writes in steady state (`gputopo.agent.confirmedwrite`'s rules; `SliceTarget` is this object's part):
 the desired slice is compared with the API server's, as values (a
 quantity the server rewrote as `80Gi` equals our `81920Mi`; a taint's `timeAdded` is the server's).
 What the server made of our last write is remembered too, so a field it drops (a gate that is off)
@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from gputopo.agent.publish import Confirmed, PublishResult, retry_write
+from gputopo.agent.confirmedwrite import Confirmed, PublishResult, retry_write
 from gputopo.engine.dra.devices import DRIVER, Device, devices
 from gputopo.kube import JSON, RESOURCESLICES, Backoff, Kube, node_path, retry
 from gputopo.model import NodeTopology, parse_quantity
@@ -249,7 +249,7 @@ class SliceTarget:
 
 
 class SlicePublisher:
-    """This node's ResourceSlice, published through `gputopo.agent.publish.Confirmed`."""
+    """This node's ResourceSlice, published through `gputopo.agent.confirmedwrite.Confirmed`."""
 
     def __init__(
         self,

@@ -1,7 +1,7 @@
 """The ledger's pods by UID, and beside them the pods that name each controller object (a Job, a JobSet, a
 PodGroup): a controller's event infers again only the pods that read it, not every pod of its namespace.
 
-A pod's inference reads the facts of exactly the objects its record names (`gputopo.model.controllers`: a
+A pod's inference reads the facts of exactly the objects its record names (`gputopo.model.joblabels`: a
 Job's pods read the Job by `batch.kubernetes.io/job-name`, a JobSet's read its Jobs by
 `jobset.sigs.k8s.io/jobset-name`, a PodGroup member its PodGroup by `spec.schedulingGroup.podGroupName`),
 so the pods indexed under an object are all the pods whose inference it can change. The index is kept on
@@ -23,8 +23,8 @@ from typing import TypeVar, overload
 from gputopo.extender.state.records import PodRecord
 from gputopo.extender.state.reservations import GroupKey
 from gputopo.model import SCHEDULER_NAME
-from gputopo.model.controllers import JOB_NAME, JOBSET_NAME
 from gputopo.model.gates import GROUP_GATE
+from gputopo.model.joblabels import JOB_NAME, JOBSET_NAME
 
 ControllerRef = tuple[str, str, str]  # (namespace, "job" | "jobset" | "podgroup", name)
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Protocol
 
+from gputopo.agent.confirmedwrite import Confirmed, PublishResult
 from gputopo.agent.labels import node_labels
-from gputopo.agent.publish import Confirmed, PublishResult
 from gputopo.kube import Backoff, Kube, KubeError, lease_path, micro_time, node_path, retry, short_error
 from gputopo.model import (
     AGENT_COMPONENT,

@@ -1,4 +1,4 @@
-"""The one publisher (`gputopo.agent.publish.Confirmed`): write only what differs, confirm, re-verify.
+"""The one publisher (`gputopo.agent.confirmedwrite.Confirmed`): write only what differs, confirm, re-verify.
 
 First over a fake target, table-driven; then the same rules through its two real targets, the Node's
 metadata (`Publisher`) and the ResourceSlice (`SlicePublisher`)."""
@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from gputopo.agent.backends import NoneInUse
+from gputopo.agent.confirmedwrite import CONFLICT_TRIES, Confirmed, PublishResult, retry_write
 from gputopo.agent.dra.slices import SlicePublisher, slice_name
 from gputopo.agent.metrics import AgentMetrics
-from gputopo.agent.publish import CONFLICT_TRIES, Confirmed, PublishResult, retry_write
-from gputopo.agent.publisher import NodeMeta, NodeMetaTarget, Publisher
+from gputopo.agent.nodepublisher import NodeMeta, NodeMetaTarget, Publisher
 from gputopo.agent.runner import Agent
 from gputopo.kube import Backoff, KubeError
 from gputopo.model import Health, NodeTopology

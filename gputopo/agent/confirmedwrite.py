@@ -1,6 +1,6 @@
 """One way to publish an object to the API server: write only when it differs, confirm, re-verify.
 
-The agent publishes two objects this way, its Node's metadata (`gputopo.agent.publisher`) and, in DRA
+The agent publishes two objects this way, its Node's metadata (`gputopo.agent.nodepublisher`) and, in DRA
 mode, its ResourceSlice (`gputopo.agent.dra.slices`); each is a small `Target`. A `Confirmed` publisher
 remembers the desired value the API server is known to hold: an unchanged desired value costs no API
 call at all until `reverify_s` passes or `reverify()` asks for reads (then a read repairs external

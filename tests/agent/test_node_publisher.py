@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from gputopo.agent.confirmedwrite import PublishResult
 from gputopo.agent.labels import node_labels
-from gputopo.agent.publish import PublishResult
-from gputopo.agent.publisher import (
+from gputopo.agent.nodepublisher import (
     LeaseSpec,
     Publisher,
     desired_metadata,
@@ -195,7 +195,7 @@ def test_a_node_without_the_fabric_label_gets_no_patch_to_remove_it() -> None:
 
 
 def test_metadata_changes_ignores_foreign_labels() -> None:
-    from gputopo.agent.publisher import NodeMeta
+    from gputopo.agent.nodepublisher import NodeMeta
 
     current = NodeMeta(annotations={}, labels={"gputopo.io/network-spine": "a"})
     ann, lab = metadata_changes(current, {}, {"gputopo.io/network-spine": "b", LABEL_RDMA: "none"})
@@ -341,7 +341,7 @@ def test_release_lease_failure_is_reported_not_raised(stopping: bool, calls: int
 def test_kube_node_api_deletes_the_lease_only_at_the_version_it_read(
     tmp_path: Path, stored_renew: str, expected: list[str]
 ) -> None:
-    from gputopo.agent.publisher import KubeNodeApi
+    from gputopo.agent.nodepublisher import KubeNodeApi
     from tests.kube.test_kube_layer import FakeApiServer, Reply, write_kubeconfig
 
     server = FakeApiServer()
