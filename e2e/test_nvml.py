@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from workloads import bound_after_nudges
 
 from conftest import StackNodes
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from gputopo.localcluster.kube import WaitTimeout
 from gputopo.localcluster.kubelet import kubelet_unavailable
 from gputopo.localcluster.nvmlmock import Profile, profile_for_system
 from gputopo.localcluster.stack import GpuNode, Stack
@@ -66,22 +66,6 @@ def placed(kube: KubeClient, ns: str, pod: str, node: str, timeout: float = 60) 
     assert kube.wait_pod_bound(ns, pod, timeout=timeout) == node
     p = parse_placement(kube.get_pod(ns, pod)["metadata"]["annotations"][PLACEMENT_ANNOTATION])
     return tuple(sorted(p.gpus))
-
-
-def bound_after_nudges(kube: KubeClient, ns: str, pod: str, node: str, *, timeout: float = 90) -> str:
-    """Until `pod` is bound, touching `node`'s labels every few seconds: kube-scheduler retries a pod an
-    extender refused only on a cluster event, and the one the agent's repair made may reach it before
-    the extender's watch has the repaired topology (e2e/test_scheduling.py says more)."""
-    deadline = time.monotonic() + timeout
-    touch = 0
-    while True:
-        touch += 1
-        kube.patch_node(node, {"metadata": {"labels": {"e2e.gputopo.io/nudge": str(touch)}}})
-        try:
-            return kube.wait_pod_bound(ns, pod, timeout=min(3.0, max(0.1, deadline - time.monotonic())))
-        except WaitTimeout:
-            if time.monotonic() >= deadline:
-                raise
 
 
 def published(kube: KubeClient, node: str) -> NodeTopology:
@@ -180,7 +164,7 @@ def break_and_repair(
     # Repaired under the running agent: published within a poll, and the waiting pod takes the quad.
     stack.set_nvml_profile(node, healthy)
     wait_published(kube, node, "the repair", lambda t: t.gpus == want.gpus and not t.degraded_links)
-    assert bound_after_nudges(kube, ns, second, node) == node
+    assert bound_after_nudges(kube, ns, second, node, timeout=90) == node
     assert placed(kube, ns, second, node) == other
 
 

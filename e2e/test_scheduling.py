@@ -13,10 +13,11 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from workloads import bound_after_nudges
 
 from conftest import StackNodes
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from gputopo.localcluster.kube import KubeApiError, WaitTimeout
+from gputopo.localcluster.kube import KubeApiError
 from gputopo.localcluster.manifests import pod_webhook_manifest
 from gputopo.localcluster.stack import GpuNode, Stack
 from gputopo.model import (
@@ -63,26 +64,6 @@ def placement(kube: KubeClient, ns: str, pod: str) -> tuple[str, list[int], str]
     p = parse_placement(ann[PLACEMENT_ANNOTATION])
     assert p.node == node
     return node, list(p.gpus), p.reason
-
-
-def bound_after_nudges(kube: KubeClient, ns: str, pod: str, node: str, *, timeout: float = 60) -> str:
-    """Until `pod` is bound, touching `node`'s labels every few seconds.
-
-    kube-scheduler retries a pod that an extender refused only on a cluster event (or after its
-    5-minute unschedulable flush). On a real node the agent's next Node update is that event, once
-    the freed GPUs or the renewed Lease reach it. These nodes have no kubelet and report nothing new,
-    and the extender's watch can lag behind the scheduler's: a retry may come before the extender
-    has seen the change. Each touch is a new event and a new retry, until the extender has caught up."""
-    deadline = time.monotonic() + timeout
-    touch = 0
-    while True:
-        touch += 1
-        kube.patch_node(node, {"metadata": {"labels": {"e2e.gputopo.io/nudge": str(touch)}}})
-        try:
-            return kube.wait_pod_bound(ns, pod, timeout=min(3.0, max(0.1, deadline - time.monotonic())))
-        except WaitTimeout:
-            if time.monotonic() >= deadline:
-                raise
 
 
 def described(kube: KubeClient, ns: str, pod: str) -> str:

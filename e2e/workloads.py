@@ -10,10 +10,12 @@ controller itself.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from gputopo.localcluster import KubeClient
+from gputopo.localcluster.kube import WaitTimeout
 
 JSON = dict[str, Any]
 
@@ -161,3 +163,23 @@ def wait_gone(kube: KubeClient, namespace: str, selector: str, *, timeout: float
         f"no pods matching {selector!r} in {namespace}",
         lambda: ", ".join(p["metadata"]["name"] for p in kube.list_pods(namespace, label_selector=selector)),
     )
+
+
+def bound_after_nudges(kube: KubeClient, ns: str, pod: str, node: str, *, timeout: float = 60) -> str:
+    """Until `pod` is bound, touching `node`'s labels every few seconds.
+
+    kube-scheduler retries a pod that an extender refused only on a cluster event (or after its
+    5-minute unschedulable flush). On a real node the agent's next Node update is that event, once
+    the freed GPUs or the renewed Lease reach it. These nodes have no kubelet and report nothing new,
+    and the extender's watch can lag behind the scheduler's: a retry may come before the extender
+    has seen the change. Each touch is a new event and a new retry, until the extender has caught up."""
+    deadline = time.monotonic() + timeout
+    touch = 0
+    while True:
+        touch += 1
+        kube.patch_node(node, {"metadata": {"labels": {"e2e.gputopo.io/nudge": str(touch)}}})
+        try:
+            return kube.wait_pod_bound(ns, pod, timeout=min(3.0, max(0.1, deadline - time.monotonic())))
+        except WaitTimeout:
+            if time.monotonic() >= deadline:
+                raise
