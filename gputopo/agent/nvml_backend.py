@@ -31,6 +31,7 @@ from pydantic import ValidationError
 
 from gputopo.agent.nvml_health import COUNTERS, HealthTracker, LinkCounters
 from gputopo.agent.nvml_topology import (
+    BUS_ID,
     DEVICE_TYPE_GPU,
     FABRIC_STATE_COMPLETED,
     NVML_SUCCESS,
@@ -50,7 +51,9 @@ from gputopo.agent.nvml_topology import (
 )
 from gputopo.agent.sysfs import pci_numa_node
 from gputopo.model import (
+    MAX_GPUS_PER_NODE,
     MAX_NAME_LENGTH,
+    MAX_NVLINKS,
     MAX_TEXT_LENGTH,
     FabricHealth,
     Health,
@@ -74,12 +77,16 @@ MIB = 1024 * 1024
 P2P_CAPS_INDEX_NVLINK = 2
 P2P_STATUS_OK = 0
 
-# Not a link count: only stops a faulty library that never rejects a link index from looping forever.
-_LINK_SCAN_GUARD = 128
+# A P2P failure's own words are cut shorter than a reason, so the sentence around them fits too.
+_MAX_P2P_DETAIL = MAX_TEXT_LENGTH // 2
 
 
 class NvmlUnavailableError(RuntimeError):
     """NVML cannot be used on this machine (no driver, no library, no permission)."""
+
+
+class NvmlDiscoveryError(RuntimeError):
+    """NVML answered something no node can be built from (a GPU count past the model's bound)."""
 
 
 class NvmlLib(Protocol):
@@ -144,8 +151,8 @@ def _first_error(e: ValidationError) -> str:
     return f"{where}: {err['msg']}" if where else str(err["msg"])
 
 
-def _clip(text: str) -> str:
-    return text if len(text) <= MAX_TEXT_LENGTH else text[: MAX_TEXT_LENGTH - 1] + "…"
+def _clip(text: str, limit: int = MAX_TEXT_LENGTH) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 class NvmlAdapter:
@@ -206,7 +213,17 @@ class NvmlAdapter:
         self._notes = []
         self._handles = {}
         now = self._clock()
-        gpus = [self._read_gpu(i, now) for i in range(self._lib.nvmlDeviceGetCount())]
+        count = int(self._lib.nvmlDeviceGetCount())
+        if not 0 <= count <= MAX_GPUS_PER_NODE:
+            # Checked before any GPU is read: a driver answering 2^32-1 would otherwise cost that many
+            # calls per poll, to publish nothing the model admits.
+            raise NvmlDiscoveryError(f"NVML reports {count} GPUs; a node has at most {MAX_GPUS_PER_NODE}")
+        gpus = [self._read_gpu(i, now) for i in range(count)]
+        # Only the GPUs there now are remembered: UUIDs that change (a driver's garbage, GPUs swapped
+        # without end) must not grow the link history or the last-read identities poll after poll.
+        self._tracker.keep_only({g.uuid for g in gpus})
+        self._uuids = {i: u for i, u in self._uuids.items() if i < count}
+        self._buses = {i: b for i, b in self._buses.items() if i < count}
         topology = assemble(gpus, self._tracker.ever_active)
         topology = with_p2p_faults(topology, self._p2p_faults(topology))
         return NvmlDiscovery(topology=topology, notes=tuple(dict.fromkeys(self._notes)))
@@ -226,7 +243,7 @@ class NvmlAdapter:
             except self._lib.NVMLError_GpuIsLost:
                 continue  # the GPU is failed by its own reading next cycle; the pair says nothing more
             except Exception as e:  # any other NVML error, or a binding's type error: unknown, never healthy
-                faults[(i, j)] = f"could not be checked ({type(e).__name__}: {e})"
+                faults[(i, j)] = _clip(f"could not be checked ({type(e).__name__}: {e})", _MAX_P2P_DETAIL)
                 continue
             if status != P2P_STATUS_OK:
                 faults[(i, j)] = (
@@ -242,8 +259,12 @@ class NvmlAdapter:
             self._handles[index] = h
             gpu.uuid = str(lib.nvmlDeviceGetUUID(h))
             # The bus first: a GPU that fails later in its reading is still found at the far end of its
-            # peers' NVLinks, so they are not taken for links to an NVSwitch.
-            gpu.bus_id = normalize_bus_id(lib.nvmlDeviceGetPciInfo(h).busId)
+            # peers' NVLinks, so they are not taken for links to an NVSwitch. Only in BDF form: it is
+            # joined into sysfs paths and published, so a path or garbage fails this GPU instead.
+            bus_id = normalize_bus_id(lib.nvmlDeviceGetPciInfo(h).busId)
+            if not BUS_ID.fullmatch(bus_id):
+                raise ValueError(f"PCI bus id {bus_id[:64]!r} is not domain:bus:device.function")
+            gpu.bus_id = bus_id
             gpu.model = str(lib.nvmlDeviceGetName(h))
             gpu.memory_mib = int(lib.nvmlDeviceGetMemoryInfo(h).total) // MIB
             gpu.numa = self._numa(h, gpu.bus_id)
@@ -253,7 +274,7 @@ class NvmlAdapter:
         except lib.NVMLError as e:
             # GpuIsLost, Unknown and the like: the GPU must not get work; say why.
             gpu.health = Health.FAILED
-            gpu.reasons.append(f"NVML error: {e} ({type(e).__name__})")
+            gpu.reasons.append(_clip(f"NVML error: {e} ({type(e).__name__})"))
             gpu.uuid = gpu.uuid or self._uuids.get(index, "")
             gpu.bus_id = gpu.bus_id or self._buses.get(index, "")
             log.error("GPU discovery failed", extra={"gpu": index, "error": str(e)})
@@ -300,13 +321,16 @@ class NvmlAdapter:
 
     def _read_links(self, h: Any, gpu: GpuReading, now: float) -> None:
         lib = self._lib
-        for link in range(_LINK_SCAN_GUARD):
+        for link in range(MAX_NVLINKS + 1):
             try:
                 state = lib.nvmlDeviceGetNvLinkState(h, link)
             except self._absent as e:
                 if link == 0:
                     self._notes.append(f"NVLink: {type(e).__name__.removeprefix('NVMLError_')}")
                 break  # past the last link (InvalidArgument) or no NVLink at all (NotSupported)
+            if link == MAX_NVLINKS:
+                # A library that never rejects a link index: stop, and trust none of this GPU's reading.
+                raise ValueError(f"NVML reports more than {MAX_NVLINKS} NVLinks")
             entry = LinkReading(index=link, active=state == FEATURE_ENABLED)
             gpu.links.append(entry)
             if not entry.active:
