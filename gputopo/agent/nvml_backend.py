@@ -237,9 +237,13 @@ class NvmlAdapter:
                 status = int(
                     self._lib.nvmlDeviceGetP2PStatus(self._handles[i], self._handles[j], P2P_CAPS_INDEX_NVLINK)
                 )
-            except self._absent as e:
+            except self._lib.NVMLError_FunctionNotFound as e:
                 self._notes.append(f"NVLink P2P status: {type(e).__name__.removeprefix('NVMLError_')}")
                 return {}  # an older driver: nothing checked, nothing claimed
+            except self._absent as e:
+                # This pair only: one GPU that refuses the call must not hide another pair's dead link.
+                self._notes.append(f"NVLink P2P status: {type(e).__name__.removeprefix('NVMLError_')}")
+                continue
             except self._lib.NVMLError_GpuIsLost:
                 continue  # the GPU is failed by its own reading next cycle; the pair says nothing more
             except Exception as e:  # any other NVML error, or a binding's type error: unknown, never healthy
