@@ -7,6 +7,7 @@ Every bound is a count or a size (calls, entries, bytes), never a time.
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import os
 import stat
@@ -179,6 +180,49 @@ def test_many_rereads_of_changing_profiles_do_not_grow_memory(tmp_path: Path) ->
     )
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout) < 2048  # KiB over 1000 re-reads: one profile leaked would be ~600
+
+
+_RACE = """
+import ctypes, os, sys, threading
+lib = ctypes.CDLL(sys.argv[1])
+path, one, eight = sys.argv[2], sys.argv[3], sys.argv[4]
+count = ctypes.c_uint(0)
+def put(text, tmp):
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+put(one, path + ".w")
+lib.nvmlInit_v2()
+def writer():
+    for i in range(400):
+        put(eight if i % 2 else one, path + ".w")
+t = threading.Thread(target=writer)
+t.start()
+seen = set()
+while t.is_alive():
+    rc = lib.nvmlDeviceGetCount_v2(ctypes.byref(count))
+    seen.add((rc, count.value if rc == 0 else None))
+t.join()
+print(sorted(seen))
+"""
+
+
+def test_a_profile_renamed_over_while_read_is_seen_whole_old_or_whole_new(tmp_path: Path) -> None:
+    one = (HEADER + GOOD_GPU).decode()
+    eight = (HEADER + b"".join(b"gpu %d\nuuid GPU-%d\n" % (i, i) for i in range(8))).decode()
+    lib = build_library() / LIBRARY_NAME
+    path = tmp_path / "p"
+    proc = subprocess.run(
+        [sys.executable, "-c", _RACE, str(lib), str(path), one, eight],
+        env={**os.environ, PROFILE_ENV: str(path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert set(ast.literal_eval(proc.stdout)) <= {(0, 1), (0, 8)}  # never a half-read profile, never an error
+    assert "libnvidia-ml" not in proc.stderr
 
 
 # --------------------------------------------------------------------------------------------------
@@ -489,3 +533,22 @@ def test_odd_fabric_info_stays_within_the_model(
         assert got.fabric.clique.endswith(f".{clique}")
     if status:
         assert all(g.health is not Health.OK for g in got.gpus)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        pytest.param(3, id="NotSupported for one GPU's pairs: the other pairs are still checked"),
+        pytest.param(2, id="InvalidArgument for one GPU's pairs: the other pairs are still checked"),
+    ],
+)
+def test_one_gpu_refusing_the_p2p_call_hides_no_other_pairs_fault(code: int, node: Node) -> None:
+    profile = profile_for_system("dgx-a100")
+    profile.gpus[0].fails["nvmlDeviceGetP2PStatus"] = code
+    profile.gpus[2].p2p[5] = P2P_NOT_SUPPORTED
+    profile.gpus[5].p2p[2] = P2P_NOT_SUPPORTED
+    node.write(profile)
+    got = _discover(node)
+    assert got.gpus[2].health is Health.DEGRADED and got.gpus[5].health is Health.DEGRADED
+    assert "NVLink peer-to-peer to GPU 5 not working" in got.gpus[2].reasons[0]
+    assert got.nvlink == expected("dgx-a100").nvlink
