@@ -552,3 +552,42 @@ def test_one_gpu_refusing_the_p2p_call_hides_no_other_pairs_fault(code: int, nod
     assert got.gpus[2].health is Health.DEGRADED and got.gpus[5].health is Health.DEGRADED
     assert "NVLink peer-to-peer to GPU 5 not working" in got.gpus[2].reasons[0]
     assert got.nvlink == expected("dgx-a100").nvlink
+
+
+def test_two_gpus_claiming_one_bus_id_are_failed_and_invent_no_links(node: Node) -> None:
+    profile = profile_for_system("dgx-1v")
+    profile.gpus[1].bus = profile.gpus[2].bus
+    node.write(profile)
+    got = _discover(node)
+    assert [got.gpus[i].health for i in (1, 2)] == [Health.FAILED, Health.FAILED]
+    assert all(any("PCI bus id" in r for r in got.gpus[i].reasons) for i in (1, 2))
+    buses = [g.pci_bus_id for g in got.gpus if g.pci_bus_id]
+    assert len(buses) == len(set(buses))  # never one bus published for two GPUs
+    assert not got.nvlink.nvswitch
+    want = expected("dgx-1v").nvlink.links
+    others = [i for i in range(8) if i not in (1, 2)]
+    assert all(got.nvlink.links[i][j] == want[i][j] for i in others for j in others)
+
+
+def test_a_maximal_node_costs_calls_bounded_by_its_gpus_and_links(pynvml: Any, node: Node) -> None:
+    """64 GPUs of 64 Active links each, to NVSwitches: the calls of one discovery stay within a fixed
+    number per GPU, per link and per NVLink pair (the CPU per discovery, counted, not timed)."""
+    from gputopo.localcluster.nvmlmock import GpuSpec, LinkSpec
+
+    gpus = [
+        GpuSpec(
+            uuid=f"GPU-{i:08d}-0000-0000-0000-000000000000",
+            name="NVIDIA H100 80GB HBM3",
+            bus=f"00000000:{i + 16:02X}:00.0",
+            memory_bytes=80 << 30,
+            links=[LinkSpec(version=4) for _ in range(MAX_NVLINKS)],
+        )
+        for i in range(64)
+    ]
+    node.write(Profile(gpus=gpus))
+    driver = Driver(pynvml)
+    _adapter(node, driver)
+    got = _discover(node)
+    assert len(got.gpus) == 64 and got.nvlink.links[0][1] == MAX_NVLINKS
+    per_gpu, per_link, pairs = 12, 8, 64 * 63 // 2
+    assert sum(driver.calls.values()) <= 1 + 64 * (per_gpu + MAX_NVLINKS * per_link) + pairs
