@@ -219,7 +219,7 @@ class NvmlAdapter:
             # Checked before any GPU is read: a driver answering 2^32-1 would otherwise cost that many
             # calls per poll, to publish nothing the model admits.
             raise NvmlDiscoveryError(f"NVML reports {count} GPUs; a node has at most {MAX_GPUS_PER_NODE}")
-        gpus = self._unique_buses([self._read_gpu(i, now) for i in range(count)])
+        gpus = self._unique_identities([self._read_gpu(i, now) for i in range(count)])
         # Only the GPUs there now are remembered: UUIDs that change (a driver's garbage, GPUs swapped
         # without end) must not grow the link history or the last-read identities poll after poll.
         self._tracker.keep_only({g.uuid for g in gpus})
@@ -295,20 +295,25 @@ class NvmlAdapter:
         self._buses[index] = gpu.bus_id
         return gpu
 
-    def _unique_buses(self, gpus: list[GpuReading]) -> list[GpuReading]:
-        """`gpus` with every GPU whose PCI bus id another one also reports failed and its bus dropped: which
-        of them lies cannot be told, and a bus published twice would give the peers' links to one GPU to
-        the other (or, unplaced, to an NVSwitch)."""
-        shared = Counter(g.bus_id for g in gpus if g.bus_id)
+    def _unique_identities(self, gpus: list[GpuReading]) -> list[GpuReading]:
+        """`gpus` with every GPU whose PCI bus id or UUID another one also reports failed: which of them lies
+        cannot be told. A shared bus is dropped (published twice it would give the peers' links to one GPU
+        to the other, or unplaced to an NVSwitch); a shared UUID is one device ID for two GPUs, so neither
+        may be handed out."""
+        buses = Counter(g.bus_id for g in gpus if g.bus_id)
+        uuids = Counter(g.uuid for g in gpus if g.uuid)
         out = []
         for g in gpus:
-            if shared[g.bus_id] < 2:
+            field, value = ("PCI bus id", g.bus_id) if buses[g.bus_id] > 1 else ("UUID", g.uuid)
+            if buses[g.bus_id] < 2 and uuids[g.uuid] < 2:
                 out.append(g)
                 continue
-            others = ", ".join(str(o.index) for o in gpus if o.bus_id == g.bus_id and o is not g)
-            why = f"health unknown: PCI bus id {g.bus_id} is also reported by GPU {others}"
-            failed = GpuReading(index=g.index, uuid=g.uuid, health=Health.FAILED, reasons=[_clip(why)])
-            self._buses.pop(g.index, None)  # never republished as this GPU's when it fails later
+            others = ", ".join(str(o.index) for o in gpus if o is not g and value in (o.bus_id, o.uuid))
+            why = f"health unknown: {field} {value} is also reported by GPU {others}"
+            bus = "" if field == "PCI bus id" else g.bus_id
+            failed = GpuReading(index=g.index, uuid=g.uuid, bus_id=bus, health=Health.FAILED, reasons=[_clip(why)])
+            if not bus:
+                self._buses.pop(g.index, None)  # never republished as this GPU's when it fails later
             log.error("GPU discovery failed", extra={"gpu": g.index, "error": why})
             out.append(failed)
         return out
