@@ -591,3 +591,14 @@ def test_a_maximal_node_costs_calls_bounded_by_its_gpus_and_links(pynvml: Any, n
     assert len(got.gpus) == 64 and got.nvlink.links[0][1] == MAX_NVLINKS
     per_gpu, per_link, pairs = 12, 8, 64 * 63 // 2
     assert sum(driver.calls.values()) <= 1 + 64 * (per_gpu + MAX_NVLINKS * per_link) + pairs
+
+
+def test_two_gpus_claiming_one_uuid_are_failed_so_neither_device_is_handed_out(node: Node) -> None:
+    profile = profile_for_system("dgx-a100")
+    profile.gpus[6].uuid = profile.gpus[3].uuid
+    node.write(profile)
+    got = _discover(node)
+    assert [got.gpus[i].health for i in (3, 6)] == [Health.FAILED, Health.FAILED]
+    assert all(any(f"UUID {profile.gpus[3].uuid}" in r for r in got.gpus[i].reasons) for i in (3, 6))
+    want = expected("dgx-a100")
+    assert [got.gpus[i] for i in (0, 1, 2, 4, 5, 7)] == [want.gpus[i] for i in (0, 1, 2, 4, 5, 7)]
