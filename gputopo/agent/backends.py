@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from gputopo.agent.nvml_backend import NvmlAdapter, NvmlLib, load_pynvml
+from gputopo.agent.nvml_backend import NvmlAdapter, NvmlDiscoveryError, NvmlLib, load_pynvml
 from gputopo.agent.sysfs import read_nics
 from gputopo.model import (
     GPU_RESOURCE,
@@ -103,7 +103,10 @@ class NvmlBackend:
         return "nvml"
 
     def discover(self) -> NodeTopology:
-        result = self._adapter.discover()
+        try:
+            result = self._adapter.discover()
+        except NvmlDiscoveryError as e:
+            raise BackendError(str(e)) from None
         for note in result.notes:
             if note not in self._logged_notes:  # once per process: these do not change
                 self._logged_notes.add(note)

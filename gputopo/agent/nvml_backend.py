@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from pydantic import ValidationError
 
 from gputopo.agent.nvml_health import COUNTERS, HealthTracker, LinkCounters
 from gputopo.agent.nvml_topology import (
+    BUS_ID,
     DEVICE_TYPE_GPU,
     FABRIC_STATE_COMPLETED,
     NVML_SUCCESS,
@@ -50,7 +52,9 @@ from gputopo.agent.nvml_topology import (
 )
 from gputopo.agent.sysfs import pci_numa_node
 from gputopo.model import (
+    MAX_GPUS_PER_NODE,
     MAX_NAME_LENGTH,
+    MAX_NVLINKS,
     MAX_TEXT_LENGTH,
     FabricHealth,
     Health,
@@ -74,12 +78,16 @@ MIB = 1024 * 1024
 P2P_CAPS_INDEX_NVLINK = 2
 P2P_STATUS_OK = 0
 
-# Not a link count: only stops a faulty library that never rejects a link index from looping forever.
-_LINK_SCAN_GUARD = 128
+# A P2P failure's own words are cut shorter than a reason, so the sentence around them fits too.
+_MAX_P2P_DETAIL = MAX_TEXT_LENGTH // 2
 
 
 class NvmlUnavailableError(RuntimeError):
     """NVML cannot be used on this machine (no driver, no library, no permission)."""
+
+
+class NvmlDiscoveryError(RuntimeError):
+    """NVML answered something no node can be built from (a GPU count past the model's bound)."""
 
 
 class NvmlLib(Protocol):
@@ -144,8 +152,8 @@ def _first_error(e: ValidationError) -> str:
     return f"{where}: {err['msg']}" if where else str(err["msg"])
 
 
-def _clip(text: str) -> str:
-    return text if len(text) <= MAX_TEXT_LENGTH else text[: MAX_TEXT_LENGTH - 1] + "…"
+def _clip(text: str, limit: int = MAX_TEXT_LENGTH) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 class NvmlAdapter:
@@ -206,7 +214,17 @@ class NvmlAdapter:
         self._notes = []
         self._handles = {}
         now = self._clock()
-        gpus = [self._read_gpu(i, now) for i in range(self._lib.nvmlDeviceGetCount())]
+        count = int(self._lib.nvmlDeviceGetCount())
+        if not 0 <= count <= MAX_GPUS_PER_NODE:
+            # Checked before any GPU is read: a driver answering 2^32-1 would otherwise cost that many
+            # calls per poll, to publish nothing the model admits.
+            raise NvmlDiscoveryError(f"NVML reports {count} GPUs; a node has at most {MAX_GPUS_PER_NODE}")
+        gpus = self._unique_identities([self._read_gpu(i, now) for i in range(count)])
+        # Only the GPUs there now are remembered: UUIDs that change (a driver's garbage, GPUs swapped
+        # without end) must not grow the link history or the last-read identities poll after poll.
+        self._tracker.keep_only({g.uuid for g in gpus})
+        self._uuids = {i: u for i, u in self._uuids.items() if i < count}
+        self._buses = {i: b for i, b in self._buses.items() if i < count}
         topology = assemble(gpus, self._tracker.ever_active)
         topology = with_p2p_faults(topology, self._p2p_faults(topology))
         return NvmlDiscovery(topology=topology, notes=tuple(dict.fromkeys(self._notes)))
@@ -220,13 +238,17 @@ class NvmlAdapter:
                 status = int(
                     self._lib.nvmlDeviceGetP2PStatus(self._handles[i], self._handles[j], P2P_CAPS_INDEX_NVLINK)
                 )
-            except self._absent as e:
+            except self._lib.NVMLError_FunctionNotFound as e:
                 self._notes.append(f"NVLink P2P status: {type(e).__name__.removeprefix('NVMLError_')}")
                 return {}  # an older driver: nothing checked, nothing claimed
+            except self._absent as e:
+                # This pair only: one GPU that refuses the call must not hide another pair's dead link.
+                self._notes.append(f"NVLink P2P status: {type(e).__name__.removeprefix('NVMLError_')}")
+                continue
             except self._lib.NVMLError_GpuIsLost:
                 continue  # the GPU is failed by its own reading next cycle; the pair says nothing more
             except Exception as e:  # any other NVML error, or a binding's type error: unknown, never healthy
-                faults[(i, j)] = f"could not be checked ({type(e).__name__}: {e})"
+                faults[(i, j)] = _clip(f"could not be checked ({type(e).__name__}: {e})", _MAX_P2P_DETAIL)
                 continue
             if status != P2P_STATUS_OK:
                 faults[(i, j)] = (
@@ -242,8 +264,12 @@ class NvmlAdapter:
             self._handles[index] = h
             gpu.uuid = str(lib.nvmlDeviceGetUUID(h))
             # The bus first: a GPU that fails later in its reading is still found at the far end of its
-            # peers' NVLinks, so they are not taken for links to an NVSwitch.
-            gpu.bus_id = normalize_bus_id(lib.nvmlDeviceGetPciInfo(h).busId)
+            # peers' NVLinks, so they are not taken for links to an NVSwitch. Only in BDF form: it is
+            # joined into sysfs paths and published, so a path or garbage fails this GPU instead.
+            bus_id = normalize_bus_id(lib.nvmlDeviceGetPciInfo(h).busId)
+            if not BUS_ID.fullmatch(bus_id):
+                raise ValueError(f"PCI bus id {bus_id[:64]!r} is not domain:bus:device.function")
+            gpu.bus_id = bus_id
             gpu.model = str(lib.nvmlDeviceGetName(h))
             gpu.memory_mib = int(lib.nvmlDeviceGetMemoryInfo(h).total) // MIB
             gpu.numa = self._numa(h, gpu.bus_id)
@@ -253,7 +279,7 @@ class NvmlAdapter:
         except lib.NVMLError as e:
             # GpuIsLost, Unknown and the like: the GPU must not get work; say why.
             gpu.health = Health.FAILED
-            gpu.reasons.append(f"NVML error: {e} ({type(e).__name__})")
+            gpu.reasons.append(_clip(f"NVML error: {e} ({type(e).__name__})"))
             gpu.uuid = gpu.uuid or self._uuids.get(index, "")
             gpu.bus_id = gpu.bus_id or self._buses.get(index, "")
             log.error("GPU discovery failed", extra={"gpu": index, "error": str(e)})
@@ -268,6 +294,29 @@ class NvmlAdapter:
         self._uuids[index] = gpu.uuid
         self._buses[index] = gpu.bus_id
         return gpu
+
+    def _unique_identities(self, gpus: list[GpuReading]) -> list[GpuReading]:
+        """`gpus` with every GPU whose PCI bus id or UUID another one also reports failed: which of them lies
+        cannot be told. A shared bus is dropped (published twice it would give the peers' links to one GPU
+        to the other, or unplaced to an NVSwitch); a shared UUID is one device ID for two GPUs, so neither
+        may be handed out."""
+        buses = Counter(g.bus_id for g in gpus if g.bus_id)
+        uuids = Counter(g.uuid for g in gpus if g.uuid)
+        out = []
+        for g in gpus:
+            field, value = ("PCI bus id", g.bus_id) if buses[g.bus_id] > 1 else ("UUID", g.uuid)
+            if buses[g.bus_id] < 2 and uuids[g.uuid] < 2:
+                out.append(g)
+                continue
+            others = ", ".join(str(o.index) for o in gpus if o is not g and value in (o.bus_id, o.uuid))
+            why = f"health unknown: {field} {value} is also reported by GPU {others}"
+            bus = "" if field == "PCI bus id" else g.bus_id
+            failed = GpuReading(index=g.index, uuid=g.uuid, bus_id=bus, health=Health.FAILED, reasons=[_clip(why)])
+            if not bus:
+                self._buses.pop(g.index, None)  # never republished as this GPU's when it fails later
+            log.error("GPU discovery failed", extra={"gpu": g.index, "error": why})
+            out.append(failed)
+        return out
 
     def _unreadable(self, gpu: GpuReading, why: str) -> GpuReading:
         """What is published for a GPU whose reading failed: its index, UUID and PCI bus (this cycle's, else
@@ -300,13 +349,16 @@ class NvmlAdapter:
 
     def _read_links(self, h: Any, gpu: GpuReading, now: float) -> None:
         lib = self._lib
-        for link in range(_LINK_SCAN_GUARD):
+        for link in range(MAX_NVLINKS + 1):
             try:
                 state = lib.nvmlDeviceGetNvLinkState(h, link)
             except self._absent as e:
                 if link == 0:
                     self._notes.append(f"NVLink: {type(e).__name__.removeprefix('NVMLError_')}")
                 break  # past the last link (InvalidArgument) or no NVLink at all (NotSupported)
+            if link == MAX_NVLINKS:
+                # A library that never rejects a link index: stop, and trust none of this GPU's reading.
+                raise ValueError(f"NVML reports more than {MAX_NVLINKS} NVLinks")
             entry = LinkReading(index=link, active=state == FEATURE_ENABLED)
             gpu.links.append(entry)
             if not entry.active:

@@ -9,7 +9,7 @@ memory; no NVML calls (the adapter in `gputopo.agent.nvml_backend` reads the cou
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 
 # nvmlNvLinkErrorCounter_t values, copied from the C API (stable) rather than read from the binding,
@@ -132,6 +132,12 @@ class HealthTracker:
     baselines: dict[tuple[str, int], dict[str, tuple[float, int]]] = field(default_factory=dict)
     ever_active: set[tuple[str, int]] = field(default_factory=set)
     held: dict[tuple[str, int], _HeldVerdict] = field(default_factory=dict)
+
+    def keep_only(self, uuids: Container[str]) -> None:
+        """Forget every link of a GPU not in `uuids` (those there now), so the state stays per link present."""
+        self.baselines = {k: v for k, v in self.baselines.items() if k[0] in uuids}
+        self.ever_active = {k for k in self.ever_active if k[0] in uuids}
+        self.held = {k: v for k, v in self.held.items() if k[0] in uuids}
 
     def observe(self, key: tuple[str, int], counters: LinkCounters, now: float) -> LinkVerdict:
         baseline = self.baselines.setdefault(key, {})

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import re
 import struct
 import uuid
 from collections import Counter
@@ -59,6 +60,10 @@ _NVLINK_VERSION_TO_GENERATION = {1: 1, 2: 2, 3: 2, 4: 3, 5: 3, 6: 4, 7: 5, 8: 6}
 # clusterUuid[16], nvmlReturn_t status, unsigned cliqueId, nvmlGpuFabricState_t state (an unsigned
 # char, padded to 4), unsigned healthMask: 36 bytes, the size in nvmlGpuFabricInfo_v2 = 0x02000024.
 _FABRIC_V2 = struct.Struct("<I16sIIB3xI")
+
+
+# A normalized PCI address, domain:bus:device.function (NVML's domain is 32 bits, sysfs shows 4 digits).
+BUS_ID = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 
 
 def normalize_bus_id(raw: bytes | str) -> str:
@@ -281,7 +286,9 @@ def assemble(gpus: Sequence[GpuReading], ever_active: Container[tuple[str, int]]
             if lk.remote_type == DEVICE_TYPE_IBMNPU:
                 continue  # NVLink to a POWER CPU: no GPU peer
             peer = by_bus.get(lk.remote_bus) if lk.remote_bus else None
-            if lk.remote_type in (DEVICE_TYPE_GPU, None) and peer is not None and peer != g.index:
+            if peer == g.index:
+                continue  # a link that names its own GPU is a driver's garbage: neither a peer nor a switch
+            if lk.remote_type in (DEVICE_TYPE_GPU, None) and peer is not None:
                 # Counted only where both ends see the link (nvlink_matrix), so a link to a failed GPU
                 # whose own links were not read adds nothing to either.
                 direct[g.index][peer] += 1

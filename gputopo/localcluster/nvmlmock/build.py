@@ -3,7 +3,10 @@
 The library lands in `<cache>/nvmlmock/<key>/libnvidia-ml.so.1` (cache: $GPUTOPO_CACHE, else
 $XDG_CACHE_HOME/gputopo, else ~/.cache/gputopo), the key a hash of the source, the compiler command and
 the functions left out, so a changed source rebuilds and a finished build is reused. It is compiled
-beside its final place and renamed there, so concurrent builders never see half a library.
+beside its final place and renamed there, so concurrent builders never see half a library. The agent
+loads what it finds there, so the cache is trusted only where nobody else can write: the folders from
+`<cache>/nvmlmock` down and the library itself must be the user's own, not writable by group or others,
+and the library a plain file (not a link); the cache root may be shared only with the sticky bit.
 `omit` leaves functions out of the library's symbol table: nvidia-ml-py then raises FunctionNotFound
 from its own missing-symbol path, as with an older driver.
 """
@@ -14,6 +17,7 @@ import hashlib
 import os
 import re
 import shutil
+import stat
 import subprocess
 import tempfile
 from collections.abc import Collection
@@ -49,6 +53,24 @@ def _compiler() -> str:
     return cc
 
 
+def _refuse_unless_private(path: Path, *, sticky_ok: bool = False) -> None:
+    """LibraryBuildError unless `path` is a folder or plain file (never a link) that only this user can
+    write: another user's file there would be loaded as libnvidia-ml into the agent."""
+    try:
+        st = path.lstat()
+    except OSError as e:
+        raise LibraryBuildError(f"cannot check the NVML mock cache {path}: {e.strerror or e}") from None
+    if stat.S_ISLNK(st.st_mode) or not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+        raise LibraryBuildError(f"NVML mock cache {path} is not a plain folder or file; remove it")
+    if sticky_ok and st.st_mode & stat.S_ISVTX:
+        return  # a shared root such as /tmp: others cannot rename or replace what this user made there
+    if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise LibraryBuildError(
+            f"NVML mock cache {path} can be written by another user (owner uid {st.st_uid}, mode "
+            f"{stat.S_IMODE(st.st_mode):o}): refusing to load a library from it; use a private GPUTOPO_CACHE"
+        )
+
+
 def build_library(cache: Path | None = None, omit: Collection[str] = ()) -> Path:
     """The directory holding the built `libnvidia-ml.so.1` (built now unless already there)."""
     exported = exported_functions()
@@ -59,11 +81,17 @@ def build_library(cache: Path | None = None, omit: Collection[str] = ()) -> Path
     keep = [f for f in exported if f not in omit]
     script = "{ global: " + " ".join(f"{f};" for f in keep) + " local: *; };\n"
     key = hashlib.sha256("\0".join([SOURCE.read_text(encoding="utf-8"), cc, *_FLAGS, script]).encode()).hexdigest()
-    out_dir = (cache or _cache_root()) / "nvmlmock" / key[:16]
+    root = cache or _cache_root()
+    out_dir = root / "nvmlmock" / key[:16]
     lib = out_dir / LIBRARY_NAME
-    if lib.is_file():
+    root.mkdir(parents=True, exist_ok=True)
+    _refuse_unless_private(root, sticky_ok=True)
+    for folder in (out_dir.parent, out_dir):
+        folder.mkdir(mode=0o700, exist_ok=True)
+        _refuse_unless_private(folder)
+    if lib.exists() or lib.is_symlink():
+        _refuse_unless_private(lib)
         return out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         version_script = Path(tmp) / "exports.map"
         version_script.write_text(script, encoding="utf-8")

@@ -6,17 +6,21 @@
  * fault under a running agent by writing a new file beside it and renaming it over the old one. A
  * profile that cannot be parsed makes every call answer NVML_ERROR_UNKNOWN and says why on stderr,
  * once per version of the file; the last good profile is dropped, never half-replaced.
+ * The file is read whole, only if it is a regular file of at most 4 MiB with no NUL byte (a FIFO,
+ * a device or a runaway file is refused, never waited on or half-read).
  * Exported functions carry EXPORT; build.py lists them from this source and can leave some out of
  * the library (an older driver's missing symbol).
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #define EXPORT __attribute__((visibility("default")))
 
@@ -48,6 +52,9 @@ typedef int nvmlReturn_t;
 #define FN_LEN 64
 #define LINE_LEN 1024
 #define COUNTERS 4 /* NVML_NVLINK_ERROR_DL_REPLAY .. NVML_NVLINK_ERROR_DL_CRC_DATA */
+/* Past the largest profile (64 GPUs of 64 links with every field at its widest is under 1 MiB), so a
+ * runaway or hostile file is refused before it is read into memory. */
+#define MAX_PROFILE_BYTES (4 << 20)
 
 typedef struct {
     char busIdLegacy[16];
@@ -254,6 +261,8 @@ static int parse(FILE *f, struct profile *p, char *err, size_t errlen) {
             continue;
         }
         char *save = NULL, *key = strtok_r(line, " \t", &save);
+        if (key == NULL)
+            continue; /* blanks only */
         if (strcmp(key, "driver") == 0) {
             WANT(copy_token(p->driver, BUS_LEN, NEXT()) == 0, "bad driver version");
         } else if (strcmp(key, "absent") == 0) {
@@ -325,6 +334,56 @@ bad:
     return -1;
 }
 
+/* The whole file at `path` into a NUL-terminated buffer, its identity into `st`; NULL with `err` filled
+ * for what is not a regular file, too large, or holds a NUL byte (which would hide the rest of a line).
+ * O_NONBLOCK: a FIFO planted at the path is refused instead of blocking every NVML call. */
+static char *read_profile(const char *path, struct stat *st, size_t *len, char *err, size_t errlen) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) {
+        snprintf(err, errlen, "cannot open: %s", strerror(errno));
+        return NULL;
+    }
+    char *buf = NULL;
+    if (fstat(fd, st) != 0 || !S_ISREG(st->st_mode)) {
+        snprintf(err, errlen, "not a regular file");
+        goto fail;
+    }
+    if (st->st_size > MAX_PROFILE_BYTES) {
+        snprintf(err, errlen, "%lld bytes, at most %d", (long long)st->st_size, MAX_PROFILE_BYTES);
+        goto fail;
+    }
+    buf = malloc(MAX_PROFILE_BYTES + 1);
+    size_t n = 0;
+    ssize_t got = 1;
+    /* Read to EOF, not to st_size: a file growing while read is cut at the cap, never overrun. */
+    while (buf != NULL && n <= MAX_PROFILE_BYTES && (got = read(fd, buf + n, MAX_PROFILE_BYTES + 1 - n)) > 0)
+        n += (size_t)got;
+    if (buf == NULL || got < 0) {
+        snprintf(err, errlen, "cannot read: %s", buf == NULL ? "out of memory" : strerror(errno));
+        goto fail;
+    }
+    if (n > MAX_PROFILE_BYTES) {
+        snprintf(err, errlen, "grew past %d bytes while read", MAX_PROFILE_BYTES);
+        goto fail;
+    }
+    const char *nul = memchr(buf, '\0', n);
+    if (nul != NULL) {
+        int line = 1;
+        for (const char *c = buf; c < nul; c++)
+            line += *c == '\n';
+        snprintf(err, errlen, "line %d: a NUL byte", line);
+        goto fail;
+    }
+    buf[n] = '\0';
+    *len = n;
+    close(fd);
+    return buf;
+fail:
+    free(buf);
+    close(fd);
+    return NULL;
+}
+
 /* Bring `current` up to the file's version; 0 or the code every call answers now. */
 static nvmlReturn_t refresh(void) {
     const char *path = getenv("GPUTOPO_NVML_PROFILE");
@@ -335,16 +394,22 @@ static nvmlReturn_t refresh(void) {
         seen.size == st.st_size && seen.mtime.tv_sec == st.st_mtim.tv_sec &&
         seen.mtime.tv_nsec == st.st_mtim.tv_nsec)
         return seen_bad ? NVML_ERROR_UNKNOWN : NVML_SUCCESS;
+    char err[160] = "cannot open";
+    size_t len = 0;
+    /* The stamp is the opened file's own (fstat), so a file renamed over the path between the stat
+     * above and the open is stamped as what was read, and the next call still sees any later change. */
+    char *text = read_profile(path, &st, &len, err, sizeof err);
     strcpy(seen.path, path);
     seen.dev = st.st_dev;
     seen.ino = st.st_ino;
     seen.size = st.st_size;
     seen.mtime = st.st_mtim;
     seen_valid = 1;
-    struct profile *p = malloc(sizeof *p);
-    FILE *f = fopen(path, "r");
-    char err[160] = "cannot open";
-    if (p != NULL && f != NULL && parse(f, p, err, sizeof err) == 0) {
+    if (text != NULL && len == 0)
+        snprintf(err, sizeof err, "empty file");
+    struct profile *p = text != NULL && len > 0 ? malloc(sizeof *p) : NULL;
+    FILE *f = p != NULL ? fmemopen(text, len, "r") : NULL;
+    if (f != NULL && parse(f, p, err, sizeof err) == 0) {
         free(current);
         current = p;
         seen_bad = 0;
@@ -357,6 +422,7 @@ static nvmlReturn_t refresh(void) {
     }
     if (f != NULL)
         fclose(f);
+    free(text);
     return seen_bad ? NVML_ERROR_UNKNOWN : NVML_SUCCESS;
 }
 
