@@ -312,6 +312,8 @@ class NvmlAdapter:
             log.log(level, "Xid", extra={"gpu": index, "xid": code, "what": classify(code)[1]})
             if uuid is None or not self._xids.observe(uuid, code, now):
                 self._notes.append("Xid events: an event for a GPU this poll did not read was dropped")
+        # Said each poll it happens (the agent logs a note only once per process).
+        log.warning("Xid flood: the rest is read next poll", extra={"per_poll": _XID_EVENTS_PER_POLL})
         self._notes.append(f"Xid events: more than {_XID_EVENTS_PER_POLL} queued; the rest next poll")
 
     def _p2p_faults(self, topology: NodeTopology) -> dict[tuple[int, int], str]:
