@@ -9,6 +9,7 @@ symbol) take the adapter's fallbacks; a malformed profile is refused with the li
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -651,3 +652,33 @@ def test_libnvml_profile_writer_refuses_bad_xids(xids: list[tuple[int, int]], fi
     profile.xids = xids
     with pytest.raises(ValueError, match=field):
         profile.render()
+
+
+def test_libnvml_event_api_refuses_forged_sets_and_types_and_bounds_its_sets(libnvml_node: Node) -> None:
+    libnvml_node.write(profile_for_system("dgx-1v"))
+    nv = libnvml_node.pynvml
+    nv.nvmlInit()
+    try:
+        handle = nv.nvmlDeviceGetHandleByIndex(0)
+        forged = ctypes.cast(ctypes.c_void_p(0x1000), nv.c_nvmlEventSet_t)  # not a set the library made
+        with pytest.raises(nv.NVMLError_InvalidArgument):
+            nv.nvmlDeviceRegisterEvents(handle, 0x8, forged)
+        with pytest.raises(nv.NVMLError_InvalidArgument):
+            nv.nvmlEventSetWait_v2(forged, 0)
+        with pytest.raises(nv.NVMLError_InvalidArgument):
+            nv.nvmlEventSetFree(forged)
+        sets = []
+        with pytest.raises(nv.NVMLError_Unknown):  # a bounded pool: a flood of sets is refused, not grown
+            for _ in range(64):
+                sets.append(nv.nvmlEventSetCreate())
+        assert 0 < len(sets) < 64
+        with pytest.raises(nv.NVMLError_NotSupported):  # only critical Xids are modelled
+            nv.nvmlDeviceRegisterEvents(handle, 0x8 | 0x1, sets[0])
+        with pytest.raises(nv.NVMLError_Timeout):  # nothing queued: the wait answers at once
+            nv.nvmlEventSetWait_v2(sets[0], 1000)
+        for s in sets:
+            nv.nvmlEventSetFree(s)
+        with pytest.raises(nv.NVMLError_InvalidArgument):  # freed twice
+            nv.nvmlEventSetFree(sets[0])
+    finally:
+        nv.nvmlShutdown()
