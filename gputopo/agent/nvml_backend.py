@@ -16,7 +16,7 @@ the `NvmlLib` protocol so tests pass a fake module.
   with the reason `health unknown: ...` and nothing else of its reading; the other GPUs are published
   as they are: their links to it count as links to a GPU that cannot be read, never to an NVSwitch;
 - Xid errors arrive through NVML's event API: one event set for the agent's life, each GPU registered
-  once for critical Xids, drained without waiting each discovery (at most `_XID_EVENTS_PER_POLL`);
+  once for critical Xids, drained without waiting each discovery (`gputopo.agent.nvml_events`);
   `gputopo.agent.nvml_xid` judges them. An NVML or binding without the event API is a note.
 """
 
@@ -32,6 +32,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 from pydantic import ValidationError
 
+from gputopo.agent.nvml_events import XidEvents
 from gputopo.agent.nvml_health import COUNTERS, HealthTracker, LinkCounters
 from gputopo.agent.nvml_topology import (
     DEVICE_TYPE_GPU,
@@ -51,7 +52,7 @@ from gputopo.agent.nvml_topology import (
     with_p2p_faults,
     worst_health,
 )
-from gputopo.agent.nvml_xid import XidKind, XidMemory, classify
+from gputopo.agent.nvml_xid import XidMemory
 from gputopo.agent.sysfs import pci_numa_node
 from gputopo.model import (
     MAX_NAME_LENGTH,
@@ -77,11 +78,6 @@ MIG_REASON = "MIG mode enabled: the GPU is partitioned and has no NVLink peer-to
 MIB = 1024 * 1024
 P2P_CAPS_INDEX_NVLINK = 2
 P2P_STATUS_OK = 0
-
-# nvmlEventTypeXidCriticalError: the only event type registered.
-EVENT_TYPE_XID = 0x8
-# Bounds one poll's draining of an Xid flood; the rest waits in NVML's queue for the next poll.
-_XID_EVENTS_PER_POLL = 256
 
 # Not a link count: only stops a faulty library that never rejects a link index from looping forever.
 _LINK_SCAN_GUARD = 128
@@ -159,14 +155,6 @@ def _first_error(e: ValidationError) -> str:
     return f"{where}: {err['msg']}" if where else str(err["msg"])
 
 
-def _address(handle: Any) -> int | None:
-    """A device handle's address (the event names its GPU by the handle NVML gave for it)."""
-    try:
-        return ctypes.cast(handle, ctypes.c_void_p).value
-    except (TypeError, ctypes.ArgumentError):
-        return None
-
-
 def _clip(text: str) -> str:
     return text if len(text) <= MAX_TEXT_LENGTH else text[: MAX_TEXT_LENGTH - 1] + "…"
 
@@ -193,10 +181,7 @@ class NvmlAdapter:
         self._uuids: dict[int, str] = {}  # the last UUID read per index
         self._buses: dict[int, str] = {}  # the last PCI bus id read per index
         self._handles: dict[int, Any] = {}  # this cycle's handles, for the peer-to-peer checks
-        self._xids = xids or XidMemory()
-        self._event_set: Any = None
-        self._events_absent: str | None = None  # why there are no Xid events (said in every discovery)
-        self._registered: set[str] = set()  # UUIDs registered for Xid events (or refused for good)
+        self._xid_events = XidEvents(lib, self._absent, xids or XidMemory())
 
     def open(self) -> None:
         """nvmlInit; a missing driver becomes one NvmlUnavailableError with a clear message."""
@@ -215,13 +200,7 @@ class NvmlAdapter:
     def close(self) -> None:
         if self._open:
             self._open = False
-            if self._event_set is not None:
-                try:
-                    self._lib.nvmlEventSetFree(self._event_set)
-                except self._lib.NVMLError as e:
-                    log.warning("nvmlEventSetFree failed", extra={"error": str(e)})
-                self._event_set = None
-                self._registered.clear()
+            self._xid_events.close()
             try:
                 self._lib.nvmlShutdown()
             except self._lib.NVMLError as e:
@@ -242,79 +221,10 @@ class NvmlAdapter:
         self._handles = {}
         now = self._clock()
         gpus = [self._read_gpu(i, now) for i in range(self._lib.nvmlDeviceGetCount())]
-        self._poll_xids(gpus, now)
+        self._xid_events.poll(gpus, self._handles, now, self._notes)
         topology = assemble(gpus, self._tracker.ever_active)
         topology = with_p2p_faults(topology, self._p2p_faults(topology))
         return NvmlDiscovery(topology=topology, notes=tuple(dict.fromkeys(self._notes)))
-
-    def _poll_xids(self, gpus: Sequence[GpuReading], now: float) -> None:
-        """Register new GPUs for Xid events, take what NVML queued since the last poll, and apply each
-        GPU's Xid verdict to its reading."""
-        if self._events():
-            for gpu in gpus:
-                if gpu.uuid and gpu.uuid not in self._registered and gpu.index in self._handles:
-                    self._register(gpu)
-            self._drain(gpus, now)
-        for gpu in gpus:
-            verdict = self._xids.verdict(gpu.uuid, now) if gpu.uuid else None
-            if verdict is not None:
-                gpu.health = worst_health(gpu.health, verdict[0])
-                gpu.reasons.append(verdict[1])
-
-    def _events(self) -> bool:
-        """The event set, created once; False (with a note) where NVML or the binding has no event API."""
-        if self._event_set is None and self._events_absent is None:
-            try:
-                self._event_set = self._lib.nvmlEventSetCreate()
-            except AttributeError:  # a binding (or a test's fake) without the event API
-                self._events_absent = "binding lacks nvmlEventSetCreate"
-            except self._absent as e:
-                self._events_absent = type(e).__name__.removeprefix("NVMLError_")
-            except self._lib.NVMLError as e:  # transient: tried again next poll
-                self._notes.append(f"Xid events: cannot create an event set ({e})")
-                return False
-        if self._events_absent is not None:
-            self._notes.append(f"Xid events: {self._events_absent}")
-            return False
-        return True
-
-    def _register(self, gpu: GpuReading) -> None:
-        try:
-            self._lib.nvmlDeviceRegisterEvents(self._handles[gpu.index], EVENT_TYPE_XID, self._event_set)
-        except self._absent as e:
-            # This GPU cannot report Xids (NotSupported on some boards): not asked again.
-            self._registered.add(gpu.uuid)
-            self._notes.append(f"Xid events on GPU {gpu.index}: {type(e).__name__.removeprefix('NVMLError_')}")
-        except self._lib.NVMLError as e:  # a GPU lost this cycle: tried again when it is back
-            log.warning("Xid event registration failed", extra={"gpu": gpu.index, "error": str(e)})
-        else:
-            self._registered.add(gpu.uuid)
-
-    def _drain(self, gpus: Sequence[GpuReading], now: float) -> None:
-        by_handle = {_address(h): i for i, h in self._handles.items()}
-        uuids = {g.index: g.uuid for g in gpus if g.uuid}
-        for _ in range(_XID_EVENTS_PER_POLL):
-            try:
-                data = self._lib.nvmlEventSetWait_v2(self._event_set, 0)
-            except self._lib.NVMLError_Timeout:
-                return  # nothing more queued
-            except self._lib.NVMLError as e:
-                self._notes.append(f"Xid events: waiting failed ({type(e).__name__.removeprefix('NVMLError_')})")
-                return
-            if int(data.eventType) & EVENT_TYPE_XID == 0:
-                continue
-            index = by_handle.get(_address(data.device))
-            uuid = uuids.get(index) if index is not None else None
-            code = int(data.eventData)
-            # An application's Xids can come by the thousand: only the ones that say something of the GPU
-            # are logged as warnings.
-            level = logging.DEBUG if classify(code)[0] is XidKind.APPLICATION else logging.WARNING
-            log.log(level, "Xid", extra={"gpu": index, "xid": code, "what": classify(code)[1]})
-            if uuid is None or not self._xids.observe(uuid, code, now):
-                self._notes.append("Xid events: an event for a GPU this poll did not read was dropped")
-        # Said each poll it happens (the agent logs a note only once per process).
-        log.warning("Xid flood: the rest is read next poll", extra={"per_poll": _XID_EVENTS_PER_POLL})
-        self._notes.append(f"Xid events: more than {_XID_EVENTS_PER_POLL} queued; the rest next poll")
 
     def _p2p_faults(self, topology: NodeTopology) -> dict[tuple[int, int], str]:
         """Why peer-to-peer over NVLink does not work, per NVLink-connected pair of readable GPUs: an Active

@@ -588,7 +588,7 @@ def test_libnvml_xid_flood_is_bounded_per_poll_and_in_memory(libnvml_node: Node)
     assert final.gpus[3].reasons == (
         "Xid 79: GPU has fallen off the bus (4096 Xids seen; reset the GPU, then restart the agent)",
     )
-    memory = libnvml_node.adapter._xids.gpus[final.gpus[3].uuid]
+    memory = libnvml_node.adapter._xid_events.memory.gpus[final.gpus[3].uuid]
     assert len(memory.recent) == RECENT_PER_GPU
     assert [g for g in final.gpus if g.index != 3] == [g for g in expected("dgx-1v").gpus if g.index != 3]
 
