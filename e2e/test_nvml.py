@@ -5,7 +5,8 @@ real kubelet whose device plugin the agent is.
 A TP-4 pod lands on one NVLink quad; a link inside the other quad is then broken in the library's
 profile under the running agent (or, on the simulated node, peer-to-peer over NVLink dies while the
 links stay Active); the agent publishes it within a poll, the next TP-4 pod is refused with the
-sentence that names the link or the GPU pair, and once repaired the pod lands on that quad.
+sentence that names the link or the GPU pair, and once repaired the pod lands on that quad. A fatal
+Xid on a GPU of the free quad fails that GPU, named by the Xid, and the next TP-4 pod is refused.
 DGX-1V's only 4-GPU NVLink cliques are the quads 0-3 and 4-7.
 """
 
@@ -205,3 +206,33 @@ def test_nvml_kubelet_node_device_plugin_on_the_real_binding_avoids_a_broken_lin
                 time.sleep(0.3)
     finally:
         stack.remove_kubelet_node(node)
+
+
+def test_nvml_simulated_node_a_fatal_xid_under_the_running_agent_fails_the_gpu_and_the_next_tp4_avoids_its_quad(
+    stack: Stack, kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
+) -> None:
+    (node,) = nodes.add(GpuNode("nvml-xid-dgx1v", SYSTEM, nvml=True))
+    want = build_system(SYSTEM, node)
+    got = published(kube, node)
+    assert got.gpus == want.gpus and got.nvlink == want.nvlink  # the agent runs, registered for Xids
+
+    first = tp4(kube, namespace, test_id, "tp4-first")
+    quad = placed(kube, namespace, first, node)
+    other = QUADS[1 - QUADS.index(quad)]
+
+    # Xid 79 on a GPU of the free quad, as the driver reports it: the GPU fails, the quad is no clique.
+    profile = profile_for_system(SYSTEM, node)
+    profile.xids.append((other[2], 79))
+    stack.set_nvml_profile(node, profile)
+    topo = wait_published(kube, node, "the Xid", lambda t: t.gpus[other[2]].reasons != ())
+    assert topo.gpus[other[2]].reasons == (
+        "Xid 79: GPU has fallen off the bus (1 Xids seen; reset the GPU, then restart the agent)",
+    )
+    assert topo.gpus[other[2]].health.value == "failed"
+    assert [g for g in topo.gpus if g.index != other[2]] == [g for g in want.gpus if g.index != other[2]]
+
+    second = tp4(kube, namespace, test_id, "tp4-second")
+    # The failed GPU is no one's to take: four in use and three healthy left, no quad.
+    event = kube.wait_pod_event(namespace, second, "FailedScheduling", contains="fewer than 4 free GPUs", timeout=60)
+    assert "0/1 nodes are available: 1 fewer than 4 free GPUs." in event.message
+    assert not kube.get_pod(namespace, second)["spec"].get("nodeName")

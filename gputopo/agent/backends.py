@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from gputopo.agent.nvml_backend import NvmlAdapter, NvmlDiscoveryError, NvmlLib, load_pynvml
+from gputopo.agent.nvml_backend import NvmlAdapter, NvmlDiscoveryError, load_pynvml
+from gputopo.agent.nvml_lib import NvmlLib
 from gputopo.agent.sysfs import read_nics
 from gputopo.model import (
     GPU_RESOURCE,

@@ -34,7 +34,8 @@ from gputopo.agent.dra.plugin import DraConfig, DraPlugin
 from gputopo.agent.dra.slices import KubeSliceApi
 from gputopo.agent.metrics import AgentMetrics
 from gputopo.agent.nodepublisher import KubeNodeApi, NodeApi, Publisher
-from gputopo.agent.nvml_backend import NvmlLib, NvmlUnavailableError
+from gputopo.agent.nvml_backend import NvmlUnavailableError
+from gputopo.agent.nvml_lib import NvmlLib
 from gputopo.agent.pods import KubeLocalPods, KubePodSource, LocalPods, StaticLocalPods
 from gputopo.agent.runner import Agent
 from gputopo.agent.settings import (

@@ -14,7 +14,10 @@ the `NvmlLib` protocol so tests pass a fake module.
 - one GPU's failure is that GPU's only: an NVML error fails it with the error; any other exception while
   reading it (OSError, a decode or type error) or a value out of the model's range makes it `failed`
   with the reason `health unknown: ...` and nothing else of its reading; the other GPUs are published
-  as they are: their links to it count as links to a GPU that cannot be read, never to an NVSwitch.
+  as they are: their links to it count as links to a GPU that cannot be read, never to an NVSwitch;
+- Xid errors arrive through NVML's event API: one event set for the agent's life, each GPU registered
+  once for critical Xids, drained without waiting each discovery (`gputopo.agent.nvml_events`);
+  `gputopo.agent.nvml_xid` judges them. An NVML or binding without the event API is a note.
 """
 
 from __future__ import annotations
@@ -23,14 +26,16 @@ import ctypes
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from pydantic import ValidationError
 
+from gputopo.agent.nvml_events import XidEvents
 from gputopo.agent.nvml_health import COUNTERS, HealthTracker, LinkCounters
+from gputopo.agent.nvml_lib import NvmlLib
 from gputopo.agent.nvml_topology import (
     BUS_ID,
     DEVICE_TYPE_GPU,
@@ -50,6 +55,7 @@ from gputopo.agent.nvml_topology import (
     with_p2p_faults,
     worst_health,
 )
+from gputopo.agent.nvml_xid import XidMemory
 from gputopo.agent.sysfs import pci_numa_node
 from gputopo.model import (
     MAX_GPUS_PER_NODE,
@@ -90,45 +96,6 @@ class NvmlDiscoveryError(RuntimeError):
     """NVML answered something no node can be built from (a GPU count past the model's bound)."""
 
 
-class NvmlLib(Protocol):
-    """The part of the `pynvml` module the adapter uses; read-only, so a module or a fake object fits."""
-
-    @property
-    def NVMLError(self) -> type[Exception]: ...
-    @property
-    def NVMLError_GpuIsLost(self) -> type[Exception]: ...
-    @property
-    def NVMLError_NotSupported(self) -> type[Exception]: ...
-    @property
-    def NVMLError_InvalidArgument(self) -> type[Exception]: ...
-    @property
-    def NVMLError_FunctionNotFound(self) -> type[Exception]: ...
-    @property
-    def NVMLError_LibraryNotFound(self) -> type[Exception]: ...
-    @property
-    def NVMLError_DriverNotLoaded(self) -> type[Exception]: ...
-
-    def nvmlInit(self) -> None: ...
-    def nvmlShutdown(self) -> None: ...
-    def nvmlDeviceGetCount(self) -> int: ...
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any: ...
-    def nvmlDeviceGetUUID(self, handle: Any) -> str: ...
-    def nvmlDeviceGetName(self, handle: Any) -> str: ...
-    def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any: ...
-    def nvmlDeviceGetPciInfo(self, handle: Any) -> Any: ...
-    def nvmlDeviceGetMemoryAffinity(self, handle: Any, node_set_size: int, scope: int) -> Any: ...
-    def nvmlDeviceGetNvLinkState(self, handle: Any, link: int) -> int: ...
-    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: Any, link: int) -> int: ...
-    def nvmlDeviceGetNvLinkRemotePciInfo(self, handle: Any, link: int) -> Any: ...
-    def nvmlDeviceGetNvLinkVersion(self, handle: Any, link: int) -> int: ...
-    def nvmlDeviceGetNvLinkErrorCounter(self, handle: Any, link: int, counter: int) -> int: ...
-    def nvmlDeviceGetMigMode(self, handle: Any) -> Sequence[int]: ...
-    def nvmlDeviceGetRemappedRows(self, handle: Any) -> tuple[int, int, int, int]: ...
-    def nvmlDeviceGetGpuFabricInfoV(self, handle: Any, info: Any) -> int: ...
-    def nvmlDeviceGetP2PStatus(self, handle1: Any, handle2: Any, p2p_index: int) -> int: ...
-    def c_nvmlGpuFabricInfoV_t(self) -> Any: ...
-
-
 def load_pynvml() -> NvmlLib:
     """Import the real binding; the only `import pynvml` in gputopo."""
     try:
@@ -166,6 +133,7 @@ class NvmlAdapter:
         sysfs_root: Path = Path("/sys"),
         clock: Callable[[], float] = time.monotonic,
         tracker: HealthTracker | None = None,
+        xids: XidMemory | None = None,
     ) -> None:
         self._lib = lib
         self._sysfs = sysfs_root
@@ -177,6 +145,7 @@ class NvmlAdapter:
         self._uuids: dict[int, str] = {}  # the last UUID read per index
         self._buses: dict[int, str] = {}  # the last PCI bus id read per index
         self._handles: dict[int, Any] = {}  # this cycle's handles, for the peer-to-peer checks
+        self._xid_events = XidEvents(lib, self._absent, xids or XidMemory())
 
     def open(self) -> None:
         """nvmlInit; a missing driver becomes one NvmlUnavailableError with a clear message."""
@@ -195,6 +164,7 @@ class NvmlAdapter:
     def close(self) -> None:
         if self._open:
             self._open = False
+            self._xid_events.close()
             try:
                 self._lib.nvmlShutdown()
             except self._lib.NVMLError as e:
@@ -225,6 +195,7 @@ class NvmlAdapter:
         self._tracker.keep_only({g.uuid for g in gpus})
         self._uuids = {i: u for i, u in self._uuids.items() if i < count}
         self._buses = {i: b for i, b in self._buses.items() if i < count}
+        self._xid_events.poll(gpus, self._handles, now, self._notes)
         topology = assemble(gpus, self._tracker.ever_active)
         topology = with_p2p_faults(topology, self._p2p_faults(topology))
         return NvmlDiscovery(topology=topology, notes=tuple(dict.fromkeys(self._notes)))

@@ -110,6 +110,11 @@ class NVMLError_GpuIsLost(NVMLError):
         super().__init__(15)
 
 
+class NVMLError_Timeout(NVMLError):
+    def __init__(self) -> None:
+        super().__init__(10)
+
+
 ErrorClass = type[NVMLError]
 
 
@@ -248,6 +253,7 @@ class FakeNvml:
     NVMLError_LibraryNotFound = NVMLError_LibraryNotFound
     NVMLError_FunctionNotFound = NVMLError_FunctionNotFound
     NVMLError_GpuIsLost = NVMLError_GpuIsLost
+    NVMLError_Timeout = NVMLError_Timeout
 
     def __init__(
         self,
@@ -348,6 +354,19 @@ class FakeNvml:
         if counter in lk.counter_errors:
             raise lk.counter_errors[counter]()
         return lk.counters[counter]
+
+    # No event API, as an older driver: Xid events are the NVML mock library's (tests/agent/test_agent_libnvml.py).
+    def nvmlEventSetCreate(self) -> Any:
+        raise NVMLError_FunctionNotFound()
+
+    def nvmlDeviceRegisterEvents(self, handle: Any, event_types: int, event_set: Any) -> None:
+        raise NVMLError_FunctionNotFound()
+
+    def nvmlEventSetWait_v2(self, event_set: Any, timeout_ms: int) -> Any:
+        raise NVMLError_FunctionNotFound()
+
+    def nvmlEventSetFree(self, event_set: Any) -> None:
+        raise NVMLError_FunctionNotFound()
 
     def nvmlDeviceGetP2PStatus(self, h1: Handle, h2: Handle, index: int) -> int:
         gpu = self._gpu(h1, "nvmlDeviceGetP2PStatus")

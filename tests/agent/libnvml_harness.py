@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from gputopo.agent.nvml_backend import NvmlAdapter, NvmlLib
+from gputopo.agent.nvml_backend import NvmlAdapter
+from gputopo.agent.nvml_lib import NvmlLib
 from gputopo.localcluster.nvmlmock import Profile, build_library, write_profile
 from gputopo.localcluster.nvmlmock.build import LIBRARY_NAME
 

@@ -9,6 +9,7 @@ symbol) take the adapter's fallbacks; a malformed profile is refused with the li
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -20,8 +21,9 @@ from typing import Any
 import pytest
 
 from gputopo.agent.labels import node_labels
-from gputopo.agent.nvml_backend import NvmlUnavailableError
+from gputopo.agent.nvml_backend import NvmlAdapter, NvmlUnavailableError
 from gputopo.agent.nvml_health import HEALTH_HOLD_SECONDS
+from gputopo.agent.nvml_xid import RECENT_PER_GPU, XID_QUIET_SECONDS
 from gputopo.localcluster.nvmlmock import (
     PROFILE_ENV,
     LibraryBuildError,
@@ -495,3 +497,188 @@ def test_libnvml_build_errors_name_what_went_wrong(
         build_library(cache=tmp_path, omit=omit)
     assert message in str(e.value)
     assert not list(tmp_path.rglob("libnvidia-ml.so.1"))  # nothing half-built left to be reused
+
+
+# --------------------------------------------------------------------------------------------------
+# Xid events through nvmlEventSetWait_v2
+
+
+RESET = "reset the GPU, then restart the agent"
+QUIET = "clears after 300 s without another"
+
+
+def _append_xid(node: Node, gpu: int, code: int) -> None:
+    """An Xid line appended under the running adapter, as the issue's operator would."""
+    with node.path.open("a", encoding="ascii") as f:
+        f.write(f"xid {gpu} {code}\n")
+
+
+@pytest.mark.parametrize(
+    ("code", "health", "reason"),
+    [
+        pytest.param(79, Health.FAILED, f"Xid 79: GPU has fallen off the bus (1 Xids seen; {RESET})",
+                     id="libnvml Xid 79 fallen off the bus: GPU failed with the Xid named"),
+        pytest.param(48, Health.FAILED, f"Xid 48: double-bit ECC error (1 Xids seen; {RESET})",
+                     id="libnvml Xid 48 double-bit ECC: GPU failed"),
+        pytest.param(74, Health.DEGRADED, f"Xid 74: NVLink error ({QUIET})",
+                     id="libnvml Xid 74 NVLink error: GPU degraded"),
+        pytest.param(94, Health.DEGRADED, f"Xid 94: contained ECC error ({QUIET})",
+                     id="libnvml Xid 94 contained ECC: GPU degraded"),
+        pytest.param(31, Health.OK, None, id="libnvml Xid 31 application page fault: GPU stays OK, no reason"),
+        pytest.param(43, Health.OK, None, id="libnvml Xid 43 application stopped: GPU stays OK, no reason"),
+        pytest.param(9999, Health.DEGRADED, f"Xid 9999: not in the Xid catalogue the agent knows ({QUIET})",
+                     id="libnvml unknown Xid: degraded, the code named"),
+    ],
+)  # fmt: skip
+def test_libnvml_xid_under_a_running_adapter_is_published_within_one_discovery(
+    code: int, health: Health, reason: str | None, libnvml_node: Node
+) -> None:
+    libnvml_node.write(profile_for_system("dgx-1v"))
+    assert discover(libnvml_node) == expected("dgx-1v")  # registers every GPU for Xid events
+
+    _append_xid(libnvml_node, 2, code)
+    got = discover(libnvml_node)
+    assert got.gpus[2].health is health
+    assert got.gpus[2].reasons == ((reason,) if reason else ())
+    assert [g for g in got.gpus if g.index != 2] == [g for g in expected("dgx-1v").gpus if g.index != 2]
+    assert got.nvlink == expected("dgx-1v").nvlink
+    # Delivered once: the next discovery reads no new Xid and the verdict is the same.
+    assert discover(libnvml_node).gpus[2].reasons == got.gpus[2].reasons
+
+
+def test_libnvml_a_degrading_xid_clears_after_a_quiet_window_and_a_repeat_extends_it(libnvml_node: Node) -> None:
+    libnvml_node.write(profile_for_system("dgx-1v"))
+    discover(libnvml_node)
+    _append_xid(libnvml_node, 5, 74)
+    assert discover(libnvml_node).gpus[5].health is Health.DEGRADED
+    _append_xid(libnvml_node, 5, 74)  # it happens again: the window starts again
+    assert discover(libnvml_node, seconds=XID_QUIET_SECONDS - 1).gpus[5].health is Health.DEGRADED
+    assert discover(libnvml_node, seconds=XID_QUIET_SECONDS - 1).gpus[5].health is Health.DEGRADED
+    assert discover(libnvml_node, seconds=2) == expected("dgx-1v")
+
+
+def test_libnvml_a_fatal_xid_holds_until_the_agent_restarts(libnvml_node: Node, real_pynvml: Any) -> None:
+    libnvml_node.write(profile_for_system("dgx-1v"))
+    discover(libnvml_node)
+    _append_xid(libnvml_node, 0, 79)
+    assert discover(libnvml_node).gpus[0].health is Health.FAILED
+    # NVML never says the GPU was reset: quiet time alone does not clear a fatal Xid.
+    assert discover(libnvml_node, seconds=24 * 3600).gpus[0].health is Health.FAILED
+    # The operator resets the GPU and restarts the agent: a new adapter, a new event set.
+    libnvml_node.adapter.close()
+    libnvml_node.adapter = NvmlAdapter(
+        real_pynvml, sysfs_root=libnvml_node.path.parent / "sys", clock=libnvml_node.clock
+    )
+    assert discover(libnvml_node) == expected("dgx-1v")
+
+
+def test_libnvml_xid_flood_is_bounded_per_poll_and_in_memory(libnvml_node: Node) -> None:
+    profile = profile_for_system("dgx-1v")
+    libnvml_node.write(profile)
+    discover(libnvml_node)
+    # Hostile: the library's whole log of application Xids on one GPU, then a fatal one at the end.
+    profile.xids = [(3, 31)] * 4095 + [(3, 79)]
+    libnvml_node.write(profile)
+    polls = [discover(libnvml_node, seconds=1) for _ in range(15)]
+    assert all(p.gpus[3].health is Health.OK for p in polls)  # 256 a poll: the fatal one, last, is not read yet
+    found = libnvml_node.adapter.discover()
+    assert "Xid events: more than 256 queued; the rest next poll" in found.notes
+    final = found.topology
+    assert final.gpus[3].health is Health.FAILED
+    assert final.gpus[3].reasons == (
+        "Xid 79: GPU has fallen off the bus (4096 Xids seen; reset the GPU, then restart the agent)",
+    )
+    memory = libnvml_node.adapter._xid_events.memory.gpus[final.gpus[3].uuid]
+    assert len(memory.recent) == RECENT_PER_GPU
+    assert [g for g in final.gpus if g.index != 3] == [g for g in expected("dgx-1v").gpus if g.index != 3]
+
+
+@pytest.mark.parametrize(
+    ("change", "note"),
+    [
+        pytest.param(lambda p: p.absent.add("nvmlEventSetCreate"), "Xid events: FunctionNotFound",
+                     id="libnvml driver without the event API: a note, the GPUs published"),
+        pytest.param(lambda p: [g.fails.update({"nvmlDeviceRegisterEvents": 3}) for g in p.gpus],
+                     "Xid events on GPU 0: NotSupported", id="libnvml a GPU that cannot report Xids: a note"),
+    ],
+)  # fmt: skip
+def test_libnvml_no_xid_events_is_a_note_not_an_error(
+    change: Callable[[Profile], Any], note: str, libnvml_node: Node
+) -> None:
+    profile = profile_for_system("dgx-h100")
+    change(profile)
+    libnvml_node.write(profile)
+    found = libnvml_node.adapter.discover()
+    assert found.topology == expected("dgx-h100")
+    assert note in found.notes
+
+
+@pytest.mark.parametrize(
+    ("line", "error"),
+    [
+        pytest.param("xid 0 79\n", "line 2: bad xid line", id="libnvml xid before any GPU refused"),
+        pytest.param("gpu 0\nxid 1 79\n", "line 3: bad xid line", id="libnvml xid for a GPU not described refused"),
+        pytest.param("gpu 0\nxid 0 -1\n", "line 3: bad xid line", id="libnvml negative xid refused"),
+        pytest.param("gpu 0\nxid 0 79 extra\n", "line 3: bad xid line", id="libnvml xid with extra field refused"),
+        pytest.param("gpu 0\n" + "xid 0 79\n" * 4097, "line 4099: too many xid lines",
+                     id="libnvml xid flood past the library's log refused"),
+    ],
+)  # fmt: skip
+def test_libnvml_a_malformed_xid_line_is_refused(
+    line: str, error: str, libnvml_node: Node, capfd: pytest.CaptureFixture[str]
+) -> None:
+    libnvml_node.write(profile_for_system("dgx-1v"))
+    assert discover(libnvml_node) == expected("dgx-1v")
+    bad = libnvml_node.path.with_name("bad")
+    bad.write_text("gputopo-nvml-profile 1\n" + line, encoding="ascii")
+    bad.replace(libnvml_node.path)
+    with pytest.raises(libnvml_node.lib.NVMLError, match="Unknown Error"):
+        discover(libnvml_node)
+    assert error in capfd.readouterr().err
+    libnvml_node.write(profile_for_system("dgx-1v"))
+    assert discover(libnvml_node) == expected("dgx-1v")
+
+
+@pytest.mark.parametrize(
+    ("xids", "field"),
+    [
+        pytest.param([(8, 79)], "Xid 79 on GPU 8", id="libnvml writer: Xid on a GPU not in the profile"),
+        pytest.param([(0, -1)], "Xid -1 on GPU 0", id="libnvml writer: negative Xid"),
+        pytest.param([(0, 79)] * 4097, "4097 Xids, at most 4096", id="libnvml writer: Xid flood"),
+    ],
+)
+def test_libnvml_profile_writer_refuses_bad_xids(xids: list[tuple[int, int]], field: str) -> None:
+    profile = profile_for_system("dgx-1v")
+    profile.xids = xids
+    with pytest.raises(ValueError, match=field):
+        profile.render()
+
+
+def test_libnvml_event_api_refuses_forged_sets_and_types_and_bounds_its_sets(libnvml_node: Node) -> None:
+    libnvml_node.write(profile_for_system("dgx-1v"))
+    nv = libnvml_node.pynvml
+    nv.nvmlInit()
+    try:
+        handle = nv.nvmlDeviceGetHandleByIndex(0)
+        forged = ctypes.cast(ctypes.c_void_p(0x1000), nv.c_nvmlEventSet_t)  # not a set the library made
+        with pytest.raises(nv.NVMLError_InvalidArgument):
+            nv.nvmlDeviceRegisterEvents(handle, 0x8, forged)
+        with pytest.raises(nv.NVMLError_InvalidArgument):
+            nv.nvmlEventSetWait_v2(forged, 0)
+        with pytest.raises(nv.NVMLError_InvalidArgument):
+            nv.nvmlEventSetFree(forged)
+        sets = []
+        with pytest.raises(nv.NVMLError_Unknown):  # a bounded pool: a flood of sets is refused, not grown
+            for _ in range(64):
+                sets.append(nv.nvmlEventSetCreate())
+        assert 0 < len(sets) < 64
+        with pytest.raises(nv.NVMLError_NotSupported):  # only critical Xids are modelled
+            nv.nvmlDeviceRegisterEvents(handle, 0x8 | 0x1, sets[0])
+        with pytest.raises(nv.NVMLError_Timeout):  # nothing queued: the wait answers at once
+            nv.nvmlEventSetWait_v2(sets[0], 1000)
+        for s in sets:
+            nv.nvmlEventSetFree(s)
+        with pytest.raises(nv.NVMLError_InvalidArgument):  # freed twice
+            nv.nvmlEventSetFree(sets[0])
+    finally:
+        nv.nvmlShutdown()

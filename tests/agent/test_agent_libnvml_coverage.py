@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import gputopo
-from gputopo.agent import nvml_backend
+from gputopo.agent import nvml_lib
 from gputopo.localcluster.nvmlmock import build_library, exported_functions
 from gputopo.localcluster.nvmlmock.build import LIBRARY_NAME, SOURCE
 
@@ -32,7 +32,7 @@ PACKAGE = Path(gputopo.__file__).parent
 
 def protocol_functions() -> list[str]:
     """The NVML functions (and struct constructors) the `NvmlLib` protocol declares."""
-    tree = ast.parse(inspect.getsource(nvml_backend.NvmlLib))
+    tree = ast.parse(inspect.getsource(nvml_lib.NvmlLib))
     (cls,) = tree.body
     assert isinstance(cls, ast.ClassDef)
     return [n.name for n in cls.body if isinstance(n, ast.FunctionDef) and n.name.startswith(("nvml", "c_nvml"))]
@@ -109,8 +109,10 @@ def test_libnvml_exports_each_call_with_the_bindings_signature(function: str, re
 
 def test_libnvml_struct_layouts_match_the_binding(real_pynvml: object) -> None:
     # The sizes nvml.h gives: nvmlPciInfo_t 68 bytes (busIdLegacy[16], five unsigned, busId[32]),
-    # nvmlMemory_t 24, nvmlGpuFabricInfo_v2_t 36 (its version word carries the size).
+    # nvmlMemory_t 24, nvmlGpuFabricInfo_v2_t 36 (its version word carries the size), nvmlEventData_t 32.
     assert ctypes.sizeof(real_pynvml.nvmlPciInfo_t) == 68  # type: ignore[attr-defined]
     assert ctypes.sizeof(real_pynvml.c_nvmlMemory_t) == 24  # type: ignore[attr-defined]
     assert real_pynvml.nvmlGpuFabricInfo_v2 & 0xFFFFFF == 36  # type: ignore[attr-defined]
+    # nvmlEventData_t: device handle, eventType and eventData (unsigned long long), two unsigned ids.
+    assert ctypes.sizeof(real_pynvml.c_nvmlEventData_t) == 32  # type: ignore[attr-defined]
     assert "nvmlErrorString" in exported_functions()  # the binding names unknown codes through it

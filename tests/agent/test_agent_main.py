@@ -11,7 +11,7 @@ import pytest
 
 from gputopo.agent.main import main
 from gputopo.agent.nodepublisher import NodeApi
-from gputopo.agent.nvml_backend import NvmlLib
+from gputopo.agent.nvml_lib import NvmlLib
 from gputopo.agent.settings import AgentSettings, load_settings
 from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION, parse_topology
 from gputopo.systems import SYSTEMS, VARIANTS, build_system

@@ -8,6 +8,10 @@
  * once per version of the file; the last good profile is dropped, never half-replaced.
  * The file is read whole, only if it is a regular file of at most 4 MiB with no NUL byte (a FIFO,
  * a device or a runaway file is refused, never waited on or half-read).
+ * Xid events: `xid GPU CODE` lines form a log; each event set registered for GPU's critical Xids
+ * receives every line added after the set was created, once, in file order. A profile with fewer xid
+ * lines than the one before starts the log again (all its lines are new). The wait never blocks: with
+ * nothing queued it answers NVML_ERROR_TIMEOUT at once, whatever the timeout.
  * Exported functions carry EXPORT; build.py lists them from this source and can leave some out of
  * the library (an older driver's missing symbol).
  */
@@ -31,6 +35,7 @@ typedef int nvmlReturn_t;
 #define NVML_ERROR_NOT_SUPPORTED 3
 #define NVML_ERROR_INSUFFICIENT_SIZE 7
 #define NVML_ERROR_DRIVER_NOT_LOADED 9
+#define NVML_ERROR_TIMEOUT 10
 #define NVML_ERROR_FUNCTION_NOT_FOUND 13
 #define NVML_ERROR_GPU_IS_LOST 15
 #define NVML_ERROR_ARGUMENT_VERSION_MISMATCH 25
@@ -43,7 +48,12 @@ typedef int nvmlReturn_t;
 #define NVML_GPU_FABRIC_INFO_V2 0x02000024u
 #define NVML_GPU_FABRIC_INFO_V3 0x03000028u
 
+#define NVML_EVENT_TYPE_XID_CRITICAL_ERROR 0x8ull
+#define NVML_VALUE_NOT_AVAILABLE_UINT 0xffffffffu
+
 #define MAX_GPUS 64
+#define MAX_XIDS 4096
+#define MAX_EVENT_SETS 16
 #define MAX_LINKS 64
 #define MAX_FAILS 32
 #define MAX_ABSENT 64
@@ -113,8 +123,13 @@ struct gpu {
     struct fail fails[MAX_FAILS];
 };
 
+struct xid {
+    unsigned gpu, code;
+};
+
 struct profile {
-    int count, nabsent, init_rc;
+    int count, nabsent, init_rc, nxids;
+    struct xid xids[MAX_XIDS];
     char driver[BUS_LEN];
     char absent[MAX_ABSENT][FN_LEN];
     struct gpu gpus[MAX_GPUS];
@@ -133,6 +148,23 @@ static struct profile *current; /* NULL until a profile parsed */
 static struct stamp seen;       /* the file version `current` (or the last bad file) came from */
 static int seen_valid, seen_bad, refcount;
 static struct nvmlDevice_st handles[MAX_GPUS];
+
+typedef struct {
+    nvmlDevice_t device;
+    unsigned long long eventType, eventData;
+    unsigned int gpuInstanceId, computeInstanceId;
+} nvmlEventData_t;
+
+struct nvmlEventSet_st {
+    int used;
+    unsigned long epoch; /* the xid log this cursor counts in */
+    int cursor;          /* xid lines before it are delivered (or predate the set) */
+    unsigned long long types[MAX_GPUS];
+};
+typedef struct nvmlEventSet_st *nvmlEventSet_t;
+static struct nvmlEventSet_st event_sets[MAX_EVENT_SETS];
+static unsigned long xid_epoch; /* bumped when a profile's xid log is shorter than the last one */
+static int xid_log_len;
 
 /* ------------------------------------------------------------------------------------------------ */
 /* The profile */
@@ -270,6 +302,12 @@ static int parse(FILE *f, struct profile *p, char *err, size_t errlen) {
             WANT(copy_token(p->absent[p->nabsent++], FN_LEN, NEXT()) == 0, "bad function name");
         } else if (strcmp(key, "init-error") == 0) {
             WANT(parse_int(NEXT(), &p->init_rc) == 0, "bad init-error code");
+        } else if (strcmp(key, "xid") == 0) {
+            WANT(p->nxids < MAX_XIDS, "too many xid lines (at most 4096)");
+            struct xid *x = &p->xids[p->nxids++];
+            WANT(!parse_uint(NEXT(), MAX_GPUS - 1, &x->gpu) && (int)x->gpu < p->count &&
+                     !parse_uint(NEXT(), 0xffffffffu, &x->code) && NEXT() == NULL,
+                 "bad xid line (a GPU described above, a code)");
         } else if (strcmp(key, "gpu") == 0) {
             unsigned idx;
             WANT(parse_uint(NEXT(), MAX_GPUS - 1, &idx) == 0 && (int)idx == p->count, "gpu indices must run 0, 1, ...");
@@ -413,6 +451,9 @@ static nvmlReturn_t refresh(void) {
         free(current);
         current = p;
         seen_bad = 0;
+        if (p->nxids < xid_log_len)
+            xid_epoch++;
+        xid_log_len = p->nxids;
     } else {
         fprintf(stderr, "libnvidia-ml (gputopo nvmlmock): profile %s: %s\n", path, err);
         free(p);
@@ -757,5 +798,77 @@ EXPORT nvmlReturn_t nvmlDeviceGetNvLinkErrorCounter(nvmlDevice_t dev, unsigned i
     REQUIRE(counter < COUNTERS, NVML_ERROR_NOT_SUPPORTED); /* ECC_DATA: not modelled */
     CHECK(lk->counter_rc[counter]);
     *counterValue = lk->counters[counter];
+    END;
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Events: critical Xids only */
+
+static nvmlReturn_t event_set(nvmlEventSet_t set) {
+    if (set < event_sets || set >= event_sets + MAX_EVENT_SETS || !set->used)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set) {
+    BEGIN("nvmlEventSetCreate");
+    REQUIRE(set != NULL, NVML_ERROR_INVALID_ARGUMENT);
+    rc = NVML_ERROR_UNKNOWN; /* every set in use */
+    for (int i = 0; i < MAX_EVENT_SETS; i++) {
+        if (!event_sets[i].used) {
+            memset(&event_sets[i], 0, sizeof event_sets[i]);
+            event_sets[i].used = 1;
+            event_sets[i].epoch = xid_epoch;
+            event_sets[i].cursor = current->nxids; /* Xids from before the set are not its */
+            *set = &event_sets[i];
+            rc = NVML_SUCCESS;
+            break;
+        }
+    }
+    END;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t dev, unsigned long long eventTypes, nvmlEventSet_t set) {
+    struct gpu *g;
+    BEGIN("nvmlDeviceRegisterEvents");
+    CHECK(device("nvmlDeviceRegisterEvents", dev, &g));
+    CHECK(event_set(set));
+    REQUIRE(eventTypes != 0, NVML_ERROR_INVALID_ARGUMENT);
+    REQUIRE((eventTypes & ~NVML_EVENT_TYPE_XID_CRITICAL_ERROR) == 0, NVML_ERROR_NOT_SUPPORTED);
+    set->types[dev->index] |= eventTypes;
+    (void)g;
+    END;
+}
+
+EXPORT nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms) {
+    BEGIN("nvmlEventSetWait_v2");
+    CHECK(event_set(set));
+    REQUIRE(data != NULL, NVML_ERROR_INVALID_ARGUMENT);
+    (void)timeoutms;
+    if (set->epoch != xid_epoch) {
+        set->epoch = xid_epoch;
+        set->cursor = 0;
+    }
+    rc = NVML_ERROR_TIMEOUT;
+    while (set->cursor < current->nxids) {
+        const struct xid *x = &current->xids[set->cursor++];
+        if (set->types[x->gpu] & NVML_EVENT_TYPE_XID_CRITICAL_ERROR) {
+            memset(data, 0, sizeof *data);
+            data->device = &handles[x->gpu];
+            data->eventType = NVML_EVENT_TYPE_XID_CRITICAL_ERROR;
+            data->eventData = x->code;
+            data->gpuInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT;
+            data->computeInstanceId = NVML_VALUE_NOT_AVAILABLE_UINT;
+            rc = NVML_SUCCESS;
+            break;
+        }
+    }
+    END;
+}
+
+EXPORT nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set) {
+    BEGIN("nvmlEventSetFree");
+    CHECK(event_set(set));
+    set->used = 0;
     END;
 }

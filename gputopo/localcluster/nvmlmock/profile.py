@@ -19,6 +19,7 @@ A text file, one fact per line, that C parses with strtok (nvmlmock.c):
     counter-error LINK COUNTER CODE       # that counter's read answers CODE
     p2p PEER STATUS                       # NVLink P2P status to PEER (default NOT_SUPPORTED)
     fail FUNCTION CODE                    # FUNCTION (or *) answers CODE for this GPU
+    xid GPU CODE                          # after the GPUs: an Xid event, delivered once per event set
 
 Systems are built from their wiring (which peer or switch each link reaches), not from the NV# matrix
 the agent is expected to rebuild from it.
@@ -50,8 +51,9 @@ FABRIC_STATES = {
 }
 # nvmlDeviceGetNvLinkVersion's enum per GPU family (NVML_NVLINK_VERSION_*).
 VERSION_V100, VERSION_A100, VERSION_H100, VERSION_B200 = 2, 4, 6, 7
-# The C side's bounds (nvmlmock.c): 96-byte text buffers, 16-character bus ids, 64 GPUs and links.
-_MAX_TEXT, _MAX_BUS, _MAX_GPUS, _MAX_LINKS = 95, 16, 64, 64
+# The C side's bounds (nvmlmock.c): 96-byte text buffers, 16-character bus ids, 64 GPUs and links,
+# 4096 Xid lines.
+_MAX_TEXT, _MAX_BUS, _MAX_GPUS, _MAX_LINKS, _MAX_XIDS = 95, 16, 64, 64, 4096
 _TOKEN = re.compile(r"^[\x21-\x7e]+$")
 _FUNCTION = re.compile(r"^(\*|nvml\w{1,59})$")
 
@@ -100,6 +102,8 @@ class Profile:
     absent: set[str] = field(default_factory=set)
     init_error: int = 0
     driver: str = "570.124.06"
+    # (GPU index, Xid code) in the order they happen; append to inject one under a running agent.
+    xids: list[tuple[int, int]] = field(default_factory=list)
 
     def render(self) -> str:
         """The profile's text; ValueError naming the field the C side would refuse."""
@@ -111,6 +115,12 @@ class Profile:
             lines.append(f"init-error {int(self.init_error)}")
         for i, g in enumerate(self.gpus):
             lines += _gpu_lines(i, g)
+        if len(self.xids) > _MAX_XIDS:
+            raise ValueError(f"profile: {len(self.xids)} Xids, at most {_MAX_XIDS}")
+        for gpu, code in self.xids:
+            if not 0 <= gpu < len(self.gpus) or not 0 <= code <= 0xFFFFFFFF:
+                raise ValueError(f"profile: Xid {code} on GPU {gpu}: needs a GPU of the profile and a 32-bit code")
+            lines.append(f"xid {int(gpu)} {int(code)}")
         return "\n".join(lines) + "\n"
 
 
