@@ -61,7 +61,6 @@ from gputopo.localcluster import (
     pod_manifest,
 )
 from gputopo.localcluster.jobcontrollers import JobControllers, controllers_missing, find_controllers_dir
-from gputopo.localcluster.manifests import pod_webhook_manifest
 from gputopo.localcluster.procstats import cpu_snapshot
 from gputopo.localcluster.stack import Stack
 from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION
@@ -192,30 +191,6 @@ def _submit(kube: KubeClient, args: argparse.Namespace, via: str, pods: int) -> 
         kube.create_pods([member_manifest(job, i, scheduler) for i in range(pods)], workers=args.workers)
 
 
-def _gate_members(kube: KubeClient, stack: Stack, deadline: Deadline) -> None:
-    """Send the namespace's pod CREATEs to the extender's webhook; return once a probe comes back mutated
-    (a new configuration takes a moment to reach the admission chain)."""
-    assert stack.ca_file is not None
-    kube.apply([pod_webhook_manifest("gang-scale-gate", stack.webhook_url, stack.ca_file.read_bytes(), NAMESPACE)])
-    for attempt in range(10_000):
-        probe = pod_manifest(
-            f"probe-{attempt}",
-            namespace=NAMESPACE,
-            annotations={"gputopo.io/nvlink": "preferred"},
-            node_selector={"bench.gputopo.io/probe": "matches-no-node"},
-        )
-        try:
-            mutated = kube.create_pod(probe)["spec"]["schedulerName"] == GPUTOPO_PROFILE
-            kube.delete_pod(NAMESPACE, f"probe-{attempt}")
-        except KubeApiError:
-            mutated = False
-        if mutated:
-            return
-        if deadline.expired():
-            raise TimeoutError("the webhook never became active")
-        time.sleep(0.5)
-
-
 def run_one(
     args: argparse.Namespace, bin_dir: Path, via: str, pods: int, deadline: Deadline, gated: bool = False
 ) -> Result:
@@ -244,7 +219,7 @@ def run_one(
             JobControllers(cp, kube, directory).ensure("jobset")
         kube.create_namespace(NAMESPACE)
         if gated:
-            _gate_members(kube, stack, deadline)
+            stack.route_pods_to_webhook("gang-scale-gate", NAMESPACE, timeout=60.0)
         # Settle: every component idle before the clock starts.
         time.sleep(2.0)
         cpu0 = cpu_snapshot(cp, "this benchmark")

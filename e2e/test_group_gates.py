@@ -7,7 +7,6 @@ chart's RBAC and its gate ValidatingAdmissionPolicy, and a group that never comp
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,7 +17,6 @@ from conftest import StackNodes, serve
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeApiError, KubeClient, pod_manifest
 from gputopo.localcluster.controllermanifests import start_order
 from gputopo.localcluster.jobcontrollers import JobControllers, controllers_missing
-from gputopo.localcluster.manifests import pod_webhook_manifest
 from gputopo.localcluster.promstats import http_get
 from gputopo.localcluster.stack import GpuNode, Stack
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
@@ -40,26 +38,8 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
 def gated(stack: Stack, kube: KubeClient, namespace: str, test_id: str) -> Iterator[str]:
     """The test's namespace, its pod CREATEs sent to the extender's webhook (active once a probe comes back
     mutated: a new configuration takes a moment to reach the admission chain)."""
-    assert stack.ca_file is not None
     name = f"gputopo-e2e-{test_id}"[:63]
-    kube.apply([pod_webhook_manifest(name, stack.webhook_url, stack.ca_file.read_bytes(), namespace)])
-    deadline = time.monotonic() + 30
-    for attempt in range(1000):
-        probe = pod_manifest(
-            f"probe-{attempt}",
-            namespace=namespace,
-            annotations={"gputopo.io/nvlink": "preferred"},
-            node_selector={"e2e.gputopo.io/probe": "matches-no-node"},
-        )
-        try:
-            mutated = kube.create_pod(probe)["spec"]["schedulerName"] == SCHEDULER
-            kube.delete_pod(namespace, f"probe-{attempt}")
-        except KubeApiError:
-            mutated = False
-        if mutated:
-            break
-        assert time.monotonic() < deadline, "the webhook never became active"
-        time.sleep(0.5)
+    stack.route_pods_to_webhook(name, namespace)
     try:
         yield namespace
     finally:

@@ -11,6 +11,7 @@ e2e suite, `gputopo demo` and the benchmarks."""
 
 from __future__ import annotations
 
+import itertools
 import ssl
 import time
 import urllib.request
@@ -32,6 +33,7 @@ from gputopo.localcluster.chart import (
 from gputopo.localcluster.controlplane import WEBHOOK_CLIENT_NAME, ControlPlane, free_port
 from gputopo.localcluster.kube import KubeApiError, KubeClient
 from gputopo.localcluster.kubelet import RealKubelet
+from gputopo.localcluster.manifests import pod_manifest, pod_webhook_manifest
 from gputopo.localcluster.nodes import GpuNode, NodeAgents
 from gputopo.localcluster.pki import generate_serving_certificate
 from gputopo.model import EXTENDER_COMPONENT, SCHEDULER_NAME
@@ -242,6 +244,30 @@ class Stack(NodeAgents):
         url = f"{pod.extender_url}/readyz"
         # The sidecar container's environment from the chart; the flags above win over it.
         self.cp.start_process(pod.extender, argv, ready=lambda: _http_ok(url), env=self.chart.extender_env())
+
+    def route_pods_to_webhook(self, name: str, namespace: str, *, timeout: float = 30.0) -> None:
+        """Send `namespace`'s pod CREATEs to the extender's webhook (configuration `name`); return once a
+        probe pod comes back mutated (a new configuration takes a moment to reach the admission chain)."""
+        assert self.ca_file is not None, "the extender serves no webhook"
+        self.kube.apply([pod_webhook_manifest(name, self.webhook_url, self.ca_file.read_bytes(), namespace)])
+        deadline = time.monotonic() + timeout
+        for attempt in itertools.count():
+            probe = pod_manifest(
+                f"probe-{attempt}",
+                namespace=namespace,
+                annotations={"gputopo.io/nvlink": "preferred"},
+                node_selector={"gputopo.io/probe": "matches-no-node"},
+            )
+            try:
+                mutated = self.kube.create_pod(probe)["spec"]["schedulerName"] == SCHEDULER_NAME
+                self.kube.delete_pod(namespace, f"probe-{attempt}")
+            except KubeApiError:
+                mutated = False
+            if mutated:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the webhook {name} never became active for namespace {namespace}")
+            time.sleep(0.5)
 
     def restart_extender(self, index: int | None = None) -> None:
         """Restart one replica's extender (default: every replica's)."""
