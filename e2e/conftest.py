@@ -44,6 +44,7 @@ from gputopo.localcluster import (
     parse_flag_map,
 )
 from gputopo.localcluster.binaries import kubernetes_version
+from gputopo.localcluster.controllermanifests import start_order
 from gputopo.localcluster.jobcontrollers import JobControllers, controllers_missing, find_controllers_dir
 from gputopo.localcluster.stack import GpuNode, Stack
 
@@ -125,6 +126,23 @@ def job_controllers(control_plane: ControlPlane, kube: KubeClient) -> JobControl
     if directory is None:
         pytest.fail(f"e2e: {controllers_missing(directory, ())}", pytrace=False)
     return JobControllers(control_plane, kube, directory)
+
+
+@pytest.fixture
+def controllers(job_controllers: JobControllers) -> Callable[..., None]:
+    """``controllers("kueue")``: the named controllers run (started on first use, with what they need)."""
+
+    def ensure(*names: str) -> None:
+        missing = controllers_missing(job_controllers.directory, start_order(names))
+        if missing is not None:
+            pytest.fail(f"e2e: {missing}", pytrace=False)
+        before = set(job_controllers.running)
+        job_controllers.ensure(*names)
+        for name in job_controllers.running:
+            if name not in before:
+                print(f"\n{name} controller up in {job_controllers.startup_seconds[name]:.1f}s", file=sys.stderr)
+
+    return ensure
 
 
 @pytest.fixture(scope="session")

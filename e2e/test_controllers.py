@@ -6,7 +6,6 @@ controllers and their webhooks add, they add here for real; gputopo-scheduler th
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,8 @@ from gputopo.localcluster import (
     KubeClient,
     pod_manifest,
 )
-from gputopo.localcluster.controllermanifests import KUEUE_MANAGED_LABEL, KUEUE_MANAGED_VALUE, start_order
-from gputopo.localcluster.jobcontrollers import JobControllers, controllers_missing
+from gputopo.localcluster.controllermanifests import KUEUE_MANAGED_LABEL, KUEUE_MANAGED_VALUE
+from gputopo.localcluster.jobcontrollers import JobControllers
 from gputopo.localcluster.stack import GpuNode, Stack
 from gputopo.model import LABEL_NETWORK_LEAF, LABEL_NETWORK_SPINE, PLACEMENT_ANNOTATION, parse_placement
 
@@ -41,23 +40,6 @@ KUEUE = "/apis/kueue.x-k8s.io/v1beta2"
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
     yield from serve(Stack(control_plane, kube, stale_after_seconds=60))
-
-
-@pytest.fixture
-def controllers(job_controllers: JobControllers) -> Callable[..., None]:
-    """``controllers("kueue")``: the named controllers run (started on first use, with what they need)."""
-
-    def ensure(*names: str) -> None:
-        missing = controllers_missing(job_controllers.directory, start_order(names))
-        if missing is not None:
-            pytest.fail(f"e2e: {missing}", pytrace=False)
-        before = set(job_controllers.running)
-        job_controllers.ensure(*names)
-        for name in job_controllers.running:
-            if name not in before:
-                print(f"\n{name} controller up in {job_controllers.startup_seconds[name]:.1f}s", file=sys.stderr)
-
-    return ensure
 
 
 # ---------------------------------------------------------------- objects as users write them

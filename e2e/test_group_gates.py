@@ -6,7 +6,6 @@ chart's RBAC and its gate ValidatingAdmissionPolicy, and a group that never comp
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,8 +14,6 @@ import workloads as wl
 
 from conftest import StackNodes, serve
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeApiError, KubeClient, pod_manifest
-from gputopo.localcluster.controllermanifests import start_order
-from gputopo.localcluster.jobcontrollers import JobControllers, controllers_missing
 from gputopo.localcluster.promstats import http_get
 from gputopo.localcluster.stack import GpuNode, Stack
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
@@ -44,21 +41,6 @@ def gated(stack: Stack, kube: KubeClient, namespace: str, test_id: str) -> Itera
         yield namespace
     finally:
         kube.request("DELETE", f"/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/{name}")
-
-
-@pytest.fixture
-def controllers(job_controllers: JobControllers) -> Callable[..., None]:
-    def ensure(*names: str) -> None:
-        missing = controllers_missing(job_controllers.directory, start_order(names))
-        if missing is not None:
-            pytest.fail(f"e2e: {missing}", pytrace=False)
-        before = set(job_controllers.running)
-        job_controllers.ensure(*names)
-        for name in job_controllers.running:
-            if name not in before:
-                print(f"\n{name} controller up in {job_controllers.startup_seconds[name]:.1f}s", file=sys.stderr)
-
-    return ensure
 
 
 def member(name: str, namespace: str, test_id: str, *, size: int, stage: int) -> dict[str, Any]:
