@@ -184,8 +184,10 @@ def names(w: Wave) -> list[str]:
 
 
 # A preemptor can sit in kube-scheduler's unschedulable pool until its 5-minute flush after its
-# victims are gone (kubernetes#141694, open on every served release): it binds, only later.
-PREEMPTOR_BIND_TIMEOUT = 360.0
+# victims are gone (kubernetes#141694, open on every served release): it binds, only later. The
+# flush runs every 30 s and counts from the pod's last failed attempt, which can come a minute or
+# more after its creation on a loaded machine (a retry that saw a victim still terminating).
+PREEMPTOR_BIND_TIMEOUT = 480.0
 # The test's own limit must outlast that wait (the suite's default per-test limit is 300 s).
 OUTLASTS_THE_FLUSH = pytest.mark.timeout(PREEMPTOR_BIND_TIMEOUT + 180)
 
