@@ -34,7 +34,6 @@ from gputopo.engine.state.cliques import mask_of
 from gputopo.engine.state.snapshot import shape_of
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from gputopo.localcluster.kubelet import kubelet_unavailable
-from gputopo.localcluster.manifests import pod_webhook_manifest
 from gputopo.localcluster.nvmlmock import profile_for_system
 from gputopo.localcluster.stack import Stack
 from gputopo.model import PLACEMENT_ANNOTATION, NvlinkPolicy, PodRequest, parse_placement
@@ -430,10 +429,7 @@ def test_dra_webhook_turns_an_opted_in_gpu_pod_into_a_clique_claim(
     assert hook.ca_file is not None
     name = f"gputopo-e2e-{test_id}"[:63]
     ca = hook.ca_file.read_bytes()
-    hook_config = pod_webhook_manifest(
-        name, hook.webhook_url, ca, namespace, side_effects="NoneOnDryRun", timeout_seconds=10
-    )
-    kube.apply([hook_config])
+    hook.route_pods_to_webhook(name, namespace, side_effects="NoneOnDryRun", timeout_seconds=10)
     try:
         pins = node.pod("pins", node.pin_template([0, 5]))
         assert node.running(pins) == (0, 5)
@@ -444,14 +440,7 @@ def test_dra_webhook_turns_an_opted_in_gpu_pod_into_a_clique_claim(
             annotations={"gputopo.io/nvlink": "required", "gputopo.io/min-gpu-memory": "16Gi"},
             node_selector={TEST_LABEL: test_id},
         )  # schedulerName: default-scheduler, as a user would leave it
-        deadline = time.monotonic() + 30
-        while True:  # a new webhook configuration takes a moment to reach the admission chain
-            created = kube.create_pod(pod)
-            if created["spec"].get("resourceClaims"):
-                break
-            kube.delete_pod(namespace, "tp2")
-            assert time.monotonic() < deadline, "the webhook never became active"
-            time.sleep(0.5)
+        created = kube.create_pod(pod)
         spec = created["spec"]
         assert spec["schedulerName"] == stack.scheduler_name
         assert "nvidia.com/gpu" not in spec["containers"][0]["resources"].get("limits", {})

@@ -17,8 +17,6 @@ from workloads import bound_after_nudges
 
 from conftest import StackNodes
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from gputopo.localcluster.kube import KubeApiError
-from gputopo.localcluster.manifests import pod_webhook_manifest
 from gputopo.localcluster.stack import GpuNode, Stack
 from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,
@@ -367,7 +365,7 @@ def test_mutating_webhook_lets_the_annotation_alone_opt_a_pod_in(
     hook.start_extender()
     assert hook.ca_file is not None and hook.webhook_url.startswith("https://127.0.0.1:")
     name = f"gputopo-e2e-{test_id}"[:63]
-    kube.apply([pod_webhook_manifest(name, hook.webhook_url, hook.ca_file.read_bytes(), namespace)])
+    hook.route_pods_to_webhook(name, namespace)
     try:
         annotated = pod_manifest(
             "opted-in",
@@ -377,24 +375,6 @@ def test_mutating_webhook_lets_the_annotation_alone_opt_a_pod_in(
             node_selector={TEST_LABEL: test_id},
         )  # schedulerName: default-scheduler, as a user would leave it
         plain = pod_manifest("not-opted-in", namespace=namespace, gpus=1, node_selector={TEST_LABEL: test_id})
-        # A new webhook configuration takes a moment to reach the admission chain: probe until a
-        # pod comes back mutated (probes select no node, so they never schedule), then go.
-        deadline = time.monotonic() + 30
-        for attempt in range(1000):
-            probe = {
-                **annotated,
-                "metadata": {**annotated["metadata"], "name": f"probe-{attempt}"},
-                "spec": {**annotated["spec"], "nodeSelector": {"e2e.gputopo.io/probe": "matches-no-node"}},
-            }
-            try:
-                mutated = kube.create_pod(probe)["spec"]["schedulerName"] == "gputopo-scheduler"
-                kube.delete_pod(namespace, f"probe-{attempt}")
-            except KubeApiError:
-                mutated = False
-            if mutated:
-                break
-            assert time.monotonic() < deadline, "the webhook never became active"
-            time.sleep(0.5)
         kube.create_pod(annotated)
         kube.create_pod(plain)
         assert kube.get_pod(namespace, "opted-in")["spec"]["schedulerName"] == "gputopo-scheduler"

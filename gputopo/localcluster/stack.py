@@ -245,11 +245,22 @@ class Stack(NodeAgents):
         # The sidecar container's environment from the chart; the flags above win over it.
         self.cp.start_process(pod.extender, argv, ready=lambda: _http_ok(url), env=self.chart.extender_env())
 
-    def route_pods_to_webhook(self, name: str, namespace: str, *, timeout: float = 30.0) -> None:
-        """Send `namespace`'s pod CREATEs to the extender's webhook (configuration `name`); return once a
-        probe pod comes back mutated (a new configuration takes a moment to reach the admission chain)."""
+    def route_pods_to_webhook(
+        self, name: str, namespace: str, *, side_effects: str = "None", timeout_seconds: int = 5, timeout: float = 30.0
+    ) -> None:
+        """Send `namespace`'s pod CREATEs to the extender's webhook (configuration `name`, with the API server's
+        `side_effects` and `timeout_seconds`); return once a probe pod comes back mutated (a new configuration
+        takes a moment to reach the admission chain). Probes select no node, so they never schedule."""
         assert self.ca_file is not None, "the extender serves no webhook"
-        self.kube.apply([pod_webhook_manifest(name, self.webhook_url, self.ca_file.read_bytes(), namespace)])
+        hook = pod_webhook_manifest(
+            name,
+            self.webhook_url,
+            self.ca_file.read_bytes(),
+            namespace,
+            side_effects=side_effects,
+            timeout_seconds=timeout_seconds,
+        )
+        self.kube.apply([hook])
         deadline = time.monotonic() + timeout
         for attempt in itertools.count():
             probe = pod_manifest(
