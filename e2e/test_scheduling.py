@@ -29,7 +29,9 @@ from gputopo.systems import build_system
 
 pytestmark = pytest.mark.e2e
 
-STALE_AFTER = 6.0  # seconds; agents heartbeat every 2 s
+# seconds; agents heartbeat every 2 s. Ten beats: an agent starved on a loaded machine must not make its
+# node stale under another test (a pod refused as stale waits for the next node event).
+STALE_AFTER = 20.0
 
 
 @pytest.fixture(scope="module")
