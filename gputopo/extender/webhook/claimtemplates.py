@@ -55,6 +55,8 @@ from gputopo.extender.webhook.templatecheck import (
 from gputopo.kube import JSON, RESOURCECLAIMTEMPLATES, KubeError
 from gputopo.model import SCHEDULER_NAME
 from gputopo.model.dra import TEMPLATE_PREFIX
+from gputopo.model.pod import read_pod
+from gputopo.model.podspec import PodSpecError
 
 __all__ = [
     "ClaimTemplates",
@@ -92,18 +94,6 @@ class TemplateApi(TemplateReader, Protocol):
 def _meta(obj: Any) -> Mapping[str, Any]:
     meta = obj.get("metadata") if isinstance(obj, Mapping) else None
     return meta if isinstance(meta, Mapping) else {}
-
-
-def _template_names(obj: Any) -> list[str]:
-    """The names of gputopo's templates the pod's `spec.resourceClaims` name (usually one)."""
-    spec = obj.get("spec") if isinstance(obj, Mapping) else None
-    claims = spec.get("resourceClaims") if isinstance(spec, Mapping) else None
-    out = []
-    for c in claims if isinstance(claims, list) else ():
-        name = c.get("resourceClaimTemplateName") if isinstance(c, Mapping) else None
-        if isinstance(name, str) and name.startswith(TEMPLATE_PREFIX + "-"):
-            out.append(name)
-    return out
 
 
 Key = tuple[str, str]  # (namespace, template name)
@@ -163,20 +153,16 @@ class TemplateKeeper:
     # ------------------------------------------------------------------ pod hooks (informer thread)
 
     def _uses(self, obj: Any) -> tuple[str, tuple[Key, ...], bool]:
-        """(uid, the templates the pod names while it lives, whether gputopo should ensure them)."""
-        meta = _meta(obj)
-        uid = meta.get("uid")
-        namespace = meta.get("namespace")
-        if not isinstance(uid, str) or not uid or not isinstance(namespace, str) or not namespace:
+        """(uid, the templates the pod names while it lives, whether gputopo should ensure them), read by
+        the project's one Pod reader; a pod it refuses, or one without a UID, names nothing."""
+        try:
+            pod = read_pod(obj)
+        except PodSpecError:
             return "", (), False
-        status = obj.get("status") if isinstance(obj, Mapping) else None
-        phase = status.get("phase") if isinstance(status, Mapping) else None
-        if phase in ("Succeeded", "Failed"):
-            return uid, (), False
-        keys = tuple((namespace, n) for n in _template_names(obj))
-        spec = obj.get("spec")
-        ours = isinstance(spec, Mapping) and spec.get("schedulerName") == self.scheduler_name
-        return uid, keys, ours and not meta.get("deletionTimestamp")
+        if not pod.uid or pod.terminated:
+            return pod.uid, (), False
+        keys = tuple((pod.namespace, n) for n in pod.claim_templates if n.startswith(TEMPLATE_PREFIX + "-"))
+        return pod.uid, keys, pod.scheduler_name == self.scheduler_name and not pod.deleting
 
     def _set(self, uid: str, keys: tuple[Key, ...]) -> None:
         old = self._refs.pop(uid, ())

@@ -22,8 +22,9 @@ from gputopo.extender.watch.computedomains import (
     compute_domain_size,
     template_uid,
 )
-from gputopo.extender.wire import MAX_POD_CLAIMS, WireError, pod_info
+from gputopo.extender.wire import WireError, pod_info
 from gputopo.model.dra import DEVICE_CLASS
+from gputopo.model.pod import MAX_POD_CLAIMS
 from tests.extender.harness import JSON, Env, node_obj, pod_obj
 
 TRAYS = {"a1": "rack-a", "a2": "rack-a", "b1": "rack-b", "b2": "rack-b"}
