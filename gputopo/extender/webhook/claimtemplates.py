@@ -33,13 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-from gputopo.engine.dra.claims import (
-    MANAGED_BY,
-    MANAGED_BY_LABEL,
-    MEMORY_CLASSES_MIB,
-    ClaimTemplate,
-    template_named,
-)
+from gputopo.engine.dra.claims import MEMORY_CLASSES_MIB, ClaimTemplate, template_named
 
 # The webhook's read-only check lives in its own module; its names stay importable from here.
 from gputopo.extender.webhook.templatecheck import (
@@ -54,6 +48,7 @@ from gputopo.extender.webhook.templatecheck import (
 )
 from gputopo.kube import JSON, RESOURCECLAIMTEMPLATES, KubeError
 from gputopo.model import SCHEDULER_NAME
+from gputopo.model.claimtemplate import MANAGED_BY, MANAGED_BY_LABEL, TemplateError, TemplateMeta, template_meta
 from gputopo.model.dra import TEMPLATE_PREFIX
 from gputopo.model.pod import read_pod
 from gputopo.model.podspec import PodSpecError
@@ -89,11 +84,6 @@ class TemplateApi(TemplateReader, Protocol):
 
 # --------------------------------------------------------------------------------------------------
 # the keeper: templates follow the pods the API server holds
-
-
-def _meta(obj: Any) -> Mapping[str, Any]:
-    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
-    return meta if isinstance(meta, Mapping) else {}
 
 
 Key = tuple[str, str]  # (namespace, template name)
@@ -306,12 +296,15 @@ class TemplateKeeper:
             return 0
         items, _ = self.api.list_items(ALL_TEMPLATES, label_selector=f"{MANAGED_BY_LABEL}={MANAGED_BY}")
         now = self.clock()
-        listed: dict[Key, Mapping[str, Any]] = {}
+        listed: dict[Key, TemplateMeta] = {}
         for obj in items:
-            meta = _meta(obj)
-            ns, name = meta.get("namespace"), meta.get("name")
-            if isinstance(ns, str) and isinstance(name, str) and name.startswith(TEMPLATE_PREFIX + "-"):
-                listed[(ns, name)] = meta
+            try:
+                meta = template_meta(obj)
+            except TemplateError as e:  # the API server validates what it stores: a forged or broken list
+                log.debug("skipping an unreadable claim template", extra={"error": str(e)[:200]})
+                continue
+            if meta.name.startswith(TEMPLATE_PREFIX + "-"):
+                listed[meta.key] = meta
         with self._lock:
             known: dict[str, set[str]] = {}
             for ns, name in listed:
@@ -335,7 +328,7 @@ class TemplateKeeper:
         deleted = 0
         for key in doomed:
             meta = listed[key]
-            preconditions = {k: meta[k] for k in ("uid", "resourceVersion") if isinstance(meta.get(k), str)}
+            preconditions = {k: v for k, v in (("uid", meta.uid), ("resourceVersion", meta.resource_version)) if v}
             with self._lock:
                 if self._users.get(key, 0) > 0:  # a pod named it since the list
                     self._unused_since.pop(key, None)
