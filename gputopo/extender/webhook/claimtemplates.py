@@ -20,7 +20,9 @@ Writes follow objects the API server holds instead:
   is made again for that pod (the keeper forgets what it deleted).
 
 A template's spec is compared by content, never by the digest annotation, which anyone who can write
-the template can copy (`same_template`).
+the template can copy (`same_template`). Templates are fetched with the extender's one Kubernetes client
+(`gputopo.kube`, at `RESOURCECLAIMTEMPLATES`' paths) and read by the one template reader,
+`gputopo.model.claimtemplate`; the pods that name them by the one Pod reader, `gputopo.model.pod`.
 """
 
 from __future__ import annotations
