@@ -305,7 +305,7 @@ class TemplateKeeper:
             except TemplateError as e:  # the API server validates what it stores: a forged or broken list
                 log.debug("skipping an unreadable claim template", extra={"error": str(e)[:200]})
                 continue
-            if meta.name.startswith(TEMPLATE_PREFIX + "-"):
+            if meta.gputopos:  # the list asked for our label; the name says it too
                 listed[meta.key] = meta
         with self._lock:
             known: dict[str, set[str]] = {}
