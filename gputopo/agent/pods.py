@@ -17,23 +17,25 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gputopo.kube import Kube, Pacing, on_node, parse_time, pods_path, run_list_watch
+from gputopo.kube import Kube, Pacing, on_node, pods_path, run_list_watch
 from gputopo.model import GPU_RESOURCE, PLACEMENT_ANNOTATION, AnnotationError, Placement, parse_placement
-from gputopo.model.podspec import PodSpecError, read_pod_gpus
+from gputopo.model.pod import TERMINAL_PHASES, read_pod
+from gputopo.model.podspec import PodSpecError
 
 log = logging.getLogger(__name__)
 
 JSON = dict[str, Any]
-TERMINAL_PHASES = ("Succeeded", "Failed")
 
 
 @dataclass(frozen=True)
 class LocalPod:
+    """What the device plugin reads of a pod bound to this node (built from gputopo.model.pod.PodInfo)."""
+
     uid: str
     namespace: str
     name: str
     phase: str  # status.phase, "" if absent
-    gpus_requested: int  # Kubernetes' effective request (gputopo.model.podspec)
+    gpus_requested: int  # Kubernetes' effective request of the plugin's resource (gputopo.model.podspec)
     container_gpus: tuple[tuple[str, int], ...]  # (container name, GPUs), app containers in spec order, only > 0
     placement: Placement | None  # gputopo.io/placement when it names THIS node, else None
     created: float  # metadata.creationTimestamp as epoch seconds
@@ -59,53 +61,35 @@ class MalformedPodError(ValueError):
     """A pod object this view cannot read; the message names the field."""
 
 
-def _epoch(text: object) -> float:
-    if text is None or text == "":
-        return 0.0
-    epoch = parse_time(text)
-    if epoch is None:
-        raise MalformedPodError(f"metadata.creationTimestamp is not RFC 3339: {text!r}")
-    return epoch
-
-
 def parse_local_pod(
     obj: Mapping[str, Any], node: str, resource: str = GPU_RESOURCE
 ) -> tuple[LocalPod, AnnotationError | None]:
-    """The LocalPod of a Pod object, plus the placement annotation's error if it could not be read."""
-    meta = obj.get("metadata")
-    if not isinstance(meta, Mapping):
-        raise MalformedPodError("metadata is missing")
-    name, uid = meta.get("name"), meta.get("uid")
-    if not isinstance(name, str) or not name:
-        raise MalformedPodError("metadata.name is missing")
-    if not isinstance(uid, str) or not uid:
-        raise MalformedPodError("metadata.uid is missing")
-    spec = obj.get("spec") or {}
-    status = obj.get("status") or {}
-    annotations = meta.get("annotations") or {}
-    if not isinstance(spec, Mapping) or not isinstance(status, Mapping) or not isinstance(annotations, Mapping):
-        raise MalformedPodError("spec, status or metadata.annotations is not an object")
+    """The LocalPod of a Pod object, read by the project's one Pod reader (gputopo.model.pod.read_pod, the
+    extender's too), plus the placement annotation's error if it could not be read. A pod that reader
+    refuses, or one without a UID (the view is keyed by it), raises MalformedPodError naming the field."""
     try:
-        gpus = read_pod_gpus(spec, "spec", resource)
+        info = read_pod(obj, resource=resource)
     except PodSpecError as e:
         raise MalformedPodError(str(e)) from None
+    if not info.uid:
+        raise MalformedPodError("Pod.metadata.uid is missing")
     placement, error = None, None
-    text = annotations.get(PLACEMENT_ANNOTATION)
-    if isinstance(text, str):
+    text = info.annotations.get(PLACEMENT_ANNOTATION)
+    if text is not None:
         try:
             parsed = parse_placement(text)
             placement = parsed if parsed.node == node else None
         except AnnotationError as e:
             error = e
     pod = LocalPod(
-        uid=uid,
-        namespace=str(meta.get("namespace") or "default"),
-        name=name,
-        phase=str(status.get("phase") or ""),
-        gpus_requested=gpus.total,
-        container_gpus=tuple((c, n) for c, n in gpus.containers if n > 0),
+        uid=info.uid,
+        namespace=info.namespace,
+        name=info.name,
+        phase=info.phase,
+        gpus_requested=info.request.total,
+        container_gpus=tuple((c, n) for c, n in info.request.containers if n > 0),
         placement=placement,
-        created=_epoch(meta.get("creationTimestamp")),
+        created=info.created,
     )
     return pod, error
 

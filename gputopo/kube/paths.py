@@ -9,6 +9,7 @@ from typing import Any
 
 from gputopo.kube.apipath import InvalidName, api_path, field_selector
 from gputopo.kube.kinds import LEASES, NODES, PODS, RESOURCECLAIMS
+from gputopo.model.k8snames import parse_time  # the one RFC 3339 reader, pure: the model reads pods' times too
 
 __all__ = [
     "JSON",
@@ -69,16 +70,3 @@ def events_path(namespace: str) -> str:
 def micro_time(t: datetime) -> str:
     """A MicroTime (Lease renewTime, Event eventTime) in UTC."""
     return t.astimezone(UTC).strftime(MICROTIME)
-
-
-def parse_time(text: object) -> float | None:
-    """An RFC 3339 time of an API object (a Lease's renewTime, a creationTimestamp, a condition's
-    lastHeartbeatTime; with or without fractions) in epoch seconds; None for anything else, a time
-    without its zone included (read as local time it would be off by the machine's offset)."""
-    if not isinstance(text, str):
-        return None
-    try:
-        parsed = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
-    except ValueError:
-        return None
-    return parsed.timestamp() if parsed.tzinfo is not None else None

@@ -1,4 +1,4 @@
-"""Names and integers as the API server reads them: what every part checks before a name goes into an API
+"""Names, integers and times as the API server reads them: what every part checks before a name goes into an API
 path or query, and before an integer in an annotation or label is used.
 
 - a namespace is a DNS-1123 label (lower-case letters, digits and `-`, at most 63, starting and ending
@@ -7,11 +7,13 @@ path or query, and before an integer in an annotation or label is used.
   never reach a path.
 - an integer in an annotation or label is ASCII digits only, without sign, `_` or spaces, within stated
   bounds (what `int()` would also take, `٤`, `1_0`, `+4`, ` 4 `, is refused).
+- a time (creationTimestamp, a Lease's renewTime) is RFC 3339 with its zone (`parse_time`).
 """
 
 from __future__ import annotations
 
 import re
+from datetime import datetime
 
 MAX_LABEL = 63
 MAX_SUBDOMAIN = 253
@@ -68,3 +70,16 @@ def ascii_int(value: str, lo: int, hi: int) -> int | None:
         return None
     n = int(value)
     return n if lo <= n <= hi else None
+
+
+def parse_time(text: object) -> float | None:
+    """An RFC 3339 time of an API object (a Lease's renewTime, a creationTimestamp, a condition's
+    lastHeartbeatTime; with or without fractions) in epoch seconds; None for anything else, a time
+    without its zone included (read as local time it would be off by the machine's offset)."""
+    if not isinstance(text, str):
+        return None
+    try:
+        parsed = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed.timestamp() if parsed.tzinfo is not None else None

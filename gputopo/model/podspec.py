@@ -1,4 +1,4 @@
-"""A Pod object's GPU request, read by Kubernetes' rules: the one reader the extender and the agent share.
+"""A Pod spec's GPU request, read by Kubernetes' rules: the GPU count of the one Pod reader (gputopo.model.pod).
 
 A container's count is its request for the resource, which defaults from its limit (an extended
 resource's request must equal its limit when both are given). The pod's count is Kubernetes'
@@ -22,7 +22,7 @@ SIDECAR_RESTART_POLICY = "Always"  # an init container with it is a sidecar (Kub
 
 
 class PodSpecError(ValueError):
-    """A Pod spec field this reader cannot use; the message names the field and the value."""
+    """A Pod field this reader (or gputopo.model.pod's) cannot use; the message names the field and the value."""
 
 
 class PodGpus(NamedTuple):

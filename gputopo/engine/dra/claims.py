@@ -49,6 +49,7 @@ from gputopo.engine.dra.devices import (
     partition_attribute,
     qualified,
 )
+from gputopo.model.claimtemplate import MANAGED_BY, MANAGED_BY_LABEL, SPEC_DIGEST_ANNOTATION
 from gputopo.model.dra import TEMPLATE_PREFIX, template_gpus
 from gputopo.model.request import NvlinkPolicy, PodRequest
 from gputopo.systems import SYSTEMS
@@ -59,11 +60,8 @@ REQUEST = "gpus"  # the one device request; also the pod's claim name (gputopo.e
 ANY_SUBREQUEST = "any"  # the unconstrained fallback of `preferred`
 CLIQUE_SUBREQUEST = "clique"  # the constrained subrequest of `preferred` with list attributes
 NAME_PREFIX = TEMPLATE_PREFIX
-# Labels and annotations on every template gputopo makes: who made it, and the digest of its spec (the
-# API server may add defaults to a stored spec; the digest still says which spec it was made from).
-MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
-MANAGED_BY = "gputopo"
-SPEC_DIGEST_ANNOTATION = "gputopo.io/claim-spec-digest"
+# Every template gputopo makes carries MANAGED_BY_LABEL and the digest of its spec, SPEC_DIGEST_ANNOTATION
+# (declared by gputopo.model.claimtemplate, which reads the templates back).
 
 # k8s.io/api resource/v1 (v0.34.4) limits.
 MAX_DEVICES_PER_CLAIM = 32  # AllocationResultsMaxSize

@@ -29,11 +29,12 @@ from gputopo.engine.node.placement import Outcome
 from gputopo.engine.state.reasons import Code, Reason
 from gputopo.engine.state.snapshot import NodeState
 from gputopo.model import PodRequest
+from gputopo.model.claimtemplate import COMPUTE_DOMAIN_LABEL
 
 DOMAIN_TIER = "nvlink-domain"
 # The label NVIDIA's kubelet plugin sets to the ComputeDomain's UID while the node's channel serves it (and its
 # channel ResourceClaimTemplates carry, so the UID names the template); one ComputeDomain per node.
-DRIVER_NODE_LABEL = "resource.nvidia.com/computeDomain"
+DRIVER_NODE_LABEL = COMPUTE_DOMAIN_LABEL
 Serving = Mapping[str, frozenset[str]]  # node -> the ComputeDomains whose IMEX channel it serves now
 # Scores are in [0, 1]: a whole step orders the steering classes first, the engine's score within each.
 FIRST, LAST = 1.0, -1.0

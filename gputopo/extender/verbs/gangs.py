@@ -30,9 +30,10 @@ from gputopo.extender.state.podindex import GroupTally
 from gputopo.extender.state.records import PodRecord
 from gputopo.extender.state.reservations import Reservation
 from gputopo.extender.verbs.exclusive import ExclusiveDesk
-from gputopo.extender.wire import KUEUE_TOPOLOGY_GATE, PodInfo
+from gputopo.extender.wire import PodInfo
 from gputopo.model import NO_FACTS, ControllerFacts, PodRequest, Spread
 from gputopo.model.jobs import JOBSET_EXCLUSIVE
+from gputopo.model.pod import KUEUE_TOPOLOGY_GATE
 
 log = logging.getLogger("gputopo.extender.groups")
 

@@ -27,6 +27,9 @@ Until the templates have been listed once, a pod that names a template other tha
 reason rather than being placed as a pod of no ComputeDomain. A template not seen after the list is no channel
 template; when one arrives or changes, the pods naming it are read again (`on_change`: those keys, or None
 after the first list: every pod that names a template).
+
+Each template is read by the project's one ResourceClaimTemplate reader (`gputopo.model.claimtemplate`): its
+channel request and its driver label; one it cannot read is reported as a bad object, naming the field.
 """
 
 from __future__ import annotations
@@ -36,19 +39,18 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gputopo.engine.gang.imex import DRIVER_NODE_LABEL
 from gputopo.extender.watch.handlers import Bad, KindHandler, each_readable
 from gputopo.kube import COMPUTEDOMAINS, JSON, RESOURCECLAIMTEMPLATES
+from gputopo.model.claimtemplate import CHANNEL_DEVICE_CLASS as CHANNEL_DEVICE_CLASS  # e2e and bench name it here
+from gputopo.model.claimtemplate import read_claim_template
 from gputopo.model.dra import TEMPLATE_PREFIX
 
 log = logging.getLogger("gputopo.extender.watch.computedomains")
 
-CHANNEL_DEVICE_CLASS = "compute-domain-default-channel.nvidia.com"
 CHANNEL_DRIVER = "compute-domain.nvidia.com"  # the driver of the `channel-0` devices that class selects
 # Per namespace, channel templates and ComputeDomains each (one template per ComputeDomain); past it that
 # namespace's new ones are not kept (said once per namespace), and no other namespace is affected.
 MAX_PER_NAMESPACE = 1024
-MAX_REQUESTS = 128  # resource.k8s.io's cap on a claim's requests
 MAX_NUM_NODES = 65_536  # far past any NVLink domain (NVL576 is 144 trays)
 
 Key = tuple[str, str]  # (namespace, template)
@@ -69,34 +71,6 @@ def _identity(obj: Any) -> Key:
     if not isinstance(name, str) or not name or not isinstance(namespace, str) or not namespace:
         raise ValueError("metadata.name or metadata.namespace is missing or not a string")
     return namespace, name
-
-
-def channel_template(obj: JSON) -> tuple[Key, bool]:
-    """A ResourceClaimTemplate's (namespace, name) and whether it asks for a ComputeDomain's IMEX channel
-    (a request, exactly or among firstAvailable, of CHANNEL_DEVICE_CLASS); ValueError naming the field."""
-    namespace, name = _identity(obj)
-    devices = _map(_map(_map(obj.get("spec"), "spec").get("spec"), "spec.spec").get("devices"), "spec.spec.devices")
-    requests = devices.get("requests", [])
-    if not isinstance(requests, list) or len(requests) > MAX_REQUESTS:
-        raise ValueError(f"spec.spec.devices.requests is not a list of at most {MAX_REQUESTS}")
-    classes: list[Any] = []
-    for i, request in enumerate(requests):
-        where = f"spec.spec.devices.requests[{i}]"
-        exactly = _map(_map(request, where).get("exactly"), f"{where}.exactly")
-        classes.append(exactly.get("deviceClassName"))
-        alternatives = request.get("firstAvailable", [])
-        if not isinstance(alternatives, list) or len(alternatives) > MAX_REQUESTS:
-            raise ValueError(f"{where}.firstAvailable is not a list of at most {MAX_REQUESTS}")
-        classes += [_map(a, f"{where}.firstAvailable[]").get("deviceClassName") for a in alternatives]
-    return (namespace, name), CHANNEL_DEVICE_CLASS in classes
-
-
-def template_uid(obj: JSON) -> str | None:
-    """The ComputeDomain UID a channel template's `DRIVER_NODE_LABEL` carries; None without one."""
-    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
-    labels = meta.get("labels") if isinstance(meta, Mapping) else None
-    uid = labels.get(DRIVER_NODE_LABEL) if isinstance(labels, Mapping) else None
-    return uid if isinstance(uid, str) and uid else None
 
 
 class PerNamespace:
@@ -211,9 +185,9 @@ class ChannelTemplates:
         before = self.channels
         self.channels, self._claims, self._uid_of = set(), {}, {}
         self._room.clear()
-        for obj, (key, channel) in each_readable(RESOURCECLAIMTEMPLATES.name, items, channel_template, self._bad):
-            if channel:
-                self._keep(key, template_uid(obj))
+        for _, template in each_readable(RESOURCECLAIMTEMPLATES.name, items, read_claim_template, self._bad):
+            if template.channel:
+                self._keep(template.meta.key, template.meta.compute_domain_uid)
         first, self.listed = not self.listed, True
         if first:
             self.on_change(None)  # every pod that names a template: those waiting for this list among them
@@ -221,11 +195,12 @@ class ChannelTemplates:
             self.on_change(before ^ self.channels)
 
     def apply(self, event_type: str, obj: JSON) -> None:
-        key, channel = channel_template(obj)
+        template = read_claim_template(obj)
+        key = template.meta.key
         was = key in self.channels
-        if event_type == "DELETED" or not channel:
+        if event_type == "DELETED" or not template.channel:
             self._forget(key)
-        elif not self._keep(key, template_uid(obj)):
+        elif not self._keep(key, template.meta.compute_domain_uid):
             return
         if was != (key in self.channels):
             self.on_change({key})

@@ -20,7 +20,9 @@ Writes follow objects the API server holds instead:
   is made again for that pod (the keeper forgets what it deleted).
 
 A template's spec is compared by content, never by the digest annotation, which anyone who can write
-the template can copy (`same_template`).
+the template can copy (`same_template`). Templates are fetched with the extender's one Kubernetes client
+(`gputopo.kube`, at `RESOURCECLAIMTEMPLATES`' paths) and read by the one template reader,
+`gputopo.model.claimtemplate`; the pods that name them by the one Pod reader, `gputopo.model.pod`.
 """
 
 from __future__ import annotations
@@ -33,13 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-from gputopo.engine.dra.claims import (
-    MANAGED_BY,
-    MANAGED_BY_LABEL,
-    MEMORY_CLASSES_MIB,
-    ClaimTemplate,
-    template_named,
-)
+from gputopo.engine.dra.claims import MEMORY_CLASSES_MIB, ClaimTemplate, template_named
 
 # The webhook's read-only check lives in its own module; its names stay importable from here.
 from gputopo.extender.webhook.templatecheck import (
@@ -54,7 +50,10 @@ from gputopo.extender.webhook.templatecheck import (
 )
 from gputopo.kube import JSON, RESOURCECLAIMTEMPLATES, KubeError
 from gputopo.model import SCHEDULER_NAME
+from gputopo.model.claimtemplate import MANAGED_BY, MANAGED_BY_LABEL, TemplateError, TemplateMeta, template_meta
 from gputopo.model.dra import TEMPLATE_PREFIX
+from gputopo.model.pod import read_pod
+from gputopo.model.podspec import PodSpecError
 
 __all__ = [
     "ClaimTemplates",
@@ -87,23 +86,6 @@ class TemplateApi(TemplateReader, Protocol):
 
 # --------------------------------------------------------------------------------------------------
 # the keeper: templates follow the pods the API server holds
-
-
-def _meta(obj: Any) -> Mapping[str, Any]:
-    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
-    return meta if isinstance(meta, Mapping) else {}
-
-
-def _template_names(obj: Any) -> list[str]:
-    """The names of gputopo's templates the pod's `spec.resourceClaims` name (usually one)."""
-    spec = obj.get("spec") if isinstance(obj, Mapping) else None
-    claims = spec.get("resourceClaims") if isinstance(spec, Mapping) else None
-    out = []
-    for c in claims if isinstance(claims, list) else ():
-        name = c.get("resourceClaimTemplateName") if isinstance(c, Mapping) else None
-        if isinstance(name, str) and name.startswith(TEMPLATE_PREFIX + "-"):
-            out.append(name)
-    return out
 
 
 Key = tuple[str, str]  # (namespace, template name)
@@ -163,20 +145,16 @@ class TemplateKeeper:
     # ------------------------------------------------------------------ pod hooks (informer thread)
 
     def _uses(self, obj: Any) -> tuple[str, tuple[Key, ...], bool]:
-        """(uid, the templates the pod names while it lives, whether gputopo should ensure them)."""
-        meta = _meta(obj)
-        uid = meta.get("uid")
-        namespace = meta.get("namespace")
-        if not isinstance(uid, str) or not uid or not isinstance(namespace, str) or not namespace:
+        """(uid, the templates the pod names while it lives, whether gputopo should ensure them), read by
+        the project's one Pod reader; a pod it refuses, or one without a UID, names nothing."""
+        try:
+            pod = read_pod(obj)
+        except PodSpecError:
             return "", (), False
-        status = obj.get("status") if isinstance(obj, Mapping) else None
-        phase = status.get("phase") if isinstance(status, Mapping) else None
-        if phase in ("Succeeded", "Failed"):
-            return uid, (), False
-        keys = tuple((namespace, n) for n in _template_names(obj))
-        spec = obj.get("spec")
-        ours = isinstance(spec, Mapping) and spec.get("schedulerName") == self.scheduler_name
-        return uid, keys, ours and not meta.get("deletionTimestamp")
+        if not pod.uid or pod.terminated:
+            return pod.uid, (), False
+        keys = tuple((pod.namespace, n) for n in pod.claim_templates if n.startswith(TEMPLATE_PREFIX + "-"))
+        return pod.uid, keys, pod.scheduler_name == self.scheduler_name and not pod.deleting
 
     def _set(self, uid: str, keys: tuple[Key, ...]) -> None:
         old = self._refs.pop(uid, ())
@@ -320,12 +298,15 @@ class TemplateKeeper:
             return 0
         items, _ = self.api.list_items(ALL_TEMPLATES, label_selector=f"{MANAGED_BY_LABEL}={MANAGED_BY}")
         now = self.clock()
-        listed: dict[Key, Mapping[str, Any]] = {}
+        listed: dict[Key, TemplateMeta] = {}
         for obj in items:
-            meta = _meta(obj)
-            ns, name = meta.get("namespace"), meta.get("name")
-            if isinstance(ns, str) and isinstance(name, str) and name.startswith(TEMPLATE_PREFIX + "-"):
-                listed[(ns, name)] = meta
+            try:
+                meta = template_meta(obj)
+            except TemplateError as e:  # the API server validates what it stores: a forged or broken list
+                log.debug("skipping an unreadable claim template", extra={"error": str(e)[:200]})
+                continue
+            if meta.gputopos:  # the list asked for our label; the name says it too
+                listed[meta.key] = meta
         with self._lock:
             known: dict[str, set[str]] = {}
             for ns, name in listed:
@@ -349,7 +330,7 @@ class TemplateKeeper:
         deleted = 0
         for key in doomed:
             meta = listed[key]
-            preconditions = {k: meta[k] for k in ("uid", "resourceVersion") if isinstance(meta.get(k), str)}
+            preconditions = {k: v for k, v in (("uid", meta.uid), ("resourceVersion", meta.resource_version)) if v}
             with self._lock:
                 if self._users.get(key, 0) > 0:  # a pod named it since the list
                     self._unused_since.pop(key, None)

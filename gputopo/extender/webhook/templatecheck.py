@@ -1,7 +1,9 @@
 """The webhook's read of a pod's ResourceClaimTemplate: whether the template of its name, if it exists,
 holds the spec gputopo's builder makes (`same_template`, by content, never by the digest annotation,
-which anyone who can write the template can copy). Read-only: `gputopo.extender.webhook.claimtemplates`
-keeps the templates themselves."""
+which anyone who can write the template can copy). The template is fetched with the extender's one
+Kubernetes client (`gputopo.kube`, at `RESOURCECLAIMTEMPLATES`' path) and read by the one
+ResourceClaimTemplate reader (`gputopo.model.claimtemplate`). Read-only:
+`gputopo.extender.webhook.claimtemplates` keeps the templates themselves."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any, Protocol
 
 from gputopo.engine.dra.claims import ClaimTemplate
 from gputopo.kube import JSON, RESOURCECLAIMTEMPLATES, KubeError
+from gputopo.model.claimtemplate import TemplateError, read_claim_template
 
 DEFAULT_TTL_SECONDS = 60.0
 DEFAULT_MAX_ENTRIES = 4096
@@ -54,13 +57,16 @@ def _same(have: Any, want: Any) -> bool:
 
 
 def same_template(existing: Mapping[str, Any], template: ClaimTemplate) -> bool:
-    """True when `existing` (a ResourceClaimTemplate read back) holds `template`'s spec. Its digest
-    annotation is not read: a copied digest over other content is another spec."""
-    spec = existing.get("spec")
-    inner = spec.get("spec") if isinstance(spec, Mapping) else None
-    if not isinstance(inner, Mapping) or not all(k == "devices" or _empty(v) for k, v in inner.items()):
+    """True when `existing` (a ResourceClaimTemplate read back, by gputopo.model.claimtemplate) holds
+    `template`'s spec; one that reader refuses holds another. Its digest annotation is not compared: a
+    copied digest over other content is another spec."""
+    try:
+        read = read_claim_template(existing)
+    except TemplateError:
+        return False
+    if not read.claim_spec or not all(k == "devices" or _empty(v) for k, v in read.claim_spec.items()):
         return False  # a claim spec with more than devices (none today) is not ours
-    return _same(inner.get("devices"), template.devices)
+    return _same(read.devices, template.devices)
 
 
 def conflict(namespace: str, template: ClaimTemplate) -> TemplateConflict:

@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from gputopo.extender.wire import MAX_POD_CLAIMS, WireError, pod_info
+from gputopo.extender.wire import WireError, pod_info
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
 from gputopo.model.dra import DRIVER
+from gputopo.model.pod import MAX_POD_CLAIMS
 from tests.extender.harness import JSON, Env, gputopo_pod, node_obj
 
 NODE = "dgx1"  # a DGX-1V: quads {0-3} and {4-7}, each a 4-GPU NVLink clique

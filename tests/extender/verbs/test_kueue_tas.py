@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from gputopo.extender.watch.parsers import pod_record
-from gputopo.extender.wire import MAX_SELECTOR_BYTES, MAX_SELECTOR_KEYS, WireError, pod_info
+from gputopo.extender.wire import WireError, pod_info
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
 from gputopo.model import jobs as J
+from gputopo.model.pod import MAX_SELECTOR_BYTES, MAX_SELECTOR_KEYS
 from tests.extender.harness import JSON, Env, node_obj, pod_obj, two_leaves
 
 HOST = "kubernetes.io/hostname"

@@ -14,16 +14,15 @@ from hypothesis import strategies as st
 from gputopo.engine.gang.imex import DRIVER_NODE_LABEL
 from gputopo.extender.watch.cache import ClusterCache
 from gputopo.extender.watch.computedomains import (
-    CHANNEL_DEVICE_CLASS,
     MAX_NUM_NODES,
     ChannelTemplates,
     ComputeDomainSizes,
-    channel_template,
     compute_domain_size,
-    template_uid,
 )
-from gputopo.extender.wire import MAX_POD_CLAIMS, WireError, pod_info
+from gputopo.extender.wire import WireError, pod_info
+from gputopo.model.claimtemplate import CHANNEL_DEVICE_CLASS, TemplateError, read_claim_template, template_meta
 from gputopo.model.dra import DEVICE_CLASS
+from gputopo.model.pod import MAX_POD_CLAIMS
 from tests.extender.harness import JSON, Env, node_obj, pod_obj
 
 TRAYS = {"a1": "rack-a", "a2": "rack-a", "b1": "rack-b", "b2": "rack-b"}
@@ -81,7 +80,8 @@ def fails(env: Env, pod: JSON, names: list[str]) -> dict[str, str]:
     ],
 )
 def test_a_template_is_a_channel_template_by_its_device_class(obj: JSON, channel: bool) -> None:
-    assert channel_template(obj) == (("default", "t"), channel)
+    got = read_claim_template(obj)
+    assert (got.meta.key, got.channel) == (("default", "t"), channel)
 
 
 @pytest.mark.parametrize(
@@ -102,8 +102,8 @@ def test_a_template_is_a_channel_template_by_its_device_class(obj: JSON, channel
     ],
 )
 def test_an_unreadable_template_is_refused_naming_the_field(obj: JSON, field: str) -> None:
-    with pytest.raises(ValueError, match=re.escape(field)):
-        channel_template(obj)
+    with pytest.raises(TemplateError, match=re.escape(field)):
+        read_claim_template(obj)
 
 
 @pytest.mark.parametrize(
@@ -149,11 +149,13 @@ JSONISH = st.recursive(
 
 
 @given(JSONISH)
-def test_any_template_object_is_read_or_refused_with_a_value_error(obj: Any) -> None:
+def test_any_template_object_is_read_or_refused_naming_it(obj: Any) -> None:
     try:
-        (namespace, name), channel = channel_template(obj)
-    except ValueError:
+        got = read_claim_template(obj)
+    except TemplateError as e:
+        assert str(e).startswith("ResourceClaimTemplate ")
         return
+    (namespace, name), channel = got.meta.key, got.channel
     assert isinstance(namespace, str) and isinstance(name, str) and isinstance(channel, bool)
 
 
@@ -271,7 +273,11 @@ def test_the_channel_templates_name_the_compute_domain_of_a_uid() -> None:
 
 @given(JSONISH)
 def test_any_template_labels_give_a_uid_or_none(labels: Any) -> None:
-    uid = template_uid({"metadata": {"name": "t", "labels": labels}})
+    try:
+        uid = template_meta({"metadata": {"name": "t", "namespace": "n", "labels": labels}}).compute_domain_uid
+    except TemplateError as e:
+        assert "ResourceClaimTemplate n/t: metadata.labels" in str(e)
+        return
     assert uid is None or (isinstance(uid, str) and uid)
 
 

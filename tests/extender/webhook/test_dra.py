@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 from gputopo.engine.dra.claims import (
     MEMORY_CLASSES_MIB,
-    SPEC_DIGEST_ANNOTATION,
     ClaimTemplate,
     claim_template,
     memory_class,
@@ -29,6 +28,7 @@ from gputopo.extender.webhook.claimtemplates import ClaimTemplates, TemplateConf
 from gputopo.extender.webhook.mutation import Admission, DraMode, admit_pod
 from gputopo.kube import KubeError
 from gputopo.model import GPU_RESOURCE, SCHEDULER_NAME
+from gputopo.model.claimtemplate import SPEC_DIGEST_ANNOTATION
 from gputopo.model.jobs import JOB_COMPLETION_INDEX, JOB_NAME, JOBSET_NAME
 from gputopo.model.request import NvlinkPolicy, PodRequest
 from gputopo.systems import SYSTEMS
