@@ -33,6 +33,7 @@ from gputopo.kube.errors import Gone, KubeError, status_error
 from gputopo.kube.kinds import (
     COMPUTEDOMAINS,
     JOBS,
+    JOBSETS,
     KIND_NAMES,
     LEASES,
     NODES,
@@ -66,6 +67,7 @@ from gputopo.kube.watch import MAX_LINE_BYTES, WatchEvent, decode_event, error_e
 __all__ = [
     "COMPUTEDOMAINS",
     "JOBS",
+    "JOBSETS",
     "JSON",
     "KIND_NAMES",
     "LEASES",

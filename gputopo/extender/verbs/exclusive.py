@@ -45,6 +45,9 @@ class ExclusiveDesk:
         # GPUs one namespace may hold for pods not created yet (--max-held-gpus-per-namespace): no
         # ResourceQuota counts a pod that does not exist, so this bounds what a tenant's JobSets promise.
         self.max_promised = DEFAULT_MAX_HELD_GPUS_PER_NAMESPACE
+        # Why the JobSet (namespace, name, UID) a Job's ownerReference names will create no pods (the cache's
+        # JobSets.why_not_owner; None: it will, or JobSets are not watched).
+        self.owner: Callable[[str, str, str], str | None] = lambda namespace, name, uid: None
 
     def slot_for(
         self, info: PodInfo, req: PodRequest, names: Sequence[str], records: Sequence[PodRecord]
@@ -109,7 +112,8 @@ class ExclusiveDesk:
         self, info: PodInfo, group: str, rank: int, ex: ExclusiveJobs, records: Sequence[PodRecord]
     ) -> str | None:
         """Why the followers not created yet may not be held (None: they may): each Job must exist, be
-        controlled by the JobSet, not be suspended nor finished, and its leader must be its own pod (its
+        controlled by the JobSet (which exists, with the UID the Job's ownerReference names, where JobSets
+        are watched), not be suspended nor finished, and its leader must be its own pod (its
         controller-uid label the Job's UID), not one made by hand with the JobSet's labels."""
         jobset = group.split("/", 1)[1]
         facts = self.facts(info.namespace)
@@ -124,7 +128,7 @@ class ExclusiveDesk:
             shape = facts.jobs.get(job)
             if shape is None:
                 return f"Job {job} does not exist"
-            why = shape.creates(jobset)
+            why = shape.creates(jobset) or self.owner(info.namespace, jobset, shape.owner_jobset_uid)
             if why is not None:
                 return why
             pod, uid = uids.get(off, ("", shape.uid))
