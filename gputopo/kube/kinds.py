@@ -83,6 +83,9 @@ COMPUTEDOMAINS = WatchedKind(
 # created yet only while a JobSet of that name and UID exists.
 JOBSETS = WatchedKind("jobsets", "jobset.x-k8s.io", "v1alpha2", "jobsets", namespaced=True, optional=True)
 
+# ResourceQuotas (read only): a namespace's room for GPUs bounds what gputopo holds for its pods not created yet.
+RESOURCEQUOTAS = WatchedKind("resourcequotas", "", "v1", "resourcequotas", namespaced=True)
+
 WATCHED: tuple[WatchedKind, ...] = (
     NODES,
     PODS,
@@ -94,6 +97,7 @@ WATCHED: tuple[WatchedKind, ...] = (
     RESOURCECLAIMTEMPLATES,
     COMPUTEDOMAINS,
     JOBSETS,
+    RESOURCEQUOTAS,
 )
 KIND_NAMES: tuple[KindName, ...] = tuple(k.name for k in WATCHED)
 _BY_NAME = {k.name: k for k in WATCHED}

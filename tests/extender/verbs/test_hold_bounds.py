@@ -1,5 +1,6 @@
-"""Holds are owned: JobSet exclusive placement holds GPUs for followers not created yet only while the JobSet
-the Jobs' ownerReferences name exists with that UID (where JobSets are served)."""
+"""Holds are owned and bounded: JobSet exclusive placement holds GPUs for followers not created yet only while
+the JobSet the Jobs' ownerReferences name exists with that UID (where JobSets are served), and a namespace's
+holds stay within the room its ResourceQuotas on GPUs have left, or the chart's bound where none has one."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tests.extender.verbs.test_exclusive import KEY, NODES, jobset_obj, member, 
 UNHELD = (
     "group jobset/js: JobSet exclusive placement holds GPUs only for pods a running Job of the JobSet will create: "
 )
+PROMISED = 16  # the followers of the test JobSet not created yet: 2 Jobs x 1 follower x 8 GPUs
 
 
 @pytest.fixture
@@ -110,3 +112,109 @@ def test_before_jobsets_are_read_nothing_is_held(cluster: Env) -> None:
     cluster.add_pods(member(0, 0), member(1, 0))
     cluster.cache.jobsets.listed = False
     assert reasons(cluster, member(0, 0)) | reasons(cluster, member(1, 0)) == {UNHELD + "JobSets are not read yet"}
+
+
+# --------------------------------------------------------------------------------------------------
+# ResourceQuotas bound the holds
+
+
+def quota(
+    name: str,
+    hard: str | None,
+    used: str | None = "0",
+    *,
+    namespace: str = "default",
+    resource: str = "requests.nvidia.com/gpu",
+    scopes: list[str] | None = None,
+) -> JSON:
+    spec: JSON = {"hard": {"pods": "100", **({resource: hard} if hard is not None else {})}}
+    if scopes is not None:
+        spec["scopes"] = scopes
+    status: JSON = {"used": {"pods": "3", **({resource: used} if used is not None else {})}}
+    return {"metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}"}, "spec": spec, "status": status}
+
+
+def _told(bound: int, quota_words: str) -> str:
+    return (
+        f"group jobset/js: JobSet exclusive placement would hold {PROMISED} GPUs for pods not created yet; "
+        f"namespace default holds 0 for such pods already and may hold at most {bound} ({quota_words})"
+    )
+
+
+@pytest.mark.parametrize(
+    ("quotas", "told"),
+    [
+        pytest.param([quota("gpus", "16")], None, id="a-quota-with-room-for-the-followers-lets-them-be-held"),
+        pytest.param(
+            [quota("gpus", "32", "24")],
+            _told(8, "ResourceQuota gpus: requests.nvidia.com/gpu hard 32, used 24, free 8"),
+            id="a-quota-with-too-little-room-holds-nothing-and-names-the-quota",
+        ),
+        pytest.param(
+            [quota("wide", "64"), quota("tight", "8")],
+            _told(8, "ResourceQuota tight: requests.nvidia.com/gpu hard 8, used 0, free 8"),
+            id="the-tightest-of-several-quotas-bounds",
+        ),
+        pytest.param(
+            [quota("gpus", "8", "12")],
+            _told(0, "ResourceQuota gpus: requests.nvidia.com/gpu hard 8, used 12, free 0"),
+            id="a-quota-used-past-its-hard-leaves-no-room-never-less",
+        ),
+        pytest.param([quota("gpus", "64")], None, id="a-quota-replaces-the-chart-bound-where-it-has-more-room"),
+        pytest.param(
+            [quota("gpus", "0", scopes=["NotTerminating"])],
+            _told(8, "--max-held-gpus-per-namespace"),
+            id="a-scoped-quota-is-not-read-the-chart-bound-applies",
+        ),
+        pytest.param(
+            [quota("gpus", "0", namespace="team-b")],
+            _told(8, "--max-held-gpus-per-namespace"),
+            id="another-namespace-s-quota-never-bounds-this-one",
+        ),
+        pytest.param(
+            [quota("gpus", "64", resource="limits.nvidia.com/gpu")],
+            _told(8, "--max-held-gpus-per-namespace"),
+            id="only-the-requests-prefix-bounds-an-extended-resource",
+        ),
+        pytest.param(
+            [quota("gpus", "64", None)],
+            _told(0, "ResourceQuota gpus: status.used[requests.nvidia.com/gpu] is not counted yet"),
+            id="a-quota-not-counted-yet-leaves-no-room",
+        ),
+    ],
+)
+def test_a_namespaces_holds_stay_within_its_quotas_room(cluster: Env, quotas: list[JSON], told: str | None) -> None:
+    cluster.extender.groups.exclusive.max_promised = 8  # the chart's bound: too little for the followers
+    for q in quotas:
+        cluster.source.put("resourcequotas", q)
+    with_jobs(cluster)
+    out = _planned(cluster)
+    if told is None:
+        assert len(out["NodeNames"]) == 1
+        assert cluster.ledger.book.held_by_namespace(promised=True) == {"default": PROMISED}
+        return
+    assert out["NodeNames"] == []
+    assert set(out["FailedNodes"].values()) == {told}
+    assert KEY not in cluster.ledger.reservations
+
+
+def test_a_quota_changed_by_a_watch_event_bounds_the_next_filter(cluster: Env) -> None:
+    with_jobs(cluster)
+    cluster.add_pods(member(0, 0), member(1, 0))
+    cluster.cache.apply("resourcequotas", "ADDED", quota("gpus", "8"))
+    assert cluster.filter(member(0, 0), NODES)["NodeNames"] == []
+    cluster.cache.apply("resourcequotas", "MODIFIED", quota("gpus", "16"))
+    assert len(cluster.filter(member(0, 0), NODES)["NodeNames"]) == 1
+    cluster.ledger.release(KEY)
+    cluster.cache.apply("resourcequotas", "MODIFIED", quota("gpus", "16", "16"))
+    assert cluster.filter(member(0, 0), NODES)["NodeNames"] == []
+    cluster.cache.apply("resourcequotas", "DELETED", quota("gpus", "16", "16"))
+    assert len(cluster.filter(member(0, 0), NODES)["NodeNames"]) == 1  # the chart's 1,024 again
+
+
+def test_before_quotas_are_read_nothing_is_held(cluster: Env) -> None:
+    with_jobs(cluster)
+    cluster.add_pods(member(0, 0), member(1, 0))
+    cluster.cache.quotas.listed = False
+    (why,) = set(cluster.filter(member(0, 0), NODES)["FailedNodes"].values())
+    assert why.endswith("may hold at most 0 (ResourceQuota (not read yet): ResourceQuotas are not read yet)")
