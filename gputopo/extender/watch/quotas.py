@@ -6,12 +6,12 @@ an extended resource), the resource the extender's pods ask for (`nvidia.com/gpu
 `status.used` of the same, never below 0. A namespace's room is the least over its quotas that bound GPUs; with
 none, the chart's `--max-held-gpus-per-namespace` applies. A quota with `spec.scopes` or `spec.scopeSelector`
 counts only some pods (by priority class, deadline, ...) and is not read. What cannot be read fails closed:
-a hard or used amount that is no whole quantity, or a used amount the quota controller has not counted yet,
-leaves the namespace no room, with the quota named.
+a hard or used amount that is no non-negative quantity within int64 (a fraction is rounded toward less room),
+or a used amount the quota controller has not counted yet, leaves the namespace no room, with the quota named.
 
 At most `max_per_namespace` quotas that bound GPUs are kept per namespace: past it, the namespace has no room
-(said once) until the quotas are listed again, so a namespace filling its share costs no other namespace
-anything and never holds more than a quota it was not read allows.
+(said once) until the quotas are listed again (a restart, or a watch expired), so a namespace filling its
+share costs no other namespace anything and never holds more than a quota that was not read allows.
 """
 
 from __future__ import annotations
