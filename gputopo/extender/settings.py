@@ -106,7 +106,7 @@ class Settings(BaseSettings):
         ge=0,
         le=1_000_000,
         description="GPUs one namespace's JobSets may hold for pods not created yet (exclusive placement's "
-        "followers); 0: none are held",
+        "followers) where no ResourceQuota of the namespace bounds its GPUs; 0: none are held",
     )
     filter_best_only: bool = Field(
         False,

@@ -33,6 +33,7 @@ from gputopo.kube.errors import Gone, KubeError, status_error
 from gputopo.kube.kinds import (
     COMPUTEDOMAINS,
     JOBS,
+    JOBSETS,
     KIND_NAMES,
     LEASES,
     NODES,
@@ -40,6 +41,7 @@ from gputopo.kube.kinds import (
     PODS,
     RESOURCECLAIMS,
     RESOURCECLAIMTEMPLATES,
+    RESOURCEQUOTAS,
     RESOURCESLICES,
     WATCHED,
     KindName,
@@ -66,6 +68,7 @@ from gputopo.kube.watch import MAX_LINE_BYTES, WatchEvent, decode_event, error_e
 __all__ = [
     "COMPUTEDOMAINS",
     "JOBS",
+    "JOBSETS",
     "JSON",
     "KIND_NAMES",
     "LEASES",
@@ -80,6 +83,7 @@ __all__ = [
     "REFLECTOR_BACKOFF",
     "RESOURCECLAIMS",
     "RESOURCECLAIMTEMPLATES",
+    "RESOURCEQUOTAS",
     "RESOURCESLICES",
     "WATCHED",
     "Backoff",

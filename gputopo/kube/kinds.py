@@ -79,6 +79,13 @@ COMPUTEDOMAINS = WatchedKind(
     "computedomains", "resource.nvidia.com", "v1beta1", "computedomains", namespaced=True, optional=True
 )
 
+# JobSets (read only, where JobSet's CRD is served): a Job's JobSet ownerReference holds GPUs for its pods not
+# created yet only while a JobSet of that name and UID exists.
+JOBSETS = WatchedKind("jobsets", "jobset.x-k8s.io", "v1alpha2", "jobsets", namespaced=True, optional=True)
+
+# ResourceQuotas (read only): a namespace's room for GPUs bounds what gputopo holds for its pods not created yet.
+RESOURCEQUOTAS = WatchedKind("resourcequotas", "", "v1", "resourcequotas", namespaced=True)
+
 WATCHED: tuple[WatchedKind, ...] = (
     NODES,
     PODS,
@@ -89,6 +96,8 @@ WATCHED: tuple[WatchedKind, ...] = (
     RESOURCESLICES,
     RESOURCECLAIMTEMPLATES,
     COMPUTEDOMAINS,
+    JOBSETS,
+    RESOURCEQUOTAS,
 )
 KIND_NAMES: tuple[KindName, ...] = tuple(k.name for k in WATCHED)
 _BY_NAME = {k.name: k for k in WATCHED}

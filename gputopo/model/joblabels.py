@@ -73,6 +73,7 @@ class JobShape:
     suspended: bool = False  # spec.suspend: it creates no pods
     finished: bool = False  # a Complete or Failed condition: it creates no more pods
     owner_jobset: str | None = None  # the JobSet of its controller ownerReference (None: none)
+    owner_jobset_uid: str = ""  # that ownerReference's UID ("": none, or unreadable)
 
     def creates(self, jobset: str) -> str | None:
         """Why this Job will not create the pods of JobSet `jobset` a hold would wait for (None: it will)."""

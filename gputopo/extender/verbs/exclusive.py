@@ -22,6 +22,7 @@ from gputopo.extender.settings import DEFAULT_MAX_HELD_GPUS_PER_NAMESPACE
 from gputopo.extender.state.ledger import Ledger
 from gputopo.extender.state.records import PodRecord
 from gputopo.extender.state.reservations import GroupKey, Reservation
+from gputopo.extender.watch.quotas import QuotaRoom
 from gputopo.extender.wire import PodInfo
 from gputopo.model import AnnotationError, ControllerFacts, PodRequest, infer_group
 from gputopo.model.jobs import JOB_CONTROLLER_UID, JOBSET_EXCLUSIVE, ExclusiveJobs
@@ -42,9 +43,14 @@ class ExclusiveDesk:
         self.ledger = ledger
         self.facts = facts
         self.view = view
-        # GPUs one namespace may hold for pods not created yet (--max-held-gpus-per-namespace): no
-        # ResourceQuota counts a pod that does not exist, so this bounds what a tenant's JobSets promise.
+        # GPUs one namespace may hold for pods not created yet where no ResourceQuota bounds its GPUs
+        # (--max-held-gpus-per-namespace): no quota counts a pod that does not exist, so a hold is bounded
+        # by what the namespace's quotas have room for when the pods come, and by this without one.
         self.max_promised = DEFAULT_MAX_HELD_GPUS_PER_NAMESPACE
+        self.quota: Callable[[str], QuotaRoom | None] = lambda namespace: None  # the cache's Quotas.room
+        # Why the JobSet (namespace, name, UID) a Job's ownerReference names will create no pods (the cache's
+        # JobSets.why_not_owner; None: it will, or JobSets are not watched).
+        self.owner: Callable[[str, str, str], str | None] = lambda namespace, name, uid: None
 
     def slot_for(
         self, info: PodInfo, req: PodRequest, names: Sequence[str], records: Sequence[PodRecord]
@@ -86,7 +92,8 @@ class ExclusiveDesk:
 
     def _over_bound(self, key: GroupKey, slots: dict[str, Slot]) -> GroupFailure | None:
         """The failure when holding `slots`' followers not created yet would take the namespace's GPUs
-        held for pods not created yet past `max_promised` (None: within it)."""
+        held for pods not created yet past its bound (None: within it): the room its tightest ResourceQuota
+        on GPUs has left, else `max_promised`."""
         promised = sum(len(s.gpus) for name, s in slots.items() if "#" in name and not s.pinned)
         if not promised:
             return None
@@ -96,20 +103,23 @@ class ExclusiveDesk:
             mine = ledger.reservations.get(key)
             if mine is not None:  # replaced by this plan's reservation
                 held -= sum(len(s.gpus) for name, s in mine.slots.items() if "#" in name and not s.pinned)
-        if held + promised <= self.max_promised:
+        quota = self.quota(key[0])
+        bound = self.max_promised if quota is None else quota.free
+        if held + promised <= bound:
             return None
+        why = "--max-held-gpus-per-namespace" if quota is None else quota.words()
         return GroupFailure(
             key[1],
             f"group {key[1]}: JobSet exclusive placement would hold {promised} GPUs for pods not created yet; "
-            f"namespace {key[0]} holds {held} for such pods already and may hold at most {self.max_promised} "
-            "(--max-held-gpus-per-namespace)",
+            f"namespace {key[0]} holds {held} for such pods already and may hold at most {bound} ({why})",
         )
 
     def _unheld(
         self, info: PodInfo, group: str, rank: int, ex: ExclusiveJobs, records: Sequence[PodRecord]
     ) -> str | None:
         """Why the followers not created yet may not be held (None: they may): each Job must exist, be
-        controlled by the JobSet, not be suspended nor finished, and its leader must be its own pod (its
+        controlled by the JobSet (which exists, with the UID the Job's ownerReference names, where JobSets
+        are watched), not be suspended nor finished, and its leader must be its own pod (its
         controller-uid label the Job's UID), not one made by hand with the JobSet's labels."""
         jobset = group.split("/", 1)[1]
         facts = self.facts(info.namespace)
@@ -124,7 +134,7 @@ class ExclusiveDesk:
             shape = facts.jobs.get(job)
             if shape is None:
                 return f"Job {job} does not exist"
-            why = shape.creates(jobset)
+            why = shape.creates(jobset) or self.owner(info.namespace, jobset, shape.owner_jobset_uid)
             if why is not None:
                 return why
             pod, uid = uids.get(off, ("", shape.uid))

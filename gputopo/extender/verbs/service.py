@@ -88,6 +88,8 @@ class Extender:
         self._preempted: dict[str, tuple[float, list[frozenset[str]]]] = {}
         self.events = EventPoster(lambda: self.source)
         self.groups = GroupDesk(self.ledger, cache.facts, self.serving)
+        self.groups.exclusive.quota = cache.quotas.room  # what a hold for pods not created yet may take
+        self.groups.exclusive.owner = cache.jobsets.why_not_owner
         # A lone pod's filter passes only the engine's best node (--filter-best-only, off by default):
         # kube-scheduler then neither scores nor calls prioritize. False: every fitting node passes.
         self.best_only = False

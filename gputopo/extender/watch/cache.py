@@ -3,7 +3,8 @@ the handler the cache registered for that kind (one per kind of `gputopo.kube.ki
 any other), which turns them into records for the ledger, which holds the state (`gputopo/extender/state/ledger.py`).
 Nodes, Pods and Leases are read here; Jobs and PodGroups (the facts inference reads, and re-inference) in
 `controllerfacts`; ResourceSlices and ResourceClaims, merged into the nodes' in-use GPUs, in `dramerge`;
-which kinds have listed (readiness) in `Readiness`.
+JobSets (which exist, by UID) in `jobsets` and ResourceQuotas (each namespace's room for GPUs) in `quotas`,
+what a hold for pods not created yet reads; which kinds have listed (readiness) in `Readiness`.
 
 An error while handling one object is contained to that object: a Node whose name is readable but
 whose contents are not stays in the cache as unschedulable for gputopo, with the reason; any other
@@ -28,7 +29,9 @@ from gputopo.extender.watch.computedomains import ChannelTemplates, ComputeDomai
 from gputopo.extender.watch.controllerfacts import Controllers
 from gputopo.extender.watch.dramerge import DraMerge
 from gputopo.extender.watch.handlers import KindHandler, each_readable
+from gputopo.extender.watch.jobsets import JobSets
 from gputopo.extender.watch.parsers import lease_renewal, node_facts, pod_key, pod_record
+from gputopo.extender.watch.quotas import Quotas
 from gputopo.extender.watch.source import JSON, Kind
 from gputopo.kube import KIND_NAMES, LEASES, NODES, PODS, watched
 from gputopo.model import DEFAULT_NAMESPACE, ControllerFacts, GpusInUse
@@ -100,6 +103,8 @@ class ClusterCache:
         self.controllers = Controllers(self.ledger, self._bad)
         self.dra = DraMerge(self.ledger, self._bad)
         self.compute_domain_sizes = ComputeDomainSizes(self._bad)
+        self.jobsets = JobSets(self.ledger, self._bad)
+        self.quotas = Quotas(self._bad)
         self.channels = self.controllers.channels = ChannelTemplates(
             self._bad, self._templates_changed, owners=self.compute_domain_sizes
         )
@@ -112,6 +117,8 @@ class ClusterCache:
                 **self.dra.handlers(),
                 **self.channels.handlers(),
                 **self.compute_domain_sizes.handlers(),
+                **self.jobsets.handlers(),
+                **self.quotas.handlers(),
             }
         )
 
@@ -139,6 +146,7 @@ class ClusterCache:
     def load_static(self, states: Iterable[NodeState]) -> None:
         self.readiness.static = True
         self.channels.listed = True  # a static cluster has no templates to wait for
+        self.jobsets.listed = self.quotas.listed = True  # nor JobSets nor quotas
         for st in states:
             self.ledger.put_static(st)
         _freeze()

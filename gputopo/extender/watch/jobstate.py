@@ -1,5 +1,6 @@
 """Whether a batch/v1 Job will still create pods: its UID, spec.suspend, a Complete or Failed condition,
-and the JobSet its controller ownerReference names (what a hold for its pods not created yet reads)."""
+and the JobSet (name and UID) its controller ownerReference names (what a hold for its pods not created yet
+reads)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any, TypedDict
 
 LISTED = 64  # ownerReferences and conditions read per Job: any list may be a tenant's flood
+MAX_UID = 128  # longer than any UID the API server makes (36 characters): kept no longer than that
 
 
 class JobState(TypedDict):
@@ -14,6 +16,7 @@ class JobState(TypedDict):
     suspended: bool
     finished: bool
     owner_jobset: str | None
+    owner_jobset_uid: str
 
 
 def job_state(obj: Mapping[str, Any]) -> JobState | None:
@@ -23,11 +26,13 @@ def job_state(obj: Mapping[str, Any]) -> JobState | None:
     uid = meta.get("uid") or "" if isinstance(meta, Mapping) else ""
     if not isinstance(uid, str):
         return None
+    owner, owner_uid = _controller_of(meta.get("ownerReferences") if isinstance(meta, Mapping) else None, "JobSet")
     return JobState(
         uid=uid,
         suspended=isinstance(spec, Mapping) and spec.get("suspend") is True,
         finished=_finished(obj.get("status")),
-        owner_jobset=_controller_of(meta.get("ownerReferences") if isinstance(meta, Mapping) else None, "JobSet"),
+        owner_jobset=owner,
+        owner_jobset_uid=owner_uid,
     )
 
 
@@ -42,12 +47,15 @@ def _finished(status: Any) -> bool:
     )
 
 
-def _controller_of(refs: Any, kind: str) -> str | None:
-    """The name of the controller ownerReference of `kind` (None when there is none, or it is unreadable)."""
+def _controller_of(refs: Any, kind: str) -> tuple[str | None, str]:
+    """The name and UID of the controller ownerReference of `kind` (None and "" when there is none, or it
+    is unreadable; "" for an unreadable UID, which no object has)."""
     if not isinstance(refs, list):
-        return None
+        return None, ""
     for ref in refs[:LISTED]:
         if isinstance(ref, Mapping) and ref.get("controller") is True and ref.get("kind") == kind:
-            name = ref.get("name")
-            return name if isinstance(name, str) else None
-    return None
+            name, uid = ref.get("name"), ref.get("uid")
+            if not isinstance(name, str):
+                return None, ""
+            return name, uid if isinstance(uid, str) and len(uid) <= MAX_UID else ""
+    return None, ""

@@ -73,7 +73,17 @@ def member(
     return pod
 
 
+def jobset_obj(uid: str = "uid-js") -> JSON:
+    """The JobSet the Jobs' ownerReferences name (of `uid`: another is a JobSet of the same name made after)."""
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": "js", "namespace": "default", "uid": uid},
+    }
+
+
 def with_jobs(env: Env, pods: int = 2, replicas: int = 2) -> None:
+    env.source.put("jobsets", jobset_obj())
     for i in range(replicas):
         env.source.put("jobs", job_obj(i, pods, replicas))
     env.resync()

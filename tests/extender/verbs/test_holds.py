@@ -14,7 +14,7 @@ from gputopo.extender.settings import Settings
 from gputopo.extender.state.reservations import Reservation
 from gputopo.model import jobs as J
 from tests.extender.harness import JSON, Env, gputopo_pod, node_obj, pod_obj, two_leaves
-from tests.extender.verbs.test_exclusive import KEY, NODES, job_obj, member, reasons, with_jobs
+from tests.extender.verbs.test_exclusive import KEY, NODES, job_obj, jobset_obj, member, reasons, with_jobs
 
 
 @pytest.fixture
@@ -64,6 +64,7 @@ UNHELD = (
 def test_a_job_that_will_create_no_follower_holds_nothing(
     cluster: Env, change: Callable[[JSON], None], why: str
 ) -> None:
+    cluster.source.put("jobsets", jobset_obj())
     cluster.source.put("jobs", job_obj(0))
     job = job_obj(1)
     change(job)

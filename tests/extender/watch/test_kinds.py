@@ -101,6 +101,8 @@ PATHS: dict[str, tuple[str | None, str | None]] = {
         "/apis/resource.nvidia.com/v1beta1/computedomains",
         "/apis/resource.nvidia.com/v1beta1/namespaces/ns/computedomains",
     ),
+    "jobsets": ("/apis/jobset.x-k8s.io/v1alpha2/jobsets", "/apis/jobset.x-k8s.io/v1alpha2/namespaces/ns/jobsets"),
+    "resourcequotas": ("/api/v1/resourcequotas", "/api/v1/namespaces/ns/resourcequotas"),
 }
 
 
