@@ -22,6 +22,7 @@ loaded from the cluster file once and is ready immediately.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -172,6 +173,8 @@ def create_listeners(
         clock=clock or time.time,
         scheduler_name=settings.scheduler_name,
         lease_namespace=settings.namespace,
+        leader_lease=settings.leader_lease,
+        leader_identity=socket.gethostname(),  # kube-scheduler's, in the same pod: its holderIdentity's prefix
     )
     if settings.snapshot is not None:
         cache.load_static(cluster_states(load_cluster(settings.snapshot), settings.tiers))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict, Unpack
 
 from gputopo.engine.state.reasons import Reason
+from gputopo.extender.state.leadership import MAX_HOLDER, MAX_LEASE_SECONDS, LeaseHold
 from gputopo.extender.state.records import (
     MAX_VALUE_BYTES,
     BadObject,
@@ -339,3 +340,22 @@ def lease_renewal(obj: Any, namespace: str) -> tuple[str, float | None] | None:
     if raw is not None and not isinstance(raw, str):
         raise BadObject("spec.renewTime is not a string")
     return name[len(AGENT_LEASE_PREFIX) :], parse_time(raw or "")
+
+
+def leader_lease(obj: Any, name: str, namespace: str) -> LeaseHold | None:
+    """kube-scheduler's leader election Lease `name` in `namespace` (None for any other Lease). Read leniently: a
+    field that is not what kube-scheduler writes reads as no holder, never renewed or a zero duration, so
+    an unreadable Lease leads no one (it is never the reason a standby lifts)."""
+    if not name or object_name(obj) != name or obj["metadata"].get("namespace", namespace) != namespace:
+        return None
+    spec = obj.get("spec")
+    spec = spec if isinstance(spec, Mapping) else {}
+    holder = spec.get("holderIdentity")
+    duration = spec.get("leaseDurationSeconds")
+    return LeaseHold(
+        holder=holder if isinstance(holder, str) and len(holder) <= MAX_HOLDER else "",
+        renewed=parse_time(spec.get("renewTime") or spec.get("acquireTime")),
+        duration=float(min(duration, MAX_LEASE_SECONDS))
+        if isinstance(duration, int) and not isinstance(duration, bool) and duration > 0
+        else 0.0,
+    )
