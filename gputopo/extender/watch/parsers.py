@@ -8,6 +8,7 @@ are not becomes a record with a problem (unschedulable for gputopo, the reason i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ from gputopo.model import (
     parse_pod_request,
     parse_topology,
 )
+from gputopo.model.gates import GROUP_GATE
 from gputopo.model.jobs import (
     JOB_KEYS,
     JOBSET_GLOBAL_REPLICAS,
@@ -179,7 +181,14 @@ def pod_record(
         info = pod_info(obj)
     except WireError as e:
         raise BadObject(short(str(e))) from None
-    return record_of(info, tiers, facts, **how)
+    rec = record_of(info, tiers, facts, **how)
+    if rec is None or GROUP_GATE not in rec.gates:
+        return rec
+    # Read only while gputopo's gate holds the pod: the lift's bound runs from it. A time that cannot be read is
+    # no reason to refuse the pod (None: the lifter counts from when it first saw the gate).
+    meta = obj.get("metadata")
+    created = parse_time(meta.get("creationTimestamp")) if isinstance(meta, Mapping) else None
+    return dataclasses.replace(rec, created=created)
 
 
 def record_of(
