@@ -72,4 +72,6 @@ def test_a_hostile_leader_lease_through_the_watch_lifts_nothing_and_breaks_no_ag
         pod["spec"]["schedulingGates"] = [{"name": GROUP_GATE}]
         env.add_pods(pod)
         assert not env.cache.leadership.leading()
+        assert env.listeners.lifter is not None and env.listeners.lifter.sweep() == []
+        assert env.source.patches == []
         assert len(env.ledger.states(["gpu-1"])) == 1 and env.ledger.states(["gpu-1"])[0].problem is None
