@@ -148,11 +148,12 @@ def plan_with(desk: GroupDesk) -> GroupPlanner:
         with ledger.lock:
             names = list(ledger.nodes)
         before = ledger.reservations.get(key)
+        was_unchecked = before is not None and before.unchecked  # this call's own look must not count as a filter's
         out = desk.slot_for(info, req, names)
         if isinstance(out, GroupFailure | GroupWaiting):
             return out.message
         res = ledger.reservations.get(key)
-        if res is not None and res is not before:  # made here: the first member's filter checks its node
+        if res is not None and (res is not before or was_unchecked):  # the first member's filter checks its node
             res.unchecked = True
         return None
 
