@@ -22,6 +22,7 @@ loaded from the cluster file once and is ready immediately.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,7 +40,7 @@ from gputopo.extender.metrics import Metrics
 from gputopo.extender.routers import health, metrics, mutate
 from gputopo.extender.settings import Settings
 from gputopo.extender.verbs.door import Door
-from gputopo.extender.verbs.groupgates import GateLifter
+from gputopo.extender.verbs.groupgates import GateLifter, plan_with
 from gputopo.extender.verbs.service import Extender
 from gputopo.extender.watch.cache import ClusterCache
 from gputopo.extender.watch.source import ClusterSource, Informer, KubeSource, start_informers
@@ -108,6 +109,8 @@ class Listeners:
                 release_after_s=settings.group_gate_release_seconds,
                 clock=self.cache.clock,
                 on_lift=lambda reason: self.prometheus.gates_lifted.labels(reason).inc(),
+                plan=plan_with(extender.groups),
+                leading=self.cache.leadership.leading,
             )
             self._lifting.clear()
             if self.watch:  # without informers the caller drives the sweeps (`lifter.sweep()`), as the cache
@@ -172,6 +175,8 @@ def create_listeners(
         clock=clock or time.time,
         scheduler_name=settings.scheduler_name,
         lease_namespace=settings.namespace,
+        leader_lease=settings.leader_lease,
+        leader_identity=socket.gethostname(),  # kube-scheduler's, in the same pod: its holderIdentity's prefix
     )
     if settings.snapshot is not None:
         cache.load_static(cluster_states(load_cluster(settings.snapshot), settings.tiers))

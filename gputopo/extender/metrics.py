@@ -86,7 +86,7 @@ class Metrics:
         self.gates_lifted = Counter(
             "gputopo_extender_group_gates_lifted",
             "gputopo.io/group-complete scheduling gates the extender lifted, by why: complete (the group is "
-            "whole), no-group, held-elsewhere (Kueue or a PodGroup holds the pod), cannot-place, timeout.",
+            "whole and planned), no-group, held-elsewhere (Kueue or a PodGroup holds the pod), cannot-place, timeout.",
             ["reason"],
             registry=self.registry,
         )

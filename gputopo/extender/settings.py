@@ -171,7 +171,20 @@ class Settings(BaseSettings):
         False, description="the webhook gives group members the gputopo.io/group-complete scheduling gate"
     )
     group_gate_release_seconds: float = Field(
-        900.0, gt=0, le=7 * 86400, description="a gated group still not whole after this long is told so and released"
+        900.0,
+        gt=0,
+        le=7 * 86400,
+        description="a gated group still not whole, or whole and not placed, this long after its pods' creation is "
+        "told so and released",
+    )
+    # kube-scheduler's leader election Lease (the chart's scheduler.leaderElection.resourceName): only the leader's
+    # extender lifts group gates (gputopo.extender.state.leadership). Empty: no election, this replica leads.
+    leader_lease: str = Field(
+        "",
+        max_length=253,
+        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*)?$",
+        description="kube-scheduler's leader election Lease in --namespace: group gates are lifted only while this "
+        "pod's kube-scheduler holds it (empty: no election)",
     )
     # Environment only (JSON): GPUTOPO_SCORE_WEIGHTS, and GPUTOPO_TIERS as the chart passes it. Hidden from
     # --help because a JSON object per flag invites quoting mistakes; the environment is the documented way.

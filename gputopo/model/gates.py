@@ -13,9 +13,12 @@ lifts the gate of every member once the group is whole.
   with exclusive placement, whose followers JobSet creates only once their leader is scheduled: gating
   the leader would wait for members that cannot come).
 - `lift` decides, for each gated pod the extender sees, whether its gate goes now and why. The gate goes
-  when the group is whole, at once when it has no reason (no group, another holder, a group that cannot
-  be placed), and after `release_after_s` in any case: a gate never outlives its reason, and a group that
-  never completes is told so on each member and then left to the scheduler, which reports it as today.
+  when the group is whole (and, the extender's part, planned: `unplaced` keeps a whole group that no plan
+  places now), at once when it has no reason (no group, another holder, a group that cannot be placed as
+  it is), and after `release_after_s` in any case: a gate never outlives its reason, and a group that never
+  completes, or is never placed, is told so on each member and then left to the scheduler.
+- `gated_since` is when a gate was added: the pod's creation (the webhook gates at admission), so that an
+  extender's restart never lengthens a hold.
 """
 
 from __future__ import annotations
@@ -46,8 +49,11 @@ __all__ = [
     "admission_gate",
     "gate_names",
     "gate_patch",
+    "gated_since",
     "lift",
     "remove_gate_patch",
+    "unplaced",
+    "unplaced_sentence",
     "waiting_sentence",
 ]
 
@@ -118,7 +124,7 @@ class LiftReason(StrEnum):
     NO_GROUP = "no-group"  # not (or no longer) a member of a group gputopo schedules
     HELD_ELSEWHERE = "held-elsewhere"  # Kueue or a PodGroup holds it: one holder is enough
     CANNOT_PLACE = "cannot-place"  # the group can never be placed as it is; the scheduler will say why
-    TIMEOUT = "timeout"  # still incomplete after the bound
+    TIMEOUT = "timeout"  # still incomplete, or whole and still not placed, after the bound
 
 
 @dataclass(frozen=True)
@@ -128,7 +134,7 @@ class GatedMember:
     `group`: its group (None: none, or another scheduler's pod); `size`: the members the group needs (None:
     not known); `present`: the members that exist, this one counted; `held_by`: another holder's gate or
     PodGroup ("" when none); `exclusive`: a JobSet with exclusive placement; `problem`: why its group
-    cannot be placed ("" when it can); `since`: when the extender first saw it gated (epoch seconds)."""
+    cannot be placed as it is ("" when it can); `since`: when it was gated (epoch seconds, `gated_since`)."""
 
     uid: str
     namespace: str
@@ -190,3 +196,37 @@ def lift(m: GatedMember, now: float, release_after_s: float) -> Lift | None:
             "may never be whole; the scheduler now reports what it waits for",
         )
     return None
+
+
+def gated_since(created: float | None, first_seen: float) -> float:
+    """When a pod's gate was added: its creationTimestamp (`created`, the API server's; the webhook gates at
+    admission), so the bound runs from the gate and not from when this extender first saw it (`first_seen`).
+    An unreadable creation time (None), or one after `first_seen` (a clock ahead of ours), counts from
+    `first_seen`: never later, so a hold is never lengthened."""
+    if created is None or created != created or created > first_seen:  # None, NaN, or ahead of us
+        return first_seen
+    return created
+
+
+def unplaced_sentence(m: GatedMember, failure: str) -> str:
+    """What `kubectl describe pod` shows while a whole group cannot be placed (`failure`: the plan's
+    sentence)."""
+    return (
+        f"gated by {GROUP_GATE}: group {m.group} is whole but cannot be placed now: {failure}; the gate is "
+        "lifted for all members once a plan places them all"
+    )
+
+
+def unplaced(m: GatedMember, failure: str, now: float, release_after_s: float) -> Lift | None:
+    """A whole group that no plan places now (`failure`: why): its gate stays, since its members would only
+    be refused again and again in kube-scheduler's queue, until `release_after_s` (then a `TIMEOUT` lift
+    whose Warning names the failure)."""
+    waited = now - m.since
+    if waited < release_after_s:
+        return None
+    return Lift(
+        m,
+        LiftReason.TIMEOUT,
+        f"{GROUP_GATE} lifted after {waited:.0f} s: group {m.group} is whole but could not be placed: {failure}; "
+        "the scheduler now reports what it waits for",
+    )

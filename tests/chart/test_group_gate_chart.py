@@ -48,6 +48,20 @@ def test_group_gate_values_reach_the_extender(sets: dict[str, str], gate: bool, 
     assert (settings.group_gate, settings.group_gate_release_seconds) == (gate, release)
 
 
+@pytest.mark.parametrize(
+    ("sets", "lease"),
+    [
+        pytest.param({}, "gputopo-scheduler", id="election-on-the-extender-reads-its-lease"),
+        pytest.param({"scheduler__leaderElection__resourceName": "other"}, "other", id="the-lease-named"),
+        pytest.param({"scheduler__leaderElection__enabled": "false"}, "", id="no-election-every-replica-leads"),
+    ],
+)
+def test_the_extender_lifts_only_beside_the_leader(sets: dict[str, str], lease: str) -> None:
+    docs = render(["webhook-values.yaml"], **sets)
+    env = env_of(container(one(docs, "Deployment", component="scheduler"), "extender"))
+    assert Settings.model_validate({"leader_lease": env.get("GPUTOPO_LEADER_LEASE", "")}).leader_lease == lease
+
+
 def test_with_the_group_gate_the_webhook_sees_pods_under_gputopos_scheduler() -> None:
     docs = render(["webhook-values.yaml"], webhook__groupGate__enabled="true")
     [hook] = one(docs, "MutatingWebhookConfiguration")["webhooks"]

@@ -8,6 +8,7 @@ Equivalent nodes share `NodeState.key`; outcomes are memoised by (PodRequest, ke
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -295,6 +296,8 @@ class Ledger:
             old = self.pods.get(uid)  # replaced in place, not popped: a member bound stays the same member
             if old is not None:
                 self._unindex(old)
+                if rec is not None and rec.created is None and old.created is not None:  # built again, not read
+                    rec = dataclasses.replace(rec, created=old.created)
             if rec is not None:
                 self.pods[uid] = rec
                 self._index(rec)

@@ -119,6 +119,10 @@ class PodRecord:
     topology_gated: bool = False  # Kueue has not written its topology domain yet
     gates: tuple[str, ...] = ()  # PodInfo's: gputopo's gate is lifted by gputopo.extender.verbs.groupgates
     claim_templates: tuple[str, ...] = ()  # PodInfo's: its ComputeDomain is read again when a template changes
+    # metadata.creationTimestamp (epoch seconds; None: unreadable, or no gputopo gate on it): when gputopo's gate
+    # was added (gputopo.model.gates.gated_since). Not compared: a record built again without the object
+    # (re-inference) is the same record, and the ledger keeps the time it read.
+    created: float | None = field(default=None, compare=False)
 
     @property
     def active(self) -> bool:

@@ -37,6 +37,9 @@ class Reservation:
     # slots' members: the group desk checks that once per version, not on every member's filter.
     members_checked: int = field(default=0, init=False, compare=False)
     progressed: float = field(default=0.0, init=False, compare=False)  # the plan, or a member's bind since
+    # Planned before any member's filter named kube-scheduler's candidates (the group gate's lifter plans over every
+    # node): the first member's filter checks its slot is among them (gputopo.extender.verbs.gangs).
+    unchecked: bool = field(default=False, init=False, compare=False)
 
     def __post_init__(self) -> None:
         self.unpinned = sum(not s.pinned for s in self.slots.values())

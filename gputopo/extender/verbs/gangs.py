@@ -167,7 +167,7 @@ class GroupDesk:
                 size = max(size, len(tally.uids) + (info.name not in tally.names))
             req = req.model_copy(update={"group_size": size})
         with self.locks(key):
-            held = self._held(key, info.name, size)
+            held = self._held(key, info.name, size, names)
         if held is not None:
             return held
         if JOBSET_EXCLUSIVE in info.annotations:  # a JobSet's followers come after their leaders are placed
@@ -283,11 +283,12 @@ class GroupDesk:
         )
         return out.slots[info.name]
 
-    def _held(self, key: tuple[str, str], name: str, size: int) -> Slot | None:
+    def _held(self, key: tuple[str, str], name: str, size: int, nodes: Sequence[str]) -> Slot | None:
         """The asking member's slot when the group's reservation stands for exactly its members (and the
         asking pod) and its node is still good: what `slot_for` would return, without a view of every
         member. The members are compared with the slots once per version of the group's members (not per
-        filter: that made a group's filters cost O(members^2)). The rank check ran when this plan was made."""
+        filter: that made a group's filters cost O(members^2)). The rank check ran when this plan was made.
+        `nodes`: the filter's candidates, read once for a plan made before any (`Reservation.unchecked`)."""
         ledger = self.ledger
         res = ledger.reservations.get(key)
         if res is None or len(res.slots) != size:
@@ -295,6 +296,11 @@ class GroupDesk:
         slot = res.slots.get(name)
         if slot is None:
             return None
+        if res.unchecked and not slot.pinned:  # a plan made before kube-scheduler named any node (the gate's lift)
+            res.unchecked = False
+            if slot.node not in nodes:  # its own filters refuse the node (a taint, a cordon, CPU): plan over theirs
+                ledger.release(key, replan=True)
+                return None
         version = ledger.pods.tally(key).version  # read before the members: a change meanwhile moves it
         if res.members_checked != version or not version:
             names = {r.name for r in ledger.group_members(key)}

@@ -23,6 +23,7 @@ from typing import Any, Protocol, Unpack
 
 from gputopo.engine.state.reasons import Reason
 from gputopo.engine.state.snapshot import NodeState
+from gputopo.extender.state.leadership import Leadership, LeaseHold
 from gputopo.extender.state.ledger import Ledger, LedgerOptions
 from gputopo.extender.state.records import BadObject, NodeFacts, PodRecord, object_name, short
 from gputopo.extender.watch.computedomains import ChannelTemplates, ComputeDomainSizes, Key
@@ -30,7 +31,7 @@ from gputopo.extender.watch.controllerfacts import Controllers
 from gputopo.extender.watch.dramerge import DraMerge
 from gputopo.extender.watch.handlers import KindHandler, each_readable
 from gputopo.extender.watch.jobsets import JobSets
-from gputopo.extender.watch.parsers import lease_renewal, node_facts, pod_key, pod_record
+from gputopo.extender.watch.parsers import leader_lease, lease_renewal, node_facts, pod_key, pod_record
 from gputopo.extender.watch.quotas import Quotas
 from gputopo.extender.watch.source import JSON, Kind
 from gputopo.kube import KIND_NAMES, LEASES, NODES, PODS, watched
@@ -93,10 +94,19 @@ class ClusterCache:
     """The informers' handler (`replace`/`apply`, dispatched to the kind's registered `KindHandler`), or a
     static cluster (`load_static`), over one ledger."""
 
-    def __init__(self, *, lease_namespace: str = DEFAULT_NAMESPACE, **options: Unpack[LedgerOptions]) -> None:
+    def __init__(
+        self,
+        *,
+        lease_namespace: str = DEFAULT_NAMESPACE,
+        leader_lease: str = "",
+        leader_identity: str = "",
+        **options: Unpack[LedgerOptions],
+    ) -> None:
         self.ledger = Ledger(**options)
         self.clock = self.ledger.clock
         self.lease_namespace = lease_namespace
+        # kube-scheduler's leader election Lease (in lease_namespace, beside the agents'): whether this replica leads
+        self.leadership = Leadership(leader_lease, leader_identity, self.clock)
         self.readiness = Readiness(self.clock)
         self.on_bad_object: Callable[[Kind, str], None] | None = None
         self.pod_hook: PodHook | None = None  # sees the pods as the API server holds them, nothing else
@@ -258,6 +268,8 @@ class ClusterCache:
     # ------------------------------------------------------------------ leases
 
     def _replace_leases(self, items: list[JSON]) -> None:
+        held = (self._leader(obj) for obj in items)
+        self.leadership.put(next((h for h in held if h is not None), None))
         leases: dict[str, float] = {}
         for _, found in each_readable(LEASES.name, items, self._lease, self._bad):
             if found is not None and found[1] is not None:
@@ -265,9 +277,21 @@ class ClusterCache:
         self.ledger.replace_leases(leases)
 
     def _apply_lease(self, event_type: str, obj: JSON) -> None:
+        hold = self._leader(obj)
+        if hold is not None:
+            self.leadership.put(None if event_type == "DELETED" else hold)
+            return
         found = self._lease(obj)
         if found is not None:
             self.ledger.put_lease(found[0], None if event_type == "DELETED" else found[1])
 
     def _lease(self, obj: JSON) -> tuple[str, float | None] | None:
         return lease_renewal(obj, self.lease_namespace)
+
+    def _leader(self, obj: JSON) -> LeaseHold | None:
+        """The leader Lease's hold, None for any other Lease (or one without a readable name: the agents'
+        reading counts it)."""
+        try:
+            return leader_lease(obj, self.leadership.lease, self.lease_namespace)
+        except BadObject:
+            return None

@@ -8,12 +8,14 @@ are not becomes a record with a problem (unschedulable for gputopo, the reason i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict, Unpack
 
 from gputopo.engine.state.reasons import Reason
+from gputopo.extender.state.leadership import MAX_HOLDER, MAX_LEASE_SECONDS, LeaseHold
 from gputopo.extender.state.records import (
     MAX_VALUE_BYTES,
     BadObject,
@@ -52,6 +54,7 @@ from gputopo.model import (
     parse_pod_request,
     parse_topology,
 )
+from gputopo.model.gates import GROUP_GATE
 from gputopo.model.jobs import (
     JOB_KEYS,
     JOBSET_GLOBAL_REPLICAS,
@@ -178,7 +181,14 @@ def pod_record(
         info = pod_info(obj)
     except WireError as e:
         raise BadObject(short(str(e))) from None
-    return record_of(info, tiers, facts, **how)
+    rec = record_of(info, tiers, facts, **how)
+    if rec is None or GROUP_GATE not in rec.gates:
+        return rec
+    # Read only while gputopo's gate holds the pod: the lift's bound runs from it. A time that cannot be read is
+    # no reason to refuse the pod (None: the lifter counts from when it first saw the gate).
+    meta = obj.get("metadata")
+    created = parse_time(meta.get("creationTimestamp")) if isinstance(meta, Mapping) else None
+    return dataclasses.replace(rec, created=created)
 
 
 def record_of(
@@ -339,3 +349,22 @@ def lease_renewal(obj: Any, namespace: str) -> tuple[str, float | None] | None:
     if raw is not None and not isinstance(raw, str):
         raise BadObject("spec.renewTime is not a string")
     return name[len(AGENT_LEASE_PREFIX) :], parse_time(raw or "")
+
+
+def leader_lease(obj: Any, name: str, namespace: str) -> LeaseHold | None:
+    """kube-scheduler's leader election Lease `name` in `namespace` (None for any other Lease). Read leniently: a
+    field that is not what kube-scheduler writes reads as no holder, never renewed or a zero duration, so
+    an unreadable Lease leads no one (it is never the reason a standby lifts)."""
+    if not name or object_name(obj) != name or obj["metadata"].get("namespace", namespace) != namespace:
+        return None
+    spec = obj.get("spec")
+    spec = spec if isinstance(spec, Mapping) else {}
+    holder = spec.get("holderIdentity")
+    duration = spec.get("leaseDurationSeconds")
+    return LeaseHold(
+        holder=holder if isinstance(holder, str) and len(holder) <= MAX_HOLDER else "",
+        renewed=parse_time(spec.get("renewTime") or spec.get("acquireTime")),
+        duration=float(min(duration, MAX_LEASE_SECONDS))
+        if isinstance(duration, int) and not isinstance(duration, bool) and duration > 0
+        else 0.0,
+    )

@@ -1,0 +1,121 @@
+"""The group gate's lifter against what others write: a pod's creationTimestamp (the bound's start) and a
+tenant's flood of whole gangs that can never be placed. Bounds: no timestamp makes a hold longer than the bound
+from when the extender first saw the pod, and none fails the pod's record; plans a sweep <= max_plans, and an
+unchanged cluster costs no new plan of an unplaceable group (its failure is kept); another tenant's placeable
+gang is lifted at the next sweep."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from gputopo.extender.settings import Settings
+from gputopo.extender.verbs import gangs
+from gputopo.extender.verbs.groupgates import DEFAULT_MAX_PLANS, GateLifter
+from gputopo.model.gates import GROUP_GATE
+from tests.extender.fake import FakeSource
+from tests.extender.harness import JSON, NS, T0, Env, FakeClock, make_env, pod_obj, rfc3339, two_leaves
+
+RELEASE = 900.0
+
+
+def member(name: str, group: str, size: int, stage: int, *, ns: str = "default", created: Any = ...) -> JSON:
+    ann = {"gputopo.io/nvlink": "required", "gputopo.io/group": group, "gputopo.io/group-size": str(size)}
+    ann["gputopo.io/stage"] = str(stage)
+    pod = pod_obj(name, 8, ann, namespace=ns)
+    pod["spec"]["schedulingGates"] = [{"name": GROUP_GATE}]
+    if created is not ...:
+        pod["metadata"]["creationTimestamp"] = created
+    return pod
+
+
+@pytest.fixture
+def gated_env() -> Iterator[Env]:
+    settings = Settings(namespace=NS, group_gate=True, group_gate_release_seconds=RELEASE)
+    with make_env(FakeSource(NS), FakeClock(), settings) as e:
+        e.add_nodes(*two_leaves())  # 4 nodes of 8 GPUs
+        yield e
+
+
+def lifter(env: Env) -> GateLifter:
+    assert env.listeners.lifter is not None
+    return env.listeners.lifter
+
+
+def sweep(env: Env) -> list[str]:
+    done = lifter(env).sweep()
+    env.resync()
+    return [lf.member.ref for lf in done]
+
+
+# ------------------------------------------------------------------ creationTimestamp
+
+
+@pytest.mark.parametrize(
+    "created",
+    [
+        pytest.param(rfc3339(T0 + 10 * RELEASE), id="in-the-future"),
+        pytest.param("9999-12-31T23:59:59Z", id="the-last-second-of-year-9999"),
+        pytest.param("yesterday", id="not-a-time"),
+        pytest.param("2026-01-01T00:00:00", id="without-its-zone"),
+        pytest.param("", id="empty"),
+        pytest.param(1_000_000, id="a-number"),
+        pytest.param({"seconds": 1}, id="an-object"),
+        pytest.param(None, id="null"),
+        pytest.param("2" * 100_000, id="100-kb-of-digits"),
+        pytest.param(..., id="absent"),
+    ],
+)
+def test_an_unreadable_or_future_creation_time_counts_from_first_seen_and_fails_nothing(
+    gated_env: Env, created: Any
+) -> None:
+    env = gated_env
+    env.add_pods(member("m-0", "g", 3, 0, created=created))
+    assert "uid-default-m-0" in env.ledger.pods  # the pod's record is read whatever the time says
+    assert sweep(env) == []
+    env.clock.advance(RELEASE - 1)
+    assert sweep(env) == []
+    env.clock.advance(1)
+    assert sweep(env) == ["default/m-0"]  # the bound from first seen: never longer
+
+
+def test_an_ancient_creation_time_releases_at_once_never_holds_longer(gated_env: Env) -> None:
+    env = gated_env
+    env.add_pods(member("m-0", "g", 3, 0, created="0001-01-01T00:00:00Z"))
+    assert sweep(env) == ["default/m-0"]
+
+
+# ------------------------------------------------------------------ a flood of unplaceable gangs
+
+
+def test_a_flood_of_unplaceable_gangs_is_planned_at_a_bounded_pace_and_an_unchanged_cluster_costs_no_plan(
+    gated_env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = gated_env
+    engine_plans = 0
+    real = gangs.replan
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        nonlocal engine_plans
+        engine_plans += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gangs, "replan", counted)
+    groups = 30
+    env.add_pods(*(member(f"f{g}-{i}", f"f{g}", 5, i, ns="tenant") for g in range(groups) for i in range(5)))
+    gl = lifter(env)
+    rounds = -(-groups // DEFAULT_MAX_PLANS)
+    for _ in range(rounds):
+        before = gl.plans
+        assert sweep(env) == []
+        assert gl.plans - before <= DEFAULT_MAX_PLANS
+    assert engine_plans == groups  # each once
+    for _ in range(3 * rounds):
+        assert sweep(env) == []
+    assert engine_plans == groups  # nothing changed: each group's failure is reused, no plan made again
+    assert env.source.patches == []
+    # Another tenant's gang that fits is planned first (never planned before) and lifted at the next sweep.
+    env.add_pods(*(member(f"ok-{i}", "ok", 2, i, ns="other") for i in range(2)))
+    assert sweep(env) == ["other/ok-0", "other/ok-1"]

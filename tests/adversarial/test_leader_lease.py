@@ -1,0 +1,77 @@
+"""kube-scheduler's leader election Lease as the extender reads it (gputopo.extender.watch.parsers.leader_lease,
+gputopo.extender.state.leadership): anyone who may write Leases in the release namespace may write it. Bounds:
+a field that is not what kube-scheduler writes reads as no holder, never renewed or no duration, so an
+unreadable Lease leads no one (0 gate lifts written) and the agents' Leases beside it are read as ever; a
+Lease of that name in another namespace, or of another name, is not the leader's."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import pytest
+
+from gputopo.extender.settings import Settings
+from gputopo.extender.state.leadership import Leadership
+from gputopo.extender.watch.parsers import leader_lease
+from gputopo.model.gates import GROUP_GATE
+from tests.extender.fake import FakeSource
+from tests.extender.harness import JSON, NS, T0, FakeClock, make_env, pod_obj, rfc3339, two_leaves
+
+LEASE = "gputopo-scheduler"
+ME = socket.gethostname()
+
+
+def lease(**spec: Any) -> JSON:
+    base: dict[str, Any] = {"holderIdentity": f"{ME}_1", "renewTime": rfc3339(T0), "leaseDurationSeconds": 15}
+    base.update(spec)
+    return {"metadata": {"name": LEASE, "namespace": NS}, "spec": {k: v for k, v in base.items() if v is not ...}}
+
+
+@pytest.mark.parametrize(
+    ("obj", "leads"),
+    [
+        pytest.param(lease(), True, id="well-formed-ours"),
+        pytest.param(lease(holderIdentity=7), False, id="holder-not-a-string"),
+        pytest.param(lease(holderIdentity=f"{ME}_" + "x" * 5000), False, id="holder-past-its-bound"),
+        pytest.param(lease(leaseDurationSeconds="15"), False, id="duration-a-string"),
+        pytest.param(lease(leaseDurationSeconds=-5), False, id="duration-negative"),
+        pytest.param(lease(leaseDurationSeconds=True), False, id="duration-a-bool"),
+        pytest.param(lease(leaseDurationSeconds=10**400), True, id="duration-past-a-float-capped"),
+        pytest.param(lease(renewTime="soon"), False, id="renew-time-garbage"),
+        pytest.param(lease(renewTime=...), False, id="never-renewed"),
+        pytest.param({"metadata": {"name": LEASE, "namespace": NS}, "spec": []}, False, id="spec-not-a-map"),
+    ],
+)
+def test_a_leader_lease_is_read_leniently_and_an_unreadable_one_leads_no_one(obj: JSON, leads: bool) -> None:
+    hold = leader_lease(obj, LEASE, NS)
+    assert hold is not None
+    lead = Leadership(LEASE, ME, lambda: T0 + 0.5)
+    lead.put(hold)
+    assert lead.leading() is leads
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        pytest.param({"metadata": {"name": LEASE, "namespace": "elsewhere"}, "spec": {}}, id="another-namespace"),
+        pytest.param({"metadata": {"name": "gputopo-schedulerx", "namespace": NS}, "spec": {}}, id="another-name"),
+    ],
+)
+def test_a_lease_of_that_name_elsewhere_is_not_the_leaders(obj: JSON) -> None:
+    assert leader_lease(obj, LEASE, NS) is None
+
+
+def test_a_hostile_leader_lease_through_the_watch_lifts_nothing_and_breaks_no_agent_lease() -> None:
+    settings = Settings(namespace=NS, group_gate=True, leader_lease=LEASE)
+    with make_env(FakeSource(NS), FakeClock(), settings) as env:
+        env.add_nodes(*two_leaves())
+        env.source.put("leases", lease(holderIdentity=["x"], leaseDurationSeconds={"a": 1}))
+        ann = {"gputopo.io/nvlink": "required", "gputopo.io/group": "g", "gputopo.io/group-size": "1"}
+        pod = pod_obj("m-0", 8, ann)
+        pod["spec"]["schedulingGates"] = [{"name": GROUP_GATE}]
+        env.add_pods(pod)
+        assert not env.cache.leadership.leading()
+        assert env.listeners.lifter is not None and env.listeners.lifter.sweep() == []
+        assert env.source.patches == []
+        assert len(env.ledger.states(["gpu-1"])) == 1 and env.ledger.states(["gpu-1"])[0].problem is None
