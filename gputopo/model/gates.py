@@ -201,8 +201,8 @@ def lift(m: GatedMember, now: float, release_after_s: float) -> Lift | None:
 def gated_since(created: float | None, first_seen: float) -> float:
     """When a pod's gate was added: its creationTimestamp (`created`, the API server's; the webhook gates at
     admission), so the bound runs from the gate and not from when this extender first saw it (`first_seen`).
-    An unreadable creation time (None), or one after `first_seen` (a clock ahead of ours), counts from
-    `first_seen`: never later, so a hold is never lengthened."""
+    An absent creation time (None; an unreadable one makes the Pod a bad object), or one after `first_seen`
+    (a clock ahead of ours), counts from `first_seen`: never later, so a hold is never lengthened."""
     if created is None or created != created or created > first_seen:  # None, NaN, or ahead of us
         return first_seen
     return created

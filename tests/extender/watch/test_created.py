@@ -1,6 +1,6 @@
 """A gated pod's record keeps its creationTimestamp (`PodRecord.created`, the time gputopo's group gate was added,
-from which the lift's bound runs): read only while the gate holds the pod, None when unreadable, and kept by the
-ledger when the record is built again without the object (re-inference)."""
+from which the lift's bound runs): read only while the gate holds the pod (an unreadable one is a bad object), and
+kept by the ledger when the record is built again without the object (re-inference)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from gputopo.extender.state.ledger import Ledger
+from gputopo.extender.state.records import BadObject
 from gputopo.extender.watch.parsers import pod_record
 from gputopo.model.gates import GROUP_GATE
 from tests.extender.harness import T0, pod_obj, rfc3339
@@ -32,13 +33,18 @@ def gated(created: Any, *, gate: bool = True) -> dict[str, Any]:
         pytest.param(gated(rfc3339(T0)), T0, id="a-gated-pods-creation-is-kept"),
         pytest.param(gated("2027-01-15T08:00:00Z"), T0, id="zulu-without-fractions"),
         pytest.param(gated(rfc3339(T0), gate=False), None, id="an-ungated-pods-is-not-read"),
-        pytest.param(gated("not a time"), None, id="unreadable-is-none-not-a-refusal"),
-        pytest.param(gated(12), None, id="a-number-is-none"),
     ],
 )
 def test_a_gated_pods_creation_time(pod: dict[str, Any], created: float | None) -> None:
     rec = pod_record(pod, TIERS)
     assert rec is not None and rec.created == created
+
+
+@pytest.mark.parametrize("created", [pytest.param("not a time", id="not-a-time"), pytest.param(12, id="a-number")])
+def test_an_unreadable_creation_time_is_a_bad_object_named(created: Any) -> None:
+    # The one Pod reader (gputopo.model.pod) refuses it: the API server never writes one.
+    with pytest.raises(BadObject, match="creationTimestamp"):
+        pod_record(gated(created), TIERS)
 
 
 def test_a_record_built_again_keeps_its_creation_time() -> None:
