@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from gputopo.clusterfile import JobSpec
 from gputopo.engine.cluster.explain import gpu_ranges, packing_clause, placement_sentence, runner_up
 from gputopo.engine.gang.groups import plan_group
-from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, group_waiting_message
+from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, Refinements, group_waiting_message
 from gputopo.engine.network.domains import FreeTracker
 from gputopo.engine.node.besteffort import ScoreMatrix, best_effort_scores, pair_scores
 from gputopo.engine.node.placement import evaluate_pod, rank
@@ -202,7 +202,9 @@ class _Run:
         if self.planner is not None:
             plan = self.planner(group, members, self.nodes, self.tiers, self.weights)
         else:
-            plan = plan_group(group, members, self.nodes, self.tiers, self.weights, best_fit=self.best_fit)
+            plan = plan_group(
+                group, members, self.nodes, self.tiers, self.weights, refine=Refinements(best_fit=self.best_fit)
+            )
         if isinstance(plan, GroupFailure):
             self._fail_all(pods, plan.message)
             return

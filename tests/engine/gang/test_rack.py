@@ -12,9 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gputopo.engine.cluster.explain import placement_sentence, tp_clause, tp_placement
-from gputopo.engine.gang.assigned import Held, plan_held
+from gputopo.engine.gang.assigned import Candidates, Held, plan_held
 from gputopo.engine.gang.groups import plan_group
-from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, Placed
+from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, Placed, PlacedBefore
 from gputopo.engine.gang.rack import LABEL_DOMAIN_CAP, balanced
 from gputopo.engine.gang.tpgroups import tp_shape
 from gputopo.engine.state.snapshot import NodeState, node_state
@@ -267,7 +267,7 @@ def test_a_replan_keeps_each_tp_group_with_its_placed_members(placed_count: int,
     first = full.assignments[:placed_count]
     placed = [Placed(a.stage, a.node, a.outcome.gpus) for a in first]
     rest = [x for x in nodes if x.name not in {a.node.name for a in first}]
-    again = plan_group("g", ms[placed_count:], rest, placed=placed)
+    again = plan_group("g", ms[placed_count:], rest, before=PlacedBefore(placed=placed))
     assert isinstance(again, GroupPlan), again
     where = {a.stage: a.node.location["nvlink-domain"] for a in (*first, *again.assignments)}
     for t in range(n * 4 // tp):
@@ -342,7 +342,7 @@ RACKS = rack("a", 8) + rack("b", 8)
 def test_tp_groups_held_by_kueues_selectors_are_checked_over_the_whole_group(
     held: list[Held], shares: str | None, needle: str | None
 ) -> None:
-    plan = plan_held("g", held, RACKS)
+    plan = plan_held("g", held, Candidates(RACKS))
     if needle is not None:
         assert isinstance(plan, GroupFailure) and needle in plan.message, plan
         return
@@ -358,7 +358,7 @@ def test_tp_groups_held_by_kueues_selectors_are_checked_over_the_whole_group(
 
 def test_a_straddle_kueue_chose_is_placed_as_it_says_when_nvlink_is_only_preferred() -> None:
     held = held_by(hosts(("a", 3), ("b", 5)), nvlink=NvlinkPolicy.PREFERRED)
-    plan = plan_held("g", held, RACKS)
+    plan = plan_held("g", held, Candidates(RACKS))
     assert isinstance(plan, GroupPlan) and plan.split is None
     assert [a.node.name for a in plan.assignments] == [value for _, value in hosts(("a", 3), ("b", 5))]
 
@@ -366,7 +366,7 @@ def test_a_straddle_kueue_chose_is_placed_as_it_says_when_nvlink_is_only_preferr
 @given(on_a=st.integers(0, 8), hostname=st.booleans())
 def test_a_kueue_split_is_placed_exactly_when_it_keeps_every_tp_group_in_one_domain(on_a: int, hostname: bool) -> None:
     ranks = hosts(("a", on_a), ("b", 8 - on_a)) if hostname else [(CLIQUE, "a")] * on_a + [(CLIQUE, "b")] * (8 - on_a)
-    plan = plan_held("g", held_by(ranks), RACKS)
+    plan = plan_held("g", held_by(ranks), Candidates(RACKS))
     assert isinstance(plan, GroupPlan) == (on_a % 4 == 0), plan
     if isinstance(plan, GroupPlan):
         tp_groups = [{a.node.location["nvlink-domain"] for a in plan.assignments[t * 4 : t * 4 + 4]} for t in range(2)]

@@ -8,8 +8,9 @@ import random
 import pytest
 
 from gputopo.engine.cluster.explain import placement_sentence
+from gputopo.engine.gang.assigned import Candidates
 from gputopo.engine.gang.groups import plan_group
-from gputopo.engine.gang.plan import GroupPlan, Member
+from gputopo.engine.gang.plan import GroupPlan, Member, Refinements
 from gputopo.engine.gang.replan import MemberView, Replan, replan
 from gputopo.engine.network.rails import assess, rail_ranges
 from gputopo.engine.node.gpusets import RAIL_AFTER, Kind, exhaustive_set, rail_options, rank_key
@@ -34,7 +35,7 @@ def pair(gpus: int = 4, **ann: str) -> list[Member]:
 
 
 def plan(nodes: list[NodeState], members: list[Member], *, align_rails: bool = True) -> GroupPlan:
-    result = plan_group("g", members, nodes, align_rails=align_rails)
+    result = plan_group("g", members, nodes, refine=Refinements(align_rails=align_rails))
     assert isinstance(result, GroupPlan), result
     return result
 
@@ -263,7 +264,7 @@ def test_a_replan_lines_up_with_the_rails_of_members_already_placed() -> None:
         "m-1": MemberView("m-1", req),
     }
     nodes = [h100("a", (2, 3, 6, 7)), h100("b")]
-    result = replan("g", 2, "m-1", members, nodes)
+    result = replan("g", 2, "m-1", members, Candidates(nodes))
     assert isinstance(result, Replan) and result.plan is not None
     assert result.slots["m-1"].gpus == frozenset({2, 3, 6, 7})  # alone, b would take 0-3 (one NUMA node)
     assert result.plan.rails.aligned
