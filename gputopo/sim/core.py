@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gputopo.clusterfile import JobSpec
-from gputopo.engine.cluster.explain import gpu_ranges, packing_clause, placement_sentence, runner_up
+from gputopo.engine.cluster.explain import Seat, gpu_ranges, packing_clause, placement_sentence, runner_up
 from gputopo.engine.gang.groups import plan_group
 from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, Refinements, group_waiting_message
 from gputopo.engine.network.domains import FreeTracker
@@ -210,7 +210,7 @@ class _Run:
             return
         for a in plan.assignments:
             pod = next(p for p in pods if p.name == a.member)
-            sentence = placement_sentence(a.node.name, a.outcome, None, plan, a.member, self.weights, self.tiers)
+            sentence = placement_sentence(a.node.name, a.outcome, None, Seat(plan, a.member), self.weights, self.tiers)
             score = grade(a.outcome.score)
             self.placements.append(PodPlacement(pod.name, pod.job, a.node.name, a.outcome.gpus, score, sentence))
             self.take(a.node.name, a.outcome.gpus)

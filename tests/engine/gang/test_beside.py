@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.cluster.explain import placement_sentence, stage_clause
+from gputopo.engine.cluster.explain import Seat, placement_sentence, stage_clause
 from gputopo.engine.gang.assigned import Candidates
 from gputopo.engine.gang.beside import beside, nearest_stage
 from gputopo.engine.gang.groups import plan_group
@@ -143,7 +143,7 @@ def test_a_driver_bound_beside_its_planned_node_is_described_where_it_is() -> No
     a = p.for_member("pp-0")
     assert a is not None
     other = next(n for n in beside(a.node, nodes))
-    text = placement_sentence(other.name, a.outcome, None, p, "pp-0", at=other)
+    text = placement_sentence(other.name, a.outcome, None, Seat(p, "pp-0", at=other))
     assert text.startswith(f"{other.name} has room (the pod asks for no GPUs); stage 0/5 shares leaf")
     assert "rails" not in text and "all-reduce" not in text
 

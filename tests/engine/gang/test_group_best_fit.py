@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.cluster.explain import placement_sentence
+from gputopo.engine.cluster.explain import Seat, placement_sentence
 from gputopo.engine.gang.groups import plan_group
 from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, Placed, PlacedBefore, Refinements, fit_tiers
 from gputopo.engine.network.domains import domain_free, domain_of
@@ -101,7 +101,7 @@ def test_names_reversed_give_the_same_domain(
 def test_the_sentence_names_the_domain_and_the_one_kept_whole() -> None:
     p = plan(plan_group("g", group(4), nodes_of(ONE_SPINE)))
     a = p.assignments[0]
-    text = placement_sentence(a.node.name, a.outcome, None, p, a.member)
+    text = placement_sentence(a.node.name, a.outcome, None, Seat(p, a.member))
     assert "leaf l2 is the fullest with room for the group: keeps leaf l3's 48 free GPUs whole" in text
 
 

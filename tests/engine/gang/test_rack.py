@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gputopo.engine.cluster.explain import placement_sentence, tp_clause, tp_placement
+from gputopo.engine.cluster.explain import Seat, placement_sentence, tp_clause, tp_placement
 from gputopo.engine.gang.assigned import Candidates, Held, plan_held
 from gputopo.engine.gang.groups import plan_group
 from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, Placed, PlacedBefore
@@ -95,7 +95,7 @@ def test_a_fill_by_trays_that_straddles_is_named_with_both_times() -> None:
     assert plan.split.fill == (18, 14) and plan.split.straddling == 1
     assert plan.split.across_s is not None and plan.split.across_s > 3 * plan.split.inside_s
     a = plan.assignments[20]
-    text = placement_sentence(a.node.name, a.outcome, None, plan, a.member)
+    text = placement_sentence(a.node.name, a.outcome, None, Seat(plan, a.member))
     assert "TP group 5/8 (16 GPUs, ranks 20-23) in NVLink domain b" in text
     assert "4+4 TP groups over 2 domains" in text
     assert "a fill by trays (18+14) would straddle 1 TP group" in text
@@ -113,7 +113,9 @@ def test_the_annotations_tp_holds_the_sentences_split_and_times_for_every_member
         assert tp.domain == ("a" if i < 16 else "b") == a.node.location["nvlink-domain"]
         assert (tp.fill, tp.fill_straddles) == ((18, 14), 1)
         assert tp.across_all_reduce_ms is not None and tp.across_all_reduce_ms > 3 * tp.all_reduce_ms
-        assert tp_clause(tp, plan.split.per_group) in placement_sentence(a.node.name, a.outcome, None, plan, a.member)
+        assert tp_clause(tp, plan.split.per_group) in placement_sentence(
+            a.node.name, a.outcome, None, Seat(plan, a.member)
+        )
 
 
 def test_a_plan_without_a_split_has_no_tp_in_its_annotation() -> None:
@@ -352,7 +354,7 @@ def test_tp_groups_held_by_kueues_selectors_are_checked_over_the_whole_group(
         ((key, value),) = held[a.stage].selector
         assert a.node.labels.get(key, a.node.name) == value
     last = plan.assignments[-1]
-    text = placement_sentence(last.node.name, last.outcome, None, plan, last.member)
+    text = placement_sentence(last.node.name, last.outcome, None, Seat(plan, last.member))
     assert f"TP group 1/2 (16 GPUs, ranks 4-7) in NVLink domain b; {shares}" in text
 
 

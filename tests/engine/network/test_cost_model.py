@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from gputopo.engine.cluster.explain import outcome_estimate, placement_estimate, placement_sentence, runner_up
+from gputopo.engine.cluster.explain import Seat, outcome_estimate, placement_estimate, placement_sentence, runner_up
 from gputopo.engine.gang.groups import plan_group
 from gputopo.engine.gang.plan import GroupPlan
 from gputopo.engine.network.cost import (
@@ -308,7 +308,7 @@ def _pp_plan(size: int = 5, tiers: TierConfig = DEFAULT_TIERS) -> GroupPlan:
 def test_group_member_sentence_adds_stage_transfer_and_group_allreduce() -> None:
     plan = _pp_plan()
     a = plan.assignments[1]
-    text = placement_sentence(a.node.name, a.outcome, None, plan, a.member)
+    text = placement_sentence(a.node.name, a.outcome, None, Seat(plan, a.member))
     # Stage 1 (a2, leaf-1) sends to stage 2 (a3, leaf-2) through the non-blocking leaf uplinks: one NDR
     # NIC, 47 GB/s. The ring over 5 members stays under spine-a: 8 NDR rails each, 376 GB/s.
     assert text.endswith("; est. 1 GiB all-reduce 5.1 ms, stage transfer 22.9 ms, all-reduce across 5 members 4.6 ms")

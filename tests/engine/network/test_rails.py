@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from gputopo.engine.cluster.explain import placement_sentence
+from gputopo.engine.cluster.explain import Seat, placement_sentence
 from gputopo.engine.gang.assigned import Candidates
 from gputopo.engine.gang.groups import plan_group
 from gputopo.engine.gang.plan import GroupPlan, Member, Refinements
@@ -206,7 +206,7 @@ def test_partial_members_get_the_same_rails_on_both_nodes(
     assert gpus_of(result) == {"a": expected, "b": expected}
     assert result.rails.applies and result.rails.aligned
     for a in result.assignments:
-        text = placement_sentence(a.node.name, a.outcome, None, result, a.member)
+        text = placement_sentence(a.node.name, a.outcome, None, Seat(result, a.member))
         assert f"rails {rail_ranges(result.rails.rails)} on every member's node (rail-aligned)" in text
 
 
@@ -227,7 +227,7 @@ def test_no_common_rails_places_the_group_anyway_and_says_why() -> None:
     assert not result.rails.aligned
     a = result.for_member("m-0")
     assert a is not None
-    text = placement_sentence(a.node.name, a.outcome, None, result, a.member)
+    text = placement_sentence(a.node.name, a.outcome, None, Seat(result, a.member))
     assert (
         "rails 4-7 here, not rail-aligned: no equally good GPU sets on one rail set were free on every member's "
         "node (rails 4-7 on a, 0-3 on b)"
@@ -245,7 +245,7 @@ def test_whole_node_members_are_aligned_and_not_mentioned() -> None:
     result = plan([h100("a"), h100("b")], pair(8))
     assert not result.rails.applies
     a = result.assignments[0]
-    assert "rail" not in placement_sentence(a.node.name, a.outcome, None, result, a.member)
+    assert "rail" not in placement_sentence(a.node.name, a.outcome, None, Seat(result, a.member))
 
 
 def test_members_of_different_sizes_are_explained() -> None:
