@@ -45,7 +45,7 @@ from gputopo.engine.state.snapshot import NodeState  # noqa: E402
 from gputopo.localcluster import ControlPlane, ControlPlaneError, KubeApiError, find_binaries  # noqa: E402
 from gputopo.localcluster.replay import MixRun, Replay  # noqa: E402
 from gputopo.localcluster.stack import Stack  # noqa: E402
-from gputopo.sim import SimResult, Summary, simulate  # noqa: E402
+from gputopo.sim import Measures, SimResult, Summary, simulate  # noqa: E402
 from gputopo.sim.fidelity import follow_engine  # noqa: E402
 from gputopo.tiers import DEFAULT_TIERS  # noqa: E402
 
@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
             mix_run = replay.run_mix(name, nodes, jobs, deadline_s=args.deadline)
             fed = [j for j in jobs if any(r.job == j.name for r in mix_run.records)]
             t0 = time.perf_counter()
-            sim = simulate(nodes, fed, "gputopo", DEFAULT_TIERS, args.seed, exhaustive=False)
+            sim = simulate(nodes, fed, "gputopo", DEFAULT_TIERS, args.seed, measures=Measures(exhaustive=False))
             sim_s = time.perf_counter() - t0
             ties = [follow_engine(nodes, fed, seed).summary() for seed in range(args.tie_seeds)]
             report_mix(mix_run, sim, sim_s, what, ties)

@@ -27,7 +27,7 @@ from gputopo.model import (
     parse_placement,
     parse_pod_request,
 )
-from gputopo.sim import simulate
+from gputopo.sim import Measures, simulate
 from gputopo.systems import build_system
 from gputopo.tiers import DEFAULT_TIERS, Tier, TierConfig
 from tests.engine.gang.test_groups import TWO_SPINES, cluster, members
@@ -332,6 +332,6 @@ def test_group_spanning_spines_pays_the_spine_oversubscription() -> None:
 def test_simulator_reasons_carry_the_estimates() -> None:
     nodes = cluster(TWO_SPINES)
     jobs = [job("tp4", 4, message_size="512Mi"), job("pp", 8, pods=2, group="pp", group_size="2")]
-    placed = {p.pod: p.reason for p in simulate(nodes, jobs, "gputopo", exhaustive=False).placements}
+    placed = {p.pod: p.reason for p in simulate(nodes, jobs, "gputopo", measures=Measures(exhaustive=False)).placements}
     assert "est. 512 MiB all-reduce 2.2 ms (runner-up 2.2 ms)" in placed["tp4-0"]
     assert "est. 1 GiB all-reduce 5.1 ms, stage transfer 22.8 ms, all-reduce across 2 members" in placed["pp-0"]
