@@ -92,8 +92,23 @@ def gated_member(ledger: Ledger, rec: PodRecord, since: float) -> Gated:
     return Gated(member, rec.gates, stage)
 
 
+@dataclass(frozen=True, kw_only=True)
+class SweepPace:
+    """When and how fast the sweep lifts (module doc): a sweep every `interval_s`, at most `max_writes`
+    patches each; a member told why it waits after `tell_after_s`; a group still not whole lifted after
+    `release_after_s`."""
+
+    release_after_s: float = DEFAULT_RELEASE_AFTER_S
+    interval_s: float = 0.25
+    max_writes: int = DEFAULT_MAX_WRITES
+    tell_after_s: float = DEFAULT_TELL_AFTER_S
+
+
+SWEEP_PACE = SweepPace()
+
+
 class GateLifter:
-    """The sweep over the gated pods; `run(stop)` sweeps every `interval_s` until `stop` is set."""
+    """The sweep over the gated pods; `run(stop)` sweeps every `pace.interval_s` until `stop` is set."""
 
     def __init__(
         self,
@@ -101,25 +116,22 @@ class GateLifter:
         source: Callable[[], ClusterSource | None],
         events: EventPoster,
         *,
-        release_after_s: float = DEFAULT_RELEASE_AFTER_S,
-        interval_s: float = 0.25,
-        max_writes: int = DEFAULT_MAX_WRITES,
+        pace: SweepPace = SWEEP_PACE,
         clock: Callable[[], float] = time.time,
         on_lift: Callable[[str], None] | None = None,
-        tell_after_s: float = DEFAULT_TELL_AFTER_S,
     ) -> None:
         self.ledger = ledger
         self.source = source
         self.events = events
-        self.release_after_s = release_after_s
-        self.interval_s = interval_s
-        self.max_writes = max_writes
+        self.release_after_s = pace.release_after_s
+        self.interval_s = pace.interval_s
+        self.max_writes = pace.max_writes
         self.clock = clock
         self.since: dict[str, float] = {}  # uid -> when first seen gated
         self.told: set[str] = set()  # uids told why they wait
         self.written: dict[str, float] = {}  # uid -> when its lift was written
         self.on_lift = on_lift  # a lift written, by its reason (the metric)
-        self.tell_after_s = tell_after_s
+        self.tell_after_s = pace.tell_after_s
         self._pool = ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="gputopo-gate-lift")
 
     def gated(self) -> list[Gated]:
