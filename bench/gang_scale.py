@@ -62,7 +62,7 @@ from gputopo.localcluster import (
 )
 from gputopo.localcluster.jobcontrollers import JobControllers, controllers_missing, find_controllers_dir
 from gputopo.localcluster.procstats import cpu_snapshot
-from gputopo.localcluster.stack import Stack
+from gputopo.localcluster.stack import ChartRelease, SchedulerPods, Stack, StackTiming
 from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION
 from gputopo.systems import build_system
 
@@ -198,7 +198,13 @@ def run_one(
         say(f"[{via}] control plane up in {cp.dir}")
         kube = KubeClient(cp.kubeconfig, kubectl=cp.kubectl, pool_size=max(32, args.workers))
         values = {"webhook": {"groupGate": {"enabled": True}}} if gated else {}
-        stack = Stack(cp, kube, stale_after_seconds=3600.0, webhook=gated, values=values)
+        stack = Stack(
+            cp,
+            kube,
+            timing=StackTiming(stale_after_seconds=3600.0),
+            scheduler=SchedulerPods(webhook=gated),
+            chart=ChartRelease(values=values),
+        )
         stack.install()  # the chart's namespace, RBAC and policies
         t = time.monotonic()
         nodes = sim_nodes(args.nodes, args.leaves, args.leaves_per_spine)

@@ -71,7 +71,7 @@ from gputopo.localcluster import (
     network_labels,
 )
 from gputopo.localcluster.promstats import HistSum, diff, extender_metrics, http_get, scheduler_metrics
-from gputopo.localcluster.stack import Stack
+from gputopo.localcluster.stack import Stack, StackTiming
 from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION, agent_lease_name
 from gputopo.systems import build_system
 
@@ -393,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
     with ControlPlane(bin_dir, keep=args.keep, verbosity=args.scheduler_v, progress=progress) as cp:
         say(f"control plane up in {cp.dir}")
         kube = KubeClient(cp.kubeconfig, kubectl=cp.kubectl, pool_size=max(32, args.workers))
-        stack = Stack(cp, kube, stale_after_seconds=args.stale_after_seconds, progress=progress)
+        stack = Stack(cp, kube, timing=StackTiming(stale_after_seconds=args.stale_after_seconds), progress=progress)
         stack.install()
         t = time.monotonic()
         nodes = sim_nodes(args.nodes)

@@ -44,7 +44,7 @@ from gputopo.clusterfile import JobSpec, cluster_states, load_cluster, load_jobs
 from gputopo.engine.state.snapshot import NodeState  # noqa: E402
 from gputopo.localcluster import ControlPlane, ControlPlaneError, KubeApiError, find_binaries  # noqa: E402
 from gputopo.localcluster.replay import MixRun, Replay  # noqa: E402
-from gputopo.localcluster.stack import Stack  # noqa: E402
+from gputopo.localcluster.stack import Stack, StackTiming  # noqa: E402
 from gputopo.sim import Measures, SimResult, Summary, simulate  # noqa: E402
 from gputopo.sim.fidelity import follow_engine  # noqa: E402
 from gputopo.tiers import DEFAULT_TIERS  # noqa: E402
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     with ControlPlane(bin_dir, keep=args.keep, progress=progress) as cp:
         say(f"control plane up in {cp.dir}")
         kube = cp.client()
-        stack = Stack(cp, kube, stale_after_seconds=float(LEASE_STALE_S), progress=progress)
+        stack = Stack(cp, kube, timing=StackTiming(stale_after_seconds=float(LEASE_STALE_S)), progress=progress)
         stack.start()
         say(f"bench code and chart: {ROOT}")
         say(f"extender code: {code_origin(cp, stack.pods[0].extender)}")

@@ -33,7 +33,7 @@ from typing import Any
 from gputopo.localcluster import ControlPlane, ControlPlaneError, KubeApiError, KubeClient, pod_manifest
 from gputopo.localcluster.checks import check_gpus, per_pod_truth
 from gputopo.localcluster.kubelet import kubelet_unavailable
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.stack import GpuNode, Stack, StackTiming
 from gputopo.model import PLACEMENT_ANNOTATION, SCHEDULER_NAME
 
 NAMESPACE = "soak"
@@ -121,9 +121,7 @@ def run(args: argparse.Namespace) -> int:
         stack = Stack(
             cp,
             kube,
-            stale_after_seconds=3600,
-            heartbeat_seconds=30,
-            interval_seconds=args.agent_interval,
+            timing=StackTiming(stale_after_seconds=3600, heartbeat_seconds=30, interval_seconds=args.agent_interval),
             progress=(lambda m: say(f"  {m}")) if args.verbose else None,
         )
         stack.start()

@@ -24,7 +24,7 @@ from gputopo.localcluster import (
 )
 from gputopo.localcluster.controllermanifests import KUEUE_MANAGED_LABEL, KUEUE_MANAGED_VALUE
 from gputopo.localcluster.jobcontrollers import JobControllers
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.stack import GpuNode, Stack, StackTiming
 from gputopo.model import LABEL_NETWORK_LEAF, LABEL_NETWORK_SPINE, PLACEMENT_ANNOTATION, parse_placement
 
 pytestmark = pytest.mark.e2e
@@ -39,7 +39,7 @@ KUEUE = "/apis/kueue.x-k8s.io/v1beta2"
 
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
-    yield from serve(Stack(control_plane, kube, stale_after_seconds=60))
+    yield from serve(Stack(control_plane, kube, timing=StackTiming(stale_after_seconds=60)))
 
 
 # ---------------------------------------------------------------- objects as users write them

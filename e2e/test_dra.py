@@ -36,7 +36,7 @@ from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manif
 from gputopo.localcluster.kubelet import kubelet_unavailable
 from gputopo.localcluster.manifests import pod_webhook_manifest
 from gputopo.localcluster.nvmlmock import profile_for_system
-from gputopo.localcluster.stack import Stack
+from gputopo.localcluster.stack import ChartRelease, SchedulerPods, Stack, StackTiming
 from gputopo.model import PLACEMENT_ANNOTATION, NvlinkPolicy, PodRequest, parse_placement
 from gputopo.model.dra import DEVICE_CLASS, DRIVER, device_index
 from gputopo.model.topology import Health
@@ -65,11 +65,9 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
     s = Stack(
         control_plane,
         kube,
-        stale_after_seconds=30,
-        heartbeat_seconds=2,
-        interval_seconds=1,
-        extender_name="gputopo-extender-dra",
-        dra=True,  # the chart's DRA RBAC and its DeviceClass
+        timing=StackTiming(stale_after_seconds=30, heartbeat_seconds=2, interval_seconds=1),
+        scheduler=SchedulerPods(extender_name="gputopo-extender-dra"),
+        chart=ChartRelease(dra=True),  # the chart's DRA RBAC and its DeviceClass
     )
     # The chart's scheduler profile with agent.dra.enabled: kube-scheduler calls the extender for every
     # pod, and the extender reads our ResourceSlices and ResourceClaims.
@@ -425,7 +423,12 @@ def test_dra_webhook_turns_an_opted_in_gpu_pod_into_a_clique_claim(
     gives it an NVLink pair of at least the HBM the pod asks for. A forged review from anyone else (no
     client certificate) is refused with 401 and creates nothing."""
     node = DraNode(stack, test_id)
-    hook = Stack(control_plane, kube, extender_name="gputopo-extender-dra-webhook", webhook=True, dra=True)
+    hook = Stack(
+        control_plane,
+        kube,
+        scheduler=SchedulerPods(extender_name="gputopo-extender-dra-webhook", webhook=True),
+        chart=ChartRelease(dra=True),
+    )
     hook.start_extender()
     assert hook.ca_file is not None
     name = f"gputopo-e2e-{test_id}"[:63]

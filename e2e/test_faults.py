@@ -25,7 +25,7 @@ from conftest import StackNodes
 from gputopo.localcluster import APISERVER, TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from gputopo.localcluster.checks import check_gpus
 from gputopo.localcluster.kube import KubeApiError
-from gputopo.localcluster.stack import GpuNode, SchedulerPod, Stack
+from gputopo.localcluster.stack import GpuNode, SchedulerPod, SchedulerPods, Stack, StackTiming
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
 
 pytestmark = pytest.mark.e2e
@@ -36,7 +36,11 @@ HEARTBEAT = 1.0
 
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
-    s = Stack(control_plane, kube, stale_after_seconds=STALE_AFTER, heartbeat_seconds=HEARTBEAT, interval_seconds=1)
+    s = Stack(
+        control_plane,
+        kube,
+        timing=StackTiming(stale_after_seconds=STALE_AFTER, heartbeat_seconds=HEARTBEAT, interval_seconds=1),
+    )
     s.start()
     yield s
     s.stop()
@@ -302,9 +306,8 @@ def test_extender_killed_during_a_bind_the_pod_ends_bound_once_and_no_gpu_is_hel
         control_plane,
         kube,
         proxy=proxy,
-        stale_after_seconds=STALE_AFTER,
-        scheduler_name="gputopo-bindkill",
-        extender_name="gputopo-extender-bindkill",
+        timing=StackTiming(stale_after_seconds=STALE_AFTER),
+        scheduler=SchedulerPods(scheduler_name="gputopo-bindkill", extender_name="gputopo-extender-bindkill"),
     )
     try:
         s.start()
@@ -360,11 +363,13 @@ def test_leader_failover_under_a_stream_of_pods_binds_every_pod_and_double_books
     ha = Stack(
         control_plane,
         kube,
-        stale_after_seconds=STALE_AFTER,
-        scheduler_name="gputopo-ha",
-        extender_name="gputopo-extender-ha",
-        replicas=2,
-        lease_name=f"gputopo-ha-{test_id[-6:]}",
+        timing=StackTiming(stale_after_seconds=STALE_AFTER),
+        scheduler=SchedulerPods(
+            scheduler_name="gputopo-ha",
+            extender_name="gputopo-extender-ha",
+            replicas=2,
+            lease_name=f"gputopo-ha-{test_id[-6:]}",
+        ),
     )
     try:
         ha.start()

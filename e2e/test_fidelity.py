@@ -16,7 +16,7 @@ from gputopo.clusterfile import JobSpec
 from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.localcluster import ControlPlane, KubeClient
 from gputopo.localcluster.replay import MixRun, Replay
-from gputopo.localcluster.stack import Stack
+from gputopo.localcluster.stack import Stack, StackTiming
 from gputopo.model import LABEL_NETWORK_LEAF, LABEL_NETWORK_SPINE
 from gputopo.systems import build_system
 
@@ -28,7 +28,7 @@ ROUNDS = 20
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
     # The replayed nodes' Leases are renewed once, when created: staleness must outlast the module.
-    s = Stack(control_plane, kube, stale_after_seconds=3600)
+    s = Stack(control_plane, kube, timing=StackTiming(stale_after_seconds=3600))
     s.start()
     yield s
     s.stop()

@@ -15,7 +15,7 @@ import workloads as wl
 from conftest import StackNodes, serve
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeApiError, KubeClient, pod_manifest
 from gputopo.localcluster.promstats import http_get
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.stack import ChartRelease, GpuNode, SchedulerPods, Stack, StackTiming
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
 from gputopo.model.gates import GROUP_GATE
 
@@ -28,7 +28,15 @@ RELEASE_S = 15
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
     values = {"webhook": {"groupGate": {"enabled": True, "releaseSeconds": RELEASE_S}}}
-    yield from serve(Stack(control_plane, kube, stale_after_seconds=60, webhook=True, values=values))
+    yield from serve(
+        Stack(
+            control_plane,
+            kube,
+            timing=StackTiming(stale_after_seconds=60),
+            scheduler=SchedulerPods(webhook=True),
+            chart=ChartRelease(values=values),
+        )
+    )
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import workloads as wl
 
 from conftest import StackNodes, serve
 from gputopo.localcluster import CONTROLLER_MANAGER, TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.stack import GpuNode, Stack, StackTiming
 from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,
     LABEL_NETWORK_LEAF,
@@ -30,7 +30,7 @@ JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
-    yield from serve(Stack(control_plane, kube, stale_after_seconds=60))
+    yield from serve(Stack(control_plane, kube, timing=StackTiming(stale_after_seconds=60)))
 
 
 def _template(test_id: str, gpus: int, annotations: dict[str, str], scheduler: str = "gputopo-scheduler") -> Any:

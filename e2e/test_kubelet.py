@@ -25,7 +25,7 @@ from gputopo.engine.node.placement import evaluate_node
 from gputopo.engine.state.snapshot import node_state
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from gputopo.localcluster.kubelet import RealKubelet, kubelet_unavailable
-from gputopo.localcluster.stack import Stack
+from gputopo.localcluster.stack import SchedulerPods, Stack, StackTiming
 from gputopo.model import (
     GPU_RESOURCE,
     GPUS_IN_USE_ANNOTATION,
@@ -52,10 +52,8 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
     s = Stack(
         control_plane,
         kube,
-        stale_after_seconds=30,
-        heartbeat_seconds=2,
-        interval_seconds=1,
-        extender_name="gputopo-extender-kubelet",
+        timing=StackTiming(stale_after_seconds=30, heartbeat_seconds=2, interval_seconds=1),
+        scheduler=SchedulerPods(extender_name="gputopo-extender-kubelet"),
     )
     s.install()
     s.start_extender()

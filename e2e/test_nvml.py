@@ -23,7 +23,7 @@ from conftest import StackNodes
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from gputopo.localcluster.kubelet import kubelet_unavailable
 from gputopo.localcluster.nvmlmock import Profile, profile_for_system
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.stack import GpuNode, SchedulerPods, Stack, StackTiming
 from gputopo.model import PLACEMENT_ANNOTATION, TOPOLOGY_ANNOTATION, NodeTopology, parse_placement, parse_topology
 from gputopo.systems import build_system
 
@@ -39,10 +39,8 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
     s = Stack(
         control_plane,
         kube,
-        stale_after_seconds=30,
-        heartbeat_seconds=1,
-        interval_seconds=1,
-        extender_name="gputopo-extender-nvml",
+        timing=StackTiming(stale_after_seconds=30, heartbeat_seconds=1, interval_seconds=1),
+        scheduler=SchedulerPods(extender_name="gputopo-extender-nvml"),
     )
     s.start()
     yield s

@@ -19,7 +19,7 @@ from conftest import StackNodes, serve
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, find_binaries, pod_manifest
 from gputopo.localcluster.binaries import kubernetes_version
 from gputopo.localcluster.kube import KubeApiError
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.stack import GpuNode, SchedulerPods, Stack, StackTiming
 from gputopo.model import GPUS_IN_USE_ANNOTATION, PLACEMENT_ANNOTATION, parse_gpus_in_use, parse_placement
 
 pytestmark = pytest.mark.e2e
@@ -74,11 +74,8 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
         Stack(
             control_plane,
             kube,
-            scheduler_name=SCHEDULER,
-            extender_name="gputopo-extender-podgroups",
-            stale_after_seconds=30,
-            heartbeat_seconds=2,
-            interval_seconds=1,
+            timing=StackTiming(stale_after_seconds=30, heartbeat_seconds=2, interval_seconds=1),
+            scheduler=SchedulerPods(scheduler_name=SCHEDULER, extender_name="gputopo-extender-podgroups"),
         )
     )
 

@@ -22,7 +22,7 @@ from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manif
 from gputopo.localcluster.binaries import kubernetes_version
 from gputopo.localcluster.chart import RenderedChart, helm_binary, local_values, render
 from gputopo.localcluster.kube import KubeApiError
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.stack import GpuNode, SchedulerPods, Stack, StackTiming
 from gputopo.model import GPUS_IN_USE_ANNOTATION, PLACEMENT_ANNOTATION, parse_gpus_in_use, parse_placement
 
 pytestmark = pytest.mark.e2e
@@ -59,11 +59,8 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
         PreemptingStack(
             control_plane,
             kube,
-            scheduler_name=SCHEDULER,
-            extender_name="gputopo-extender-preempt",
-            stale_after_seconds=30,
-            heartbeat_seconds=2,
-            interval_seconds=1,
+            timing=StackTiming(stale_after_seconds=30, heartbeat_seconds=2, interval_seconds=1),
+            scheduler=SchedulerPods(scheduler_name=SCHEDULER, extender_name="gputopo-extender-preempt"),
         )
     )
 

@@ -20,7 +20,7 @@ import pytest
 from conftest import serve
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from gputopo.localcluster.kube import KubeApiError
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.stack import GpuNode, Stack, StackTiming
 from gputopo.model import HEALTHY_MASK, PLACEMENT_ANNOTATION, FabricInfo, GpuFabric, NodeTopology, parse_placement
 from gputopo.systems import build_system
 
@@ -43,7 +43,7 @@ def tray_topology(name: str, rack: str, mask: int = HEALTHY_MASK) -> NodeTopolog
 
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
-    yield from serve(Stack(control_plane, kube, heartbeat_seconds=2, interval_seconds=1))
+    yield from serve(Stack(control_plane, kube, timing=StackTiming(heartbeat_seconds=2, interval_seconds=1)))
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from conftest import StackNodes, serve
 from gputopo.engine.gang.imex import DRIVER_NODE_LABEL
 from gputopo.extender.watch.computedomains import CHANNEL_DEVICE_CLASS, CHANNEL_DRIVER
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.stack import GpuNode, Stack, StackTiming
 
 pytestmark = pytest.mark.e2e
 
@@ -88,7 +88,7 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
         ]
     )
     kube.wait_crds_established([CRD_NAME])  # served before the extender first lists it
-    yield from serve(Stack(control_plane, kube, heartbeat_seconds=2, interval_seconds=1))
+    yield from serve(Stack(control_plane, kube, timing=StackTiming(heartbeat_seconds=2, interval_seconds=1)))
 
 
 def channel_slices(kube: KubeClient, trays: list[str]) -> None:

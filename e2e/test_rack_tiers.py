@@ -12,7 +12,7 @@ import pytest
 
 from conftest import StackNodes, serve
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.stack import ChartRelease, GpuNode, Stack, StackTiming
 
 pytestmark = pytest.mark.e2e
 
@@ -40,7 +40,12 @@ TIER_SETS = [
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
     yield from serve(
-        Stack(control_plane, kube, heartbeat_seconds=2, interval_seconds=1, values={"tierSets": TIER_SETS})
+        Stack(
+            control_plane,
+            kube,
+            timing=StackTiming(heartbeat_seconds=2, interval_seconds=1),
+            chart=ChartRelease(values={"tierSets": TIER_SETS}),
+        )
     )
 
 

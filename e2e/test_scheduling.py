@@ -19,7 +19,7 @@ from conftest import StackNodes
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from gputopo.localcluster.kube import KubeApiError
 from gputopo.localcluster.manifests import pod_webhook_manifest
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.stack import GpuNode, SchedulerPods, Stack, StackTiming
 from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,
     PLACEMENT_ANNOTATION,
@@ -36,7 +36,11 @@ STALE_AFTER = 6.0  # seconds; agents heartbeat every 2 s
 
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
-    s = Stack(control_plane, kube, stale_after_seconds=STALE_AFTER, heartbeat_seconds=2, interval_seconds=1)
+    s = Stack(
+        control_plane,
+        kube,
+        timing=StackTiming(stale_after_seconds=STALE_AFTER, heartbeat_seconds=2, interval_seconds=1),
+    )
     s.start()
     yield s
     s.stop()
@@ -363,7 +367,7 @@ def test_mutating_webhook_lets_the_annotation_alone_opt_a_pod_in(
 ) -> None:
     (node,) = nodes.add(GpuNode("h100", "dgx-h100"))
     # The webhook is the extender's own HTTPS listener (the apiserver calls webhooks only over TLS).
-    hook = Stack(control_plane, kube, extender_name="gputopo-extender-webhook", webhook=True)
+    hook = Stack(control_plane, kube, scheduler=SchedulerPods(extender_name="gputopo-extender-webhook", webhook=True))
     hook.start_extender()
     assert hook.ca_file is not None and hook.webhook_url.startswith("https://127.0.0.1:")
     name = f"gputopo-e2e-{test_id}"[:63]

@@ -17,7 +17,7 @@ from workloads import create, events_about, indexed_job, live_pods, pod_template
 from conftest import serve
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
 from gputopo.localcluster.kube import KubeApiError
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.stack import GpuNode, Stack, StackTiming
 from gputopo.model import PLACEMENT_ANNOTATION, Placement, parse_placement
 
 pytestmark = pytest.mark.e2e
@@ -28,7 +28,7 @@ FORGED = Placement(node="any-node", gpus=(0, 1), score=10, reason="forged").to_a
 
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
-    yield from serve(Stack(control_plane, kube, stale_after_seconds=60))
+    yield from serve(Stack(control_plane, kube, timing=StackTiming(stale_after_seconds=60)))
 
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,7 @@ def _events_section(describe: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     # Imported here: the simulator and other commands must not pay for the control-plane modules.
     from gputopo.localcluster import ControlPlane, ensure_binaries
-    from gputopo.localcluster.stack import Stack
+    from gputopo.localcluster.stack import Stack, StackTiming
 
     try:
         cluster = load_cluster(args.cluster)
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cp.start_controller_manager()
         kube = cp.client()
-        stack = Stack(cp, kube, stale_after_seconds=STALE_AFTER, progress=lambda m: _say(f"   {m}"))
+        stack = Stack(cp, kube, timing=StackTiming(stale_after_seconds=STALE_AFTER), progress=lambda m: _say(f"   {m}"))
         stack.install()
         _say("== gputopo: extender and a kube-scheduler whose gputopo-scheduler profile calls it")
         stack.start_extender()
