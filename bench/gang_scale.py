@@ -55,6 +55,7 @@ from gputopo.localcluster import (
     ControlPlaneError,
     KubeApiError,
     KubeClient,
+    PodScheduling,
     SimNode,
     find_binaries,
     network_labels,
@@ -93,7 +94,7 @@ def sim_nodes(count: int, leaves: int, leaves_per_spine: int) -> list[SimNode]:
 
 
 def job_manifest(pods: int, scheduler: str = GPUTOPO_PROFILE) -> dict[str, Any]:
-    template = pod_manifest("x", namespace=NAMESPACE, scheduler_name=scheduler, gpus=GPUS)
+    template = pod_manifest("x", namespace=NAMESPACE, gpus=GPUS, scheduling=PodScheduling(scheduler_name=scheduler))
     spec = template["spec"]
     spec["restartPolicy"] = "Never"
     return {
@@ -119,7 +120,6 @@ def member_manifest(job: dict[str, Any], index: int, scheduler: str = GPUTOPO_PR
     pod = pod_manifest(
         f"{JOB}-{index}-{uuid.uuid4().hex[:5]}",
         namespace=NAMESPACE,
-        scheduler_name=scheduler,
         gpus=GPUS,
         labels={
             "app": "gang-scale",
@@ -130,6 +130,7 @@ def member_manifest(job: dict[str, Any], index: int, scheduler: str = GPUTOPO_PR
             COMPLETION_INDEX: str(index),
         },
         annotations={COMPLETION_INDEX: str(index)},
+        scheduling=PodScheduling(scheduler_name=scheduler),
     )
     pod["spec"]["restartPolicy"] = "Never"
     pod["metadata"]["ownerReferences"] = [

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gputopo.localcluster import ControlPlane, ControlPlaneError, KubeApiError, KubeClient, pod_manifest
+from gputopo.localcluster import ControlPlane, ControlPlaneError, KubeApiError, KubeClient, PodScheduling, pod_manifest
 from gputopo.localcluster.checks import check_gpus, per_pod_truth
 from gputopo.localcluster.kubelet import kubelet_unavailable
 from gputopo.localcluster.stack import GpuNode, Stack, StackTiming
@@ -102,10 +102,9 @@ def new_pod(rng: random.Random, serial: int) -> tuple[dict[str, Any], int]:
         pod_manifest(
             f"p{serial}-g{gpus}",
             namespace=NAMESPACE,
-            scheduler_name=SCHEDULER_NAME,
             gpus=gpus,
             annotations={"gputopo.io/nvlink": "required"},
-            node_selector={LABEL: "1"},
+            scheduling=PodScheduling(scheduler_name=SCHEDULER_NAME, node_selector={LABEL: "1"}),
         ),
         gpus,
     )

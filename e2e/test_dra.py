@@ -32,7 +32,7 @@ from gputopo.engine.cluster.explain import gpu_ranges
 from gputopo.engine.dra.claims import claim_template
 from gputopo.engine.state.cliques import mask_of
 from gputopo.engine.state.snapshot import shape_of
-from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
 from gputopo.localcluster.kubelet import kubelet_unavailable
 from gputopo.localcluster.manifests import pod_webhook_manifest
 from gputopo.localcluster.nvmlmock import profile_for_system
@@ -149,10 +149,12 @@ class DraNode:
         full = f"{self.name}-{name}"
         m = pod_manifest(
             full,
-            scheduler_name=self.stack.scheduler_name,
             labels={TEST_LABEL: self.test_id},
             annotations=annotations,
-            node_selector={TEST_LABEL: self.test_id} if anywhere else {"kubernetes.io/hostname": self.name},
+            scheduling=PodScheduling(
+                scheduler_name=self.stack.scheduler_name,
+                node_selector={TEST_LABEL: self.test_id} if anywhere else {"kubernetes.io/hostname": self.name},
+            ),
         )
         m["spec"]["resourceClaims"] = [{"name": "gpus", "resourceClaimTemplateName": template}]
         m["spec"]["containers"][0]["resources"]["claims"] = [{"name": "gpus"}]
@@ -445,7 +447,7 @@ def test_dra_webhook_turns_an_opted_in_gpu_pod_into_a_clique_claim(
             namespace=namespace,
             gpus=2,
             annotations={"gputopo.io/nvlink": "required", "gputopo.io/min-gpu-memory": "16Gi"},
-            node_selector={TEST_LABEL: test_id},
+            scheduling=PodScheduling(node_selector={TEST_LABEL: test_id}),
         )  # schedulerName: default-scheduler, as a user would leave it
         deadline = time.monotonic() + 30
         while True:  # a new webhook configuration takes a moment to reach the admission chain

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from conftest import StackNodes
-from gputopo.localcluster import APISERVER, TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster import APISERVER, TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
 from gputopo.localcluster.checks import check_gpus
 from gputopo.localcluster.kube import KubeApiError
 from gputopo.localcluster.stack import GpuNode, SchedulerPod, SchedulerPods, Stack, StackTiming
@@ -50,10 +50,9 @@ def gpu_pod(ns: str, test_id: str, name: str, gpus: int, scheduler: str = "gputo
     return pod_manifest(
         name,
         namespace=ns,
-        scheduler_name=scheduler,
         gpus=gpus,
         annotations={"gputopo.io/nvlink": "required"},
-        node_selector={TEST_LABEL: test_id},
+        scheduling=PodScheduling(scheduler_name=scheduler, node_selector={TEST_LABEL: test_id}),
     )
 
 
@@ -102,7 +101,7 @@ def assert_every_pod_bound_once_and_no_gpu_held_twice(
 
 def filter_verdict(url: str, node: str, ns: str) -> str:
     """The extender's own answer for one node and a 1-GPU NVLink pod: "" if it passes, else why not."""
-    pod = pod_manifest("probe", namespace=ns, scheduler_name="gputopo-scheduler", gpus=1)
+    pod = pod_manifest("probe", namespace=ns, gpus=1, scheduling=PodScheduling(scheduler_name="gputopo-scheduler"))
     pod["metadata"]["annotations"] = {"gputopo.io/nvlink": "required"}
     pod["metadata"]["uid"] = f"probe-{secrets.token_hex(4)}"
     body = json.dumps({"Pod": pod, "NodeNames": [node]}).encode()

@@ -12,7 +12,7 @@ import pytest
 import workloads as wl
 
 from conftest import StackNodes, serve
-from gputopo.localcluster import CONTROLLER_MANAGER, TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster import CONTROLLER_MANAGER, TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
 from gputopo.localcluster.stack import GpuNode, Stack, StackTiming
 from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,
@@ -35,7 +35,10 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
 
 def _template(test_id: str, gpus: int, annotations: dict[str, str], scheduler: str = "gputopo-scheduler") -> Any:
     pod = pod_manifest(
-        "t", scheduler_name=scheduler, gpus=gpus, annotations=annotations, node_selector={TEST_LABEL: test_id}
+        "t",
+        gpus=gpus,
+        annotations=annotations,
+        scheduling=PodScheduling(scheduler_name=scheduler, node_selector={TEST_LABEL: test_id}),
     )
     return wl.pod_template(pod)
 

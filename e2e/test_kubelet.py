@@ -23,7 +23,7 @@ from gputopo.agent.podresources.client import PodResourcesClient, PodResourcesEr
 from gputopo.engine.node.besteffort import best_effort
 from gputopo.engine.node.placement import evaluate_node
 from gputopo.engine.state.snapshot import node_state
-from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
 from gputopo.localcluster.kubelet import RealKubelet, kubelet_unavailable
 from gputopo.localcluster.stack import SchedulerPods, Stack, StackTiming
 from gputopo.model import (
@@ -143,10 +143,9 @@ def gputopo_pod(kube: KubeClient, ns: str, test_id: str, name: str, gpus: int, *
     manifest = pod_manifest(
         name,
         namespace=ns,
-        scheduler_name="gputopo-scheduler",
         gpus=gpus,
         annotations={"gputopo.io/nvlink": "required"},
-        node_selector={TEST_LABEL: test_id},
+        scheduling=PodScheduling(scheduler_name="gputopo-scheduler", node_selector={TEST_LABEL: test_id}),
     )
     if gated:  # not scheduled until the gate is removed
         manifest["spec"]["schedulingGates"] = [{"name": "gputopo.io/test-hold"}]

@@ -20,7 +20,7 @@ import pytest
 from workloads import bound_after_nudges
 
 from conftest import StackNodes
-from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
 from gputopo.localcluster.kubelet import kubelet_unavailable
 from gputopo.localcluster.nvmlmock import Profile, profile_for_system
 from gputopo.localcluster.stack import GpuNode, SchedulerPods, Stack, StackTiming
@@ -52,10 +52,9 @@ def tp4(kube: KubeClient, ns: str, test_id: str, name: str) -> str:
         pod_manifest(
             name,
             namespace=ns,
-            scheduler_name="gputopo-scheduler",
             gpus=4,
             annotations={"gputopo.io/nvlink": "required"},
-            node_selector={TEST_LABEL: test_id},
+            scheduling=PodScheduling(scheduler_name="gputopo-scheduler", node_selector={TEST_LABEL: test_id}),
         )
     )
     return name

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from conftest import StackNodes, serve
-from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, find_binaries, pod_manifest
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, PodScheduling, find_binaries, pod_manifest
 from gputopo.localcluster.binaries import kubernetes_version
 from gputopo.localcluster.kube import KubeApiError
 from gputopo.localcluster.stack import GpuNode, SchedulerPods, Stack, StackTiming
@@ -111,10 +111,9 @@ def gpu_pod(
     pod = pod_manifest(
         name,
         namespace=namespace,
-        scheduler_name=SCHEDULER,
         gpus=gpus,
         annotations={"gputopo.io/nvlink": "required", **(annotations or {})},
-        node_selector={TEST_LABEL: test_id},
+        scheduling=PodScheduling(scheduler_name=SCHEDULER, node_selector={TEST_LABEL: test_id}),
     )
     if group is not None:
         pod["spec"]["schedulingGroup"] = {"podGroupName": group}

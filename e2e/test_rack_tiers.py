@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import StackNodes, serve
-from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
 from gputopo.localcluster.stack import ChartRelease, GpuNode, Stack, StackTiming
 
 pytestmark = pytest.mark.e2e
@@ -59,10 +59,9 @@ def gang(kube: KubeClient, namespace: str, test_id: str, name: str, size: int, g
             pod_manifest(
                 pod,
                 namespace=namespace,
-                scheduler_name="gputopo-scheduler",
                 gpus=gpus,
                 annotations={**base, "gputopo.io/stage": str(i)},
-                node_selector={TEST_LABEL: test_id},
+                scheduling=PodScheduling(scheduler_name="gputopo-scheduler", node_selector={TEST_LABEL: test_id}),
             )
         )
     return pods

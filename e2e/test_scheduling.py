@@ -16,7 +16,7 @@ import pytest
 from workloads import bound_after_nudges
 
 from conftest import StackNodes
-from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
 from gputopo.localcluster.kube import KubeApiError
 from gputopo.localcluster.manifests import pod_webhook_manifest
 from gputopo.localcluster.stack import GpuNode, SchedulerPods, Stack, StackTiming
@@ -53,10 +53,9 @@ def gputopo_pod(
         pod_manifest(
             name,
             namespace=ns,
-            scheduler_name="gputopo-scheduler",
             gpus=gpus,
             annotations=annotations if annotations is not None else {"gputopo.io/nvlink": "required"},
-            node_selector={TEST_LABEL: test_id},
+            scheduling=PodScheduling(scheduler_name="gputopo-scheduler", node_selector={TEST_LABEL: test_id}),
         )
     )
     return name
@@ -223,9 +222,8 @@ def test_plain_pods_under_the_same_scheduler_are_unaffected(
             pod_manifest(
                 name,
                 namespace=namespace,
-                scheduler_name="gputopo-scheduler",
                 gpus=gpus,
-                node_selector={TEST_LABEL: test_id},
+                scheduling=PodScheduling(scheduler_name="gputopo-scheduler", node_selector={TEST_LABEL: test_id}),
             )
         )
     bound = kube.wait_pods_bound(namespace, ["plain-gpu", "plain-cpu"], timeout=45)
@@ -378,9 +376,11 @@ def test_mutating_webhook_lets_the_annotation_alone_opt_a_pod_in(
             namespace=namespace,
             gpus=4,
             annotations={"gputopo.io/nvlink": "required"},
-            node_selector={TEST_LABEL: test_id},
+            scheduling=PodScheduling(node_selector={TEST_LABEL: test_id}),
         )  # schedulerName: default-scheduler, as a user would leave it
-        plain = pod_manifest("not-opted-in", namespace=namespace, gpus=1, node_selector={TEST_LABEL: test_id})
+        plain = pod_manifest(
+            "not-opted-in", namespace=namespace, gpus=1, scheduling=PodScheduling(node_selector={TEST_LABEL: test_id})
+        )
         # A new webhook configuration takes a moment to reach the admission chain: probe until a
         # pod comes back mutated (probes select no node, so they never schedule), then go.
         deadline = time.monotonic() + 30

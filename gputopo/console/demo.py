@@ -171,7 +171,7 @@ def _add_nodes(stack: Any, cluster: Any) -> None:
 def _submit(kube: Any, ns: str, jobs: Any, timeout: float) -> list[str]:
     """Create the jobs file's pods, one job at a time, as the simulator places them, so the outcome
     reads in file order; the pods' names."""
-    from gputopo.localcluster import pod_manifest
+    from gputopo.localcluster import PodScheduling, pod_manifest
 
     pods: list[str] = []
     for job in jobs.jobs:
@@ -181,9 +181,9 @@ def _submit(kube: Any, ns: str, jobs: Any, timeout: float) -> list[str]:
                 pod_manifest(
                     name,
                     namespace=ns,
-                    scheduler_name=SCHEDULER_NAME,
                     gpus=job.gpus_per_pod,
                     annotations=job.pod_annotations(i),
+                    scheduling=PodScheduling(scheduler_name=SCHEDULER_NAME),
                 )
             )
             pods.append(name)
@@ -226,7 +226,7 @@ def _real_kubelet_part(stack: Any, kube: Any, bin_dir: Path, ns: str, timeout: f
     """One DGX-1V node run by a real kubelet; a TP-4 and a TP-2 pod go there, and what the kubelet
     allocated is read back from its PodResources socket."""
     from gputopo.agent.podresources.client import PodResourcesClient
-    from gputopo.localcluster import pod_manifest
+    from gputopo.localcluster import PodScheduling, pod_manifest
     from gputopo.localcluster.kubelet import kubelet_unavailable
     from gputopo.model import GPUS_IN_USE_ANNOTATION, parse_gpus_in_use_report
     from gputopo.systems import build_system
@@ -244,11 +244,13 @@ def _real_kubelet_part(stack: Any, kube: Any, bin_dir: Path, ns: str, timeout: f
         manifest = pod_manifest(
             name,
             namespace=ns,
-            scheduler_name=SCHEDULER_NAME,
             gpus=gpus,
             annotations={"gputopo.io/nvlink": "required"},
-            node_selector={"kubernetes.io/hostname": KUBELET_NODE},
-            tolerations=[{**KUBELET_TAINT, "operator": "Equal"}],
+            scheduling=PodScheduling(
+                scheduler_name=SCHEDULER_NAME,
+                node_selector={"kubernetes.io/hostname": KUBELET_NODE},
+                tolerations=[{**KUBELET_TAINT, "operator": "Equal"}],
+            ),
         )
         kube.create_pod(manifest)
         pods.append(name)

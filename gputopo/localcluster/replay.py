@@ -34,7 +34,7 @@ from gputopo.engine.state.reasons import Reason
 from gputopo.engine.state.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.state.snapshot import NodeState
 from gputopo.kube import KubeError
-from gputopo.localcluster.kube import JSON, KubeClient, SimNode, pod_manifest
+from gputopo.localcluster.kube import JSON, KubeClient, PodContainer, PodScheduling, SimNode, pod_manifest
 from gputopo.localcluster.podwatch import PodTracker, pod_state, scheduling_message
 from gputopo.localcluster.promstats import http_get
 from gputopo.localcluster.stack import Stack
@@ -192,9 +192,8 @@ class Replay:
             name or f"held-{node}"[:63].rstrip("-."),
             namespace=namespace,
             gpus=len(gpus),
-            cpu=cpu,
-            memory=memory,
             labels={"app": "gputopo-fidelity-held"},
+            container=PodContainer(cpu=cpu, memory=memory),
         )
         manifest["spec"]["nodeName"] = node
         pod = self.kube.create_pod(manifest)
@@ -306,13 +305,13 @@ class _JobContext:
                 pod_manifest(
                     p.name,
                     namespace=self.namespace,
-                    scheduler_name=self.replay.stack.scheduler_name,
                     gpus=p.request.gpus,
                     annotations=job.pod_annotations(i),
                     labels={"app": "gputopo-fidelity"},
-                    cpu=cpu,
-                    memory=memory,
-                    node_selector={MIX_LABEL: self.mix},
+                    scheduling=PodScheduling(
+                        scheduler_name=self.replay.stack.scheduler_name, node_selector={MIX_LABEL: self.mix}
+                    ),
+                    container=PodContainer(cpu=cpu, memory=memory),
                 )
             )
         self.kube.create_pods(manifests, workers=min(16, len(manifests)))

@@ -33,7 +33,7 @@ from gputopo.localcluster.chart import (
 from gputopo.localcluster.controlplane import WEBHOOK_CLIENT_NAME, ControlPlane, free_port
 from gputopo.localcluster.kube import KubeApiError, KubeClient
 from gputopo.localcluster.kubelet import RealKubelet
-from gputopo.localcluster.manifests import pod_manifest, pod_webhook_manifest
+from gputopo.localcluster.manifests import PodScheduling, pod_manifest, pod_webhook_manifest
 from gputopo.localcluster.nodes import GpuNode, NodeAgents
 from gputopo.localcluster.pki import generate_serving_certificate
 from gputopo.model import EXTENDER_COMPONENT, SCHEDULER_NAME
@@ -285,7 +285,7 @@ class Stack(NodeAgents):
                 f"probe-{attempt}",
                 namespace=namespace,
                 annotations={"gputopo.io/nvlink": "preferred"},
-                node_selector={"gputopo.io/probe": "matches-no-node"},
+                scheduling=PodScheduling(node_selector={"gputopo.io/probe": "matches-no-node"}),
             )
             try:
                 mutated = self.kube.create_pod(probe)["spec"]["schedulerName"] == SCHEDULER_NAME
