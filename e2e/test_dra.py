@@ -36,7 +36,7 @@ from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, PodSchedu
 from gputopo.localcluster.kubelet import kubelet_unavailable
 from gputopo.localcluster.manifests import pod_webhook_manifest
 from gputopo.localcluster.nvmlmock import profile_for_system
-from gputopo.localcluster.stack import ChartRelease, SchedulerPods, Stack, StackTiming
+from gputopo.localcluster.stack import ChartRelease, KubeletAgent, SchedulerPods, Stack, StackTiming
 from gputopo.model import PLACEMENT_ANNOTATION, NvlinkPolicy, PodRequest, parse_placement
 from gputopo.model.dra import DEVICE_CLASS, DRIVER, device_index
 from gputopo.model.topology import Health
@@ -99,10 +99,7 @@ class DraNode:
             self.name,
             SYSTEM,
             labels={TEST_LABEL: test_id},
-            dra=True,
-            dra_list_attributes=list_attributes,
-            dra_best_fit_order=best_fit,
-            nvml=nvml,
+            agent=KubeletAgent(dra=True, dra_list_attributes=list_attributes, dra_best_fit_order=best_fit, nvml=nvml),
         )
         self.kubelet = stack.kubelets[self.name]
         self.pods: list[str] = []

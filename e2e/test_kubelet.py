@@ -25,7 +25,7 @@ from gputopo.engine.node.placement import evaluate_node
 from gputopo.engine.state.snapshot import node_state
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
 from gputopo.localcluster.kubelet import RealKubelet, kubelet_unavailable
-from gputopo.localcluster.stack import SchedulerPods, Stack, StackTiming
+from gputopo.localcluster.stack import KubeletAgent, SchedulerPods, Stack, StackTiming
 from gputopo.model import (
     GPU_RESOURCE,
     GPUS_IN_USE_ANNOTATION,
@@ -83,7 +83,7 @@ class KubeletNode:
             self.name,
             SYSTEM,
             labels={TEST_LABEL: self.test_id},
-            preferred_allocation=preferred_allocation,
+            agent=KubeletAgent(preferred_allocation=preferred_allocation),
         )
         self.stack.wait_published([self.name])
         return self

@@ -23,7 +23,7 @@ from conftest import StackNodes
 from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
 from gputopo.localcluster.kubelet import kubelet_unavailable
 from gputopo.localcluster.nvmlmock import Profile, profile_for_system
-from gputopo.localcluster.stack import GpuNode, SchedulerPods, Stack, StackTiming
+from gputopo.localcluster.stack import GpuNode, KubeletAgent, SchedulerPods, Stack, StackTiming
 from gputopo.model import PLACEMENT_ANNOTATION, TOPOLOGY_ANNOTATION, NodeTopology, parse_placement, parse_topology
 from gputopo.systems import build_system
 
@@ -192,7 +192,7 @@ def test_nvml_kubelet_node_device_plugin_on_the_real_binding_avoids_a_broken_lin
     if reason is not None:
         pytest.skip(reason)
     node = f"kl-nvml-{test_id[-6:]}"
-    stack.add_kubelet_node(node, SYSTEM, labels={TEST_LABEL: test_id}, nvml=True)
+    stack.add_kubelet_node(node, SYSTEM, labels={TEST_LABEL: test_id}, agent=KubeletAgent(nvml=True))
     try:
         stack.wait_published([node])
         break_and_repair(stack, kube, node, namespace, test_id)

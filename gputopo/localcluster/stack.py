@@ -34,12 +34,21 @@ from gputopo.localcluster.controlplane import WEBHOOK_CLIENT_NAME, ControlPlane,
 from gputopo.localcluster.kube import KubeApiError, KubeClient
 from gputopo.localcluster.kubelet import RealKubelet
 from gputopo.localcluster.manifests import PodScheduling, pod_manifest, pod_webhook_manifest
-from gputopo.localcluster.nodes import GpuNode, NodeAgents
+from gputopo.localcluster.nodes import GpuNode, KubeletAgent, NodeAgents
 from gputopo.localcluster.pki import generate_serving_certificate
 from gputopo.model import EXTENDER_COMPONENT, SCHEDULER_NAME
 
-# GpuNode lives with the nodes and agents; callers import it from here, with the Stack it feeds.
-__all__ = ["LEADER_LOG_LINE", "GpuNode", "SchedulerPod", "Stack"]
+# GpuNode and KubeletAgent live with the nodes and agents; callers import them from here, with the Stack they feed.
+__all__ = [
+    "LEADER_LOG_LINE",
+    "ChartRelease",
+    "GpuNode",
+    "KubeletAgent",
+    "SchedulerPod",
+    "SchedulerPods",
+    "Stack",
+    "StackTiming",
+]
 
 # kube-scheduler's log line on winning the election, lower-cased: 1.34 writes "successfully acquired
 # lease ns/name", 1.37 the structured "Successfully acquired lease" lock="ns/name".
@@ -126,7 +135,7 @@ class Stack(NodeAgents):
 
     `timing`: staleness, heartbeats, discovery, reservations. `scheduler`: the scheduler pods;
     with their webhook, it is served at ``webhook_url``, trusted through ``ca_file``. `chart`: the release
-    (with `dra`, `add_kubelet_node(dra=True)` starts an agent as a DRA driver)."""
+    (with `dra`, `add_kubelet_node(agent=KubeletAgent(dra=True))` starts an agent as a DRA driver)."""
 
     def __init__(
         self,
