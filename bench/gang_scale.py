@@ -55,7 +55,9 @@ from gputopo.localcluster import (
     ControlPlaneError,
     KubeApiError,
     KubeClient,
+    Lifetime,
     PodScheduling,
+    SchedulerOptions,
     SimNode,
     find_binaries,
     network_labels,
@@ -195,7 +197,7 @@ def _submit(kube: KubeClient, args: argparse.Namespace, via: str, pods: int) -> 
 def run_one(
     args: argparse.Namespace, bin_dir: Path, via: str, pods: int, deadline: Deadline, gated: bool = False
 ) -> Result:
-    with ControlPlane(bin_dir, keep=args.keep) as cp:
+    with ControlPlane(bin_dir, lifetime=Lifetime(keep=args.keep)) as cp:
         say(f"[{via}] control plane up in {cp.dir}")
         kube = KubeClient(cp.kubeconfig, kubectl=cp.kubectl, pool_size=max(32, args.workers))
         values = {"webhook": {"groupGate": {"enabled": True}}} if gated else {}
@@ -214,7 +216,11 @@ def run_one(
         create_leases(kube, stack.namespace, [n.name for n in nodes], args.workers)
         say(f"[{via}] {args.nodes} nodes and Leases in {time.monotonic() - t:.1f}s")
         if via == "plain":  # kube-scheduler alone: no extender process at all
-            wait_scheduler_ready(cp, cp.start_plain_scheduler(client_qps=args.qps, client_burst=args.burst), deadline)
+            wait_scheduler_ready(
+                cp,
+                cp.start_plain_scheduler(options=SchedulerOptions(client_qps=args.qps, client_burst=args.burst)),
+                deadline,
+            )
         else:
             stack.start_extender()
             wait_scheduler_ready(cp, stack.start_scheduler(client_qps=args.qps, client_burst=args.burst), deadline)

@@ -42,7 +42,7 @@ import rack_quality  # noqa: E402  (beside this script)
 
 from gputopo.clusterfile import JobSpec, cluster_states, load_cluster, load_jobs  # noqa: E402
 from gputopo.engine.state.snapshot import NodeState  # noqa: E402
-from gputopo.localcluster import ControlPlane, ControlPlaneError, KubeApiError, find_binaries  # noqa: E402
+from gputopo.localcluster import ControlPlane, ControlPlaneError, KubeApiError, Lifetime, find_binaries  # noqa: E402
 from gputopo.localcluster.replay import MixRun, Replay  # noqa: E402
 from gputopo.localcluster.stack import Stack, StackTiming  # noqa: E402
 from gputopo.sim import Measures, SimResult, Summary, simulate  # noqa: E402
@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
     agreed = total = 0
     progress = say if args.verbose else None
-    with ControlPlane(bin_dir, keep=args.keep, progress=progress) as cp:
+    with ControlPlane(bin_dir, progress=progress, lifetime=Lifetime(keep=args.keep)) as cp:
         say(f"control plane up in {cp.dir}")
         kube = cp.client()
         stack = Stack(cp, kube, timing=StackTiming(stale_after_seconds=float(LEASE_STALE_S)), progress=progress)

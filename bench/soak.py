@@ -30,7 +30,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gputopo.localcluster import ControlPlane, ControlPlaneError, KubeApiError, KubeClient, PodScheduling, pod_manifest
+from gputopo.localcluster import (
+    ControlPlane,
+    ControlPlaneError,
+    KubeApiError,
+    KubeClient,
+    Lifetime,
+    PodScheduling,
+    pod_manifest,
+)
 from gputopo.localcluster.checks import check_gpus, per_pod_truth
 from gputopo.localcluster.kubelet import kubelet_unavailable
 from gputopo.localcluster.stack import GpuNode, Stack, StackTiming
@@ -115,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     say = print
     t_start = time.monotonic()
     deadline = t_start + args.deadline
-    with ControlPlane(keep=args.keep, verbosity=1) as cp:
+    with ControlPlane(verbosity=1, lifetime=Lifetime(keep=args.keep)) as cp:
         kube = cp.client()
         stack = Stack(
             cp,

@@ -19,6 +19,7 @@ from gputopo.localcluster import (
     GPU_RESOURCE,
     NODE_NAME_EXTRA,
     TEST_LABEL,
+    ApiFeatures,
     ControlPlane,
     KubeApiError,
     KubeClient,
@@ -370,7 +371,9 @@ def test_feature_gates_reach_every_component_and_runtime_config_the_apiserver(
     versions = {v["groupVersion"] for v in kube.request("GET", "/apis/resource.k8s.io")["versions"]}
     assert beta not in versions
     cp = ControlPlane(
-        control_plane.bin_dir, base_dir=tmp_path, feature_gates={"ComponentFlagz": flip}, runtime_config={beta: True}
+        control_plane.bin_dir,
+        base_dir=tmp_path,
+        features=ApiFeatures(feature_gates={"ComponentFlagz": flip}, runtime_config={beta: True}),
     )
     with cp:
         cp.start_controller_manager()

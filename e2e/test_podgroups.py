@@ -16,7 +16,16 @@ from typing import Any
 import pytest
 
 from conftest import StackNodes, serve
-from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, PodScheduling, find_binaries, pod_manifest
+from gputopo.localcluster import (
+    TEST_LABEL,
+    ApiFeatures,
+    ControlPlane,
+    KubeClient,
+    Lifetime,
+    PodScheduling,
+    find_binaries,
+    pod_manifest,
+)
 from gputopo.localcluster.binaries import kubernetes_version
 from gputopo.localcluster.kube import KubeApiError
 from gputopo.localcluster.stack import GpuNode, SchedulerPods, Stack, StackTiming
@@ -41,7 +50,9 @@ def control_plane() -> Iterator[ControlPlane]:
         v = ".".join(map(str, version))
         pytest.skip(f"PodGroups are scheduling.k8s.io/v1beta1 from Kubernetes 1.37; the binaries are {v}")
     cp = ControlPlane(
-        bin_dir, keep=os.environ.get("GPUTOPO_E2E_KEEP") == "1", feature_gates=GATES, runtime_config=RUNTIME
+        bin_dir,
+        lifetime=Lifetime(keep=os.environ.get("GPUTOPO_E2E_KEEP") == "1"),
+        features=ApiFeatures(feature_gates=GATES, runtime_config=RUNTIME),
     )
     cp.start()
     try:

@@ -63,7 +63,7 @@ def _events_section(describe: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: the simulator and other commands must not pay for the control-plane modules.
-    from gputopo.localcluster import ControlPlane, ensure_binaries
+    from gputopo.localcluster import ControlPlane, Lifetime, ensure_binaries
     from gputopo.localcluster.stack import Stack, StackTiming
 
     try:
@@ -77,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
     bin_dir = ensure_binaries(lambda line: _say(f"   {line}"))
     _say(f"   {bin_dir}")
 
-    cp = ControlPlane(bin_dir, keep=args.keep, die_with_parent=not args.keep, progress=lambda m: _say(f"   {m}"))
+    cp = ControlPlane(
+        bin_dir, progress=lambda m: _say(f"   {m}"), lifetime=Lifetime(keep=args.keep, die_with_parent=not args.keep)
+    )
     _say("== control plane: etcd, kube-apiserver (RBAC, TLS, service-account keys), kube-controller-manager")
     cp.start()
     try:
@@ -307,6 +309,7 @@ def _wait_decided(kube: Any, ns: str, names: list[str], timeout: float) -> None:
 
 def _installed_part(bin_dir: Path, timeout: float) -> None:
     """The chart as users install it: helm install onto a containerd node, a TP-4 pod, helm uninstall."""
+    from gputopo.localcluster import Lifetime
     from gputopo.localcluster.containerd import containerd_unavailable
     from gputopo.localcluster.installed import InstalledError, eventually, install, start_control_plane
 
@@ -316,7 +319,7 @@ def _installed_part(bin_dir: Path, timeout: float) -> None:
         return
     t0 = time.monotonic()
     _say("\n== installed as users install it: images built here, a containerd node, helm install of the chart")
-    cp = start_control_plane(bin_dir, die_with_parent=True, progress=lambda m: _say(f"   {m}"))
+    cp = start_control_plane(bin_dir, progress=lambda m: _say(f"   {m}"), lifetime=Lifetime(die_with_parent=True))
     try:
         with install(cp, lambda m: _say(f"   {m}")) as inst:
             tp4 = inst.run_tp4(inst.workload_namespace())
