@@ -43,7 +43,7 @@ import rack_quality  # noqa: E402  (beside this script)
 from gputopo.clusterfile import JobSpec, cluster_states, load_cluster, load_jobs  # noqa: E402
 from gputopo.engine.state.snapshot import NodeState  # noqa: E402
 from gputopo.localcluster import ControlPlane, ControlPlaneError, KubeApiError, Lifetime, find_binaries  # noqa: E402
-from gputopo.localcluster.replay import MixRun, Replay  # noqa: E402
+from gputopo.localcluster.replay import MixLimits, MixRun, Replay  # noqa: E402
 from gputopo.localcluster.stack import Stack, StackTiming  # noqa: E402
 from gputopo.sim import Measures, SimResult, Summary, simulate  # noqa: E402
 from gputopo.sim.fidelity import follow_engine  # noqa: E402
@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         for name in mixes:
             nodes, jobs, what = builders[name]()
             say(f"mix {name}: {len(nodes)} nodes, {len(jobs)} jobs, {sum(j.pods for j in jobs)} pods")
-            mix_run = replay.run_mix(name, nodes, jobs, deadline_s=args.deadline)
+            mix_run = replay.run_mix(name, nodes, jobs, MixLimits(deadline_s=args.deadline))
             fed = [j for j in jobs if any(r.job == j.name for r in mix_run.records)]
             t0 = time.perf_counter()
             sim = simulate(nodes, fed, "gputopo", DEFAULT_TIERS, args.seed, measures=Measures(exhaustive=False))

@@ -38,6 +38,7 @@ from gputopo.localcluster.commandlines import (
     CONTROLLERS,
     SA_ISSUER,
     SERVICE_CIDR,
+    Serving,
     apiserver_argv,
     controller_manager_argv,
     etcd_argv,
@@ -325,8 +326,7 @@ class ControlPlane(Supervisor):
         argv = scheduler_argv(
             self.bin_dir / "kube-scheduler",
             cfg_path,
-            port=port,
-            cert_dir=cert_dir,
+            serving=Serving(port, cert_dir),
             auth=kubeconfig or self.kubeconfig,
             verbosity=self.verbosity if verbosity is None else verbosity,
             extra=[*self._gate_args, *extra_args],
@@ -366,8 +366,7 @@ class ControlPlane(Supervisor):
         argv = controller_manager_argv(
             exe,
             kubeconfig,
-            port=port,
-            cert_dir=cert_dir,
+            serving=Serving(port, cert_dir),
             sa_key=self.dir / "sa.key",
             ca_file=self.ca_file,
             verbosity=min(self.verbosity, 2) if verbosity is None else verbosity,

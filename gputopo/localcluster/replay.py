@@ -110,6 +110,15 @@ class JobRecord:
     notes: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class MixLimits:
+    """How long one mix may take: `deadline_s` for all of it (feeding stops there, the run says it is
+    incomplete), `pod_timeout_s` for each pod to be bound."""
+
+    deadline_s: float
+    pod_timeout_s: float = 30.0
+
+
 @dataclass
 class MixRun:
     name: str
@@ -241,18 +250,16 @@ class Replay:
         name: str,
         nodes: Sequence[NodeState],
         jobs: Sequence[JobSpec],
+        limits: MixLimits,
         *,
-        deadline_s: float,
         tiers: TierConfig = DEFAULT_TIERS,
         weights: ScoreWeights = DEFAULT_WEIGHTS,
-        pod_timeout_s: float = 30.0,
         keep_nodes: bool = False,
     ) -> MixRun:
-        """Feed `jobs` to the real scheduler on `nodes`, one job at a time, judging each against the engine.
-        Stops feeding when `deadline_s` runs out (the run says it is incomplete). The nodes and pods are
-        removed afterwards unless `keep_nodes`."""
+        """Feed `jobs` to the real scheduler on `nodes`, one job at a time, judging each against the engine,
+        within `limits`. The nodes and pods are removed afterwards unless `keep_nodes`."""
         t0 = time.monotonic()
-        end = t0 + deadline_s
+        end = t0 + limits.deadline_s
         mix = f"{name}-{secrets.token_hex(3)}"
         namespace = f"fidelity-{mix}"
         self.kube.create_namespace(namespace)
@@ -262,7 +269,7 @@ class Replay:
         tracker = PodTracker(self.kube, namespace)
         tracker.start()
         records: list[JobRecord] = []
-        ctx = _JobContext(self, tracker, namespace, mix, [n.name for n in nodes], pod_timeout_s)
+        ctx = _JobContext(self, tracker, namespace, mix, [n.name for n in nodes], limits.pod_timeout_s)
         try:
             for job, pods in zip(jobs, prepared, strict=True):
                 if time.monotonic() >= end:
