@@ -231,7 +231,7 @@ def main(
             except BackendError as e:
                 return _fail(str(e))
             return 0
-        access = ApiAccess(kube, node_api_factory, dra_factory)
+        access = ApiAccess(kube=kube, node_api_factory=node_api_factory, dra_factory=dra_factory)
         return _run(settings, node, backend, in_use, command.once, pods, access)
     finally:
         in_use.close()
@@ -241,7 +241,7 @@ def main(
         kube.close()  # last: every part above used it
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ApiAccess:
     """How the agent reaches the API server: its one client (None: made from the settings), and the
     stand-ins tests pass for the Node API and the DRA driver (None: the real ones on that client)."""

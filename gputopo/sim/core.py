@@ -54,7 +54,7 @@ GroupPlanner = Callable[
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineSetup:
     """How the `gputopo` policy decides: the score weights; fabric-level best fit (`best_fit=False`: ties
     by node name, groups by score, the benchmarks' before); `group_planner`, what plans groups in

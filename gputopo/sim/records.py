@@ -51,7 +51,7 @@ class Decision:
     seconds: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Measures:
     """What the summary's figures assume and how far they go: the message sizes (bytes) of one TP
     all-reduce and one pipeline-stage transfer, and whether an exhaustive search of the best placement

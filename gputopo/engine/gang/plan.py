@@ -71,7 +71,7 @@ def alongside_of(placed: Iterable[Placed]) -> tuple[tuple[NodeState, tuple[int, 
 Before = tuple[tuple[tuple[NodeState, tuple[int, ...]], ...], tuple[Placed, ...]]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlacedBefore:
     """What a group holds before a plan: `alongside`, GPUs placed already (node, GPUs) whose rails the new
     members line up with; `placed`, members placed already (a re-plan's pinned ones), whose stages are
@@ -84,7 +84,7 @@ class PlacedBefore:
 NOTHING_BEFORE = PlacedBefore()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Refinements:
     """The planner's steps past its first choice, each switchable off for the figures before it:
     `align_rails=False` keeps each node's own GPU choice; `best_fit=False` chooses among domains by
