@@ -36,10 +36,10 @@ from gputopo.agent.backends import FixtureBackend, InUseSource, NoneInUse
 from gputopo.agent.deviceplugin import api_pb2, api_pb2_grpc
 from gputopo.agent.deviceplugin.plugin import DevicePlugin, PluginConfig
 from gputopo.agent.metrics import AgentMetrics
-from gputopo.agent.nodepublisher import Publisher
+from gputopo.agent.nodepublisher import LeaseTerms, Publisher
 from gputopo.agent.podresources import api_pb2 as pr_pb2
 from gputopo.agent.pods import StaticLocalPods
-from gputopo.agent.runner import Agent
+from gputopo.agent.runner import Agent, Pacing
 from gputopo.model import (
     DEFAULT_NAMESPACE,
     GPU_RESOURCE,
@@ -87,8 +87,8 @@ def make_agent(
     system: str, in_use: InUseSource, interval: float, heartbeat: float, stop: threading.Event
 ) -> tuple[Agent, InMemoryNodeApi]:
     api = InMemoryNodeApi(NODE)
-    publisher = Publisher(api, NODE, DEFAULT_NAMESPACE, lease_duration_s=120, sleep=stop.wait)
-    agent = Agent(FixtureBackend(system, NODE), in_use, publisher, AgentMetrics(), interval, heartbeat, stop)
+    publisher = Publisher(api, NODE, LeaseTerms(DEFAULT_NAMESPACE, 120), sleep=stop.wait)
+    agent = Agent(FixtureBackend(system, NODE), in_use, publisher, AgentMetrics(), Pacing(interval, heartbeat, stop))
     return agent, api
 
 
@@ -159,10 +159,9 @@ class SimTime:
 def bench_simulated_hour(system: str, interval: float = 10.0, heartbeat: float = 30.0) -> None:
     sim = SimTime(3600.0)
     api = InMemoryNodeApi(NODE)
-    publisher = Publisher(api, NODE, DEFAULT_NAMESPACE, lease_duration_s=120, sleep=sim.wait, monotonic=sim.clock)
-    agent = Agent(
-        FixtureBackend(system, NODE), NoneInUse(), publisher, AgentMetrics(), interval, heartbeat, sim, clock=sim.clock
-    )
+    publisher = Publisher(api, NODE, LeaseTerms(DEFAULT_NAMESPACE, 120), sleep=sim.wait, monotonic=sim.clock)
+    pacing = Pacing(interval, heartbeat, sim, sim.clock)
+    agent = Agent(FixtureBackend(system, NODE), NoneInUse(), publisher, AgentMetrics(), pacing)
     agent.run()
     writes = api.calls["patch_node"] - 1
     beats = api.calls["renew_lease"]

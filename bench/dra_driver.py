@@ -48,7 +48,7 @@ def mesh_minus_matching(n: int = 32) -> NodeTopology:
 
 
 def cliques() -> None:
-    from gputopo.agent.dra.slices import desired_spec
+    from gputopo.agent.dra.slices import SliceShape, desired_spec
     from gputopo.engine.dra import devices as dra
 
     topo = mesh_minus_matching()
@@ -57,7 +57,7 @@ def cliques() -> None:
             if attempt == "first" and hasattr(dra, "encode"):
                 dra.encode.cache_clear()  # a cold memo: the enumeration is measured too
             t0 = time.process_time()
-            spec = desired_spec(NODE, topo, list_attributes=list_attributes, device_taints=False)
+            spec = desired_spec(NODE, topo, SliceShape(list_attributes=list_attributes, device_taints=False))
             cpu = time.process_time() - t0
             size = len(json.dumps(spec).encode())
             kind = "list" if list_attributes else "scalar"
@@ -102,16 +102,15 @@ class CountingSlices:
 def bestfit(claims: int = 2000, seed: int = 0) -> None:
     import random
 
-    from gputopo.agent.dra.slices import SlicePublisher
+    from gputopo.agent.dra.slices import SlicePublisher, SliceShape
     from gputopo.engine.dra.devices import device_name, devices
     from gputopo.sim.draallocator import allocate, partition_claim, unconstrained_claim
 
     for system in ("dgx-h100", "dgx-1v", "a100-pcie-bridged", "gb200-tray"):
         topo = build_system(system, NODE)
         api = CountingSlices()
-        pub = SlicePublisher(
-            api, NODE, list_attributes=False, device_taints=False, sleep=lambda _s: True, best_fit_order=True
-        )
+        shape = SliceShape(list_attributes=False, device_taints=False, best_fit_order=True)
+        pub = SlicePublisher(api, NODE, shape, sleep=lambda _s: True)
         pub.publish(topo, in_use=frozenset())
         rng = random.Random(seed)
         held: list[tuple[int, ...]] = []

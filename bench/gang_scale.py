@@ -55,6 +55,9 @@ from gputopo.localcluster import (
     ControlPlaneError,
     KubeApiError,
     KubeClient,
+    Lifetime,
+    PodScheduling,
+    SchedulerOptions,
     SimNode,
     find_binaries,
     network_labels,
@@ -62,7 +65,7 @@ from gputopo.localcluster import (
 )
 from gputopo.localcluster.jobcontrollers import JobControllers, controllers_missing, find_controllers_dir
 from gputopo.localcluster.procstats import cpu_snapshot
-from gputopo.localcluster.stack import Stack
+from gputopo.localcluster.stack import ChartRelease, SchedulerPods, Stack, StackTiming
 from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION
 from gputopo.systems import build_system
 
@@ -93,7 +96,7 @@ def sim_nodes(count: int, leaves: int, leaves_per_spine: int) -> list[SimNode]:
 
 
 def job_manifest(pods: int, scheduler: str = GPUTOPO_PROFILE) -> dict[str, Any]:
-    template = pod_manifest("x", namespace=NAMESPACE, scheduler_name=scheduler, gpus=GPUS)
+    template = pod_manifest("x", namespace=NAMESPACE, gpus=GPUS, scheduling=PodScheduling(scheduler_name=scheduler))
     spec = template["spec"]
     spec["restartPolicy"] = "Never"
     return {
@@ -119,7 +122,6 @@ def member_manifest(job: dict[str, Any], index: int, scheduler: str = GPUTOPO_PR
     pod = pod_manifest(
         f"{JOB}-{index}-{uuid.uuid4().hex[:5]}",
         namespace=NAMESPACE,
-        scheduler_name=scheduler,
         gpus=GPUS,
         labels={
             "app": "gang-scale",
@@ -130,6 +132,7 @@ def member_manifest(job: dict[str, Any], index: int, scheduler: str = GPUTOPO_PR
             COMPLETION_INDEX: str(index),
         },
         annotations={COMPLETION_INDEX: str(index)},
+        scheduling=PodScheduling(scheduler_name=scheduler),
     )
     pod["spec"]["restartPolicy"] = "Never"
     pod["metadata"]["ownerReferences"] = [
@@ -194,11 +197,17 @@ def _submit(kube: KubeClient, args: argparse.Namespace, via: str, pods: int) -> 
 def run_one(
     args: argparse.Namespace, bin_dir: Path, via: str, pods: int, deadline: Deadline, gated: bool = False
 ) -> Result:
-    with ControlPlane(bin_dir, keep=args.keep) as cp:
+    with ControlPlane(bin_dir, lifetime=Lifetime(keep=args.keep)) as cp:
         say(f"[{via}] control plane up in {cp.dir}")
         kube = KubeClient(cp.kubeconfig, kubectl=cp.kubectl, pool_size=max(32, args.workers))
         values = {"webhook": {"groupGate": {"enabled": True}}} if gated else {}
-        stack = Stack(cp, kube, stale_after_seconds=3600.0, webhook=gated, values=values)
+        stack = Stack(
+            cp,
+            kube,
+            timing=StackTiming(stale_after_seconds=3600.0),
+            scheduler=SchedulerPods(webhook=gated),
+            chart=ChartRelease(values=values),
+        )
         stack.install()  # the chart's namespace, RBAC and policies
         t = time.monotonic()
         nodes = sim_nodes(args.nodes, args.leaves, args.leaves_per_spine)
@@ -207,7 +216,11 @@ def run_one(
         create_leases(kube, stack.namespace, [n.name for n in nodes], args.workers)
         say(f"[{via}] {args.nodes} nodes and Leases in {time.monotonic() - t:.1f}s")
         if via == "plain":  # kube-scheduler alone: no extender process at all
-            wait_scheduler_ready(cp, cp.start_plain_scheduler(client_qps=args.qps, client_burst=args.burst), deadline)
+            wait_scheduler_ready(
+                cp,
+                cp.start_plain_scheduler(options=SchedulerOptions(client_qps=args.qps, client_burst=args.burst)),
+                deadline,
+            )
         else:
             stack.start_extender()
             wait_scheduler_ready(cp, stack.start_scheduler(client_qps=args.qps, client_burst=args.burst), deadline)

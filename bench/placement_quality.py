@@ -110,7 +110,7 @@ from gputopo.model import (  # noqa: E402
     NvlinkInfo,
     parse_pod_request,
 )
-from gputopo.sim import SimResult, simulate  # noqa: E402
+from gputopo.sim import EngineSetup, Measures, SimResult, simulate  # noqa: E402
 from gputopo.sim.core import prepare_pods  # noqa: E402
 from gputopo.sim.dra import NodeChoice, expressiveness, simulate_dra  # noqa: E402
 from gputopo.sim.draallocator import ENCODINGS, Encoding  # noqa: E402
@@ -350,7 +350,7 @@ def run_policies(nodes: list[NodeState], jobs: list[JobSpec], seed: int) -> dict
     out = {}
     for policy in POLICIES:
         t0 = time.perf_counter()
-        out[policy] = simulate(nodes, jobs, policy, DEFAULT_TIERS, seed, exhaustive=False)
+        out[policy] = simulate(nodes, jobs, policy, DEFAULT_TIERS, seed, measures=Measures(exhaustive=False))
         print(f"  ({policy}: {time.perf_counter() - t0:.1f} s wall)", flush=True)
     return out
 
@@ -672,7 +672,15 @@ def fabric_table(name: str, nodes: list[NodeState], jobs: list[JobSpec], seed: i
     tiers = [t for t in DEFAULT_TIERS.network_tiers() if any(n.location.get(t) for n in nodes)]
     finals = {}
     for label, policy, best_fit in FABRIC_RUNS:
-        finals[label] = simulate(nodes, jobs, policy, DEFAULT_TIERS, seed, exhaustive=False, best_fit=best_fit).final
+        finals[label] = simulate(
+            nodes,
+            jobs,
+            policy,
+            DEFAULT_TIERS,
+            seed,
+            engine=EngineSetup(best_fit=best_fit),
+            measures=Measures(exhaustive=False),
+        ).final
     head = f"  {'after the mix':<44}" + "".join(f"{label:>26}" for label, _, _ in FABRIC_RUNS)
     out = [f"  {name}: largest job {big.name} ({big.pods} x {big.gpus_per_pod} GPUs)", head]
     for tier in tiers:

@@ -49,7 +49,7 @@ from gputopo.engine.node.placement import evaluate_node  # noqa: E402
 from gputopo.engine.state.scoring import ScoreWeights  # noqa: E402
 from gputopo.engine.state.snapshot import NodeState, node_state, with_in_use  # noqa: E402
 from gputopo.model import LABEL_NETWORK_LEAF, LABEL_NETWORK_SPINE  # noqa: E402
-from gputopo.sim import SimResult, simulate  # noqa: E402
+from gputopo.sim import EngineSetup, Measures, SimResult, simulate  # noqa: E402
 from gputopo.sim.comm import tp_seconds  # noqa: E402
 from gputopo.systems import build_rack, build_system  # noqa: E402
 from gputopo.tiers import DEFAULT_TIERS, TierConfig  # noqa: E402
@@ -175,7 +175,15 @@ def first_fit_domain(
 def run_policy(nodes: list[NodeState], jobs: list[JobSpec], policy: str, seed: int) -> SimResult:
     planner = first_fit_domain if policy == "first-fit" else None
     sim_policy = "gputopo" if policy == "first-fit" else policy
-    return simulate(nodes, jobs, sim_policy, DEFAULT_TIERS, seed, exhaustive=False, group_planner=planner)
+    return simulate(
+        nodes,
+        jobs,
+        sim_policy,
+        DEFAULT_TIERS,
+        seed,
+        engine=EngineSetup(group_planner=planner),
+        measures=Measures(exhaustive=False),
+    )
 
 
 # --------------------------------------------------------------------------------------------------

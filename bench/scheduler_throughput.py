@@ -43,7 +43,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
 # Beside this script: bench/ is no package, and running a script puts its own folder on sys.path.
 from api_counts import (
@@ -66,12 +65,14 @@ from gputopo.localcluster import (
     ExtenderConfig,
     KubeApiError,
     KubeClient,
+    Lifetime,
+    SchedulerOptions,
     SimNode,
     find_binaries,
     network_labels,
 )
 from gputopo.localcluster.promstats import HistSum, diff, extender_metrics, http_get, scheduler_metrics
-from gputopo.localcluster.stack import Stack
+from gputopo.localcluster.stack import Stack, StackTiming
 from gputopo.model import GPUS_IN_USE_ANNOTATION, TOPOLOGY_ANNOTATION, agent_lease_name
 from gputopo.systems import build_system
 
@@ -265,8 +266,8 @@ def one_round(args: argparse.Namespace, cp: ControlPlane, kube: KubeClient, stac
     profile calling the real extender); every process of a run is stopped and its pods are gone before the
     next run starts, so each starts on free nodes and no idle process's CPU counts against the other."""
     rnd = Round()
-    sched_kw: dict[str, Any] = {"client_qps": args.qps, "client_burst": args.burst}
-    plain = cp.start_plain_scheduler(**sched_kw)
+    options = SchedulerOptions(client_qps=args.qps, client_burst=args.burst)
+    plain = cp.start_plain_scheduler(options=options)
     wait_scheduler_ready(cp, plain, deadline)
     before = scheduler_metrics(cp, plain)
     calls_before = apiserver_calls(cp)
@@ -297,7 +298,7 @@ def one_round(args: argparse.Namespace, cp: ControlPlane, kube: KubeClient, stac
     status, body = http_get(f"{stack.extender_url}/readyz")
     cached = json.loads(body).get("nodes") if status == 200 else None
     say(f"extender ready at {stack.extender_url}: {cached} nodes in its cache")
-    sched = stack.start_scheduler(**sched_kw)
+    sched = stack.start_scheduler(client_qps=options.client_qps, client_burst=options.client_burst)
     wait_scheduler_ready(cp, sched, deadline)
     before = scheduler_metrics(cp, sched)
     # The extender serves /metrics on its own metrics port, not beside the scheduler verbs.
@@ -334,7 +335,7 @@ def one_round(args: argparse.Namespace, cp: ControlPlane, kube: KubeClient, stac
         delete_pods(kube, "bench-gputopo", args.workers, deadline)
         name = "gputopo-scheduler-nobind"
         ext = ExtenderConfig(url=stack.extender_url, bind_verb=None)
-        cp.start_scheduler(name, profile=GPUTOPO_PROFILE, extender=ext, **sched_kw)
+        cp.start_scheduler(name, profile=GPUTOPO_PROFILE, extender=ext, options=options)
         wait_scheduler_ready(cp, name, deadline)
         before = scheduler_metrics(cp, name)
         calls_before = apiserver_calls(cp)
@@ -390,10 +391,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     rounds: list[Round] = []
     progress: Callable[[str], None] | None = say if args.verbose else None
-    with ControlPlane(bin_dir, keep=args.keep, verbosity=args.scheduler_v, progress=progress) as cp:
+    with ControlPlane(bin_dir, verbosity=args.scheduler_v, progress=progress, lifetime=Lifetime(keep=args.keep)) as cp:
         say(f"control plane up in {cp.dir}")
         kube = KubeClient(cp.kubeconfig, kubectl=cp.kubectl, pool_size=max(32, args.workers))
-        stack = Stack(cp, kube, stale_after_seconds=args.stale_after_seconds, progress=progress)
+        stack = Stack(cp, kube, timing=StackTiming(stale_after_seconds=args.stale_after_seconds), progress=progress)
         stack.install()
         t = time.monotonic()
         nodes = sim_nodes(args.nodes)

@@ -42,10 +42,10 @@ import rack_quality  # noqa: E402  (beside this script)
 
 from gputopo.clusterfile import JobSpec, cluster_states, load_cluster, load_jobs  # noqa: E402
 from gputopo.engine.state.snapshot import NodeState  # noqa: E402
-from gputopo.localcluster import ControlPlane, ControlPlaneError, KubeApiError, find_binaries  # noqa: E402
-from gputopo.localcluster.replay import MixRun, Replay  # noqa: E402
-from gputopo.localcluster.stack import Stack  # noqa: E402
-from gputopo.sim import SimResult, Summary, simulate  # noqa: E402
+from gputopo.localcluster import ControlPlane, ControlPlaneError, KubeApiError, Lifetime, find_binaries  # noqa: E402
+from gputopo.localcluster.replay import MixLimits, MixRun, Replay  # noqa: E402
+from gputopo.localcluster.stack import Stack, StackTiming  # noqa: E402
+from gputopo.sim import Measures, SimResult, Summary, simulate  # noqa: E402
 from gputopo.sim.fidelity import follow_engine  # noqa: E402
 from gputopo.tiers import DEFAULT_TIERS  # noqa: E402
 
@@ -200,10 +200,10 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
     agreed = total = 0
     progress = say if args.verbose else None
-    with ControlPlane(bin_dir, keep=args.keep, progress=progress) as cp:
+    with ControlPlane(bin_dir, progress=progress, lifetime=Lifetime(keep=args.keep)) as cp:
         say(f"control plane up in {cp.dir}")
         kube = cp.client()
-        stack = Stack(cp, kube, stale_after_seconds=float(LEASE_STALE_S), progress=progress)
+        stack = Stack(cp, kube, timing=StackTiming(stale_after_seconds=float(LEASE_STALE_S)), progress=progress)
         stack.start()
         say(f"bench code and chart: {ROOT}")
         say(f"extender code: {code_origin(cp, stack.pods[0].extender)}")
@@ -211,10 +211,10 @@ def run(args: argparse.Namespace) -> int:
         for name in mixes:
             nodes, jobs, what = builders[name]()
             say(f"mix {name}: {len(nodes)} nodes, {len(jobs)} jobs, {sum(j.pods for j in jobs)} pods")
-            mix_run = replay.run_mix(name, nodes, jobs, deadline_s=args.deadline)
+            mix_run = replay.run_mix(name, nodes, jobs, MixLimits(deadline_s=args.deadline))
             fed = [j for j in jobs if any(r.job == j.name for r in mix_run.records)]
             t0 = time.perf_counter()
-            sim = simulate(nodes, fed, "gputopo", DEFAULT_TIERS, args.seed, exhaustive=False)
+            sim = simulate(nodes, fed, "gputopo", DEFAULT_TIERS, args.seed, measures=Measures(exhaustive=False))
             sim_s = time.perf_counter() - t0
             ties = [follow_engine(nodes, fed, seed).summary() for seed in range(args.tie_seeds)]
             report_mix(mix_run, sim, sim_s, what, ties)

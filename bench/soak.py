@@ -30,10 +30,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gputopo.localcluster import ControlPlane, ControlPlaneError, KubeApiError, KubeClient, pod_manifest
+from gputopo.localcluster import (
+    ControlPlane,
+    ControlPlaneError,
+    KubeApiError,
+    KubeClient,
+    Lifetime,
+    PodScheduling,
+    pod_manifest,
+)
 from gputopo.localcluster.checks import check_gpus, per_pod_truth
 from gputopo.localcluster.kubelet import kubelet_unavailable
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.stack import GpuNode, Stack, StackTiming
 from gputopo.model import PLACEMENT_ANNOTATION, SCHEDULER_NAME
 
 NAMESPACE = "soak"
@@ -102,10 +110,9 @@ def new_pod(rng: random.Random, serial: int) -> tuple[dict[str, Any], int]:
         pod_manifest(
             f"p{serial}-g{gpus}",
             namespace=NAMESPACE,
-            scheduler_name=SCHEDULER_NAME,
             gpus=gpus,
             annotations={"gputopo.io/nvlink": "required"},
-            node_selector={LABEL: "1"},
+            scheduling=PodScheduling(scheduler_name=SCHEDULER_NAME, node_selector={LABEL: "1"}),
         ),
         gpus,
     )
@@ -116,14 +123,12 @@ def run(args: argparse.Namespace) -> int:
     say = print
     t_start = time.monotonic()
     deadline = t_start + args.deadline
-    with ControlPlane(keep=args.keep, verbosity=1) as cp:
+    with ControlPlane(verbosity=1, lifetime=Lifetime(keep=args.keep)) as cp:
         kube = cp.client()
         stack = Stack(
             cp,
             kube,
-            stale_after_seconds=3600,
-            heartbeat_seconds=30,
-            interval_seconds=args.agent_interval,
+            timing=StackTiming(stale_after_seconds=3600, heartbeat_seconds=30, interval_seconds=args.agent_interval),
             progress=(lambda m: say(f"  {m}")) if args.verbose else None,
         )
         stack.start()

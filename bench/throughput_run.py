@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gputopo.kube import WatchEvent
-from gputopo.localcluster import ControlPlane, KubeApiError, KubeClient, pod_manifest
+from gputopo.localcluster import ControlPlane, KubeApiError, KubeClient, PodScheduling, pod_manifest
 from gputopo.localcluster.procstats import cpu_snapshot
 
 GPUS_PER_POD = 8
@@ -142,10 +142,10 @@ def measure_run(
         pod_manifest(
             f"bench-{i:05d}",
             namespace=namespace,
-            scheduler_name=scheduler,
             gpus=GPUS_PER_POD,
             annotations=annotations,
             labels={"app": "scheduler-throughput"},
+            scheduling=PodScheduling(scheduler_name=scheduler),
         )
         for i in range(pods)
     ]

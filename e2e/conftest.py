@@ -33,10 +33,12 @@ import pytest
 
 from gputopo.localcluster import (
     TEST_LABEL,
+    ApiFeatures,
     ControlPlane,
     FlagError,
     KubeApiError,
     KubeClient,
+    Lifetime,
     SimNode,
     ensure_binaries,
     expected_bin_dir,
@@ -97,9 +99,11 @@ def control_plane() -> Iterator[ControlPlane]:
     try:
         cp = ControlPlane(
             bin_dir,
-            keep=keep,
-            feature_gates={**_default_gates(bin_dir), **_flag_env(FEATURE_GATES_ENV)},
-            runtime_config=_flag_env(RUNTIME_CONFIG_ENV),
+            lifetime=Lifetime(keep=keep),
+            features=ApiFeatures(
+                feature_gates={**_default_gates(bin_dir), **_flag_env(FEATURE_GATES_ENV)},
+                runtime_config=_flag_env(RUNTIME_CONFIG_ENV),
+            ),
         )
     except FlagError as e:
         pytest.fail(f"e2e: {FEATURE_GATES_ENV} or {RUNTIME_CONFIG_ENV}: {e}", pytrace=False)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from gputopo.agent.confirmedwrite import PublishResult
-from gputopo.agent.nodepublisher import KubeNodeApi, Publisher
+from gputopo.agent.nodepublisher import KubeNodeApi, LeaseTerms, Publisher
 from gputopo.kube import Kube
 from gputopo.localcluster import ControlPlane, KubeClient, SimNode
 from gputopo.model import LABEL_NVLINK_FABRIC, LABEL_NVSWITCH
@@ -25,7 +25,7 @@ def test_the_fabric_label_follows_the_tray_and_is_removed_on_a_real_api_server(
     (node,) = make_nodes([SimNode(f"{test_id}-n", gpus=4)])
     api = Kube(control_plane.kubeconfig)
     try:
-        publisher = Publisher(KubeNodeApi(api), node, "default", lease_duration_s=60, sleep=lambda _s: False)
+        publisher = Publisher(KubeNodeApi(api), node, LeaseTerms("default", 60), sleep=lambda _s: False)
         for system, label in [("gb200-tray", "healthy"), ("gb200-tray-degraded", "degraded"), ("dgx-h100", None)]:
             assert publisher.publish(build_system(system, node), None) is PublishResult.CHANGED, system
             labels = kube.get_node(node)["metadata"]["labels"]

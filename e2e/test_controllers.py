@@ -20,11 +20,12 @@ from gputopo.localcluster import (
     ControlPlaneError,
     KubeApiError,
     KubeClient,
+    PodScheduling,
     pod_manifest,
 )
 from gputopo.localcluster.controllermanifests import KUEUE_MANAGED_LABEL, KUEUE_MANAGED_VALUE
 from gputopo.localcluster.jobcontrollers import JobControllers
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.stack import GpuNode, Stack, StackTiming
 from gputopo.model import LABEL_NETWORK_LEAF, LABEL_NETWORK_SPINE, PLACEMENT_ANNOTATION, parse_placement
 
 pytestmark = pytest.mark.e2e
@@ -39,16 +40,16 @@ KUEUE = "/apis/kueue.x-k8s.io/v1beta2"
 
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
-    yield from serve(Stack(control_plane, kube, stale_after_seconds=60))
+    yield from serve(Stack(control_plane, kube, timing=StackTiming(stale_after_seconds=60)))
 
 
 # ---------------------------------------------------------------- objects as users write them
 
 
 def _pod_spec(test_id: str, gpus: int) -> dict[str, Any]:
-    spec: dict[str, Any] = pod_manifest("t", scheduler_name=SCHEDULER, gpus=gpus, node_selector={TEST_LABEL: test_id})[
-        "spec"
-    ]
+    spec: dict[str, Any] = pod_manifest(
+        "t", gpus=gpus, scheduling=PodScheduling(scheduler_name=SCHEDULER, node_selector={TEST_LABEL: test_id})
+    )["spec"]
     spec["restartPolicy"] = "Never"
     return spec
 
@@ -366,11 +367,10 @@ def test_controllers_kueue_pod_group_is_admitted_and_binds_as_one_group(
         pod = pod_manifest(
             name,
             namespace=namespace,
-            scheduler_name=SCHEDULER,
             gpus=8,
-            node_selector={TEST_LABEL: test_id},
             labels={QUEUE_NAME: queue, "kueue.x-k8s.io/pod-group-name": "pg"},
             annotations={"kueue.x-k8s.io/pod-group-total-count": "2"},
+            scheduling=PodScheduling(scheduler_name=SCHEDULER, node_selector={TEST_LABEL: test_id}),
         )
         created = kube.create_pod(pod)
         gates = [g["name"] for g in created["spec"].get("schedulingGates", [])]

@@ -19,9 +19,11 @@ from gputopo.localcluster import (
     GPU_RESOURCE,
     NODE_NAME_EXTRA,
     TEST_LABEL,
+    ApiFeatures,
     ControlPlane,
     KubeApiError,
     KubeClient,
+    PodScheduling,
     SimNode,
     network_labels,
     pod_manifest,
@@ -82,9 +84,8 @@ def test_plain_pod_binds_under_scheduler_without_extender(
     pod = pod_manifest(
         "plain-0",
         namespace=namespace,
-        scheduler_name=plain_scheduler,
         gpus=1,
-        node_selector={TEST_LABEL: test_id},
+        scheduling=PodScheduling(scheduler_name=plain_scheduler, node_selector={TEST_LABEL: test_id}),
     )
     kube.create_pod(pod)
     node = kube.wait_pod_bound(namespace, "plain-0", timeout=30)
@@ -196,9 +197,9 @@ def test_the_charts_gputopo_profile_calls_extender_filter_prioritize_bind(
         pod_manifest(
             "tp-0",
             namespace=namespace,
-            scheduler_name="gputopo-scheduler",
             gpus=4,
             annotations={"gputopo.io/nvlink": "required"},
+            scheduling=PodScheduling(scheduler_name="gputopo-scheduler"),
         )
     )
     assert kube.wait_pod_bound(namespace, "tp-0", timeout=30) == names[1]
@@ -213,7 +214,9 @@ def test_the_charts_gputopo_profile_calls_extender_filter_prioritize_bind(
     # A pod without GPUs is sent to the extender too: the chart's managedResources is empty, so that a
     # group's members without GPUs are placed with their group (docs/install.md).
     n = len(stub.requests)
-    kube.create_pod(pod_manifest("cpu-0", namespace=namespace, scheduler_name="gputopo-scheduler"))
+    kube.create_pod(
+        pod_manifest("cpu-0", namespace=namespace, scheduling=PodScheduling(scheduler_name="gputopo-scheduler"))
+    )
     kube.wait_pod_bound(namespace, "cpu-0", timeout=30)
     later = stub.requests[n:]
     assert any(v == "filter" and b["Pod"]["metadata"]["name"] == "cpu-0" for v, b in later), later
@@ -368,7 +371,9 @@ def test_feature_gates_reach_every_component_and_runtime_config_the_apiserver(
     versions = {v["groupVersion"] for v in kube.request("GET", "/apis/resource.k8s.io")["versions"]}
     assert beta not in versions
     cp = ControlPlane(
-        control_plane.bin_dir, base_dir=tmp_path, feature_gates={"ComponentFlagz": flip}, runtime_config={beta: True}
+        control_plane.bin_dir,
+        base_dir=tmp_path,
+        features=ApiFeatures(feature_gates={"ComponentFlagz": flip}, runtime_config={beta: True}),
     )
     with cp:
         cp.start_controller_manager()

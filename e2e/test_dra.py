@@ -32,10 +32,10 @@ from gputopo.engine.cluster.explain import gpu_ranges
 from gputopo.engine.dra.claims import claim_template
 from gputopo.engine.state.cliques import mask_of
 from gputopo.engine.state.snapshot import shape_of
-from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
 from gputopo.localcluster.kubelet import kubelet_unavailable
 from gputopo.localcluster.nvmlmock import profile_for_system
-from gputopo.localcluster.stack import Stack
+from gputopo.localcluster.stack import ChartRelease, KubeletAgent, SchedulerPods, Stack, StackTiming
 from gputopo.model import PLACEMENT_ANNOTATION, NvlinkPolicy, PodRequest, parse_placement
 from gputopo.model.dra import DEVICE_CLASS, DRIVER, device_index
 from gputopo.model.topology import Health
@@ -64,11 +64,9 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
     s = Stack(
         control_plane,
         kube,
-        stale_after_seconds=30,
-        heartbeat_seconds=2,
-        interval_seconds=1,
-        extender_name="gputopo-extender-dra",
-        dra=True,  # the chart's DRA RBAC and its DeviceClass
+        timing=StackTiming(stale_after_seconds=30, heartbeat_seconds=2, interval_seconds=1),
+        scheduler=SchedulerPods(extender_name="gputopo-extender-dra"),
+        chart=ChartRelease(dra=True),  # the chart's DRA RBAC and its DeviceClass
     )
     # The chart's scheduler profile with agent.dra.enabled: kube-scheduler calls the extender for every
     # pod, and the extender reads our ResourceSlices and ResourceClaims.
@@ -100,10 +98,7 @@ class DraNode:
             self.name,
             SYSTEM,
             labels={TEST_LABEL: test_id},
-            dra=True,
-            dra_list_attributes=list_attributes,
-            dra_best_fit_order=best_fit,
-            nvml=nvml,
+            agent=KubeletAgent(dra=True, dra_list_attributes=list_attributes, dra_best_fit_order=best_fit, nvml=nvml),
         )
         self.kubelet = stack.kubelets[self.name]
         self.pods: list[str] = []
@@ -150,10 +145,12 @@ class DraNode:
         full = f"{self.name}-{name}"
         m = pod_manifest(
             full,
-            scheduler_name=self.stack.scheduler_name,
             labels={TEST_LABEL: self.test_id},
             annotations=annotations,
-            node_selector={TEST_LABEL: self.test_id} if anywhere else {"kubernetes.io/hostname": self.name},
+            scheduling=PodScheduling(
+                scheduler_name=self.stack.scheduler_name,
+                node_selector={TEST_LABEL: self.test_id} if anywhere else {"kubernetes.io/hostname": self.name},
+            ),
         )
         m["spec"]["resourceClaims"] = [{"name": "gpus", "resourceClaimTemplateName": template}]
         m["spec"]["containers"][0]["resources"]["claims"] = [{"name": "gpus"}]
@@ -424,7 +421,12 @@ def test_dra_webhook_turns_an_opted_in_gpu_pod_into_a_clique_claim(
     gives it an NVLink pair of at least the HBM the pod asks for. A forged review from anyone else (no
     client certificate) is refused with 401 and creates nothing."""
     node = DraNode(stack, test_id)
-    hook = Stack(control_plane, kube, extender_name="gputopo-extender-dra-webhook", webhook=True, dra=True)
+    hook = Stack(
+        control_plane,
+        kube,
+        scheduler=SchedulerPods(extender_name="gputopo-extender-dra-webhook", webhook=True),
+        chart=ChartRelease(dra=True),
+    )
     hook.start_extender()
     assert hook.ca_file is not None
     name = f"gputopo-e2e-{test_id}"[:63]
@@ -438,7 +440,7 @@ def test_dra_webhook_turns_an_opted_in_gpu_pod_into_a_clique_claim(
             namespace=namespace,
             gpus=2,
             annotations={"gputopo.io/nvlink": "required", "gputopo.io/min-gpu-memory": "16Gi"},
-            node_selector={TEST_LABEL: test_id},
+            scheduling=PodScheduling(node_selector={TEST_LABEL: test_id}),
         )  # schedulerName: default-scheduler, as a user would leave it
         created = kube.create_pod(pod)
         spec = created["spec"]

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 
 from conftest import StackNodes
-from gputopo.localcluster import APISERVER, TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster import APISERVER, TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
 from gputopo.localcluster.checks import check_gpus
 from gputopo.localcluster.kube import KubeApiError
-from gputopo.localcluster.stack import GpuNode, SchedulerPod, Stack
+from gputopo.localcluster.stack import GpuNode, SchedulerPod, SchedulerPods, Stack, StackTiming
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
 
 pytestmark = pytest.mark.e2e
@@ -36,7 +36,11 @@ HEARTBEAT = 1.0
 
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
-    s = Stack(control_plane, kube, stale_after_seconds=STALE_AFTER, heartbeat_seconds=HEARTBEAT, interval_seconds=1)
+    s = Stack(
+        control_plane,
+        kube,
+        timing=StackTiming(stale_after_seconds=STALE_AFTER, heartbeat_seconds=HEARTBEAT, interval_seconds=1),
+    )
     s.start()
     yield s
     s.stop()
@@ -46,10 +50,9 @@ def gpu_pod(ns: str, test_id: str, name: str, gpus: int, scheduler: str = "gputo
     return pod_manifest(
         name,
         namespace=ns,
-        scheduler_name=scheduler,
         gpus=gpus,
         annotations={"gputopo.io/nvlink": "required"},
-        node_selector={TEST_LABEL: test_id},
+        scheduling=PodScheduling(scheduler_name=scheduler, node_selector={TEST_LABEL: test_id}),
     )
 
 
@@ -98,7 +101,7 @@ def assert_every_pod_bound_once_and_no_gpu_held_twice(
 
 def filter_verdict(url: str, node: str, ns: str) -> str:
     """The extender's own answer for one node and a 1-GPU NVLink pod: "" if it passes, else why not."""
-    pod = pod_manifest("probe", namespace=ns, scheduler_name="gputopo-scheduler", gpus=1)
+    pod = pod_manifest("probe", namespace=ns, gpus=1, scheduling=PodScheduling(scheduler_name="gputopo-scheduler"))
     pod["metadata"]["annotations"] = {"gputopo.io/nvlink": "required"}
     pod["metadata"]["uid"] = f"probe-{secrets.token_hex(4)}"
     body = json.dumps({"Pod": pod, "NodeNames": [node]}).encode()
@@ -302,9 +305,8 @@ def test_extender_killed_during_a_bind_the_pod_ends_bound_once_and_no_gpu_is_hel
         control_plane,
         kube,
         proxy=proxy,
-        stale_after_seconds=STALE_AFTER,
-        scheduler_name="gputopo-bindkill",
-        extender_name="gputopo-extender-bindkill",
+        timing=StackTiming(stale_after_seconds=STALE_AFTER),
+        scheduler=SchedulerPods(scheduler_name="gputopo-bindkill", extender_name="gputopo-extender-bindkill"),
     )
     try:
         s.start()
@@ -360,11 +362,13 @@ def test_leader_failover_under_a_stream_of_pods_binds_every_pod_and_double_books
     ha = Stack(
         control_plane,
         kube,
-        stale_after_seconds=STALE_AFTER,
-        scheduler_name="gputopo-ha",
-        extender_name="gputopo-extender-ha",
-        replicas=2,
-        lease_name=f"gputopo-ha-{test_id[-6:]}",
+        timing=StackTiming(stale_after_seconds=STALE_AFTER),
+        scheduler=SchedulerPods(
+            scheduler_name="gputopo-ha",
+            extender_name="gputopo-extender-ha",
+            replicas=2,
+            lease_name=f"gputopo-ha-{test_id[-6:]}",
+        ),
     )
     try:
         ha.start()

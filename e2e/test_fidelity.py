@@ -15,8 +15,8 @@ import pytest
 from gputopo.clusterfile import JobSpec
 from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.localcluster import ControlPlane, KubeClient
-from gputopo.localcluster.replay import MixRun, Replay
-from gputopo.localcluster.stack import Stack
+from gputopo.localcluster.replay import MixLimits, MixRun, Replay
+from gputopo.localcluster.stack import Stack, StackTiming
 from gputopo.model import LABEL_NETWORK_LEAF, LABEL_NETWORK_SPINE
 from gputopo.systems import build_system
 
@@ -28,7 +28,7 @@ ROUNDS = 20
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
     # The replayed nodes' Leases are renewed once, when created: staleness must outlast the module.
-    s = Stack(control_plane, kube, stale_after_seconds=3600)
+    s = Stack(control_plane, kube, timing=StackTiming(stale_after_seconds=3600))
     s.start()
     yield s
     s.stop()
@@ -61,7 +61,7 @@ def test_fidelity_tp4_goes_to_fragmented_dgx1v_node(replay: Replay, test_id: str
     for r in range(ROUNDS):
         frag, empty = f"frag-{r}-{test_id[-6:]}", f"empty-{r}-{test_id[-6:]}"
         run = replay.run_mix(
-            f"tp4-{r}", [_node(frag, "dgx-1v", in_use=(1,)), _node(empty, "dgx-1v")], [tp4], deadline_s=60
+            f"tp4-{r}", [_node(frag, "dgx-1v", in_use=(1,)), _node(empty, "dgx-1v")], [tp4], MixLimits(deadline_s=60)
         )
         (v,) = run.verdicts
         assert not run.notes, run.notes
@@ -101,7 +101,7 @@ def test_fidelity_mix_of_20_pods_matches_simulator(replay: Replay, test_id: str)
         JobSpec(name="tp4-late", gpus_per_pod=4, annotations=req),
     ]
     assert sum(j.pods for j in jobs) == 20
-    run = replay.run_mix("mix20", nodes, jobs, deadline_s=240)
+    run = replay.run_mix("mix20", nodes, jobs, MixLimits(deadline_s=240))
     assert run.complete and not run.notes, run.notes
     assert len(run.verdicts) == 20
     differ = _differences(run)

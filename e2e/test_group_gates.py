@@ -13,9 +13,9 @@ import pytest
 import workloads as wl
 
 from conftest import StackNodes, serve
-from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeApiError, KubeClient, pod_manifest
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeApiError, KubeClient, PodScheduling, pod_manifest
 from gputopo.localcluster.promstats import http_get
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.stack import ChartRelease, GpuNode, SchedulerPods, Stack, StackTiming
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
 from gputopo.model.gates import GROUP_GATE
 
@@ -28,7 +28,15 @@ RELEASE_S = 15
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
     values = {"webhook": {"groupGate": {"enabled": True, "releaseSeconds": RELEASE_S}}}
-    yield from serve(Stack(control_plane, kube, stale_after_seconds=60, webhook=True, values=values))
+    yield from serve(
+        Stack(
+            control_plane,
+            kube,
+            timing=StackTiming(stale_after_seconds=60),
+            scheduler=SchedulerPods(webhook=True),
+            chart=ChartRelease(values=values),
+        )
+    )
 
 
 @pytest.fixture
@@ -46,7 +54,13 @@ def gated(stack: Stack, kube: KubeClient, namespace: str, test_id: str) -> Itera
 def member(name: str, namespace: str, test_id: str, *, size: int, stage: int) -> dict[str, Any]:
     """A group member as a user writes it: annotations only, no scheduler (the webhook sets it)."""
     ann = {"gputopo.io/group": "g", "gputopo.io/group-size": str(size), "gputopo.io/stage": str(stage)}
-    return pod_manifest(name, namespace=namespace, gpus=8, annotations=ann, node_selector={TEST_LABEL: test_id})
+    return pod_manifest(
+        name,
+        namespace=namespace,
+        gpus=8,
+        annotations=ann,
+        scheduling=PodScheduling(node_selector={TEST_LABEL: test_id}),
+    )
 
 
 def gates(kube: KubeClient, namespace: str, name: str) -> list[str]:
@@ -100,7 +114,9 @@ def test_group_gates_jobset_members_are_gated_then_bind_as_one_group_in_rank_ord
     controllers("jobset")
     added = nodes.add(*[GpuNode(f"gj-{i}", "dgx-h100") for i in range(4)])
     before = lifted(stack, "complete")
-    spec = pod_manifest("t", scheduler_name=SCHEDULER, gpus=8, node_selector={TEST_LABEL: test_id})["spec"]
+    spec = pod_manifest(
+        "t", gpus=8, scheduling=PodScheduling(scheduler_name=SCHEDULER, node_selector={TEST_LABEL: test_id})
+    )["spec"]
     spec["restartPolicy"] = "Never"
     job = {
         "spec": {

@@ -13,9 +13,9 @@ import pytest
 import workloads as wl
 
 from conftest import StackNodes, serve
-from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
 from gputopo.localcluster.jobcontrollers import JobControllers
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.stack import GpuNode, Stack, StackTiming
 from gputopo.model import LABEL_NETWORK_LEAF, LABEL_NETWORK_SPINE
 
 pytestmark = pytest.mark.e2e
@@ -27,14 +27,14 @@ GPU_QUOTA = "requests.nvidia.com/gpu"
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient, job_controllers: JobControllers) -> Iterator[Stack]:
     job_controllers.ensure("jobset")  # JobSet's API served before the extender first lists JobSets
-    yield from serve(Stack(control_plane, kube, stale_after_seconds=60))
+    yield from serve(Stack(control_plane, kube, timing=StackTiming(stale_after_seconds=60)))
 
 
 def _exclusive_jobset(name: str, namespace: str, test_id: str) -> dict[str, Any]:
     """Two Jobs of two 8-GPU pods, each Job in a leaf of its own: the followers are held for 16 GPUs."""
-    spec: dict[str, Any] = pod_manifest("t", scheduler_name=SCHEDULER, gpus=8, node_selector={TEST_LABEL: test_id})[
-        "spec"
-    ]
+    spec: dict[str, Any] = pod_manifest(
+        "t", gpus=8, scheduling=PodScheduling(scheduler_name=SCHEDULER, node_selector={TEST_LABEL: test_id})
+    )["spec"]
     spec["restartPolicy"] = "Never"
     job = {
         "spec": {

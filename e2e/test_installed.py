@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from gputopo.localcluster import ControlPlane, find_binaries
+from gputopo.localcluster import ControlPlane, Lifetime, find_binaries
 from gputopo.localcluster.containerd import containerd_unavailable
 from gputopo.localcluster.installed import GPUS, Installed, Tp4, eventually, install, start_control_plane
 from gputopo.model import (
@@ -54,7 +54,7 @@ def control_plane() -> Iterator[ControlPlane]:
     reason = containerd_unavailable(bin_dir)
     if reason is not None:
         pytest.skip(reason)
-    cp = start_control_plane(bin_dir, keep=os.environ.get("GPUTOPO_E2E_KEEP") == "1")
+    cp = start_control_plane(bin_dir, lifetime=Lifetime(keep=os.environ.get("GPUTOPO_E2E_KEEP") == "1"))
     try:
         yield cp
     finally:

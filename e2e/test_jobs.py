@@ -12,8 +12,8 @@ import pytest
 import workloads as wl
 
 from conftest import StackNodes, serve
-from gputopo.localcluster import CONTROLLER_MANAGER, TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster import CONTROLLER_MANAGER, TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
+from gputopo.localcluster.stack import GpuNode, Stack, StackTiming
 from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,
     LABEL_NETWORK_LEAF,
@@ -30,12 +30,15 @@ JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
-    yield from serve(Stack(control_plane, kube, stale_after_seconds=60))
+    yield from serve(Stack(control_plane, kube, timing=StackTiming(stale_after_seconds=60)))
 
 
 def _template(test_id: str, gpus: int, annotations: dict[str, str], scheduler: str = "gputopo-scheduler") -> Any:
     pod = pod_manifest(
-        "t", scheduler_name=scheduler, gpus=gpus, annotations=annotations, node_selector={TEST_LABEL: test_id}
+        "t",
+        gpus=gpus,
+        annotations=annotations,
+        scheduling=PodScheduling(scheduler_name=scheduler, node_selector={TEST_LABEL: test_id}),
     )
     return wl.pod_template(pod)
 

@@ -23,9 +23,9 @@ from gputopo.agent.podresources.client import PodResourcesClient, PodResourcesEr
 from gputopo.engine.node.besteffort import best_effort
 from gputopo.engine.node.placement import evaluate_node
 from gputopo.engine.state.snapshot import node_state
-from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
 from gputopo.localcluster.kubelet import RealKubelet, kubelet_unavailable
-from gputopo.localcluster.stack import Stack
+from gputopo.localcluster.stack import KubeletAgent, SchedulerPods, Stack, StackTiming
 from gputopo.model import (
     GPU_RESOURCE,
     GPUS_IN_USE_ANNOTATION,
@@ -52,10 +52,8 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
     s = Stack(
         control_plane,
         kube,
-        stale_after_seconds=30,
-        heartbeat_seconds=2,
-        interval_seconds=1,
-        extender_name="gputopo-extender-kubelet",
+        timing=StackTiming(stale_after_seconds=30, heartbeat_seconds=2, interval_seconds=1),
+        scheduler=SchedulerPods(extender_name="gputopo-extender-kubelet"),
     )
     s.install()
     s.start_extender()
@@ -85,7 +83,7 @@ class KubeletNode:
             self.name,
             SYSTEM,
             labels={TEST_LABEL: self.test_id},
-            preferred_allocation=preferred_allocation,
+            agent=KubeletAgent(preferred_allocation=preferred_allocation),
         )
         self.stack.wait_published([self.name])
         return self
@@ -145,10 +143,9 @@ def gputopo_pod(kube: KubeClient, ns: str, test_id: str, name: str, gpus: int, *
     manifest = pod_manifest(
         name,
         namespace=ns,
-        scheduler_name="gputopo-scheduler",
         gpus=gpus,
         annotations={"gputopo.io/nvlink": "required"},
-        node_selector={TEST_LABEL: test_id},
+        scheduling=PodScheduling(scheduler_name="gputopo-scheduler", node_selector={TEST_LABEL: test_id}),
     )
     if gated:  # not scheduled until the gate is removed
         manifest["spec"]["schedulingGates"] = [{"name": "gputopo.io/test-hold"}]

@@ -20,10 +20,10 @@ import pytest
 from workloads import bound_after_nudges
 
 from conftest import StackNodes
-from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
 from gputopo.localcluster.kubelet import kubelet_unavailable
 from gputopo.localcluster.nvmlmock import Profile, profile_for_system
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.stack import GpuNode, KubeletAgent, SchedulerPods, Stack, StackTiming
 from gputopo.model import PLACEMENT_ANNOTATION, TOPOLOGY_ANNOTATION, NodeTopology, parse_placement, parse_topology
 from gputopo.systems import build_system
 
@@ -39,10 +39,8 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
     s = Stack(
         control_plane,
         kube,
-        stale_after_seconds=30,
-        heartbeat_seconds=1,
-        interval_seconds=1,
-        extender_name="gputopo-extender-nvml",
+        timing=StackTiming(stale_after_seconds=30, heartbeat_seconds=1, interval_seconds=1),
+        scheduler=SchedulerPods(extender_name="gputopo-extender-nvml"),
     )
     s.start()
     yield s
@@ -54,10 +52,9 @@ def tp4(kube: KubeClient, ns: str, test_id: str, name: str) -> str:
         pod_manifest(
             name,
             namespace=ns,
-            scheduler_name="gputopo-scheduler",
             gpus=4,
             annotations={"gputopo.io/nvlink": "required"},
-            node_selector={TEST_LABEL: test_id},
+            scheduling=PodScheduling(scheduler_name="gputopo-scheduler", node_selector={TEST_LABEL: test_id}),
         )
     )
     return name
@@ -195,7 +192,7 @@ def test_nvml_kubelet_node_device_plugin_on_the_real_binding_avoids_a_broken_lin
     if reason is not None:
         pytest.skip(reason)
     node = f"kl-nvml-{test_id[-6:]}"
-    stack.add_kubelet_node(node, SYSTEM, labels={TEST_LABEL: test_id}, nvml=True)
+    stack.add_kubelet_node(node, SYSTEM, labels={TEST_LABEL: test_id}, agent=KubeletAgent(nvml=True))
     try:
         stack.wait_published([node])
         break_and_repair(stack, kube, node, namespace, test_id)

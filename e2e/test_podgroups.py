@@ -16,10 +16,19 @@ from typing import Any
 import pytest
 
 from conftest import StackNodes, serve
-from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, find_binaries, pod_manifest
+from gputopo.localcluster import (
+    TEST_LABEL,
+    ApiFeatures,
+    ControlPlane,
+    KubeClient,
+    Lifetime,
+    PodScheduling,
+    find_binaries,
+    pod_manifest,
+)
 from gputopo.localcluster.binaries import kubernetes_version
 from gputopo.localcluster.kube import KubeApiError
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.stack import GpuNode, SchedulerPods, Stack, StackTiming
 from gputopo.model import GPUS_IN_USE_ANNOTATION, PLACEMENT_ANNOTATION, parse_gpus_in_use, parse_placement
 
 pytestmark = pytest.mark.e2e
@@ -41,7 +50,9 @@ def control_plane() -> Iterator[ControlPlane]:
         v = ".".join(map(str, version))
         pytest.skip(f"PodGroups are scheduling.k8s.io/v1beta1 from Kubernetes 1.37; the binaries are {v}")
     cp = ControlPlane(
-        bin_dir, keep=os.environ.get("GPUTOPO_E2E_KEEP") == "1", feature_gates=GATES, runtime_config=RUNTIME
+        bin_dir,
+        lifetime=Lifetime(keep=os.environ.get("GPUTOPO_E2E_KEEP") == "1"),
+        features=ApiFeatures(feature_gates=GATES, runtime_config=RUNTIME),
     )
     cp.start()
     try:
@@ -74,11 +85,8 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
         Stack(
             control_plane,
             kube,
-            scheduler_name=SCHEDULER,
-            extender_name="gputopo-extender-podgroups",
-            stale_after_seconds=30,
-            heartbeat_seconds=2,
-            interval_seconds=1,
+            timing=StackTiming(stale_after_seconds=30, heartbeat_seconds=2, interval_seconds=1),
+            scheduler=SchedulerPods(scheduler_name=SCHEDULER, extender_name="gputopo-extender-podgroups"),
         )
     )
 
@@ -114,10 +122,9 @@ def gpu_pod(
     pod = pod_manifest(
         name,
         namespace=namespace,
-        scheduler_name=SCHEDULER,
         gpus=gpus,
         annotations={"gputopo.io/nvlink": "required", **(annotations or {})},
-        node_selector={TEST_LABEL: test_id},
+        scheduling=PodScheduling(scheduler_name=SCHEDULER, node_selector={TEST_LABEL: test_id}),
     )
     if group is not None:
         pod["spec"]["schedulingGroup"] = {"podGroupName": group}

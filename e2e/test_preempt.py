@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterator, Mapping
 import pytest
 
 from conftest import serve
-from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
 from gputopo.localcluster.binaries import kubernetes_version
 from gputopo.localcluster.chart import RenderedChart, helm_binary, local_values, render
 from gputopo.localcluster.kube import KubeApiError
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.stack import GpuNode, SchedulerPods, Stack, StackTiming
 from gputopo.model import GPUS_IN_USE_ANNOTATION, PLACEMENT_ANNOTATION, parse_gpus_in_use, parse_placement
 
 pytestmark = pytest.mark.e2e
@@ -59,11 +59,8 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
         PreemptingStack(
             control_plane,
             kube,
-            scheduler_name=SCHEDULER,
-            extender_name="gputopo-extender-preempt",
-            stale_after_seconds=30,
-            heartbeat_seconds=2,
-            interval_seconds=1,
+            timing=StackTiming(stale_after_seconds=30, heartbeat_seconds=2, interval_seconds=1),
+            scheduler=SchedulerPods(scheduler_name=SCHEDULER, extender_name="gputopo-extender-preempt"),
         )
     )
 
@@ -112,10 +109,9 @@ class Cluster:
             pod = pod_manifest(
                 name,
                 namespace=self.ns,
-                scheduler_name=SCHEDULER,
                 gpus=1,
                 annotations=ann,
-                node_selector={TEST_LABEL: self.test_id},
+                scheduling=PodScheduling(scheduler_name=SCHEDULER, node_selector={TEST_LABEL: self.test_id}),
             )
             pod["spec"]["priorityClassName"] = f"e2e-preempt-{priority}"
             self.kube.create_pod(pod)
@@ -132,10 +128,11 @@ class Cluster:
         pod = pod_manifest(
             name,
             namespace=self.ns,
-            scheduler_name=SCHEDULER,
             gpus=4,
             annotations={"gputopo.io/nvlink": "required"},
-            node_selector={TEST_LABEL: self.test_id, ROLE: "target"},
+            scheduling=PodScheduling(
+                scheduler_name=SCHEDULER, node_selector={TEST_LABEL: self.test_id, ROLE: "target"}
+            ),
         )
         pod["spec"]["priorityClassName"] = "e2e-preempt-high"
         self.kube.create_pod(pod)

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import serve
-from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
 from gputopo.localcluster.kube import KubeApiError
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.stack import GpuNode, Stack, StackTiming
 from gputopo.model import HEALTHY_MASK, PLACEMENT_ANNOTATION, FabricInfo, GpuFabric, NodeTopology, parse_placement
 from gputopo.systems import build_system
 
@@ -43,7 +43,7 @@ def tray_topology(name: str, rack: str, mask: int = HEALTHY_MASK) -> NodeTopolog
 
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
-    yield from serve(Stack(control_plane, kube, heartbeat_seconds=2, interval_seconds=1))
+    yield from serve(Stack(control_plane, kube, timing=StackTiming(heartbeat_seconds=2, interval_seconds=1)))
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +89,11 @@ class Gang:
                 pod_manifest(
                     pod,
                     namespace=self.namespace,
-                    scheduler_name="gputopo-scheduler",
                     gpus=4,
                     annotations={**ann, "gputopo.io/stage": str(i)},
-                    node_selector={TEST_LABEL: self.label},
+                    scheduling=PodScheduling(
+                        scheduler_name="gputopo-scheduler", node_selector={TEST_LABEL: self.label}
+                    ),
                 )
             )
             pods.append(pod)

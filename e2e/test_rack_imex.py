@@ -20,8 +20,8 @@ import pytest
 from conftest import StackNodes, serve
 from gputopo.engine.gang.imex import DRIVER_NODE_LABEL
 from gputopo.extender.watch.computedomains import CHANNEL_DEVICE_CLASS, CHANNEL_DRIVER
-from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
+from gputopo.localcluster.stack import GpuNode, Stack, StackTiming
 
 pytestmark = pytest.mark.e2e
 
@@ -88,7 +88,7 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
         ]
     )
     kube.wait_crds_established([CRD_NAME])  # served before the extender first lists it
-    yield from serve(Stack(control_plane, kube, heartbeat_seconds=2, interval_seconds=1))
+    yield from serve(Stack(control_plane, kube, timing=StackTiming(heartbeat_seconds=2, interval_seconds=1)))
 
 
 def channel_slices(kube: KubeClient, trays: list[str]) -> None:
@@ -165,10 +165,9 @@ def pod(kube: KubeClient, namespace: str, name: str, gpus: int, selector: dict[s
     manifest = pod_manifest(
         name,
         namespace=namespace,
-        scheduler_name="gputopo-scheduler",
         gpus=gpus,
         annotations={"gputopo.io/nvlink": "required"},
-        node_selector=selector,
+        scheduling=PodScheduling(scheduler_name="gputopo-scheduler", node_selector=selector),
     )
     if cd is not None:
         manifest["spec"]["resourceClaims"] = [{"name": "imex", "resourceClaimTemplateName": cd}]
@@ -184,10 +183,9 @@ def gang(kube: KubeClient, namespace: str, group: str, size: int, cd: str, selec
         manifest = pod_manifest(
             f"{group}-{i}",
             namespace=namespace,
-            scheduler_name="gputopo-scheduler",
             gpus=4,
             annotations={"gputopo.io/group": group, "gputopo.io/group-size": str(size), "gputopo.io/stage": str(i)},
-            node_selector=selector,
+            scheduling=PodScheduling(scheduler_name="gputopo-scheduler", node_selector=selector),
         )
         manifest["spec"]["resourceClaims"] = [{"name": "imex", "resourceClaimTemplateName": cd}]
         manifest["spec"]["containers"][0]["resources"]["claims"] = [{"name": "imex"}]

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from conftest import StackNodes, serve
-from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
+from gputopo.localcluster.stack import ChartRelease, GpuNode, Stack, StackTiming
 
 pytestmark = pytest.mark.e2e
 
@@ -40,7 +40,12 @@ TIER_SETS = [
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
     yield from serve(
-        Stack(control_plane, kube, heartbeat_seconds=2, interval_seconds=1, values={"tierSets": TIER_SETS})
+        Stack(
+            control_plane,
+            kube,
+            timing=StackTiming(heartbeat_seconds=2, interval_seconds=1),
+            chart=ChartRelease(values={"tierSets": TIER_SETS}),
+        )
     )
 
 
@@ -54,10 +59,9 @@ def gang(kube: KubeClient, namespace: str, test_id: str, name: str, size: int, g
             pod_manifest(
                 pod,
                 namespace=namespace,
-                scheduler_name="gputopo-scheduler",
                 gpus=gpus,
                 annotations={**base, "gputopo.io/stage": str(i)},
-                node_selector={TEST_LABEL: test_id},
+                scheduling=PodScheduling(scheduler_name="gputopo-scheduler", node_selector={TEST_LABEL: test_id}),
             )
         )
     return pods

@@ -16,8 +16,8 @@ import pytest
 from workloads import bound_after_nudges
 
 from conftest import StackNodes
-from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
+from gputopo.localcluster.stack import GpuNode, SchedulerPods, Stack, StackTiming
 from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,
     PLACEMENT_ANNOTATION,
@@ -36,7 +36,11 @@ STALE_AFTER = 20.0
 
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
-    s = Stack(control_plane, kube, stale_after_seconds=STALE_AFTER, heartbeat_seconds=2, interval_seconds=1)
+    s = Stack(
+        control_plane,
+        kube,
+        timing=StackTiming(stale_after_seconds=STALE_AFTER, heartbeat_seconds=2, interval_seconds=1),
+    )
     s.start()
     yield s
     s.stop()
@@ -49,10 +53,9 @@ def gputopo_pod(
         pod_manifest(
             name,
             namespace=ns,
-            scheduler_name="gputopo-scheduler",
             gpus=gpus,
             annotations=annotations if annotations is not None else {"gputopo.io/nvlink": "required"},
-            node_selector={TEST_LABEL: test_id},
+            scheduling=PodScheduling(scheduler_name="gputopo-scheduler", node_selector={TEST_LABEL: test_id}),
         )
     )
     return name
@@ -219,9 +222,8 @@ def test_plain_pods_under_the_same_scheduler_are_unaffected(
             pod_manifest(
                 name,
                 namespace=namespace,
-                scheduler_name="gputopo-scheduler",
                 gpus=gpus,
-                node_selector={TEST_LABEL: test_id},
+                scheduling=PodScheduling(scheduler_name="gputopo-scheduler", node_selector={TEST_LABEL: test_id}),
             )
         )
     bound = kube.wait_pods_bound(namespace, ["plain-gpu", "plain-cpu"], timeout=45)
@@ -363,7 +365,7 @@ def test_mutating_webhook_lets_the_annotation_alone_opt_a_pod_in(
 ) -> None:
     (node,) = nodes.add(GpuNode("h100", "dgx-h100"))
     # The webhook is the extender's own HTTPS listener (the apiserver calls webhooks only over TLS).
-    hook = Stack(control_plane, kube, extender_name="gputopo-extender-webhook", webhook=True)
+    hook = Stack(control_plane, kube, scheduler=SchedulerPods(extender_name="gputopo-extender-webhook", webhook=True))
     hook.start_extender()
     assert hook.ca_file is not None and hook.webhook_url.startswith("https://127.0.0.1:")
     name = f"gputopo-e2e-{test_id}"[:63]
@@ -374,9 +376,11 @@ def test_mutating_webhook_lets_the_annotation_alone_opt_a_pod_in(
             namespace=namespace,
             gpus=4,
             annotations={"gputopo.io/nvlink": "required"},
-            node_selector={TEST_LABEL: test_id},
+            scheduling=PodScheduling(node_selector={TEST_LABEL: test_id}),
         )  # schedulerName: default-scheduler, as a user would leave it
-        plain = pod_manifest("not-opted-in", namespace=namespace, gpus=1, node_selector={TEST_LABEL: test_id})
+        plain = pod_manifest(
+            "not-opted-in", namespace=namespace, gpus=1, scheduling=PodScheduling(node_selector={TEST_LABEL: test_id})
+        )
         kube.create_pod(annotated)
         kube.create_pod(plain)
         assert kube.get_pod(namespace, "opted-in")["spec"]["schedulerName"] == "gputopo-scheduler"

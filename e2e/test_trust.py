@@ -15,9 +15,9 @@ import pytest
 from workloads import create, events_about, indexed_job, live_pods, pod_template
 
 from conftest import serve
-from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, pod_manifest
+from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
 from gputopo.localcluster.kube import KubeApiError
-from gputopo.localcluster.stack import GpuNode, Stack
+from gputopo.localcluster.stack import GpuNode, Stack, StackTiming
 from gputopo.model import PLACEMENT_ANNOTATION, Placement, parse_placement
 
 pytestmark = pytest.mark.e2e
@@ -28,7 +28,7 @@ FORGED = Placement(node="any-node", gpus=(0, 1), score=10, reason="forged").to_a
 
 @pytest.fixture(scope="module")
 def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
-    yield from serve(Stack(control_plane, kube, stale_after_seconds=60))
+    yield from serve(Stack(control_plane, kube, timing=StackTiming(stale_after_seconds=60)))
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def policy_active(kube: KubeClient, stack: Stack) -> str:
     kube.create_namespace(ns)
     deadline = time.monotonic() + 30
     for attempt in range(1000):
-        probe = pod_manifest(f"probe-{attempt}", namespace=ns, scheduler_name="none")
+        probe = pod_manifest(f"probe-{attempt}", namespace=ns, scheduling=PodScheduling(scheduler_name="none"))
         probe["metadata"]["annotations"] = {PLACEMENT_ANNOTATION: FORGED}
         try:
             kube.create_pod(probe)
@@ -89,7 +89,8 @@ def user(control_plane: ControlPlane, kube: KubeClient, namespace: str, policy_a
 
 
 def _pending_pod(ns: str, name: str, annotations: dict[str, str] | None = None) -> dict[str, Any]:
-    pod = pod_manifest(name, namespace=ns, scheduler_name="none", gpus=2)  # no scheduler will take it
+    # No scheduler will take it.
+    pod = pod_manifest(name, namespace=ns, gpus=2, scheduling=PodScheduling(scheduler_name="none"))
     if annotations:
         pod["metadata"]["annotations"] = annotations
     return pod
@@ -163,10 +164,9 @@ def test_the_schedulers_own_bind_succeeds_and_the_pod_carries_the_placement(
             pod_manifest(
                 "placed",
                 namespace=namespace,
-                scheduler_name=stack.scheduler_name,
                 gpus=4,
                 annotations={"gputopo.io/nvlink": "required"},
-                node_selector={TEST_LABEL: test_id},
+                scheduling=PodScheduling(scheduler_name=stack.scheduler_name, node_selector={TEST_LABEL: test_id}),
             )
         )
         assert kube.wait_pod_bound(namespace, "placed", timeout=60) == node

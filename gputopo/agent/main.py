@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import FrameType
 
 from pydantic import ValidationError
@@ -33,11 +34,11 @@ from gputopo.agent.deviceplugin.plugin import DevicePlugin, PluginConfig, Topolo
 from gputopo.agent.dra.plugin import DraConfig, DraPlugin
 from gputopo.agent.dra.slices import KubeSliceApi
 from gputopo.agent.metrics import AgentMetrics
-from gputopo.agent.nodepublisher import KubeNodeApi, NodeApi, Publisher
+from gputopo.agent.nodepublisher import KubeNodeApi, LeaseTerms, NodeApi, Publisher
 from gputopo.agent.nvml_backend import NvmlUnavailableError
 from gputopo.agent.nvml_lib import NvmlLib
 from gputopo.agent.pods import KubeLocalPods, KubePodSource, LocalPods, StaticLocalPods
-from gputopo.agent.runner import Agent
+from gputopo.agent.runner import Agent, Pacing
 from gputopo.agent.settings import (
     PROG,
     AgentSettings,
@@ -230,7 +231,8 @@ def main(
             except BackendError as e:
                 return _fail(str(e))
             return 0
-        return _run(settings, node, backend, in_use, command.once, node_api_factory, pods, dra_factory, kube)
+        access = ApiAccess(kube=kube, node_api_factory=node_api_factory, dra_factory=dra_factory)
+        return _run(settings, node, backend, in_use, command.once, pods, access)
     finally:
         in_use.close()
         backend.close()
@@ -239,30 +241,37 @@ def main(
         kube.close()  # last: every part above used it
 
 
+@dataclass(frozen=True, kw_only=True)
+class ApiAccess:
+    """How the agent reaches the API server: its one client (None: made from the settings), and the
+    stand-ins tests pass for the Node API and the DRA driver (None: the real ones on that client)."""
+
+    kube: AgentKube | None = None
+    node_api_factory: Callable[[AgentSettings], NodeApi] | None = None
+    dra_factory: DraFactory | None = None
+
+
 def _run(
     settings: AgentSettings,
     node: str,
     backend: TopologyBackend,
     in_use: InUseSource,
     once: bool,
-    node_api_factory: Callable[[AgentSettings], NodeApi] | None,
     pods: LocalPods | None = None,
-    dra_factory: DraFactory | None = None,
-    kube: AgentKube | None = None,
+    access: ApiAccess = ApiAccess(),
 ) -> int:
     stop = threading.Event()
+    kube = access.kube
     try:
-        api = node_api_factory(settings) if node_api_factory else KubeNodeApi((kube or AgentKube(settings)).get())
+        if access.node_api_factory is not None:
+            api = access.node_api_factory(settings)
+        else:
+            api = KubeNodeApi((kube or AgentKube(settings)).get())
     except Exception as e:
         return _fail(f"cannot configure the Kubernetes client: {e}")
-    publisher = Publisher(
-        api,
-        node,
-        settings.namespace,
-        # The Lease lasts as long as the extender's default staleness (4 heartbeats = 120 s).
-        lease_duration_s=max(1, round(4 * settings.heartbeat_seconds)),
-        sleep=stop.wait,
-    )
+    # The Lease lasts as long as the extender's default staleness (4 heartbeats = 120 s).
+    lease = LeaseTerms(settings.namespace, max(1, round(4 * settings.heartbeat_seconds)))
+    publisher = Publisher(api, node, lease, sleep=stop.wait)
     metrics = AgentMetrics()
     plugin: DevicePlugin | None = None
     dra: DraPlugin | None = None
@@ -270,7 +279,7 @@ def _run(
         if settings.device_plugin:
             log.warning("--dra and --device-plugin: a node's GPUs have one owner; serving DRA only")
         try:
-            dra = start_dra(settings, node, backend, stop.wait, dra_factory, kube)
+            dra = start_dra(settings, node, backend, stop.wait, access.dra_factory, kube)
         except Exception as e:  # no first topology, a socket path, the Kubernetes client's configuration
             return _fail(f"cannot start the DRA driver: {e}")
     elif settings.device_plugin and not once:
@@ -284,9 +293,7 @@ def _run(
         in_use,
         publisher,
         metrics,
-        settings.interval_seconds,
-        settings.heartbeat_seconds,
-        stop,
+        Pacing(settings.interval_seconds, settings.heartbeat_seconds, stop),
         # Every discovery cycle then updates the DRA driver and republishes its ResourceSlice on change.
         dra_update=dra.update if dra is not None else None,
     )

@@ -154,6 +154,20 @@ class NodeMetaTarget:
 # Publisher
 
 
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class LeaseTerms:
+    """How this node's Lease is renewed: in `namespace`, lasting `duration_s`, stamped with `now()` (the
+    wall clock; tests pass their own)."""
+
+    namespace: str
+    duration_s: int
+    now: Callable[[], datetime] = _utc_now
+
+
 class Publisher:
     """Writes this node's annotations and labels on change and renews its Lease."""
 
@@ -161,11 +175,9 @@ class Publisher:
         self,
         api: NodeApi,
         node: str,
-        namespace: str,
-        lease_duration_s: int,
+        lease: LeaseTerms,
         sleep: Callable[[float], bool],
         backoff: Backoff = DEFAULT_BACKOFF,
-        now: Callable[[], datetime] = lambda: datetime.now(UTC),
         reverify_s: float = 300.0,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -174,12 +186,12 @@ class Publisher:
         # external edits).
         self._meta = Confirmed(NodeMetaTarget(api, node, sleep, backoff), reverify_s, monotonic)
         self._node = node
-        self._namespace = namespace
+        self._namespace = lease.namespace
         self._lease = agent_lease_name(node)
-        self._duration = lease_duration_s
+        self._duration = lease.duration_s
         self._sleep = sleep
         self._backoff = backoff
-        self._now = now
+        self._now = lease.now
         self._renewed_at: datetime | None = None  # the renewTime this agent last wrote
 
     def publish(self, topology: NodeTopology, gpus_in_use: GpusInUse | None) -> PublishResult:

@@ -41,6 +41,17 @@ class CycleResult:
     slice: PublishResult | None = None  # the ResourceSlice, in DRA mode
 
 
+@dataclass(frozen=True)
+class Pacing:
+    """When the loop acts: discovery every `interval_s`, the Lease every `heartbeat_s`, read on `clock`;
+    it waits on `stop` and ends once it is set."""
+
+    interval_s: float
+    heartbeat_s: float
+    stop: StopSignal
+    clock: Callable[[], float] = time.monotonic
+
+
 class Agent:
     def __init__(
         self,
@@ -48,10 +59,7 @@ class Agent:
         in_use: InUseSource,
         publisher: Publisher | None,
         metrics: AgentMetrics,
-        interval_s: float,
-        heartbeat_s: float,
-        stop: StopSignal,
-        clock: Callable[[], float] = time.monotonic,
+        pacing: Pacing,
         dra_update: Callable[[NodeTopology], PublishResult] | None = None,
     ) -> None:
         self._backend = backend
@@ -59,10 +67,10 @@ class Agent:
         self._in_use = in_use
         self._publisher = publisher
         self._metrics = metrics
-        self._interval = interval_s
-        self._heartbeat = heartbeat_s
-        self._stop = stop
-        self._clock = clock
+        self._interval = pacing.interval_s
+        self._heartbeat = pacing.heartbeat_s
+        self._stop = pacing.stop
+        self._clock = pacing.clock
         self._last_in_use: GpusInUse | None = None
         self.discovery_ok = False
 

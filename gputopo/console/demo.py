@@ -63,8 +63,8 @@ def _events_section(describe: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: the simulator and other commands must not pay for the control-plane modules.
-    from gputopo.localcluster import ControlPlane, ensure_binaries
-    from gputopo.localcluster.stack import Stack
+    from gputopo.localcluster import ControlPlane, Lifetime, ensure_binaries
+    from gputopo.localcluster.stack import Stack, StackTiming
 
     try:
         cluster = load_cluster(args.cluster)
@@ -77,13 +77,15 @@ def run(args: argparse.Namespace) -> int:
     bin_dir = ensure_binaries(lambda line: _say(f"   {line}"))
     _say(f"   {bin_dir}")
 
-    cp = ControlPlane(bin_dir, keep=args.keep, die_with_parent=not args.keep, progress=lambda m: _say(f"   {m}"))
+    cp = ControlPlane(
+        bin_dir, progress=lambda m: _say(f"   {m}"), lifetime=Lifetime(keep=args.keep, die_with_parent=not args.keep)
+    )
     _say("== control plane: etcd, kube-apiserver (RBAC, TLS, service-account keys), kube-controller-manager")
     cp.start()
     try:
         cp.start_controller_manager()
         kube = cp.client()
-        stack = Stack(cp, kube, stale_after_seconds=STALE_AFTER, progress=lambda m: _say(f"   {m}"))
+        stack = Stack(cp, kube, timing=StackTiming(stale_after_seconds=STALE_AFTER), progress=lambda m: _say(f"   {m}"))
         stack.install()
         _say("== gputopo: extender and a kube-scheduler whose gputopo-scheduler profile calls it")
         stack.start_extender()
@@ -171,7 +173,7 @@ def _add_nodes(stack: Any, cluster: Any) -> None:
 def _submit(kube: Any, ns: str, jobs: Any, timeout: float) -> list[str]:
     """Create the jobs file's pods, one job at a time, as the simulator places them, so the outcome
     reads in file order; the pods' names."""
-    from gputopo.localcluster import pod_manifest
+    from gputopo.localcluster import PodScheduling, pod_manifest
 
     pods: list[str] = []
     for job in jobs.jobs:
@@ -181,9 +183,9 @@ def _submit(kube: Any, ns: str, jobs: Any, timeout: float) -> list[str]:
                 pod_manifest(
                     name,
                     namespace=ns,
-                    scheduler_name=SCHEDULER_NAME,
                     gpus=job.gpus_per_pod,
                     annotations=job.pod_annotations(i),
+                    scheduling=PodScheduling(scheduler_name=SCHEDULER_NAME),
                 )
             )
             pods.append(name)
@@ -226,7 +228,7 @@ def _real_kubelet_part(stack: Any, kube: Any, bin_dir: Path, ns: str, timeout: f
     """One DGX-1V node run by a real kubelet; a TP-4 and a TP-2 pod go there, and what the kubelet
     allocated is read back from its PodResources socket."""
     from gputopo.agent.podresources.client import PodResourcesClient
-    from gputopo.localcluster import pod_manifest
+    from gputopo.localcluster import PodScheduling, pod_manifest
     from gputopo.localcluster.kubelet import kubelet_unavailable
     from gputopo.model import GPUS_IN_USE_ANNOTATION, parse_gpus_in_use_report
     from gputopo.systems import build_system
@@ -244,11 +246,13 @@ def _real_kubelet_part(stack: Any, kube: Any, bin_dir: Path, ns: str, timeout: f
         manifest = pod_manifest(
             name,
             namespace=ns,
-            scheduler_name=SCHEDULER_NAME,
             gpus=gpus,
             annotations={"gputopo.io/nvlink": "required"},
-            node_selector={"kubernetes.io/hostname": KUBELET_NODE},
-            tolerations=[{**KUBELET_TAINT, "operator": "Equal"}],
+            scheduling=PodScheduling(
+                scheduler_name=SCHEDULER_NAME,
+                node_selector={"kubernetes.io/hostname": KUBELET_NODE},
+                tolerations=[{**KUBELET_TAINT, "operator": "Equal"}],
+            ),
         )
         kube.create_pod(manifest)
         pods.append(name)
@@ -305,6 +309,7 @@ def _wait_decided(kube: Any, ns: str, names: list[str], timeout: float) -> None:
 
 def _installed_part(bin_dir: Path, timeout: float) -> None:
     """The chart as users install it: helm install onto a containerd node, a TP-4 pod, helm uninstall."""
+    from gputopo.localcluster import Lifetime
     from gputopo.localcluster.containerd import containerd_unavailable
     from gputopo.localcluster.installed import InstalledError, eventually, install, start_control_plane
 
@@ -314,7 +319,7 @@ def _installed_part(bin_dir: Path, timeout: float) -> None:
         return
     t0 = time.monotonic()
     _say("\n== installed as users install it: images built here, a containerd node, helm install of the chart")
-    cp = start_control_plane(bin_dir, die_with_parent=True, progress=lambda m: _say(f"   {m}"))
+    cp = start_control_plane(bin_dir, progress=lambda m: _say(f"   {m}"), lifetime=Lifetime(die_with_parent=True))
     try:
         with install(cp, lambda m: _say(f"   {m}")) as inst:
             tp4 = inst.run_tp4(inst.workload_namespace())

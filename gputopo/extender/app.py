@@ -40,7 +40,7 @@ from gputopo.extender.metrics import Metrics
 from gputopo.extender.routers import health, metrics, mutate
 from gputopo.extender.settings import Settings
 from gputopo.extender.verbs.door import Door
-from gputopo.extender.verbs.groupgates import GateLifter, plan_with
+from gputopo.extender.verbs.groupgates import GateLifter, LiftChecks, SweepPace, plan_with
 from gputopo.extender.verbs.service import Extender
 from gputopo.extender.watch.cache import ClusterCache
 from gputopo.extender.watch.source import ClusterSource, Informer, KubeSource, start_informers
@@ -106,11 +106,10 @@ class Listeners:
                 self.cache.ledger,
                 lambda: extender.source,
                 extender.events,
-                release_after_s=settings.group_gate_release_seconds,
+                pace=SweepPace(release_after_s=settings.group_gate_release_seconds),
                 clock=self.cache.clock,
                 on_lift=lambda reason: self.prometheus.gates_lifted.labels(reason).inc(),
-                plan=plan_with(extender.groups),
-                leading=self.cache.leadership.leading,
+                checks=LiftChecks(plan=plan_with(extender.groups), leading=self.cache.leadership.leading),
             )
             self._lifting.clear()
             if self.watch:  # without informers the caller drives the sweeps (`lifter.sweep()`), as the cache

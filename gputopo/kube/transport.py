@@ -31,6 +31,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -292,7 +293,18 @@ class Transport:
         except (OSError, http.client.HTTPException, ValueError) as e:
             conn.close()
             raise KubeError(0, f"{type(e).__name__}: {e}", method=method, path=path) from None
-        return Stream(self, conn, buf, status, keeps_alive(version, headers), headers, method, path, recv)
+        head = AnswerHead(status, headers, keeps_alive(version, headers))
+        return Stream(self, conn, buf, head, method, path, recv)
+
+
+@dataclass(frozen=True)
+class AnswerHead:
+    """What an answer's head says: its status, its headers (names lower-cased), and whether the server
+    keeps the connection open after it."""
+
+    status: int
+    headers: dict[str, str]
+    keep_alive: bool
 
 
 class Stream:
@@ -303,15 +315,13 @@ class Stream:
         transport: Transport,
         conn: Conn,
         buf: bytearray,
-        status: int,
-        keep_alive: bool,
-        headers: dict[str, str],
+        head: AnswerHead,
         method: str,
         path: str,
         recv: Callable[[int], bytes] | None = None,
     ) -> None:
         self._transport, self._conn, self._buf = transport, conn, buf
-        self.status, self._keep_alive, self._headers = status, keep_alive, headers
+        self.status, self._keep_alive, self._headers = head.status, head.keep_alive, head.headers
         self.method, self.path = method, path
         self._ended = False  # the body was read to its end: the connection may carry another request
         self._recv = recv or conn.sock.recv  # bounded by the stream's deadline when it has one

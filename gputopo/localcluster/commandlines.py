@@ -4,6 +4,7 @@ kube-controller-manager, as `ControlPlane` starts them, on loopback, from one pr
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from gputopo.localcluster.procs import HOST
@@ -90,8 +91,17 @@ def apiserver_argv(
     ]
 
 
+@dataclass(frozen=True)
+class Serving:
+    """Where a component serves its /healthz and /metrics: its loopback `port`, over TLS with the
+    certificate it makes itself in `cert_dir`."""
+
+    port: int
+    cert_dir: Path
+
+
 def scheduler_argv(
-    exe: Path, config: Path, *, port: int, cert_dir: Path, auth: Path, verbosity: int, extra: Sequence[str] = ()
+    exe: Path, config: Path, *, serving: Serving, auth: Path, verbosity: int, extra: Sequence[str] = ()
 ) -> list[str]:
     """kube-scheduler with its configuration file; `auth` serves its delegated authentication and
     authorization, as the in-cluster config would."""
@@ -99,8 +109,8 @@ def scheduler_argv(
         str(exe),
         f"--config={config}",
         f"--bind-address={HOST}",
-        f"--secure-port={port}",
-        f"--cert-dir={cert_dir}",
+        f"--secure-port={serving.port}",
+        f"--cert-dir={serving.cert_dir}",
         f"--authentication-kubeconfig={auth}",
         f"--authorization-kubeconfig={auth}",
         "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics",
@@ -113,8 +123,7 @@ def controller_manager_argv(
     exe: Path,
     kubeconfig: Path,
     *,
-    port: int,
-    cert_dir: Path,
+    serving: Serving,
     sa_key: Path,
     ca_file: Path | None,
     verbosity: int,
@@ -128,8 +137,8 @@ def controller_manager_argv(
         f"--authentication-kubeconfig={kubeconfig}",
         f"--authorization-kubeconfig={kubeconfig}",
         f"--bind-address={HOST}",
-        f"--secure-port={port}",
-        f"--cert-dir={cert_dir}",
+        f"--secure-port={serving.port}",
+        f"--cert-dir={serving.cert_dir}",
         "--leader-elect=false",
         f"--controllers={','.join(CONTROLLERS)}",
         "--use-service-account-credentials=true",

@@ -38,12 +38,13 @@ from gputopo.localcluster.commandlines import (
     CONTROLLERS,
     SA_ISSUER,
     SERVICE_CIDR,
+    Serving,
     apiserver_argv,
     controller_manager_argv,
     etcd_argv,
     scheduler_argv,
 )
-from gputopo.localcluster.featureflags import feature_gates_arg, runtime_config_arg
+from gputopo.localcluster.featureflags import DEFAULT_FEATURES, ApiFeatures, feature_gates_arg, runtime_config_arg
 from gputopo.localcluster.pki import (
     admission_configuration,
     generate_client_certificate,
@@ -55,8 +56,18 @@ from gputopo.localcluster.pki import (
 
 # The process supervision, the credential files, the components' command lines and the scheduler
 # configuration live in their own modules; these names stay importable from here, where callers have always found them.
-from gputopo.localcluster.procs import HOST, Component, ControlPlaneError, Supervisor, free_port, http_ok, insecure_ctx
-from gputopo.localcluster.schedconfig import ExtenderConfig, scheduler_configuration
+from gputopo.localcluster.procs import (
+    EPHEMERAL,
+    HOST,
+    Component,
+    ControlPlaneError,
+    Lifetime,
+    Supervisor,
+    free_port,
+    http_ok,
+    insecure_ctx,
+)
+from gputopo.localcluster.schedconfig import LOCAL_SCHEDULER, ExtenderConfig, SchedulerOptions, scheduler_configuration
 from gputopo.model import SCHEDULER_NAME
 
 if TYPE_CHECKING:
@@ -75,9 +86,12 @@ __all__ = [
     "SA_ISSUER",
     "SERVICE_CIDR",
     "WEBHOOK_CLIENT_NAME",
+    "ApiFeatures",
     "ControlPlane",
     "ControlPlaneError",
     "ExtenderConfig",
+    "Lifetime",
+    "SchedulerOptions",
     "free_port",
     "kubeconfig_text",
     "scheduler_configuration",
@@ -101,16 +115,11 @@ class ControlPlane(Supervisor):
 
     ``bin_dir``: the directory with the binaries (default: the built cache, see
     ``binaries.find_binaries``; raises if they are missing). ``base_dir``: parent for the private
-    directory (default: the system temp dir). ``keep``: leave the directory (logs) on teardown.
-    ``die_with_parent``: the kernel stops the children when the thread that started them exits
-    (Linux ``PR_SET_PDEATHSIG``); set False (e.g. ``gputopo demo --keep``) for a control plane
-    that outlives this process, and start it from a thread that lives as long as it should.
-    ``feature_gates`` go to kube-apiserver, every kube-scheduler and kube-controller-manager as
-    ``--feature-gates``; ``runtime_config`` to kube-apiserver as ``--runtime-config`` (the only one
-    of them with that flag). Both are checked here (``featureflags.FlagError``).
-    ``service_account_admission``: run the ServiceAccount admission plugin, as every real cluster
-    does, so that pods get their account's token volume (pods that containers run in need it; a
-    pod's ServiceAccount must then exist before the pod).
+    directory (default: the system temp dir). ``lifetime``: whether the directory (logs) stays on
+    teardown and whether the children die with the thread that started them (``Lifetime``).
+    ``features``: feature gates (as ``--feature-gates`` to every component that has the flag),
+    runtime-config (kube-apiserver's ``--runtime-config``), both checked here
+    (``featureflags.FlagError``), and ServiceAccount admission (``ApiFeatures``).
     """
 
     def __init__(
@@ -118,19 +127,16 @@ class ControlPlane(Supervisor):
         bin_dir: Path | None = None,
         *,
         base_dir: Path | None = None,
-        keep: bool = False,
-        die_with_parent: bool = True,
+        lifetime: Lifetime = EPHEMERAL,
         startup_timeout: float = 90.0,
         verbosity: int = 2,
         progress: Callable[[str], None] | None = None,
-        feature_gates: Mapping[str, bool] | None = None,
-        runtime_config: Mapping[str, bool] | None = None,
-        service_account_admission: bool = False,
+        features: ApiFeatures = DEFAULT_FEATURES,
     ) -> None:
         # Checked before anything is created: a bad name fails here, not in a component's log.
-        self.feature_gates = dict(feature_gates or {})
-        self.runtime_config = dict(runtime_config or {})
-        self.service_account_admission = service_account_admission
+        self.feature_gates = dict(features.feature_gates)
+        self.runtime_config = dict(features.runtime_config)
+        self.service_account_admission = features.service_account_admission
         self._gate_args = [f"--feature-gates={feature_gates_arg(self.feature_gates)}"] if self.feature_gates else []
         self._runtime_args = (
             [f"--runtime-config={runtime_config_arg(self.runtime_config)}"] if self.runtime_config else []
@@ -146,8 +152,8 @@ class ControlPlane(Supervisor):
         for b in ("etcd", "kube-apiserver", "kube-scheduler", "kubectl"):
             if not (self.bin_dir / b).is_file():
                 raise ControlPlaneError(f"{self.bin_dir / b} is missing")
-        self.keep = keep
-        self.die_with_parent = die_with_parent
+        self.keep = lifetime.keep
+        self.die_with_parent = lifetime.die_with_parent
         self.startup_timeout = startup_timeout
         self.verbosity = verbosity
         self._progress = progress
@@ -284,11 +290,7 @@ class ControlPlane(Supervisor):
         *,
         profile: str | None = None,
         extender: ExtenderConfig | None = None,
-        percentage_of_nodes_to_score: int = 100,
-        disable_preemption: bool = True,
-        client_qps: float = 50.0,
-        client_burst: int = 100,
-        parallelism: int | None = None,
+        options: SchedulerOptions = LOCAL_SCHEDULER,
         verbosity: int | None = None,
         extra_args: Sequence[str] = (),
     ) -> str:
@@ -296,16 +298,7 @@ class ControlPlane(Supervisor):
         calling ``extender`` if given, as the admin. Returns the component name (``name``); waits
         for /healthz. gputopo's own scheduler runs the chart's configuration instead
         (``Stack.start_scheduler``)."""
-        cfg = scheduler_configuration(
-            self.kubeconfig,
-            profile or name,
-            extender,
-            percentage_of_nodes_to_score=percentage_of_nodes_to_score,
-            disable_preemption=disable_preemption,
-            client_qps=client_qps,
-            client_burst=client_burst,
-            parallelism=parallelism,
-        )
+        cfg = scheduler_configuration(self.kubeconfig, profile or name, extender, options)
         return self.start_scheduler_config(name, cfg, verbosity=verbosity, extra_args=extra_args)
 
     def start_scheduler_config(
@@ -333,8 +326,7 @@ class ControlPlane(Supervisor):
         argv = scheduler_argv(
             self.bin_dir / "kube-scheduler",
             cfg_path,
-            port=port,
-            cert_dir=cert_dir,
+            serving=Serving(port, cert_dir),
             auth=kubeconfig or self.kubeconfig,
             verbosity=self.verbosity if verbosity is None else verbosity,
             extra=[*self._gate_args, *extra_args],
@@ -374,8 +366,7 @@ class ControlPlane(Supervisor):
         argv = controller_manager_argv(
             exe,
             kubeconfig,
-            port=port,
-            cert_dir=cert_dir,
+            serving=Serving(port, cert_dir),
             sa_key=self.dir / "sa.key",
             ca_file=self.ca_file,
             verbosity=min(self.verbosity, 2) if verbosity is None else verbosity,

@@ -1,17 +1,19 @@
 """Feature gates and runtime-config for the local control plane: checked once, then rendered as flags.
 
-``ControlPlane(feature_gates=..., runtime_config=...)`` takes them as mappings; the e2e suite reads
-them from ``GPUTOPO_E2E_FEATURE_GATES`` and ``GPUTOPO_E2E_RUNTIME_CONFIG`` (``Name=true,Other=false``,
-``api/beta=true``) through ``parse_flag_map``. Bad input is refused with an error naming it, before
-any process starts: an upstream binary would only say so in its log.
+``ControlPlane(features=ApiFeatures(feature_gates=..., runtime_config=...))`` takes them as mappings;
+the e2e suite reads them from ``GPUTOPO_E2E_FEATURE_GATES`` and ``GPUTOPO_E2E_RUNTIME_CONFIG``
+(``Name=true,Other=false``, ``api/beta=true``) through ``parse_flag_map``. Bad input is refused with an
+error naming it, before any process starts: an upstream binary would only say so in its log.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 __all__ = [
+    "ApiFeatures",
     "FlagError",
     "feature_gates_arg",
     "parse_flag_map",
@@ -28,6 +30,21 @@ _BOOL = {"true": True, "false": False}
 
 class FlagError(ValueError):
     """A feature gate or runtime-config entry that the control plane refuses."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ApiFeatures:
+    """What the control plane serves beyond its defaults: `feature_gates` (kube-apiserver, every
+    kube-scheduler and kube-controller-manager), `runtime_config` (kube-apiserver only), and the
+    ServiceAccount admission plugin, as every real cluster runs it (pods then get their account's token
+    volume; a pod's ServiceAccount must exist before the pod)."""
+
+    feature_gates: Mapping[str, bool] = field(default_factory=dict)
+    runtime_config: Mapping[str, bool] = field(default_factory=dict)
+    service_account_admission: bool = False
+
+
+DEFAULT_FEATURES = ApiFeatures()
 
 
 def parse_flag_map(text: str, *, source: str) -> dict[str, bool]:

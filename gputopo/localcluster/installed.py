@@ -30,9 +30,10 @@ import yaml
 
 from gputopo.localcluster.chart import CHART_DIR, run_helm
 from gputopo.localcluster.containerd import ContainerdNode
-from gputopo.localcluster.controlplane import ControlPlane, ControlPlaneError
+from gputopo.localcluster.controlplane import ApiFeatures, ControlPlane, ControlPlaneError, Lifetime
 from gputopo.localcluster.images import ImageSet, ensure_images
 from gputopo.localcluster.kube import KubeApiError, KubeClient
+from gputopo.localcluster.procs import EPHEMERAL
 from gputopo.model import PLACEMENT_ANNOTATION, SCHEDULER_NAME, parse_placement
 from gputopo.systems import build_system
 
@@ -252,10 +253,13 @@ def tp4_pod(namespace: str, name: str, image: str) -> dict[str, Any]:
     }
 
 
-def start_control_plane(bin_dir: Path, **options: Any) -> ControlPlane:
+def start_control_plane(
+    bin_dir: Path, *, lifetime: Lifetime = EPHEMERAL, progress: Callable[[str], None] | None = None
+) -> ControlPlane:
     """A started control plane with ServiceAccount admission, kube-controller-manager and a default
-    scheduler; ``options`` go to ``ControlPlane``. The caller tears it down."""
-    cp = ControlPlane(bin_dir, service_account_admission=True, **options)
+    scheduler; ``lifetime`` and ``progress`` go to ``ControlPlane``. The caller tears it down."""
+    features = ApiFeatures(service_account_admission=True)
+    cp = ControlPlane(bin_dir, lifetime=lifetime, progress=progress, features=features)
     cp.start()
     try:
         cp.start_controller_manager()

@@ -89,37 +89,57 @@ def network_labels(*, leaf: str | None = None, spine: str | None = None) -> dict
     return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class PodScheduling:
+    """How a pod asks to be scheduled: the scheduler it names, the nodes it selects, the taints it
+    tolerates and its priority (None: the cluster's default)."""
+
+    scheduler_name: str = "default-scheduler"
+    node_selector: Mapping[str, str] | None = None
+    tolerations: Sequence[Mapping[str, Any]] = ()
+    priority: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PodContainer:
+    """A pod's one container: its image (never pulled: there is no kubelet) and its CPU and memory,
+    requested as much as its limits."""
+
+    image: str = "pause:3.10"
+    cpu: str = "100m"
+    memory: str = "64Mi"
+
+
+DEFAULT_SCHEDULING = PodScheduling()
+PAUSE_CONTAINER = PodContainer()
+
+
 def pod_manifest(
     name: str,
     *,
     namespace: str = "default",
-    scheduler_name: str = "default-scheduler",
     gpus: int = 0,
     annotations: Mapping[str, str] | None = None,
     labels: Mapping[str, str] | None = None,
-    cpu: str = "100m",
-    memory: str = "64Mi",
-    image: str = "pause:3.10",
-    node_selector: Mapping[str, str] | None = None,
-    tolerations: Sequence[Mapping[str, Any]] = (),
-    priority: int | None = None,
+    scheduling: PodScheduling = DEFAULT_SCHEDULING,
+    container: PodContainer = PAUSE_CONTAINER,
 ) -> JSON:
     """A bare Pod (no controller) with one container; ``gpus`` sets ``nvidia.com/gpu`` limits
-    (requests default to limits). The image is never pulled: there is no kubelet."""
-    limits: dict[str, str] = {"cpu": cpu, "memory": memory}
+    (requests default to limits)."""
+    limits: dict[str, str] = {"cpu": container.cpu, "memory": container.memory}
     if gpus:
         limits[GPU_RESOURCE] = str(gpus)
     spec: JSON = {
-        "schedulerName": scheduler_name,
+        "schedulerName": scheduling.scheduler_name,
         "terminationGracePeriodSeconds": 0,
-        "containers": [{"name": "main", "image": image, "resources": {"limits": limits, "requests": limits}}],
+        "containers": [{"name": "main", "image": container.image, "resources": {"limits": limits, "requests": limits}}],
     }
-    if node_selector:
-        spec["nodeSelector"] = dict(node_selector)
-    if tolerations:
-        spec["tolerations"] = [dict(t) for t in tolerations]
-    if priority is not None:
-        spec["priority"] = priority
+    if scheduling.node_selector:
+        spec["nodeSelector"] = dict(scheduling.node_selector)
+    if scheduling.tolerations:
+        spec["tolerations"] = [dict(t) for t in scheduling.tolerations]
+    if scheduling.priority is not None:
+        spec["priority"] = scheduling.priority
     return {
         "apiVersion": "v1",
         "kind": "Pod",

@@ -50,6 +50,24 @@ class GpuNode:
         return build_system(self.fixture or "dgx-h100", self.name)
 
 
+@dataclass(frozen=True, kw_only=True)
+class KubeletAgent:
+    """How the agent of a node run by a real kubelet serves its GPUs: as the kubelet's device plugin
+    (`preferred_allocation` mode, under `resource_name`), or with `dra` as the node's DRA driver (the
+    list attribute when `dra_list_attributes`, in best-fit order when `dra_best_fit_order`). With `nvml`
+    it reads its system through nvidia-ml-py from the NVML mock library."""
+
+    preferred_allocation: str = "placement"
+    resource_name: str = GPU_RESOURCE
+    dra: bool = False
+    dra_list_attributes: bool = False
+    dra_best_fit_order: bool = False
+    nvml: bool = False
+
+
+DEVICE_PLUGIN_AGENT = KubeletAgent()
+
+
 class NodeAgents:
     """The nodes-and-agents half of ``Stack``, split off to keep each concern readable.
     ``Stack.__init__`` sets the attributes declared below; ``Stack.chart`` names the agents' service account."""
@@ -193,28 +211,23 @@ class NodeAgents:
         *,
         labels: Mapping[str, str] | None = None,
         taints: Sequence[str] = (),
-        preferred_allocation: str = "placement",
-        resource_name: str = GPU_RESOURCE,
-        dra: bool = False,
-        dra_list_attributes: bool = False,
-        nvml: bool = False,
-        dra_best_fit_order: bool = False,
+        agent: KubeletAgent = DEVICE_PLUGIN_AGENT,
         timeout: float = 120.0,
     ) -> RealKubelet:
         """A node run by a real kubelet (``RealKubelet``, needs root) next to the simulated ones. Its
         agent has the fixture backend ``system`` (GPU UUIDs derived from the node name) and serves
         the kubelet as its device plugin. Returns once the kubelet advertises every GPU.
 
-        With `dra`, the agent is the node's DRA driver instead (`--dra`, with the list attribute when
-        `dra_list_attributes`, in best-fit order when `dra_best_fit_order`), and this returns once the
-        node's ResourceSlice lists every GPU. With `nvml`, the agent reads `system` through nvidia-ml-py
-        from the NVML mock library instead."""
+        With `agent.dra`, the agent is the node's DRA driver instead (`--dra`), and this returns once
+        the node's ResourceSlice lists every GPU. With `agent.nvml`, the agent reads `system` through
+        nvidia-ml-py from the NVML mock library instead."""
         kubelet = RealKubelet(self.cp, name, labels=labels, taints=taints, progress=self._progress)
         self.kubelets[name] = kubelet
-        self._plugin_options[name] = (preferred_allocation, resource_name)
+        self._plugin_options[name] = (agent.preferred_allocation, agent.resource_name)
+        dra = agent.dra
         if dra:
-            self._dra[name] = (dra_list_attributes, dra_best_fit_order)
-        self.nodes[name] = GpuNode(name, system, labels=dict(labels or {}), nvml=nvml)
+            self._dra[name] = (agent.dra_list_attributes, agent.dra_best_fit_order)
+        self.nodes[name] = GpuNode(name, system, labels=dict(labels or {}), nvml=agent.nvml)
         kubelet.start(timeout=timeout)
         # The agent's token is bound to the Node object, which the kubelet has just registered.
         self.start_agent(name)
@@ -222,7 +235,7 @@ class NodeAgents:
         if dra:
             self.wait_resource_slice(name, gpus, timeout=timeout)
         else:
-            kubelet.wait_allocatable(resource_name, gpus, timeout=timeout)
+            kubelet.wait_allocatable(agent.resource_name, gpus, timeout=timeout)
         return kubelet
 
     def resource_slices(self, node: str) -> list[dict[str, Any]]:

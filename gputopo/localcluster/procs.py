@@ -98,6 +98,20 @@ class Component:
         return self.proc is not None and self.proc.poll() is None
 
 
+@dataclass(frozen=True, kw_only=True)
+class Lifetime:
+    """How long a control plane lasts: `keep` leaves its directory (logs) on teardown; with
+    `die_with_parent` the kernel stops its children when the thread that started them exits (Linux
+    ``PR_SET_PDEATHSIG``); False (e.g. ``gputopo demo --keep``) for one that outlives this process,
+    started from a thread that lives as long as it should."""
+
+    keep: bool = False
+    die_with_parent: bool = True
+
+
+EPHEMERAL = Lifetime()
+
+
 class Supervisor:
     """The process half of ``ControlPlane``: named components, each a child process with a log
     file in ``dir``, started until ready and stopped by PID. ``ControlPlane.__init__`` sets the

@@ -34,7 +34,7 @@ from gputopo.engine.state.reasons import Reason
 from gputopo.engine.state.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.state.snapshot import NodeState
 from gputopo.kube import KubeError
-from gputopo.localcluster.kube import JSON, KubeClient, SimNode, pod_manifest
+from gputopo.localcluster.kube import JSON, KubeClient, PodContainer, PodScheduling, SimNode, pod_manifest
 from gputopo.localcluster.podwatch import PodTracker, pod_state, scheduling_message
 from gputopo.localcluster.promstats import http_get
 from gputopo.localcluster.stack import Stack
@@ -108,6 +108,15 @@ class JobRecord:
     verdicts: list[PodVerdict]
     seconds: float
     notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class MixLimits:
+    """How long one mix may take: `deadline_s` for all of it (feeding stops there, the run says it is
+    incomplete), `pod_timeout_s` for each pod to be bound."""
+
+    deadline_s: float
+    pod_timeout_s: float = 30.0
 
 
 @dataclass
@@ -192,9 +201,8 @@ class Replay:
             name or f"held-{node}"[:63].rstrip("-."),
             namespace=namespace,
             gpus=len(gpus),
-            cpu=cpu,
-            memory=memory,
             labels={"app": "gputopo-fidelity-held"},
+            container=PodContainer(cpu=cpu, memory=memory),
         )
         manifest["spec"]["nodeName"] = node
         pod = self.kube.create_pod(manifest)
@@ -242,18 +250,16 @@ class Replay:
         name: str,
         nodes: Sequence[NodeState],
         jobs: Sequence[JobSpec],
+        limits: MixLimits,
         *,
-        deadline_s: float,
         tiers: TierConfig = DEFAULT_TIERS,
         weights: ScoreWeights = DEFAULT_WEIGHTS,
-        pod_timeout_s: float = 30.0,
         keep_nodes: bool = False,
     ) -> MixRun:
-        """Feed `jobs` to the real scheduler on `nodes`, one job at a time, judging each against the engine.
-        Stops feeding when `deadline_s` runs out (the run says it is incomplete). The nodes and pods are
-        removed afterwards unless `keep_nodes`."""
+        """Feed `jobs` to the real scheduler on `nodes`, one job at a time, judging each against the engine,
+        within `limits`. The nodes and pods are removed afterwards unless `keep_nodes`."""
         t0 = time.monotonic()
-        end = t0 + deadline_s
+        end = t0 + limits.deadline_s
         mix = f"{name}-{secrets.token_hex(3)}"
         namespace = f"fidelity-{mix}"
         self.kube.create_namespace(namespace)
@@ -263,7 +269,7 @@ class Replay:
         tracker = PodTracker(self.kube, namespace)
         tracker.start()
         records: list[JobRecord] = []
-        ctx = _JobContext(self, tracker, namespace, mix, [n.name for n in nodes], pod_timeout_s)
+        ctx = _JobContext(self, tracker, namespace, mix, [n.name for n in nodes], limits.pod_timeout_s)
         try:
             for job, pods in zip(jobs, prepared, strict=True):
                 if time.monotonic() >= end:
@@ -306,13 +312,13 @@ class _JobContext:
                 pod_manifest(
                     p.name,
                     namespace=self.namespace,
-                    scheduler_name=self.replay.stack.scheduler_name,
                     gpus=p.request.gpus,
                     annotations=job.pod_annotations(i),
                     labels={"app": "gputopo-fidelity"},
-                    cpu=cpu,
-                    memory=memory,
-                    node_selector={MIX_LABEL: self.mix},
+                    scheduling=PodScheduling(
+                        scheduler_name=self.replay.stack.scheduler_name, node_selector={MIX_LABEL: self.mix}
+                    ),
+                    container=PodContainer(cpu=cpu, memory=memory),
                 )
             )
         self.kube.create_pods(manifests, workers=min(16, len(manifests)))

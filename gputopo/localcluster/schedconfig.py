@@ -49,31 +49,38 @@ class ExtenderConfig:
         return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class SchedulerOptions:
+    """A local kube-scheduler's options: the share of nodes it scores, whether its DefaultPreemption
+    is off, its API client's QPS and burst, and its parallelism (None: kube-scheduler's default)."""
+
+    percentage_of_nodes_to_score: int = 100
+    disable_preemption: bool = True
+    client_qps: float = 50.0
+    client_burst: int = 100
+    parallelism: int | None = None
+
+
+LOCAL_SCHEDULER = SchedulerOptions()
+
+
 def scheduler_configuration(
-    kubeconfig: Path,
-    profile: str,
-    extender: ExtenderConfig | None = None,
-    *,
-    percentage_of_nodes_to_score: int = 100,
-    disable_preemption: bool = True,
-    client_qps: float = 50.0,
-    client_burst: int = 100,
-    parallelism: int | None = None,
+    kubeconfig: Path, profile: str, extender: ExtenderConfig | None = None, options: SchedulerOptions = LOCAL_SCHEDULER
 ) -> dict[str, Any]:
     """The KubeSchedulerConfiguration (as a dict) for a scheduler with exactly one profile."""
     prof: dict[str, Any] = {"schedulerName": profile}
-    if disable_preemption:
+    if options.disable_preemption:
         prof["plugins"] = {"postFilter": {"disabled": [{"name": "DefaultPreemption"}]}}
     cfg: dict[str, Any] = {
         "apiVersion": "kubescheduler.config.k8s.io/v1",
         "kind": "KubeSchedulerConfiguration",
-        "clientConnection": {"kubeconfig": str(kubeconfig), "qps": client_qps, "burst": client_burst},
+        "clientConnection": {"kubeconfig": str(kubeconfig), "qps": options.client_qps, "burst": options.client_burst},
         "leaderElection": {"leaderElect": False},
-        "percentageOfNodesToScore": percentage_of_nodes_to_score,
+        "percentageOfNodesToScore": options.percentage_of_nodes_to_score,
         "profiles": [prof],
     }
-    if parallelism is not None:
-        cfg["parallelism"] = parallelism
+    if options.parallelism is not None:
+        cfg["parallelism"] = options.parallelism
     if extender is not None:
         cfg["extenders"] = [extender.to_config()]
     return cfg

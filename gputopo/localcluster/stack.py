@@ -16,7 +16,7 @@ import ssl
 import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +33,22 @@ from gputopo.localcluster.chart import (
 from gputopo.localcluster.controlplane import WEBHOOK_CLIENT_NAME, ControlPlane, free_port
 from gputopo.localcluster.kube import KubeApiError, KubeClient
 from gputopo.localcluster.kubelet import RealKubelet
-from gputopo.localcluster.manifests import pod_manifest, pod_webhook_manifest
-from gputopo.localcluster.nodes import GpuNode, NodeAgents
+from gputopo.localcluster.manifests import PodScheduling, pod_manifest, pod_webhook_manifest
+from gputopo.localcluster.nodes import GpuNode, KubeletAgent, NodeAgents
 from gputopo.localcluster.pki import generate_serving_certificate
 from gputopo.model import EXTENDER_COMPONENT, SCHEDULER_NAME
 
-# GpuNode lives with the nodes and agents; callers import it from here, with the Stack it feeds.
-__all__ = ["LEADER_LOG_LINE", "GpuNode", "SchedulerPod", "Stack"]
+# GpuNode and KubeletAgent live with the nodes and agents; callers import them from here, with the Stack they feed.
+__all__ = [
+    "LEADER_LOG_LINE",
+    "ChartRelease",
+    "GpuNode",
+    "KubeletAgent",
+    "SchedulerPod",
+    "SchedulerPods",
+    "Stack",
+    "StackTiming",
+]
 
 # kube-scheduler's log line on winning the election, lower-cased: 1.34 writes "successfully acquired
 # lease ns/name", 1.37 the structured "Successfully acquired lease" lock="ns/name".
@@ -75,58 +84,87 @@ class SchedulerPod:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
 
+@dataclass(frozen=True, kw_only=True)
+class StackTiming:
+    """How fast the stack notices change: a node is stale `stale_after_seconds` after its agent's Lease
+    was last renewed; agents renew it every `heartbeat_seconds` and discover every `interval_seconds`; a
+    group's reservation lasts `reservation_timeout_seconds`."""
+
+    stale_after_seconds: float = 120
+    heartbeat_seconds: float = 2
+    interval_seconds: float = 1
+    reservation_timeout_seconds: float = 120
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerPods:
+    """The scheduler pods: `replicas` of them; with two they elect a leader on the Lease `lease_name`
+    (the chart's leader election). `scheduler_name` is the profile pods name in `schedulerName` and the
+    component name of replica 0's kube-scheduler; `extender_name` that of replica 0's extender (replica
+    i > 0 adds `-<i>` to both). With `webhook` each extender also serves the mutating webhook over HTTPS,
+    answering only kube-apiserver's client certificate unless `webhook_client_auth` is False."""
+
+    scheduler_name: str = SCHEDULER_NAME
+    extender_name: str = EXTENDER_COMPONENT
+    replicas: int = 1
+    lease_name: str = "gputopo-scheduler"
+    webhook: bool = False
+    webhook_client_auth: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChartRelease:
+    """The chart's release: its `namespace` and `release` name; `dra` renders the agents as DRA drivers
+    (their RBAC and the DeviceClass); `values`, more chart values over the local layout's (e.g.
+    `tiers`, `tierSets`)."""
+
+    namespace: str = NAMESPACE
+    release: str = RELEASE
+    dra: bool = False
+    values: Mapping[str, Any] = field(default_factory=dict)
+
+
+STACK_TIMING = StackTiming()
+ONE_SCHEDULER_POD = SchedulerPods()
+LOCAL_RELEASE = ChartRelease()
+
+
 class Stack(NodeAgents):
     """The gputopo parts on top of a started ControlPlane. Every process is a component of the
     control plane, so its log sits in the control plane's directory and teardown stops it.
 
-    ``replicas`` scheduler pods run; with two they elect a leader on the Lease ``lease_name`` (the
-    chart's leader election). ``scheduler_name`` is the profile pods name in ``schedulerName`` and the
-    component name of replica 0's kube-scheduler; ``extender_name`` that of replica 0's extender
-    (replica i > 0 adds ``-<i>`` to both). ``webhook`` also serves the mutating webhook over HTTPS
-    (``webhook_url``, trusted through ``ca_file``), answering only kube-apiserver's client certificate
-    unless ``webhook_client_auth`` is False. ``dra`` renders the chart with the agents as DRA
-    drivers (their RBAC and the DeviceClass; `add_kubelet_node(dra=True)` starts such an agent).
-    ``values``: more chart values over the local layout's (e.g. ``tiers``, ``tierSets``)."""
+    `timing`: staleness, heartbeats, discovery, reservations. `scheduler`: the scheduler pods;
+    with their webhook, it is served at ``webhook_url``, trusted through ``ca_file``. `chart`: the release
+    (with `dra`, `add_kubelet_node(agent=KubeletAgent(dra=True))` starts an agent as a DRA driver)."""
 
     def __init__(
         self,
         cp: ControlPlane,
         kube: KubeClient,
         *,
-        namespace: str = NAMESPACE,
-        release: str = RELEASE,
-        stale_after_seconds: float = 120,
-        heartbeat_seconds: float = 2,
-        interval_seconds: float = 1,
-        reservation_timeout_seconds: float = 120,
-        scheduler_name: str = SCHEDULER_NAME,
-        extender_name: str = EXTENDER_COMPONENT,
-        replicas: int = 1,
-        lease_name: str = "gputopo-scheduler",
-        webhook: bool = False,
-        webhook_client_auth: bool = True,
-        dra: bool = False,
-        values: Mapping[str, Any] | None = None,
+        timing: StackTiming = STACK_TIMING,
+        scheduler: SchedulerPods = ONE_SCHEDULER_POD,
+        chart: ChartRelease = LOCAL_RELEASE,
         progress: Callable[[str], None] | None = None,
     ) -> None:
-        if replicas < 1:
+        if scheduler.replicas < 1:
             raise ValueError("replicas must be at least 1")
         self.cp = cp
         self.kube = kube
-        self.namespace = namespace
-        self.release = release
-        self.stale_after_seconds = stale_after_seconds
-        self.heartbeat_seconds = heartbeat_seconds
-        self.interval_seconds = interval_seconds
-        self.reservation_timeout_seconds = reservation_timeout_seconds
-        self.scheduler_name = scheduler_name  # also the profile pods name in schedulerName
-        self.extender_name = extender_name
-        self.replicas = replicas
-        self.lease_name = lease_name
-        self.webhook = webhook
-        self.webhook_client_auth = webhook_client_auth
-        self.dra = dra
-        self.values = dict(values or {})
+        self.namespace = chart.namespace
+        self.release = chart.release
+        self.stale_after_seconds = timing.stale_after_seconds
+        self.heartbeat_seconds = timing.heartbeat_seconds
+        self.interval_seconds = timing.interval_seconds
+        self.reservation_timeout_seconds = timing.reservation_timeout_seconds
+        self.scheduler_name = scheduler.scheduler_name  # also the profile pods name in schedulerName
+        self.extender_name = scheduler.extender_name
+        self.replicas = scheduler.replicas
+        self.lease_name = scheduler.lease_name
+        self.webhook = scheduler.webhook
+        self.webhook_client_auth = scheduler.webhook_client_auth
+        self.dra = chart.dra
+        self.values = dict(chart.values)
         self.ca_file: Path | None = None
         self.webhook_url = ""
         self.nodes: dict[str, GpuNode] = {}
@@ -267,7 +305,7 @@ class Stack(NodeAgents):
                 f"probe-{attempt}",
                 namespace=namespace,
                 annotations={"gputopo.io/nvlink": "preferred"},
-                node_selector={"gputopo.io/probe": "matches-no-node"},
+                scheduling=PodScheduling(node_selector={"gputopo.io/probe": "matches-no-node"}),
             )
             try:
                 mutated = self.kube.create_pod(probe)["spec"]["schedulerName"] == SCHEDULER_NAME

@@ -3,13 +3,15 @@
 Pure apart from file loading in `gputopo.sim.cli`: the same inputs and seed always give the same result.
 """
 
-from gputopo.sim.core import POLICIES, JobInputError, SimResult, prepare_pods, simulate
+from gputopo.sim.core import POLICIES, EngineSetup, JobInputError, SimResult, prepare_pods, simulate
 from gputopo.sim.metrics import Summary
-from gputopo.sim.records import PodPlacement, SimPod, UnplacedPod
+from gputopo.sim.records import Measures, PodPlacement, SimPod, UnplacedPod
 
 __all__ = [
     "POLICIES",
+    "EngineSetup",
     "JobInputError",
+    "Measures",
     "PodPlacement",
     "SimPod",
     "SimResult",

@@ -29,9 +29,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gputopo.clusterfile import JobSpec
-from gputopo.engine.cluster.explain import gpu_ranges, packing_clause, placement_sentence, runner_up
+from gputopo.engine.cluster.explain import Seat, gpu_ranges, packing_clause, placement_sentence, runner_up
 from gputopo.engine.gang.groups import plan_group
-from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, group_waiting_message
+from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, Refinements, group_waiting_message
 from gputopo.engine.network.domains import FreeTracker
 from gputopo.engine.node.besteffort import ScoreMatrix, best_effort_scores, pair_scores
 from gputopo.engine.node.placement import evaluate_pod, rank
@@ -41,8 +41,8 @@ from gputopo.engine.state.scoring import DEFAULT_WEIGHTS, ScoreWeights, grade
 from gputopo.engine.state.snapshot import NodeState, Shape, shape_of, with_in_use
 from gputopo.model import AnnotationError, Health, is_gputopo_pod, parse_pod_request
 from gputopo.sim.checks import broken_requests
-from gputopo.sim.metrics import DEFAULT_PP_MESSAGE_BYTES, DEFAULT_TP_MESSAGE_BYTES, Summary, summarize
-from gputopo.sim.records import Decision, PodPlacement, SimPod, UnplacedPod
+from gputopo.sim.metrics import Summary, summarize
+from gputopo.sim.records import MEASURES, Decision, Measures, PodPlacement, RunRecord, SimPod, UnplacedPod
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 POLICIES = ("gputopo", "default", "random")
@@ -52,6 +52,20 @@ POLICIES = ("gputopo", "default", "random")
 GroupPlanner = Callable[
     [str, Sequence[Member], Sequence[NodeState], TierConfig, ScoreWeights], GroupPlan | GroupFailure
 ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSetup:
+    """How the `gputopo` policy decides: the score weights; fabric-level best fit (`best_fit=False`: ties
+    by node name, groups by score, the benchmarks' before); `group_planner`, what plans groups in
+    plan_group's place (None: plan_group)."""
+
+    weights: ScoreWeights = DEFAULT_WEIGHTS
+    best_fit: bool = True
+    group_planner: GroupPlanner | None = None
+
+
+ENGINE = EngineSetup()
 
 
 # kube-scheduler's own FailedScheduling entry when a node lacks the extended resource.
@@ -139,19 +153,17 @@ class _Run:
         policy: str,
         tiers: TierConfig,
         seed: int,
-        weights: ScoreWeights,
-        best_fit: bool = True,
-        planner: GroupPlanner | None = None,
+        engine: EngineSetup = ENGINE,
     ) -> None:
-        self.best_fit = best_fit
-        self.planner = planner
+        self.best_fit = engine.best_fit
+        self.planner = engine.group_planner
         self.nodes = list(nodes)
         self.free = FreeTracker(self.nodes, tiers)  # over every node, as the extender counts them
         self.index = {n.name: i for i, n in enumerate(self.nodes)}
         self.hw = [_hw(n) for n in self.nodes]
         self.policy = policy
         self.tiers = tiers
-        self.weights = weights
+        self.weights = engine.weights
         self.rng = random.Random(seed)
         self.placements: list[PodPlacement] = []
         self.unplaced: list[UnplacedPod] = []
@@ -202,13 +214,15 @@ class _Run:
         if self.planner is not None:
             plan = self.planner(group, members, self.nodes, self.tiers, self.weights)
         else:
-            plan = plan_group(group, members, self.nodes, self.tiers, self.weights, best_fit=self.best_fit)
+            plan = plan_group(
+                group, members, self.nodes, self.tiers, self.weights, refine=Refinements(best_fit=self.best_fit)
+            )
         if isinstance(plan, GroupFailure):
             self._fail_all(pods, plan.message)
             return
         for a in plan.assignments:
             pod = next(p for p in pods if p.name == a.member)
-            sentence = placement_sentence(a.node.name, a.outcome, None, plan, a.member, self.weights, self.tiers)
+            sentence = placement_sentence(a.node.name, a.outcome, None, Seat(plan, a.member), self.weights, self.tiers)
             score = grade(a.outcome.score)
             self.placements.append(PodPlacement(pod.name, pod.job, a.node.name, a.outcome.gpus, score, sentence))
             self.take(a.node.name, a.outcome.gpus)
@@ -289,23 +303,19 @@ def simulate(
     tiers: TierConfig = DEFAULT_TIERS,
     seed: int = 0,
     *,
-    weights: ScoreWeights = DEFAULT_WEIGHTS,
-    tp_message_bytes: float = DEFAULT_TP_MESSAGE_BYTES,
-    pp_message_bytes: float = DEFAULT_PP_MESSAGE_BYTES,
-    exhaustive: bool = True,
-    best_fit: bool = True,
-    group_planner: GroupPlanner | None = None,
+    engine: EngineSetup = ENGINE,
+    measures: Measures = MEASURES,
 ) -> SimResult:
     """Place `jobs` in order on `nodes` under `policy`; GPUs taken by earlier pods stay taken.
-    `best_fit=False` is gputopo before fabric-level best fit (ties by node name, groups by score), for
-    the benchmarks' before/after; `group_planner` plans gputopo's groups in plan_group's place.
+    `engine`: how the `gputopo` policy decides (weights, best fit, the group planner); `measures`: what
+    the summary's figures assume (message sizes) and whether the exhaustive search compares.
 
     Raises JobInputError on a malformed annotation and ValueError on an unknown policy.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
     pods_per_job = prepare_pods(jobs, tiers)
-    run = _Run(nodes, policy, tiers, seed, weights, best_fit, group_planner)
+    run = _Run(nodes, policy, tiers, seed, engine)
     for pods in pods_per_job:
         if not pods:
             continue
@@ -328,18 +338,8 @@ def simulate(
                 t0 = time.perf_counter()
                 run.blind(pod, size)
                 run.decisions.append(Decision(pod.job, 1, time.perf_counter() - t0))
-    summary = summarize(
-        pods_per_job,
-        run.placements,
-        [u.pod for u in run.unplaced],
-        tuple(nodes),
-        tuple(run.nodes),
-        tiers,
-        weights,
-        tp_message_bytes=tp_message_bytes,
-        pp_message_bytes=pp_message_bytes,
-        exhaustive=exhaustive,
-    )
+    record = RunRecord(pods_per_job, run.placements, [u.pod for u in run.unplaced], tuple(nodes), tuple(run.nodes))
+    summary = summarize(record, tiers, engine.weights, measures)
     return SimResult(
         policy=policy,
         seed=seed,

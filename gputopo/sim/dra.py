@@ -56,7 +56,7 @@ from gputopo.sim.draallocator import (
     unconstrained_claim,
 )
 from gputopo.sim.metrics import is_group_job, summarize
-from gputopo.sim.records import Decision, PodPlacement, SimPod, UnplacedPod
+from gputopo.sim.records import Decision, Measures, PodPlacement, RunRecord, SimPod, UnplacedPod
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 __all__ = [
@@ -318,16 +318,8 @@ def simulate_dra(
         else:
             run.engine_single(pods[0])
         run.decisions.append(Decision(pods[0].job, len(pods), time.perf_counter() - t0))
-    summary = summarize(
-        pods_per_job,
-        run.placements,
-        [u.pod for u in run.unplaced],
-        tuple(nodes),
-        tuple(run.nodes),
-        tiers,
-        weights,
-        exhaustive=exhaustive,
-    )
+    record = RunRecord(pods_per_job, run.placements, [u.pod for u in run.unplaced], tuple(nodes), tuple(run.nodes))
+    summary = summarize(record, tiers, weights, Measures(exhaustive=exhaustive))
     return SimResult(
         policy=f"dra-{encoding_}/{node_choice}",
         seed=0,

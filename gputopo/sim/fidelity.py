@@ -34,7 +34,7 @@ from gputopo.engine.state.snapshot import NodeState, with_in_use
 from gputopo.model import Health
 from gputopo.sim.core import prepare_pods
 from gputopo.sim.metrics import Summary, is_group_job, summarize
-from gputopo.sim.records import PodPlacement, SimPod
+from gputopo.sim.records import Measures, PodPlacement, RunRecord, SimPod
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 # Scores closer than this are equal: they are sums of the same float terms.
@@ -256,16 +256,8 @@ class Follower:
 
     def summary(self) -> Summary:
         """The summary figures of the real placements so far (the jobs observed, in order)."""
-        return summarize(
-            self.jobs,
-            self.placements,
-            self.unplaced,
-            self.initial,
-            tuple(self.state.values()),
-            self.tiers,
-            self.weights,
-            exhaustive=False,
-        )
+        record = RunRecord(self.jobs, self.placements, self.unplaced, self.initial, tuple(self.state.values()))
+        return summarize(record, self.tiers, self.weights, Measures(exhaustive=False))
 
 
 def follow_engine(

@@ -42,11 +42,8 @@ from gputopo.model import NvlinkPolicy, PodRequest, Spread
 from gputopo.sim.checks import broken_requests
 from gputopo.sim.comm import node_shape, pp_seconds, tp_seconds
 from gputopo.sim.exhaustive import EXHAUSTIVE_MAX_NODES, EXHAUSTIVE_MAX_PODS, best_placement
-from gputopo.sim.records import PodPlacement, SimPod
+from gputopo.sim.records import MEASURES, Measures, PodPlacement, RunRecord, SimPod
 from gputopo.tiers import TierConfig
-
-DEFAULT_TP_MESSAGE_BYTES = 64 * 2**20  # one TP allreduce (activations of one layer, order of magnitude)
-DEFAULT_PP_MESSAGE_BYTES = 64 * 2**20  # one activation transfer between pipeline stages
 
 
 @dataclass(frozen=True)
@@ -191,19 +188,11 @@ def job_comm_seconds(
     return tp, pp
 
 
-def summarize(
-    jobs: Sequence[Sequence[SimPod]],
-    placements: Sequence[PodPlacement],
-    unplaced: Sequence[str],
-    initial: Sequence[NodeState],
-    final: Sequence[NodeState],
-    tiers: TierConfig,
-    weights: ScoreWeights,
-    *,
-    tp_message_bytes: float = DEFAULT_TP_MESSAGE_BYTES,
-    pp_message_bytes: float = DEFAULT_PP_MESSAGE_BYTES,
-    exhaustive: bool = True,
-) -> Summary:
+def summarize(run: RunRecord, tiers: TierConfig, weights: ScoreWeights, measures: Measures = MEASURES) -> Summary:
+    """The summary figures of one run (`measures`: the message sizes they price, whether the exhaustive
+    search compares)."""
+    jobs, placements, unplaced, initial, final = run.jobs, run.placements, run.unplaced, run.initial, run.final
+    tp_message_bytes, pp_message_bytes = measures.tp_message_bytes, measures.pp_message_bytes
     by_name = {n.name: n for n in final}
     placed = {p.pod: p for p in placements}
     all_pods = [p for pods in jobs for p in pods]
@@ -214,7 +203,7 @@ def summarize(
     free_total, stranded, stranded_nodes = _stranded(final, all_pods, unplaced, weights)
     comparison: ExhaustiveComparison | None = None
     note = ""
-    if exhaustive:
+    if measures.exhaustive:
         comparison, note = _compare_exhaustive(
             jobs, initial, tiers, tp_message_bytes, pp_message_bytes, jf, sorted(broken)
         )

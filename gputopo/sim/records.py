@@ -1,10 +1,15 @@
-"""What a simulation records: pods, placements, unplaced pods, decisions."""
+"""What a simulation records: pods, placements, unplaced pods, decisions; what its summary reads."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gputopo.engine.state.snapshot import NodeState
 from gputopo.model import PodRequest
+
+DEFAULT_TP_MESSAGE_BYTES = 64 * 2**20  # one TP allreduce (activations of one layer, order of magnitude)
+DEFAULT_PP_MESSAGE_BYTES = 64 * 2**20  # one activation transfer between pipeline stages
 
 
 @dataclass(frozen=True)
@@ -44,3 +49,29 @@ class Decision:
     job: str
     pods: int
     seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measures:
+    """What the summary's figures assume and how far they go: the message sizes (bytes) of one TP
+    all-reduce and one pipeline-stage transfer, and whether an exhaustive search of the best placement
+    is compared (small clusters only; gputopo.sim.exhaustive)."""
+
+    tp_message_bytes: float = DEFAULT_TP_MESSAGE_BYTES
+    pp_message_bytes: float = DEFAULT_PP_MESSAGE_BYTES
+    exhaustive: bool = True
+
+
+MEASURES = Measures()
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """What one run did, as its summary reads it: each job's pods in order, where pods went, the names
+    of the pods left unplaced, and the nodes before the first job and after the last."""
+
+    jobs: Sequence[Sequence[SimPod]]
+    placements: Sequence[PodPlacement]
+    unplaced: Sequence[str]
+    initial: Sequence[NodeState]
+    final: Sequence[NodeState]

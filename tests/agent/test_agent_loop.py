@@ -10,8 +10,8 @@ import pytest
 
 from gputopo.agent.backends import FileBackend, InUseFile
 from gputopo.agent.metrics import AgentMetrics
-from gputopo.agent.nodepublisher import Publisher
-from gputopo.agent.runner import Agent
+from gputopo.agent.nodepublisher import LeaseTerms, Publisher
+from gputopo.agent.runner import Agent, Pacing
 from gputopo.model import (
     GPUS_IN_USE_ANNOTATION,
     TOPOLOGY_ANNOTATION,
@@ -60,9 +60,9 @@ def setup(tmp_path: Path, end: float) -> tuple[Agent, InMemoryNodeApi, FakeTime,
     in_use_file = tmp_path / "in-use.json"
     ft = FakeTime(end)
     api = InMemoryNodeApi(NODE)
-    publisher = Publisher(api, NODE, "ns", lease_duration_s=120, sleep=ft.wait, reverify_s=120.0, monotonic=ft.clock)
+    publisher = Publisher(api, NODE, LeaseTerms("ns", 120), sleep=ft.wait, reverify_s=120.0, monotonic=ft.clock)
     metrics = AgentMetrics()
-    agent = Agent(FileBackend(topo_file), InUseFile(in_use_file), publisher, metrics, 10.0, 30.0, ft, clock=ft.clock)
+    agent = Agent(FileBackend(topo_file), InUseFile(in_use_file), publisher, metrics, Pacing(10.0, 30.0, ft, ft.clock))
     return agent, api, ft, metrics, topo_file, in_use_file
 
 

@@ -14,10 +14,10 @@ import pytest
 
 from gputopo.agent.backends import NoneInUse
 from gputopo.agent.confirmedwrite import CONFLICT_TRIES, Confirmed, PublishResult, retry_write
-from gputopo.agent.dra.slices import SlicePublisher, slice_name
+from gputopo.agent.dra.slices import SlicePublisher, SliceShape, slice_name
 from gputopo.agent.metrics import AgentMetrics
-from gputopo.agent.nodepublisher import NodeMeta, NodeMetaTarget, Publisher
-from gputopo.agent.runner import Agent
+from gputopo.agent.nodepublisher import LeaseTerms, NodeMeta, NodeMetaTarget, Publisher
+from gputopo.agent.runner import Agent, Pacing
 from gputopo.kube import Backoff, KubeError
 from gputopo.model import Health, NodeTopology
 from tests.agent.dp_harness import NODE, topology, with_gpu
@@ -183,13 +183,12 @@ class ConflictingNodeApi(InMemoryNodeApi):
 
 
 def _node_publisher(api: InMemoryNodeApi) -> Publisher:
-    return Publisher(api, NODE, "ns", lease_duration_s=120, sleep=lambda _s: True, monotonic=lambda: 0.0)
+    return Publisher(api, NODE, LeaseTerms("ns", 120), sleep=lambda _s: True, monotonic=lambda: 0.0)
 
 
 def _slice_publisher(api: FakeSlices) -> SlicePublisher:
-    return SlicePublisher(
-        api, NODE, list_attributes=False, device_taints=False, sleep=lambda _s: True, monotonic=lambda: 0.0
-    )
+    shape = SliceShape(list_attributes=False, device_taints=False)
+    return SlicePublisher(api, NODE, shape, sleep=lambda _s: True, monotonic=lambda: 0.0)
 
 
 def _node_case(conflicts: int, fail: list[BaseException]) -> tuple[Callable[[NodeTopology], PublishResult], Any]:
@@ -292,9 +291,8 @@ def test_each_cycle_publishes_the_node_then_the_dra_update(slice_fails: bool) ->
         return PublishResult.UNCHANGED
 
     metrics = AgentMetrics()
-    agent = Agent(
-        FixedBackend(), NoneInUse(), _node_publisher(api), metrics, 10.0, 30.0, threading.Event(), dra_update=dra_update
-    )
+    pacing = Pacing(10.0, 30.0, threading.Event())
+    agent = Agent(FixedBackend(), NoneInUse(), _node_publisher(api), metrics, pacing, dra_update=dra_update)
     first, second = agent.cycle(), agent.cycle()
     assert (first.published, second.published) == (PublishResult.CHANGED, PublishResult.UNCHANGED)
     expected = PublishResult.ERROR if slice_fails else PublishResult.UNCHANGED

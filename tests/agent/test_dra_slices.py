@@ -9,7 +9,15 @@ from typing import Any, cast
 import pytest
 
 from gputopo.agent.confirmedwrite import PublishResult
-from gputopo.agent.dra.slices import KubeSliceApi, SlicePublisher, comparable, desired_spec, slice_name, wire_attribute
+from gputopo.agent.dra.slices import (
+    KubeSliceApi,
+    SlicePublisher,
+    SliceShape,
+    comparable,
+    desired_spec,
+    slice_name,
+    wire_attribute,
+)
 from gputopo.engine.dra.devices import DRIVER
 from gputopo.kube import Kube, KubeError
 from gputopo.model import Health, NodeTopology
@@ -53,7 +61,7 @@ def test_slice_carries_the_clique_encodings(
     system: str, partition0: list[str], partition1: list[str], cliques0: list[str]
 ) -> None:
     topo = topology(system)
-    scalar = desired_spec(NODE, topo, list_attributes=False, device_taints=False)
+    scalar = desired_spec(NODE, topo, SliceShape(list_attributes=False, device_taints=False))
     assert scalar["driver"] == DRIVER and scalar["nodeName"] == NODE
     assert scalar["pool"] == {"name": NODE, "resourceSliceCount": 1}
     assert [d["name"] for d in scalar["devices"]] == [f"gpu-{g.index}" for g in topo.gpus]
@@ -62,13 +70,15 @@ def test_slice_carries_the_clique_encodings(
     assert _attr(scalar, "uuid") == [g.uuid for g in topo.gpus]
     assert all("nvlinkCliques" not in d["attributes"] for d in scalar["devices"])
     assert [d["capacity"] for d in scalar["devices"]] == [{"memory": {"value": f"{g.memory_mib}Mi"}} for g in topo.gpus]
-    listed = desired_spec(NODE, topo, list_attributes=True, device_taints=False)
+    listed = desired_spec(NODE, topo, SliceShape(list_attributes=True, device_taints=False))
     assert listed["devices"][0]["attributes"]["nvlinkCliques"] == {"strings": cliques0}
 
 
 def test_standard_attributes_are_qualified() -> None:
     topo = topology()
-    spec = desired_spec(NODE, topo, list_attributes=False, device_taints=False, pcie_roots={0: "pci0000:00"})
+    spec = desired_spec(
+        NODE, topo, SliceShape(list_attributes=False, device_taints=False), pcie_roots={0: "pci0000:00"}
+    )
     attrs = spec["devices"][0]["attributes"]
     assert attrs["resource.kubernetes.io/pciBusID"] == {"string": topo.gpus[0].pci_bus_id.lower()}
     assert attrs["resource.kubernetes.io/pcieRoot"] == {"string": "pci0000:00"}
@@ -85,7 +95,7 @@ def test_standard_attributes_are_qualified() -> None:
 )
 def test_a_failed_gpu_is_tainted_or_left_out(taints: bool, names: list[str], tainted: list[str]) -> None:
     topo = with_gpu(topology(), 3, health=Health.FAILED)
-    spec = desired_spec(NODE, topo, list_attributes=False, device_taints=taints)
+    spec = desired_spec(NODE, topo, SliceShape(list_attributes=False, device_taints=taints))
     assert [d["name"] for d in spec["devices"]] == names
     assert [d["name"] for d in spec["devices"] if "taints" in d] == tainted
     for d in spec["devices"]:
@@ -123,8 +133,7 @@ def _publisher(api: FakeSlices, clock: list[float], **kw: Any) -> SlicePublisher
     return SlicePublisher(
         api,
         NODE,
-        list_attributes=kw.pop("list_attributes", False),
-        device_taints=kw.pop("device_taints", False),
+        SliceShape(list_attributes=kw.pop("list_attributes", False), device_taints=kw.pop("device_taints", False)),
         sleep=lambda _s: True,
         monotonic=lambda: clock[0],
         reverify_s=60.0,

@@ -13,6 +13,7 @@ from gputopo.agent.confirmedwrite import PublishResult
 from gputopo.agent.labels import node_labels
 from gputopo.agent.nodepublisher import (
     LeaseSpec,
+    LeaseTerms,
     Publisher,
     desired_metadata,
     metadata_changes,
@@ -63,7 +64,7 @@ class WallClock:
 def make(api: InMemoryNodeApi | None = None) -> tuple[Publisher, InMemoryNodeApi, Sleeps]:
     api = api or InMemoryNodeApi(NODE, annotations={"other/keep": "x"}, labels={"gputopo.io/network-leaf": "leaf-3"})
     sleeps = Sleeps()
-    return Publisher(api, NODE, NS, lease_duration_s=120, sleep=sleeps, now=WallClock()), api, sleeps
+    return Publisher(api, NODE, LeaseTerms(NS, 120, WallClock()), sleep=sleeps), api, sleeps
 
 
 def with_link_down(topo: NodeTopology, gpu: int, link: int) -> NodeTopology:
@@ -138,7 +139,7 @@ def test_unchanged_per_pod_truth_makes_no_node_write() -> None:
     """The same truth built in another order is the same bytes: no write, also after re-verifying."""
     ticks = [0.0]
     api = InMemoryNodeApi(NODE)
-    pub = Publisher(api, NODE, NS, lease_duration_s=120, sleep=Sleeps(), reverify_s=60.0, monotonic=lambda: ticks[0])
+    pub = Publisher(api, NODE, LeaseTerms(NS, 120), sleep=Sleeps(), reverify_s=60.0, monotonic=lambda: ticks[0])
     first = GpusInUse(pods={"uid-b": frozenset({3, 2}), "uid-a": frozenset({0, 1})}, other=frozenset({7}))
     again = GpusInUse(pods={"uid-a": frozenset({1, 0}), "uid-b": frozenset({2, 3})}, other=frozenset({7}))
     assert pub.publish(H100, first) is PublishResult.CHANGED
@@ -323,7 +324,7 @@ def test_release_lease_failure_is_reported_not_raised(stopping: bool, calls: int
         return stopping
 
     api = InMemoryNodeApi(NODE)
-    pub = Publisher(api, NODE, NS, lease_duration_s=120, sleep=sleep, now=WallClock())
+    pub = Publisher(api, NODE, LeaseTerms(NS, 120, WallClock()), sleep=sleep)
     assert pub.heartbeat()
     api.fail_next = [KubeError(503, "")] * 4
     assert pub.release_lease() is False

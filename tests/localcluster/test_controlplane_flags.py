@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gputopo.localcluster import APISERVER, CONTROLLERS, ControlPlane, FlagError, parse_flag_map
+from gputopo.localcluster import APISERVER, CONTROLLERS, ApiFeatures, ControlPlane, FlagError, parse_flag_map
 from gputopo.localcluster.binaries import BUILD_SCRIPT, REQUIRED_BINARIES
 from gputopo.localcluster.controlplane import CONTROLLER_MANAGER, CONTROLLER_MANAGER_USER
 from gputopo.localcluster.featureflags import feature_gates_arg, runtime_config_arg
@@ -99,7 +99,7 @@ def test_a_bad_gate_fails_before_the_control_plane_makes_its_directory(tmp_path:
     base = tmp_path / "base"
     base.mkdir()
     with pytest.raises(FlagError, match="'not a gate'"):
-        ControlPlane(_bin_dir(tmp_path), base_dir=base, feature_gates={"not a gate": True})
+        ControlPlane(_bin_dir(tmp_path), base_dir=base, features=ApiFeatures(feature_gates={"not a gate": True}))
     assert not list(base.iterdir())
 
 
@@ -107,7 +107,9 @@ def test_feature_gates_reach_apiserver_schedulers_and_controller_manager_runtime
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cp = ControlPlane(
-        _bin_dir(tmp_path), base_dir=tmp_path, feature_gates={"B": False, "A": True}, runtime_config={"api/beta": True}
+        _bin_dir(tmp_path),
+        base_dir=tmp_path,
+        features=ApiFeatures(feature_gates={"B": False, "A": True}, runtime_config={"api/beta": True}),
     )
     started: dict[str, list[str]] = {}
     monkeypatch.setattr(cp, "start_process", lambda name, argv, **_: started.setdefault(name, list(argv)) and name)

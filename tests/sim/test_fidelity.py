@@ -6,7 +6,7 @@ import pytest
 
 from gputopo.clusterfile import JobSpec, cluster_states, load_cluster, load_jobs
 from gputopo.engine.state.snapshot import NodeState
-from gputopo.sim import prepare_pods, simulate
+from gputopo.sim import Measures, prepare_pods, simulate
 from gputopo.sim.fidelity import Follower, RealPlacement, follow_engine
 from tests.paths import REPO
 from tests.sim.helpers import IB, job, node
@@ -125,7 +125,7 @@ def test_a_placement_on_a_node_the_cluster_lacks_is_refused_by_name() -> None:
 def test_following_the_simulators_own_placements_agrees_on_every_pod_and_gives_its_figures() -> None:
     nodes = cluster_states(load_cluster(EXAMPLES / "cluster.yaml"))
     jobs = load_jobs(EXAMPLES / "jobs.yaml").jobs
-    sim = simulate(nodes, jobs, "gputopo", exhaustive=False)
+    sim = simulate(nodes, jobs, "gputopo", measures=Measures(exhaustive=False))
     where = {p.pod: RealPlacement(p.node, p.gpus, p.score, p.reason) for p in sim.placements}
     f = Follower(nodes)
     for pods in prepare_pods(jobs):
@@ -142,7 +142,7 @@ def test_the_engine_with_random_ties_agrees_with_itself_and_keeps_the_simulators
     jobs = load_jobs(EXAMPLES / "jobs.yaml").jobs
     f = follow_engine(nodes, jobs, seed)
     assert f.agreed == len(f.verdicts) == 12
-    sim = simulate(nodes, jobs, "gputopo", exhaustive=False).summary
+    sim = simulate(nodes, jobs, "gputopo", measures=Measures(exhaustive=False)).summary
     s = f.summary()
     assert (s.pods_placed, s.on_full_clique, s.groups_within, s.stranded_gpus) == (
         sim.pods_placed,
@@ -157,4 +157,9 @@ def test_random_ties_spread_single_pods_over_equal_nodes() -> None:
     jobs = [job(f"tp8-{i}", 8) for i in range(4)]
     used = {frozenset(p.node for p in follow_engine(nodes, jobs, seed).placements) for seed in range(6)}
     assert len(used) > 1  # the simulator itself always fills leaf-0 (the fullest with room), leaving leaf-1 whole
-    assert {p.node for p in simulate(nodes, jobs, "gputopo", exhaustive=False).placements} == {"h0", "h2", "h4", "h6"}
+    assert {p.node for p in simulate(nodes, jobs, "gputopo", measures=Measures(exhaustive=False)).placements} == {
+        "h0",
+        "h2",
+        "h4",
+        "h6",
+    }

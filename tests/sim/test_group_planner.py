@@ -10,7 +10,7 @@ from gputopo.engine.gang.groups import plan_group
 from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member
 from gputopo.engine.state.scoring import ScoreWeights
 from gputopo.engine.state.snapshot import NodeState
-from gputopo.sim import simulate
+from gputopo.sim import EngineSetup, Measures, simulate
 from gputopo.tiers import TierConfig
 from tests.sim.helpers import job, node
 
@@ -38,8 +38,10 @@ def test_the_planner_plans_groups_and_single_pods_stay_the_engines() -> None:
         calls.append(group)
         return plan_group(group, members, nodes, tiers, weights)
 
-    plain = simulate(NODES, JOBS, "gputopo", exhaustive=False)
-    hooked = simulate(NODES, JOBS, "gputopo", exhaustive=False, group_planner=recording)
+    plain = simulate(NODES, JOBS, "gputopo", measures=Measures(exhaustive=False))
+    hooked = simulate(
+        NODES, JOBS, "gputopo", engine=EngineSetup(group_planner=recording), measures=Measures(exhaustive=False)
+    )
     assert calls == ["pp"]
     assert [(p.pod, p.node, p.gpus) for p in hooked.placements] == [(p.pod, p.node, p.gpus) for p in plain.placements]
 
@@ -55,7 +57,8 @@ def test_the_planner_plans_groups_and_single_pods_stay_the_engines() -> None:
 def test_the_planners_verdict_is_what_the_simulator_places(
     planner: object, group_nodes: set[str], unplaced: list[str]
 ) -> None:
-    result = simulate(NODES, JOBS, "gputopo", exhaustive=False, group_planner=planner)  # type: ignore[arg-type]
+    engine = EngineSetup(group_planner=planner)  # type: ignore[arg-type]
+    result = simulate(NODES, JOBS, "gputopo", engine=engine, measures=Measures(exhaustive=False))
     assert {p.node for p in result.placements if p.job == "pp"} == group_nodes
     assert [u.pod for u in result.unplaced] == unplaced
     for u in result.unplaced:

@@ -7,7 +7,7 @@ import pytest
 from gputopo.engine.node.besteffort import best_effort
 from gputopo.engine.state.cliques import bits
 from gputopo.engine.state.snapshot import NodeState
-from gputopo.sim import simulate
+from gputopo.sim import Measures, simulate
 from gputopo.systems import build_system
 from tests.sim.helpers import job, node
 
@@ -51,8 +51,8 @@ def test_default_scatters_pipeline_stages_across_leaves_where_gputopo_packs_one_
 def test_random_policy_is_deterministic_for_a_seed(seed: int) -> None:
     nodes = [node(f"n{i}", "dgx-h100") for i in range(4)]
     jobs = [job("a", 2), job("b", 3), job("c", 1), job("pp", 2, pods=3)]
-    first = simulate(nodes, jobs, "random", seed=seed, exhaustive=False)
-    again = simulate(nodes, jobs, "random", seed=seed, exhaustive=False)
+    first = simulate(nodes, jobs, "random", seed=seed, measures=Measures(exhaustive=False))
+    again = simulate(nodes, jobs, "random", seed=seed, measures=Measures(exhaustive=False))
     assert first.placements == again.placements
 
 

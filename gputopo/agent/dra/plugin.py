@@ -28,7 +28,7 @@ from gputopo.agent.dra.cdi import DEFAULT_CDI_DIR, CdiWriter
 from gputopo.agent.dra.checkpoint import CHECKPOINT_NAME, Checkpoint
 from gputopo.agent.dra.driver import ClaimReader, DraDriver
 from gputopo.agent.dra.server import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR, DraServer, plugin_dir
-from gputopo.agent.dra.slices import SliceApi, SlicePublisher
+from gputopo.agent.dra.slices import SliceApi, SlicePublisher, SliceShape
 from gputopo.agent.sysfs import pci_path
 from gputopo.engine.dra.devices import DRIVER
 from gputopo.model import NodeTopology
@@ -80,15 +80,13 @@ class DraPlugin:
         self.config = config
         self._claims = claims
         self._labels = labels
-        self.publisher = SlicePublisher(
-            slices,
-            config.node,
+        shape = SliceShape(
             list_attributes=config.list_attributes,
             device_taints=config.device_taints,
-            sleep=sleep,
             driver=config.driver,
             best_fit_order=config.best_fit_order,
         )
+        self.publisher = SlicePublisher(slices, config.node, shape, sleep=sleep)
         self.driver: DraDriver | None = None
         self.server: DraServer | None = None
         self._roots: tuple[tuple[str, ...], dict[int, str]] | None = None

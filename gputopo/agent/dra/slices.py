@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gputopo.agent.confirmedwrite import Confirmed, PublishResult, retry_write
@@ -70,27 +71,38 @@ def wire_device(device: Device, *, taint: bool) -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class SliceShape:
+    """What this node's slice says and how (module docstring): its `driver`; `list_attributes`, each
+    device's cliques as a list attribute; `device_taints`, a failed GPU published with a taint, else left
+    out; `best_fit_order`, the devices in best-fit order, else in index order."""
+
+    list_attributes: bool
+    device_taints: bool
+    driver: str = DRIVER
+    best_fit_order: bool = False
+
+
 def desired_spec(
     node: str,
     topology: NodeTopology,
+    shape: SliceShape,
     *,
-    list_attributes: bool,
-    device_taints: bool,
-    driver: str = DRIVER,
     labels: Mapping[str, str] | None = None,
     pcie_roots: Mapping[int, str] | None = None,
-    in_use: frozenset[int] | None = None,
+    in_use: frozenset[int] = frozenset(),
 ) -> dict[str, Any]:
     """The slice's spec without the pool generation (that is the writer's). `in_use`: the GPUs allocated
-    now, for best-fit order (`gputopo.engine.dra.order`); None: index order."""
+    now, which order the devices when `shape.best_fit_order` (`gputopo.engine.dra.order`)."""
     wire = []
-    found = devices(topology, list_attributes=list_attributes, labels=labels, pcie_roots=pcie_roots, in_use=in_use)
+    order = in_use if shape.best_fit_order else None
+    found = devices(topology, list_attributes=shape.list_attributes, labels=labels, pcie_roots=pcie_roots, in_use=order)
     for d in found:
-        if d.failed and not device_taints:
+        if d.failed and not shape.device_taints:
             continue
         wire.append(wire_device(d, taint=d.failed))
     return {
-        "driver": driver,
+        "driver": shape.driver,
         "nodeName": node,
         "pool": {"name": node, "resourceSliceCount": 1},
         "devices": wire,
@@ -255,25 +267,20 @@ class SlicePublisher:
         self,
         api: SliceApi,
         node: str,
+        shape: SliceShape,
         *,
-        list_attributes: bool,
-        device_taints: bool,
         sleep: Callable[[float], bool],
-        driver: str = DRIVER,
         backoff: Backoff = DEFAULT_BACKOFF,
         reverify_s: float = 60.0,
         monotonic: Callable[[], float] = time.monotonic,
-        best_fit_order: bool = False,
     ) -> None:
         self.node = node
-        self.best_fit_order = best_fit_order
-        self.driver = driver
-        self.name = slice_name(node, driver)
-        self.list_attributes = list_attributes
-        self.device_taints = device_taints
-        describe = {"list_attributes": list_attributes, "taints": device_taints}
-        describe["best_fit_order"] = best_fit_order
-        self.target = SliceTarget(api, node, driver, sleep, backoff, describe, ordered=best_fit_order)
+        self.shape = shape
+        self.driver = shape.driver
+        self.name = slice_name(node, shape.driver)
+        describe = {"list_attributes": shape.list_attributes, "taints": shape.device_taints}
+        describe["best_fit_order"] = shape.best_fit_order
+        self.target = SliceTarget(api, node, shape.driver, sleep, backoff, describe, ordered=shape.best_fit_order)
         self._slice = Confirmed(self.target, reverify_s, monotonic)
 
     @property
@@ -293,16 +300,7 @@ class SlicePublisher:
         in_use: frozenset[int] = frozenset(),
     ) -> PublishResult:
         """Publish the slice; `in_use` (the GPUs allocated now) orders it when `best_fit_order`."""
-        spec = desired_spec(
-            self.node,
-            topology,
-            list_attributes=self.list_attributes,
-            device_taints=self.device_taints,
-            driver=self.driver,
-            labels=labels,
-            pcie_roots=pcie_roots,
-            in_use=in_use if self.best_fit_order else None,
-        )
+        spec = desired_spec(self.node, topology, self.shape, labels=labels, pcie_roots=pcie_roots, in_use=in_use)
         return self._slice.publish(spec)
 
 

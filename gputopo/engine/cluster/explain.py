@@ -4,6 +4,7 @@ runner-up. Built from the engine's values (outcomes and score components), never
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 
 from gputopo.engine.gang.plan import Assignment, BestFit, GroupPlan
@@ -133,35 +134,46 @@ def runner_up(chosen: str, ranked: Sequence[NodeVerdict]) -> NodeVerdict | None:
     return next((v for v in ranked if v.name != chosen), None)
 
 
+@dataclass(frozen=True)
+class Seat:
+    """A group member's place, as its sentence tells it: the group's `plan` and the `member`'s name;
+    `origin`, where a group inferred from a controller's labels came from, e.g. 'group
+    jobset/llama-pretrain, rank 5 of 16, from JobSet labels' (gputopo.model.InferredGroup.words);
+    `at`, the member's node when it is not the planned one (a member without GPUs may be bound to
+    another node under the same switch)."""
+
+    plan: GroupPlan
+    member: str
+    origin: str = ""
+    at: NodeState | None = None
+
+
 def placement_sentence(
     node: str,
     outcome: Outcome,
     runner: NodeVerdict | None,
-    plan: GroupPlan | None = None,
-    member: str | None = None,
+    seat: Seat | None = None,
     weights: ScoreWeights = DEFAULT_WEIGHTS,
     tiers: TierConfig = DEFAULT_TIERS,
     *,
-    origin: str = "",
-    at: NodeState | None = None,
     packing: str = "",
 ) -> str:
-    """`packing`: why a lone pod's node beat a runner-up of the same score (`packing_clause`).
-    `origin`: where a group inferred from a controller's labels came from, e.g. 'group
-    jobset/llama-pretrain, rank 5 of 16, from JobSet labels' (gputopo.model.InferredGroup.words).
-    `at`: the member's node when it is not the planned one (a member without GPUs may be bound to
-    another node under the same switch)."""
+    """Why the pod is on `node`: its GPUs, its place in its group (`seat`, None for a lone pod) or its
+    runner-up, its predicted communication. `packing`: why a lone pod's node beat a runner-up of the
+    same score (`packing_clause`)."""
     parts = [describe_gpus(node, outcome)]
     staged = False
-    if plan is not None and member is not None:
-        a = plan.for_member(member)
+    plan, member = (seat.plan, seat.member) if seat is not None else (None, None)
+    if seat is not None:
+        plan = seat.plan
+        a = plan.for_member(seat.member)
         if a is not None:
-            if origin:
-                parts.append(origin)
-            parts.append(stage_clause(plan, a, at))
+            if seat.origin:
+                parts.append(seat.origin)
+            parts.append(stage_clause(plan, a, seat.at))
             if plan.fit is not None:
                 parts.append(fit_clause(plan.fit))
-            tp = tp_placement(plan, member)
+            tp = tp_placement(plan, seat.member)
             if tp is not None and plan.split is not None:
                 parts.append(tp_clause(tp, plan.split.per_group))
             staged = True

@@ -30,6 +30,7 @@ from gputopo.engine.gang.plan import (
     GroupPlan,
     Member,
     Placed,
+    PlacedBefore,
     alongside_of,
     assign_stages,
     switches_of,
@@ -73,25 +74,34 @@ class Held:
     selector: Selector = ()
 
 
+@dataclass(frozen=True)
+class Candidates:
+    """The nodes a group's members may be planned onto: `nodes`, the asking pod's candidates; `extra`,
+    nodes beyond them that other members' selectors name; `select`, where given, the names of the nodes a
+    selector selects (gputopo.engine.gang.labelindex), else each node is matched."""
+
+    nodes: Sequence[NodeState]
+    extra: Sequence[NodeState] = ()
+    select: Select | None = None
+
+
 def plan_held(
     group: str,
     members: Sequence[Held],
-    nodes: Sequence[NodeState],
-    extra: Sequence[NodeState] = (),
+    where: Candidates,
     tiers: TierConfig = DEFAULT_TIERS,
     weights: ScoreWeights = DEFAULT_WEIGHTS,
     *,
     placed: Sequence[Placed] = (),
     mine: Selector = (),
-    select: Select | None = None,
 ) -> GroupPlan | GroupFailure:
     """Place every member or none, each on a node its selector allows.
 
-    `nodes`: the asking pod's candidates (kube-scheduler's verdict for its selector `mine`), where members
-    with its selector or none go, as every member does without selectors; `extra`: other nodes that
-    members' selectors name. `placed`: members placed already (a re-plan's pinned ones): their stages are
-    taken, their GPUs line up the rails, and a `spread: node` set avoids their nodes. `select`: the names
-    of the nodes a selector selects (gputopo.engine.gang.labelindex), else each node is matched."""
+    `where.nodes`: the asking pod's candidates (kube-scheduler's verdict for its selector `mine`), where
+    members with its selector or none go, as every member does without selectors; `where.extra`: other
+    nodes that members' selectors name. `placed`: members placed already (a re-plan's pinned ones): their
+    stages are taken, their GPUs line up the rails, and a `spread: node` set avoids their nodes."""
+    nodes, extra = where.nodes, where.extra
     if not members:
         return GroupFailure(group, f"group {group}: no members")
     pinned = tuple(placed)
@@ -100,7 +110,7 @@ def plan_held(
         dup = sorted({s for s in stages if stages.count(s) > 1})
         return GroupFailure(group, f"group {group}: stage {dup[0]} is claimed by more than one pod")
     stage_of = {m.name: s for s, m in assign_stages([h.member for h in members], _stages(pinned))}
-    by_nodes = _sets(members, nodes, extra, mine, select)
+    by_nodes = _sets(members, where, mine)
     # The most constrained set first (it has the fewest choices), then in Kueue's rank order.
     sets = sorted(by_nodes.items(), key=lambda kv: (len(kv[0]), min(stage_of[h.member.name] for h in kv[1])))
     lead = members[0].member.request
@@ -110,7 +120,7 @@ def plan_held(
         ((allowed, _),) = sets
         taken = {p.node.name for p in pinned if p.node is not None and p.gpus} if lead.spread is Spread.NODE else set()
         whole = [n for n in (*nodes, *extra) if n.name in allowed and n.name not in taken]
-        return plan_group(group, [h.member for h in members], whole, tiers, weights, placed=pinned)
+        return plan_group(group, [h.member for h in members], whole, tiers, weights, before=PlacedBefore(placed=pinned))
     tp = _tp(group, members, pinned, stage_of)
     if isinstance(tp, GroupFailure):
         return tp
@@ -129,9 +139,8 @@ def plan_held(
             return _failure(group, held, "matches none of the nodes gputopo may use")
         held = sorted(held, key=lambda h: (stage_of[h.member.name], h.member.name))
         keep_tp = tp_groups is None or tp_groups.whole(held)
-        plan = _plan_set(
-            group, held, [current[n] for n in allowed], used, tiers, weights, list(fixed.values()), keep_tp
-        )
+        todo, over = _set_members(held, [current[n] for n in allowed], used, keep_tp)
+        plan = plan_group(group, todo, over, tiers, weights, before=PlacedBefore(alongside=list(fixed.values())))
         if isinstance(plan, GroupFailure):
             return _failure(group, held, plan.message) if held[0].selector else plan
         for a in plan.assignments:
@@ -289,15 +298,10 @@ def _spanned(group: str, members: Sequence[Held], placed: Sequence[NodeState]) -
     )
 
 
-def _sets(
-    members: Sequence[Held],
-    nodes: Sequence[NodeState],
-    extra: Sequence[NodeState],
-    mine: Selector,
-    select: Select | None = None,
-) -> dict[tuple[str, ...], list[Held]]:
+def _sets(members: Sequence[Held], where: Candidates, mine: Selector) -> dict[tuple[str, ...], list[Held]]:
     """Members by the nodes they may use (in the order of `nodes`, then `extra`). With `select`, a selector's
     nodes are looked up, not matched node by node: thousands of distinct selectors cost one lookup each."""
+    nodes, extra, select = where.nodes, where.extra, where.select
     every = (*nodes, *extra)
     order: dict[str, int] = {}
     hosts: dict[str, list[str]] = {}  # a hostname selector (Kueue's lowest level) finds its node at once
@@ -324,19 +328,12 @@ def _sets(
     return by_nodes
 
 
-def _plan_set(
-    group: str,
-    held: Sequence[Held],
-    allowed: Sequence[NodeState],
-    used: set[str],
-    tiers: TierConfig,
-    weights: ScoreWeights,
-    fixed: Sequence[tuple[NodeState, tuple[int, ...]]],
-    keep_tp: bool = True,
-) -> GroupPlan | GroupFailure:
-    """One set of members over the nodes they may use. Stages are the whole group's, so plan_group
-    numbers the set afresh; members share nodes when the set has fewer free nodes than members.
-    `keep_tp=False`: the set holds part of a TP group, planned as members alone (module docstring)."""
+def _set_members(
+    held: Sequence[Held], allowed: Sequence[NodeState], used: set[str], keep_tp: bool = True
+) -> tuple[list[Member], Sequence[NodeState]]:
+    """One set of members as plan_group plans them, and the nodes it plans them over. Stages are the whole
+    group's, so the set is numbered afresh; members share nodes when the set has fewer free nodes than
+    members. `keep_tp=False`: the set holds part of a TP group, planned as members alone (module docstring)."""
     k = len(held)
     spread = held[0].member.request.spread
     if spread is Spread.NODE:
@@ -351,7 +348,7 @@ def _plan_set(
     todo = [
         Member(h.member.name, h.member.request.model_copy(update={**update, "stage": i})) for i, h in enumerate(held)
     ]
-    return plan_group(group, todo, allowed, tiers, weights, alongside=fixed)
+    return todo, allowed
 
 
 def _failure(group: str, held: Sequence[Held], why: str) -> GroupFailure:

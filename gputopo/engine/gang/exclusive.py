@@ -17,7 +17,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gputopo.engine.gang.groups import plan_group
-from gputopo.engine.gang.plan import Assignment, GroupFailure, GroupPlan, Member, Placed, alongside_of, switches_of
+from gputopo.engine.gang.plan import (
+    Assignment,
+    GroupFailure,
+    GroupPlan,
+    Member,
+    Placed,
+    PlacedBefore,
+    alongside_of,
+    switches_of,
+)
 from gputopo.engine.network.rails import assess
 from gputopo.engine.state.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.state.snapshot import NodeState
@@ -171,7 +180,7 @@ def _plan_in(
     if job.pinned and local[0].request.spread is Spread.NODE:
         taken = {p.node.name for p in job.pinned if p.node is not None}
         nodes = [n for n in nodes if n.name not in taken]
-    out = plan_group(job.name, local, nodes, tiers, weights, placed=job.pinned)
+    out = plan_group(job.name, local, nodes, tiers, weights, before=PlacedBefore(placed=job.pinned))
     if isinstance(out, GroupFailure):
         return out
     moved = tuple(Assignment(a.member, job.offset + a.stage, a.node, a.outcome) for a in out.assignments)

@@ -21,14 +21,17 @@ from collections.abc import Mapping, Sequence
 from gputopo.engine.gang.beside import place_beside
 from gputopo.engine.gang.packed import plan_packed
 from gputopo.engine.gang.plan import (
+    NOTHING_BEFORE,
+    REFINED,
     Assignment,
-    Before,
     Fabric,
+    Gang,
     GroupFailure,
     GroupPlan,
     Member,
     Packing,
-    Placed,
+    PlacedBefore,
+    Refinements,
     alongside_of,
     assign_stages,
     fit_tiers,
@@ -69,20 +72,15 @@ def plan_group(
     tiers: TierConfig = DEFAULT_TIERS,
     weights: ScoreWeights = DEFAULT_WEIGHTS,
     *,
-    alongside: Sequence[tuple[NodeState, Sequence[int]]] = (),
-    placed: Sequence[Placed] = (),
-    align_rails: bool = True,
-    best_fit: bool = True,
+    before: PlacedBefore = NOTHING_BEFORE,
+    refine: Refinements = REFINED,
 ) -> GroupPlan | GroupFailure:
     """Place every member or none. Members carry their own GPU counts; group-level settings (network,
     tiers, spread) come from the first member, as all members of one job share them.
 
-    `alongside`: GPUs placed already (node, GPUs), whose rails the new members line up with.
-    `placed`: members placed already (a re-plan's pinned ones): the group is they and `members`, their
-    stages (where known) are taken, and their GPUs count as `alongside`'s.
-    `align_rails=False` keeps each node's own GPU choice (the figures before rail alignment).
-    `best_fit=False` chooses among domains as before best fit (scores and names; gputopo.engine.gang.plan
-    `Fabric`), for comparison.
+    `before`: what the group holds already: GPUs whose rails the new members line up with, and members
+    placed already (a re-plan's pinned ones): the group is they and `members`, their stages (where known)
+    are taken. `refine`: rail alignment and best fit, either off for the figures before it.
 
     Members that ask for no GPUs (a job's driver, a leader) take their stage but neither a GPU nor a
     node of their own: the others are planned as if they were not there, then each goes beside its
@@ -90,15 +88,13 @@ def plan_group(
 
     Within one tier set's nodes (gputopo.engine.gang.tiersets): a group never spans two hardware shapes. A
     group whose TP groups span nodes (`gputopo.io/tp-size`, a ComputeDomain) is gputopo.engine.gang.rack's."""
-    fixed = [node for node, _ in alongside] + [p.node for p in placed if p.node is not None]
+    fixed = [node for node, _ in before.alongside] + [p.node for p in before.placed if p.node is not None]
     return plan_in_one_tier_set(
         group,
         nodes,
         fixed,
         tiers,
-        lambda name, part: _plan_shape(
-            group, members, part, tiers.of_set(name), weights, (alongside, placed), (align_rails, best_fit)
-        ),
+        lambda name, part: _plan_shape(group, members, part, tiers.of_set(name), weights, before, refine),
     )
 
 
@@ -108,16 +104,14 @@ def _plan_shape(
     nodes: Sequence[NodeState],
     tiers: TierConfig,
     weights: ScoreWeights,
-    before_plan: tuple[Sequence[tuple[NodeState, Sequence[int]]], Sequence[Placed]],
-    options: tuple[bool, bool],
+    placed_before: PlacedBefore,
+    refine: Refinements,
 ) -> GroupPlan | GroupFailure:
     """`plan_group` over nodes of one tier set (`tiers` that set's)."""
-    alongside, placed = before_plan
-    align_rails, best_fit = options
     if not members:
         return GroupFailure(group, f"group {group}: no members")
-    held = tuple(placed)
-    before = (tuple((node, tuple(gpus)) for node, gpus in alongside) + alongside_of(held), held)
+    held = tuple(placed_before.placed)
+    before = (tuple((node, tuple(gpus)) for node, gpus in placed_before.alongside) + alongside_of(held), held)
     n = len(members) + len(held)
     taken = [p.stage for p in held if p.stage is not None]
     stages = [m.request.stage for m in members if m.request.stage is not None] + taken
@@ -136,34 +130,26 @@ def _plan_shape(
         fit_tiers(tiers, lead.required_tier or lead.preferred_tier),
         tiers.network_tiers(),
         tuple(p.node for p in held if p.node is not None),
-        best_fit,
+        refine.best_fit,
     )
-    rack = plan_rack(group, holders, nodes, tiers, weights, before)
+    gang = Gang(group, holders, nodes, tiers, weights, before)
+    rack = plan_rack(gang)
     if rack is not None:  # TP groups that span nodes: each in one NVLink domain
         plan = rack
     elif lead.spread is Spread.NONE:
-        plan = plan_packed(group, holders, nodes, tiers, weights, before, fabric)
+        plan = plan_packed(gang, fabric)
     else:
-        plan = _plan_spread(group, lead, holders, nodes, tiers, weights, before, align_rails, fabric)
+        plan = _plan_spread(gang, lead, refine.align_rails, fabric)
     if isinstance(plan, GroupFailure) or len(holders) == len(staged):
         return plan
     return place_beside(plan, [(s, m) for s, m in staged if m.request.gpus == 0], nodes, tiers, weights)
 
 
-def _plan_spread(
-    group: str,
-    lead: PodRequest,
-    staged: Sequence[tuple[int, Member]],
-    nodes: Sequence[NodeState],
-    tiers: TierConfig,
-    weights: ScoreWeights,
-    before: Before,
-    align_rails: bool,
-    fabric: Fabric,
-) -> GroupPlan | GroupFailure:
+def _plan_spread(gang: Gang, lead: PodRequest, align_rails: bool, fabric: Fabric) -> GroupPlan | GroupFailure:
     """`spread: node`: one member per node, each on its own clique."""
+    group, staged, nodes, tiers, weights = gang.group, gang.staged, gang.nodes, gang.tiers, gang.weights
     n = len(staged)
-    fixed, held = before
+    fixed, held = gang.before
     # One member per node. Members may differ in GPU count; plan for the most demanding one.
     demanding = max((m.request for _, m in staged), key=lambda r: (r.gpus, r.min_gpu_memory_mib or 0))
     feasible = rank(evaluate_pod(nodes, demanding, weights))

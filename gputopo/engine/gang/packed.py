@@ -11,11 +11,10 @@ from itertools import chain
 
 from gputopo.engine.gang.plan import (
     Assignment,
-    Before,
     Fabric,
+    Gang,
     GroupFailure,
     GroupPlan,
-    Member,
     Packing,
     pack_order,
     requirement_words,
@@ -30,20 +29,13 @@ from gputopo.model import PodRequest
 from gputopo.tiers import TierConfig
 
 
-def plan_packed(
-    group: str,
-    staged: Sequence[tuple[int, Member]],
-    nodes: Sequence[NodeState],
-    tiers: TierConfig,
-    weights: ScoreWeights,
-    before: Before,
-    fabric: Fabric,
-) -> GroupPlan | GroupFailure:
+def plan_packed(gang: Gang, fabric: Fabric) -> GroupPlan | GroupFailure:
     """`spread: none`: members may share a node. The tiers hold as for `spread: node`: `required-tier`
     keeps every member under one switch of that tier or places none; otherwise members go under as few
     switches as possible, `preferred-tier` first, else widest tier first; then on as few nodes as they
     fit. Consecutive stages fill one node before the next, nodes in fabric order. Members sharing a node
     cannot share its rails, so rails are reported here, not steered."""
+    group, staged, nodes, tiers, weights = gang.group, gang.staged, gang.nodes, gang.tiers, gang.weights
     n = len(staged)
     lead = staged[0][1].request
     demanding = max((m.request for _, m in staged), key=lambda r: (r.gpus, r.min_gpu_memory_mib or 0))
@@ -100,7 +92,7 @@ def plan_packed(
                 break
         else:
             return GroupFailure(group, f"group needs room for {n} members with {words}; {len(assignments)} fit")
-    fixed, held = before
+    fixed, held = gang.before
     rails = assess([*((a.node, a.outcome.gpus) for a in assignments), *fixed])
     fit = pack.note(holds, chosen, n)
     return GroupPlan(group, tuple(assignments), switches_of(assignments, tiers), rails, fixed, held, fit)

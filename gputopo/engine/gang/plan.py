@@ -11,6 +11,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from gputopo.engine.network.domains import DomainFree, domain_of
 from gputopo.engine.network.rails import NOT_APPLICABLE, RailAlignment
 from gputopo.engine.node.placement import Outcome
+from gputopo.engine.state.scoring import ScoreWeights
 from gputopo.engine.state.snapshot import NodeState
 from gputopo.model import NetworkKind, NvlinkPolicy, PodRequest
 from gputopo.tiers import TierConfig
@@ -68,6 +69,46 @@ def alongside_of(placed: Iterable[Placed]) -> tuple[tuple[NodeState, tuple[int, 
 
 # What a plan is made alongside: the GPUs placed before (node, GPUs: rails) and the members placed before.
 Before = tuple[tuple[tuple[NodeState, tuple[int, ...]], ...], tuple[Placed, ...]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacedBefore:
+    """What a group holds before a plan: `alongside`, GPUs placed already (node, GPUs) whose rails the new
+    members line up with; `placed`, members placed already (a re-plan's pinned ones), whose stages are
+    taken and whose GPUs count as `alongside`'s."""
+
+    alongside: Sequence[tuple[NodeState, Sequence[int]]] = ()
+    placed: Sequence[Placed] = ()
+
+
+NOTHING_BEFORE = PlacedBefore()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Refinements:
+    """The planner's steps past its first choice, each switchable off for the figures before it:
+    `align_rails=False` keeps each node's own GPU choice; `best_fit=False` chooses among domains by
+    scores and names (`Fabric`)."""
+
+    align_rails: bool = True
+    best_fit: bool = True
+
+
+REFINED = Refinements()
+
+
+@dataclass(frozen=True)
+class Gang:
+    """One planner's inputs (rack, packed, one member per node): the group, its members with their
+    stages, the nodes of one tier set planned over, that set's tiers, the score weights, and what the
+    group holds already."""
+
+    group: str
+    staged: Sequence[tuple[int, Member]]
+    nodes: Sequence[NodeState]
+    tiers: TierConfig
+    weights: ScoreWeights
+    before: Before
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 from gputopo.engine.gang.packed import capacity
 from gputopo.engine.gang.plan import (
     Assignment,
-    Before,
     DomainShare,
     DomainSplit,
+    Gang,
     GroupFailure,
     GroupPlan,
     Member,
@@ -241,21 +241,15 @@ def _take(domain: _Domain, members: int) -> list[_Tray]:
     return sorted(picked, key=lambda t: t.node.name)
 
 
-def plan_rack(
-    group: str,
-    staged: Sequence[tuple[int, Member]],
-    nodes: Sequence[NodeState],
-    tiers: TierConfig,
-    weights: ScoreWeights,
-    before: Before,
-) -> GroupPlan | GroupFailure | None:
+def plan_rack(gang: Gang) -> GroupPlan | GroupFailure | None:
     """The plan of a group whose TP groups span nodes; None when none does (or when the group only
     prefers NVLink and no domain split holds it: the other planners place it then).
 
     Members placed before (a re-plan) keep their TP groups where they are: the new members of a TP group
     with placed members go to its domain (a ComputeDomain's, to the one domain its placed members use);
     TP groups with none placed are split afresh over what the domains hold besides."""
-    held = before[1]
+    group, staged, nodes, tiers, weights = gang.group, gang.staged, gang.nodes, gang.tiers, gang.weights
+    held = gang.before[1]
     lead = staged[0][1].request
     placed = [p for p in held if p.gpus]
     shape = tp_shape(lead, [m.request.gpus for _, m in staged] + [len(p.gpus) for p in placed])
@@ -289,7 +283,7 @@ def plan_rack(
         return GroupFailure(group, _failure(group, shape, list(domains.values()), problems))
     ordered = iter(d for d, share in sorted(split, key=lambda ds: _fabric_order(ds[0], tiers)) for _ in range(share))
     where.update({t: next(ordered).name for t in fresh})
-    return _assemble(group, new, where, shape, domains, tiers, weights, before, lead)
+    return _assemble(gang, new, where, shape, domains, lead)
 
 
 def _tp_groups(
@@ -314,18 +308,17 @@ def _tp_groups(
 
 
 def _assemble(
-    group: str,
+    gang: Gang,
     new: Mapping[int, Sequence[tuple[int, Member]]],
     where: Mapping[int, str],
     shape: TpShape,
     domains: Mapping[str, _Domain],
-    tiers: TierConfig,
-    weights: ScoreWeights,
-    before: Before,
     lead: PodRequest,
 ) -> GroupPlan | GroupFailure:
-    """Each domain's new members on its trays, stage order; the split over every TP group."""
-    fixed, held = before
+    """Each domain's new members on the trays `gang` gives it (`new`: the new members of each TP group,
+    `where`: each TP group's domain), stage order; the split over every TP group."""
+    group, tiers, weights = gang.group, gang.tiers, gang.weights
+    fixed, held = gang.before
     assignments: list[Assignment] = []
     for name in dict.fromkeys(where[t] for t in sorted(new)):
         domain = domains[name]

@@ -11,11 +11,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gputopo.engine.gang.assigned import Held, Select, Selector, plan_held
+from gputopo.engine.gang.assigned import Candidates, Held, Selector, plan_held
 from gputopo.engine.gang.groups import plan_group
-from gputopo.engine.gang.plan import Assignment, GroupFailure, GroupPlan, Member, Placed, group_waiting_message
+from gputopo.engine.gang.plan import (
+    Assignment,
+    GroupFailure,
+    GroupPlan,
+    Member,
+    Placed,
+    PlacedBefore,
+    group_waiting_message,
+)
 from gputopo.engine.state.scoring import DEFAULT_WEIGHTS, ScoreWeights
-from gputopo.engine.state.snapshot import NodeState
 from gputopo.model import PodRequest, Spread
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
@@ -64,17 +71,14 @@ def replan(
     size: int,
     me: str,
     members: Mapping[str, MemberView],
-    nodes: Sequence[NodeState],
+    where: Candidates,
     tiers: TierConfig = DEFAULT_TIERS,
     weights: ScoreWeights = DEFAULT_WEIGHTS,
-    extra: Sequence[NodeState] = (),
-    select: Select | None = None,
 ) -> Replan | GroupWaiting | GroupFailure:
     """Plan the members of `group` not placed yet; `me` (the pod asking) is always planned afresh.
 
-    `members` must hold `me` with its request. Fewer members than `size` wait; more fail. `nodes` are
-    the asking pod's candidates; `extra`, nodes beyond them that other members' selectors name;
-    `select`, where given, the nodes a selector selects (gputopo.engine.gang.labelindex)."""
+    `members` must hold `me` with its request. Fewer members than `size` wait; more fail. `where`: the
+    asking pod's candidates, and the nodes beyond them that other members' selectors name."""
     miscounted = counted(group, len(members), size)
     if miscounted is not None:
         return miscounted
@@ -92,8 +96,10 @@ def replan(
             return GroupWaiting(group, f"group {group}: waiting for member {name}'s node assignment ({m.gated})")
         todo.append(Member(name, m.request))
     if todo and any(members[m.name].selector for m in todo):  # its own spread rule: before `nodes` narrows
-        return _replan_held(group, me, members, todo, pinned, nodes, extra, tiers, weights, select)
+        held = [Held(m, members[m.name].selector) for m in todo]
+        return _replan_held(group, members[me].selector, held, pinned, where, tiers, weights)
     # Pinned members, on the nodes given: their stages are taken, the new members line up with their rails.
+    nodes = where.nodes
     by_name = {n.name: n for n in nodes}
     placed = [Placed(_stage(m), by_name.get(m.node or ""), tuple(sorted(m.gpus))) for m in pinned.values()]
     if lead.spread is Spread.NODE:  # a member without GPUs is no node's one member
@@ -102,7 +108,7 @@ def replan(
     slots: dict[str, Slot] = {}
     plan = None
     if todo:
-        result = plan_group(group, todo, nodes, tiers, weights, placed=placed)
+        result = plan_group(group, todo, nodes, tiers, weights, before=PlacedBefore(placed=placed))
         if isinstance(result, GroupFailure):
             return result
         plan = result
@@ -130,21 +136,18 @@ def _stage(m: MemberView) -> int | None:
 
 def _replan_held(
     group: str,
-    me: str,
-    members: Mapping[str, MemberView],
-    todo: Sequence[Member],
+    mine: Selector,
+    held: Sequence[Held],
     pinned: Mapping[str, MemberView],
-    nodes: Sequence[NodeState],
-    extra: Sequence[NodeState],
+    where: Candidates,
     tiers: TierConfig,
     weights: ScoreWeights,
-    select: Select | None,
 ) -> Replan | GroupFailure:
-    """`replan` for a group some of whose members carry a nodeSelector (gputopo.engine.gang.assigned)."""
-    by_name = {n.name: n for n in (*nodes, *extra)}
+    """`replan` for a group some of whose members carry a nodeSelector (gputopo.engine.gang.assigned):
+    `held`, the members to plan; `mine`, the asking pod's selector."""
+    by_name = {n.name: n for n in (*where.nodes, *where.extra)}
     placed = [Placed(_stage(m), by_name.get(m.node or ""), tuple(sorted(m.gpus))) for m in pinned.values()]
-    held = [Held(m, members[m.name].selector) for m in todo]
-    plan = plan_held(group, held, nodes, extra, tiers, weights, placed=placed, mine=members[me].selector, select=select)
+    plan = plan_held(group, held, where, tiers, weights, placed=placed, mine=mine)
     if isinstance(plan, GroupFailure):
         return plan
     slots = {

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable
 
 from gputopo.engine.cluster.explain import (
+    Seat,
     packing_clause,
     placement_estimate,
     placement_sentence,
@@ -251,9 +252,8 @@ class Binder:
         inferred = rec.inferred if rec is not None else None
         origin = inferred.words() if inferred is not None and inferred.group == req.group else ""
         # `at`: a member without GPUs may be bound beside its planned node, under the same switch.
-        sentence = placement_sentence(
-            node, outcome, runner, plan, info.name, ledger.weights, ledger.tiers, origin=origin, at=state, packing=fill
-        )
+        seat = Seat(plan, info.name, origin, state) if plan is not None else None
+        sentence = placement_sentence(node, outcome, runner, seat, ledger.weights, ledger.tiers, packing=fill)
         stage = req.stage
         if res is not None and info.name in res.slots:
             stage = res.slots[info.name].stage

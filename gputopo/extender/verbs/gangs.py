@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from gputopo.engine.gang.assigned import HOSTNAME, Selector, selects
+from gputopo.engine.gang.assigned import HOSTNAME, Candidates, Selector, selects
 from gputopo.engine.gang.imex import Serving, group_candidates, nvlink_domain
 from gputopo.engine.gang.plan import GroupFailure
 from gputopo.engine.gang.replan import GroupWaiting, MemberView, Replan, Slot, counted, replan
@@ -269,7 +269,7 @@ class GroupDesk:
             if slot is not None and slot.node in wanted:
                 return slot
         assert req.group_size is not None
-        out = replan(key[1], req.group_size, info.name, members, states, ledger.tiers, ledger.weights)
+        out = replan(key[1], req.group_size, info.name, members, Candidates(states), ledger.tiers, ledger.weights)
         if not isinstance(out, Replan):
             return None
         with self._dry_runs_lock:
@@ -343,11 +343,9 @@ class GroupDesk:
                 req.group_size,
                 info.name,
                 members,
-                states,
+                Candidates(states, extra, self._select if self.indexed else None),
                 self.ledger.tiers,
                 self.ledger.weights,
-                extra,
-                self._select if self.indexed else None,
             )
             if isinstance(out, GroupFailure) and left_out:
                 return GroupFailure(out.group, f"{out.message}; {left_out}")

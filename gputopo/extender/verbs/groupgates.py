@@ -160,11 +160,41 @@ def plan_with(desk: GroupDesk) -> GroupPlanner:
     return plan
 
 
-class GateLifter:
-    """The sweep over the gated pods; `run(stop)` sweeps every `interval_s` until `stop` is set.
+@dataclass(frozen=True, kw_only=True)
+class SweepPace:
+    """When and how fast the sweep lifts (module doc): a sweep every `interval_s`, at most `max_writes`
+    patches and `max_plans` group plans each; a member told why it waits after `tell_after_s`; a group
+    still not whole, or not placed, lifted after `release_after_s`."""
 
-    `plan`: a whole group's plan (`plan_with`; None: a whole group is lifted unplanned); `leading`: whether
-    this replica's kube-scheduler leads (gputopo.extender.state.leadership; a standby sweeps nothing)."""
+    release_after_s: float = DEFAULT_RELEASE_AFTER_S
+    interval_s: float = 0.25
+    max_writes: int = DEFAULT_MAX_WRITES
+    tell_after_s: float = DEFAULT_TELL_AFTER_S
+    max_plans: int = DEFAULT_MAX_PLANS
+
+
+SWEEP_PACE = SweepPace()
+
+
+def _leads_alone() -> bool:
+    return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class LiftChecks:
+    """What a lift asks of the rest of the extender: a whole group's plan (None: lifted unplanned) and whether
+    this replica's kube-scheduler leads (without leader election, it does)."""
+
+    plan: GroupPlanner | None = None
+    leading: Callable[[], bool] = _leads_alone
+
+
+class GateLifter:
+    """The sweep over the gated pods; `run(stop)` sweeps every `pace.interval_s` until `stop` is set.
+
+    `checks.plan`: a whole group's plan (`plan_with`; None: a whole group is lifted unplanned);
+    `checks.leading`: whether this replica's kube-scheduler leads (gputopo.extender.state.leadership; a
+    standby sweeps nothing)."""
 
     def __init__(
         self,
@@ -172,33 +202,28 @@ class GateLifter:
         source: Callable[[], ClusterSource | None],
         events: EventPoster,
         *,
-        release_after_s: float = DEFAULT_RELEASE_AFTER_S,
-        interval_s: float = 0.25,
-        max_writes: int = DEFAULT_MAX_WRITES,
+        pace: SweepPace = SWEEP_PACE,
         clock: Callable[[], float] = time.time,
         on_lift: Callable[[str], None] | None = None,
-        tell_after_s: float = DEFAULT_TELL_AFTER_S,
-        plan: GroupPlanner | None = None,
-        max_plans: int = DEFAULT_MAX_PLANS,
-        leading: Callable[[], bool] = lambda: True,
+        checks: LiftChecks = LiftChecks(),
     ) -> None:
         self.ledger = ledger
         self.source = source
         self.events = events
-        self.release_after_s = release_after_s
-        self.interval_s = interval_s
-        self.max_writes = max_writes
+        self.release_after_s = pace.release_after_s
+        self.interval_s = pace.interval_s
+        self.max_writes = pace.max_writes
         self.clock = clock
         self.since: dict[str, float] = {}  # uid -> when first seen gated
         self.told: dict[str, set[str]] = {}  # uid -> what it was told: "waiting" for members, "unplaced"
         self.written: dict[str, float] = {}  # uid -> when its lift was written
         self.on_lift = on_lift  # a lift written, by its reason (the metric)
-        self.tell_after_s = tell_after_s
-        self.plan = plan
-        self.max_plans = max_plans
+        self.tell_after_s = pace.tell_after_s
+        self.plan = checks.plan
+        self.max_plans = pace.max_plans
         self.plans = 0  # plans asked for, all sweeps together (tests read it)
         self.planned: dict[GroupKey, float] = {}  # whole groups still gated -> when last planned
-        self.leading = leading
+        self.leading = checks.leading
         self._pool = ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="gputopo-gate-lift")
 
     def gated(self) -> list[Gated]:

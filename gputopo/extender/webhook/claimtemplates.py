@@ -33,6 +33,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gputopo.engine.dra.claims import MEMORY_CLASSES_MIB, ClaimTemplate, template_named
@@ -57,6 +58,7 @@ from gputopo.model.podspec import PodSpecError
 
 __all__ = [
     "ClaimTemplates",
+    "KeeperLimits",
     "TemplateApi",
     "TemplateConflict",
     "TemplateKeeper",
@@ -91,6 +93,24 @@ class TemplateApi(TemplateReader, Protocol):
 Key = tuple[str, str]  # (namespace, template name)
 
 
+@dataclass(frozen=True, kw_only=True)
+class KeeperLimits:
+    """How often and how much the keeper acts (module doc): a template no pod names is deleted after
+    `grace_seconds`, in passes every `pass_seconds`, at most `max_deletes_per_pass` a pass; at most
+    `max_per_namespace` of gputopo's templates per namespace; a template made is not checked again for
+    `ttl_seconds`; at most `max_pending` templates wait to be made."""
+
+    grace_seconds: float = DEFAULT_GRACE_SECONDS
+    pass_seconds: float = DEFAULT_PASS_SECONDS
+    ttl_seconds: float = DEFAULT_TTL_SECONDS * 10
+    max_per_namespace: int = DEFAULT_MAX_PER_NAMESPACE
+    max_deletes_per_pass: int = DEFAULT_MAX_DELETES_PER_PASS
+    max_pending: int = DEFAULT_MAX_ENTRIES
+
+
+KEEPER_LIMITS = KeeperLimits()
+
+
 class TemplateKeeper:
     """Creates the templates real pods name and deletes the ones no pod names (see the module doc).
 
@@ -106,12 +126,7 @@ class TemplateKeeper:
         scheduler_name: str = SCHEDULER_NAME,
         ready: Callable[[], bool] = lambda: True,
         clock: Callable[[], float] = time.monotonic,
-        grace_seconds: float = DEFAULT_GRACE_SECONDS,
-        pass_seconds: float = DEFAULT_PASS_SECONDS,
-        ttl_seconds: float = DEFAULT_TTL_SECONDS * 10,
-        max_per_namespace: int = DEFAULT_MAX_PER_NAMESPACE,
-        max_deletes_per_pass: int = DEFAULT_MAX_DELETES_PER_PASS,
-        max_pending: int = DEFAULT_MAX_ENTRIES,
+        limits: KeeperLimits = KEEPER_LIMITS,
     ) -> None:
         self.api = api
         self.list_attributes = list_attributes
@@ -119,12 +134,12 @@ class TemplateKeeper:
         self.scheduler_name = scheduler_name
         self.ready = ready
         self.clock = clock
-        self.grace_seconds = grace_seconds
-        self.pass_seconds = pass_seconds
-        self.ttl_seconds = ttl_seconds
-        self.max_per_namespace = max_per_namespace
-        self.max_deletes_per_pass = max_deletes_per_pass
-        self.max_pending = max_pending
+        self.grace_seconds = limits.grace_seconds
+        self.pass_seconds = limits.pass_seconds
+        self.ttl_seconds = limits.ttl_seconds
+        self.max_per_namespace = limits.max_per_namespace
+        self.max_deletes_per_pass = limits.max_deletes_per_pass
+        self.max_pending = limits.max_pending
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self.stop = threading.Event()

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.gang.assigned import HOSTNAME, Held, plan_held, selects
+from gputopo.engine.gang.assigned import HOSTNAME, Candidates, Held, plan_held, selects
 from gputopo.engine.gang.groups import plan_group
 from gputopo.engine.gang.plan import GroupFailure, Member
 from gputopo.engine.gang.replan import GroupWaiting, MemberView, Replan, replan
@@ -45,7 +45,7 @@ def plan_as(
     """replan as the group desk calls it: the asking pod's candidates, and the other nodes selectors name."""
     selected = {n for m in members.values() if m.selector for n in BY_NAME if selects(m.selector, n, BY_NAME[n].labels)}
     extra = [BY_NAME[n] for n in sorted(selected - set(names))]
-    return replan("g", size or len(members), me, members, [BY_NAME[n] for n in names], extra=extra)
+    return replan("g", size or len(members), me, members, Candidates([BY_NAME[n] for n in names], extra))
 
 
 def slots(out: Replan | GroupWaiting | GroupFailure) -> dict[str, tuple[str, int, int | None]]:
@@ -122,7 +122,7 @@ def test_a_required_clique_the_assignment_makes_impossible_names_the_assignment(
     v100 = node("v0", system="dgx-1v", in_use=[0])
     members = {f"w-{i}": MemberView(f"w-{i}", request(i, 2, gpus=4), selector=on_host("v0")) for i in range(2)}
     for me in members:
-        out = replan("g", 2, me, members, [v100])
+        out = replan("g", 2, me, members, Candidates([v100]))
         assert isinstance(out, GroupFailure)
         assert out.message == (
             "group g: members w-0, w-1 held by spec.nodeSelector kubernetes.io/hostname=v0 (Kueue's topology "
@@ -168,7 +168,7 @@ def test_a_member_joins_a_bound_member_on_the_node_kueue_gave_both() -> None:
         "w-0": MemberView("w-0", request(0, 2, gpus=4), node="n0", gpus=frozenset(range(4)), selector=on_host("n0")),
         "w-1": MemberView("w-1", request(1, 2, gpus=4), selector=on_host("n0")),
     }
-    out = replan("g", 2, "w-1", members, [shared])
+    out = replan("g", 2, "w-1", members, Candidates([shared]))
     assert isinstance(out, Replan)
     assert (out.slots["w-1"].node, sorted(out.slots["w-1"].gpus), out.slots["w-1"].stage) == ("n0", [4, 5, 6, 7], 1)
 
@@ -176,7 +176,7 @@ def test_a_member_joins_a_bound_member_on_the_node_kueue_gave_both() -> None:
 def test_without_selectors_the_plan_is_plan_groups() -> None:
     reqs = [request(i, 3) for i in range(3)]
     members = {f"w-{i}": MemberView(f"w-{i}", r) for i, r in enumerate(reqs)}
-    out = replan("g", 3, "w-0", members, FOUR)
+    out = replan("g", 3, "w-0", members, Candidates(FOUR))
     plan = plan_group("g", [Member(f"w-{i}", r) for i, r in enumerate(reqs)], FOUR)
     assert isinstance(out, Replan) and out.plan == plan
 
@@ -198,7 +198,7 @@ def test_every_planned_slot_satisfies_its_members_selector(hosts: list[int], gpu
         )
         for i, h in enumerate(hosts)
     ]
-    plan = plan_held("g", held, [BY_NAME[f"n{hosts[0]}"]], [n for n in FOUR if n.name != f"n{hosts[0]}"])
+    plan = plan_held("g", held, Candidates([BY_NAME[f"n{hosts[0]}"]], [n for n in FOUR if n.name != f"n{hosts[0]}"]))
     if isinstance(plan, GroupFailure):
         assert "(Kueue's topology assignment)" in plan.message
         return
@@ -227,7 +227,10 @@ def test_one_selector_shared_by_every_member_plans_as_no_selector_does(selector:
     }
     bare = {k: MemberView(k, m.request) for k, m in members.items()}
     allowed = [n for n in nodes if selects(selector, n.name, n.labels)]
-    with_sel, without = replan("g", 16, "train-0", members, allowed), replan("g", 16, "train-0", bare, allowed)
+    with_sel, without = (
+        replan("g", 16, "train-0", members, Candidates(allowed)),
+        replan("g", 16, "train-0", bare, Candidates(allowed)),
+    )
     assert slots(with_sel) == slots(without)
     by_stage = {stage: host for host, _, stage in slots(with_sel).values()}
     assert all(by_stage[2 * k] == by_stage[2 * k + 1] for k in range(8)), by_stage

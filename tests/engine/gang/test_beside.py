@@ -7,10 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.cluster.explain import placement_sentence, stage_clause
+from gputopo.engine.cluster.explain import Seat, placement_sentence, stage_clause
+from gputopo.engine.gang.assigned import Candidates
 from gputopo.engine.gang.beside import beside, nearest_stage
 from gputopo.engine.gang.groups import plan_group
-from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, Placed
+from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, Placed, PlacedBefore
 from gputopo.engine.gang.replan import MemberView, Replan, replan
 from gputopo.engine.state.snapshot import NodeState, node_state
 from gputopo.model import parse_pod_request
@@ -112,7 +113,9 @@ def test_a_member_whose_neighbours_node_went_bad_takes_another_node_under_its_le
     broken = node_state("n1", None, labels=dict(nodes[0].labels))  # stale: its topology is gone
     driver, _, last = group([0, 8, 8])
     # Stage 1 was placed on n1 before; stage 0 asks for no GPUs, and n1 cannot take it now.
-    p = plan(plan_group("pp", [driver, last], nodes[1:], placed=[Placed(1, broken, tuple(range(8)))]))
+    p = plan(
+        plan_group("pp", [driver, last], nodes[1:], before=PlacedBefore(placed=[Placed(1, broken, tuple(range(8)))]))
+    )
     a = p.for_member(driver.name)
     assert a is not None and a.node.name == "n2"  # under leaf-1 with n1
     assert p.size == 3
@@ -124,7 +127,7 @@ def test_a_bound_driver_keeps_its_rank_and_the_sentence_agrees_with_the_slot() -
     members = group([0, 8, 8, 8])
     views = {m.name: MemberView(m.name, m.request) for m in members}
     views["pp-0"] = MemberView("pp-0", members[0].request, node="n3")
-    out = replan("pp", 4, "pp-1", views, cluster(FOUR))
+    out = replan("pp", 4, "pp-1", views, Candidates(cluster(FOUR)))
     assert isinstance(out, Replan) and out.plan is not None
     for name in ("pp-1", "pp-2", "pp-3"):
         slot = out.slots[name]
@@ -140,7 +143,7 @@ def test_a_driver_bound_beside_its_planned_node_is_described_where_it_is() -> No
     a = p.for_member("pp-0")
     assert a is not None
     other = next(n for n in beside(a.node, nodes))
-    text = placement_sentence(other.name, a.outcome, None, p, "pp-0", at=other)
+    text = placement_sentence(other.name, a.outcome, None, Seat(p, "pp-0", at=other))
     assert text.startswith(f"{other.name} has room (the pod asks for no GPUs); stage 0/5 shares leaf")
     assert "rails" not in text and "all-reduce" not in text
 

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.cluster.explain import placement_sentence
+from gputopo.engine.cluster.explain import Seat, placement_sentence
 from gputopo.engine.gang.groups import plan_group
-from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, Placed, fit_tiers
+from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, Placed, PlacedBefore, Refinements, fit_tiers
 from gputopo.engine.network.domains import domain_free, domain_of
 from gputopo.engine.state.snapshot import NodeState, node_state, with_in_use
 from gputopo.model import parse_pod_request
@@ -101,7 +101,7 @@ def test_names_reversed_give_the_same_domain(
 def test_the_sentence_names_the_domain_and_the_one_kept_whole() -> None:
     p = plan(plan_group("g", group(4), nodes_of(ONE_SPINE)))
     a = p.assignments[0]
-    text = placement_sentence(a.node.name, a.outcome, None, p, a.member)
+    text = placement_sentence(a.node.name, a.outcome, None, Seat(p, a.member))
     assert "leaf l2 is the fullest with room for the group: keeps leaf l3's 48 free GPUs whole" in text
 
 
@@ -135,7 +135,7 @@ def test_a_preferred_tier_no_domain_meets_falls_back_to_the_smallest_enclosing_d
 
 
 def test_before_the_fallback_the_roomiest_rack_took_three_and_another_block_one() -> None:
-    p = plan(plan_group("g", group(4, preferred_tier="leaf"), nodes_of(RACKS), best_fit=False))
+    p = plan(plan_group("g", group(4, preferred_tier="leaf"), nodes_of(RACKS), refine=Refinements(best_fit=False)))
     assert spanned(p, "spine") == {"b1", "b2"} and len(spanned(p, "leaf")) == 2
 
 
@@ -201,7 +201,7 @@ def test_a_gang_spans_the_fewest_leaves(
     else:
         rest = [with_in_use(x, ALL) if i < placed else x for i, x in enumerate(nodes)]
     todo = group(members, spread=spread)[placed:]
-    p = plan(plan_group("g", todo, rest, placed=pinned))
+    p = plan(plan_group("g", todo, rest, before=PlacedBefore(placed=pinned)))
     leaves = {domain_of(a.node, "leaf") for a in p.assignments} | {domain_of(x.node, "leaf") for x in pinned if x.node}
     assert len(leaves) == fewest_leaves(layout, members)
 
@@ -239,7 +239,7 @@ def test_best_fit_never_leaves_a_smaller_largest_free_domain(case: tuple[Layout,
     for n in sizes:
         members = group(n, 8, **ann)
         now = plan_group("g", members, nodes)
-        before = plan_group("g", members, nodes, best_fit=False)
+        before = plan_group("g", members, nodes, refine=Refinements(best_fit=False))
         assert isinstance(now, GroupFailure) == isinstance(before, GroupFailure)
         if isinstance(now, GroupFailure) or isinstance(before, GroupFailure):
             continue

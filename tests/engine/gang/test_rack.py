@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gputopo.engine.cluster.explain import placement_sentence, tp_clause, tp_placement
-from gputopo.engine.gang.assigned import Held, plan_held
+from gputopo.engine.cluster.explain import Seat, placement_sentence, tp_clause, tp_placement
+from gputopo.engine.gang.assigned import Candidates, Held, plan_held
 from gputopo.engine.gang.groups import plan_group
-from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, Placed
+from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, Placed, PlacedBefore
 from gputopo.engine.gang.rack import LABEL_DOMAIN_CAP, balanced
 from gputopo.engine.gang.tpgroups import tp_shape
 from gputopo.engine.state.snapshot import NodeState, node_state
@@ -95,7 +95,7 @@ def test_a_fill_by_trays_that_straddles_is_named_with_both_times() -> None:
     assert plan.split.fill == (18, 14) and plan.split.straddling == 1
     assert plan.split.across_s is not None and plan.split.across_s > 3 * plan.split.inside_s
     a = plan.assignments[20]
-    text = placement_sentence(a.node.name, a.outcome, None, plan, a.member)
+    text = placement_sentence(a.node.name, a.outcome, None, Seat(plan, a.member))
     assert "TP group 5/8 (16 GPUs, ranks 20-23) in NVLink domain b" in text
     assert "4+4 TP groups over 2 domains" in text
     assert "a fill by trays (18+14) would straddle 1 TP group" in text
@@ -113,7 +113,9 @@ def test_the_annotations_tp_holds_the_sentences_split_and_times_for_every_member
         assert tp.domain == ("a" if i < 16 else "b") == a.node.location["nvlink-domain"]
         assert (tp.fill, tp.fill_straddles) == ((18, 14), 1)
         assert tp.across_all_reduce_ms is not None and tp.across_all_reduce_ms > 3 * tp.all_reduce_ms
-        assert tp_clause(tp, plan.split.per_group) in placement_sentence(a.node.name, a.outcome, None, plan, a.member)
+        assert tp_clause(tp, plan.split.per_group) in placement_sentence(
+            a.node.name, a.outcome, None, Seat(plan, a.member)
+        )
 
 
 def test_a_plan_without_a_split_has_no_tp_in_its_annotation() -> None:
@@ -267,7 +269,7 @@ def test_a_replan_keeps_each_tp_group_with_its_placed_members(placed_count: int,
     first = full.assignments[:placed_count]
     placed = [Placed(a.stage, a.node, a.outcome.gpus) for a in first]
     rest = [x for x in nodes if x.name not in {a.node.name for a in first}]
-    again = plan_group("g", ms[placed_count:], rest, placed=placed)
+    again = plan_group("g", ms[placed_count:], rest, before=PlacedBefore(placed=placed))
     assert isinstance(again, GroupPlan), again
     where = {a.stage: a.node.location["nvlink-domain"] for a in (*first, *again.assignments)}
     for t in range(n * 4 // tp):
@@ -342,7 +344,7 @@ RACKS = rack("a", 8) + rack("b", 8)
 def test_tp_groups_held_by_kueues_selectors_are_checked_over_the_whole_group(
     held: list[Held], shares: str | None, needle: str | None
 ) -> None:
-    plan = plan_held("g", held, RACKS)
+    plan = plan_held("g", held, Candidates(RACKS))
     if needle is not None:
         assert isinstance(plan, GroupFailure) and needle in plan.message, plan
         return
@@ -352,13 +354,13 @@ def test_tp_groups_held_by_kueues_selectors_are_checked_over_the_whole_group(
         ((key, value),) = held[a.stage].selector
         assert a.node.labels.get(key, a.node.name) == value
     last = plan.assignments[-1]
-    text = placement_sentence(last.node.name, last.outcome, None, plan, last.member)
+    text = placement_sentence(last.node.name, last.outcome, None, Seat(plan, last.member))
     assert f"TP group 1/2 (16 GPUs, ranks 4-7) in NVLink domain b; {shares}" in text
 
 
 def test_a_straddle_kueue_chose_is_placed_as_it_says_when_nvlink_is_only_preferred() -> None:
     held = held_by(hosts(("a", 3), ("b", 5)), nvlink=NvlinkPolicy.PREFERRED)
-    plan = plan_held("g", held, RACKS)
+    plan = plan_held("g", held, Candidates(RACKS))
     assert isinstance(plan, GroupPlan) and plan.split is None
     assert [a.node.name for a in plan.assignments] == [value for _, value in hosts(("a", 3), ("b", 5))]
 
@@ -366,7 +368,7 @@ def test_a_straddle_kueue_chose_is_placed_as_it_says_when_nvlink_is_only_preferr
 @given(on_a=st.integers(0, 8), hostname=st.booleans())
 def test_a_kueue_split_is_placed_exactly_when_it_keeps_every_tp_group_in_one_domain(on_a: int, hostname: bool) -> None:
     ranks = hosts(("a", on_a), ("b", 8 - on_a)) if hostname else [(CLIQUE, "a")] * on_a + [(CLIQUE, "b")] * (8 - on_a)
-    plan = plan_held("g", held_by(ranks), RACKS)
+    plan = plan_held("g", held_by(ranks), Candidates(RACKS))
     assert isinstance(plan, GroupPlan) == (on_a % 4 == 0), plan
     if isinstance(plan, GroupPlan):
         tp_groups = [{a.node.location["nvlink-domain"] for a in plan.assignments[t * 4 : t * 4 + 4]} for t in range(2)]

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from gputopo.clusterfile import JobSpec
 from gputopo.engine.gang.exclusive import domain_words
 from gputopo.engine.gang.groups import plan_group
-from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, Placed
+from gputopo.engine.gang.plan import GroupFailure, GroupPlan, Member, Placed, PlacedBefore
 from gputopo.engine.gang.tiersets import by_tier_set
 from gputopo.engine.network.cost import NVLINK_DOMAIN_BUSBW_GBPS, domain_allreduce_seconds
 from gputopo.engine.network.estimate import group_allreduce_seconds, stage_transfer_seconds
@@ -258,9 +258,9 @@ def test_a_group_that_fits_only_across_two_shapes_is_refused_naming_each() -> No
 def test_members_placed_before_fix_the_tier_set() -> None:
     nodes = fleet(("l1",) * 4, ("l1",) * 4)
     pinned = next(n for n in nodes if n.name == "h0")
-    plan = plan_group("g", gang(4, 4)[1:], nodes, MIXED, placed=[Placed(0, pinned, (0, 1, 2, 3))])
+    plan = plan_group("g", gang(4, 4)[1:], nodes, MIXED, before=PlacedBefore(placed=[Placed(0, pinned, (0, 1, 2, 3))]))
     assert shapes_of(plan) == {"h100"}
-    alongside = plan_group("g", gang(3, 4), nodes, MIXED, alongside=[(pinned, (0, 1, 2, 3))])
+    alongside = plan_group("g", gang(3, 4), nodes, MIXED, before=PlacedBefore(alongside=[(pinned, (0, 1, 2, 3))]))
     assert shapes_of(alongside) == {"h100"}
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from gputopo.engine.cluster.explain import outcome_estimate, placement_estimate, placement_sentence, runner_up
+from gputopo.engine.cluster.explain import Seat, outcome_estimate, placement_estimate, placement_sentence, runner_up
 from gputopo.engine.gang.groups import plan_group
 from gputopo.engine.gang.plan import GroupPlan
 from gputopo.engine.network.cost import (
@@ -27,7 +27,7 @@ from gputopo.model import (
     parse_placement,
     parse_pod_request,
 )
-from gputopo.sim import simulate
+from gputopo.sim import Measures, simulate
 from gputopo.systems import build_system
 from gputopo.tiers import DEFAULT_TIERS, Tier, TierConfig
 from tests.engine.gang.test_groups import TWO_SPINES, cluster, members
@@ -308,7 +308,7 @@ def _pp_plan(size: int = 5, tiers: TierConfig = DEFAULT_TIERS) -> GroupPlan:
 def test_group_member_sentence_adds_stage_transfer_and_group_allreduce() -> None:
     plan = _pp_plan()
     a = plan.assignments[1]
-    text = placement_sentence(a.node.name, a.outcome, None, plan, a.member)
+    text = placement_sentence(a.node.name, a.outcome, None, Seat(plan, a.member))
     # Stage 1 (a2, leaf-1) sends to stage 2 (a3, leaf-2) through the non-blocking leaf uplinks: one NDR
     # NIC, 47 GB/s. The ring over 5 members stays under spine-a: 8 NDR rails each, 376 GB/s.
     assert text.endswith("; est. 1 GiB all-reduce 5.1 ms, stage transfer 22.9 ms, all-reduce across 5 members 4.6 ms")
@@ -332,6 +332,6 @@ def test_group_spanning_spines_pays_the_spine_oversubscription() -> None:
 def test_simulator_reasons_carry_the_estimates() -> None:
     nodes = cluster(TWO_SPINES)
     jobs = [job("tp4", 4, message_size="512Mi"), job("pp", 8, pods=2, group="pp", group_size="2")]
-    placed = {p.pod: p.reason for p in simulate(nodes, jobs, "gputopo", exhaustive=False).placements}
+    placed = {p.pod: p.reason for p in simulate(nodes, jobs, "gputopo", measures=Measures(exhaustive=False)).placements}
     assert "est. 512 MiB all-reduce 2.2 ms (runner-up 2.2 ms)" in placed["tp4-0"]
     assert "est. 1 GiB all-reduce 5.1 ms, stage transfer 22.8 ms, all-reduce across 2 members" in placed["pp-0"]

@@ -7,9 +7,10 @@ import random
 
 import pytest
 
-from gputopo.engine.cluster.explain import placement_sentence
+from gputopo.engine.cluster.explain import Seat, placement_sentence
+from gputopo.engine.gang.assigned import Candidates
 from gputopo.engine.gang.groups import plan_group
-from gputopo.engine.gang.plan import GroupPlan, Member
+from gputopo.engine.gang.plan import GroupPlan, Member, Refinements
 from gputopo.engine.gang.replan import MemberView, Replan, replan
 from gputopo.engine.network.rails import assess, rail_ranges
 from gputopo.engine.node.gpusets import RAIL_AFTER, Kind, exhaustive_set, rail_options, rank_key
@@ -34,7 +35,7 @@ def pair(gpus: int = 4, **ann: str) -> list[Member]:
 
 
 def plan(nodes: list[NodeState], members: list[Member], *, align_rails: bool = True) -> GroupPlan:
-    result = plan_group("g", members, nodes, align_rails=align_rails)
+    result = plan_group("g", members, nodes, refine=Refinements(align_rails=align_rails))
     assert isinstance(result, GroupPlan), result
     return result
 
@@ -205,7 +206,7 @@ def test_partial_members_get_the_same_rails_on_both_nodes(
     assert gpus_of(result) == {"a": expected, "b": expected}
     assert result.rails.applies and result.rails.aligned
     for a in result.assignments:
-        text = placement_sentence(a.node.name, a.outcome, None, result, a.member)
+        text = placement_sentence(a.node.name, a.outcome, None, Seat(result, a.member))
         assert f"rails {rail_ranges(result.rails.rails)} on every member's node (rail-aligned)" in text
 
 
@@ -226,7 +227,7 @@ def test_no_common_rails_places_the_group_anyway_and_says_why() -> None:
     assert not result.rails.aligned
     a = result.for_member("m-0")
     assert a is not None
-    text = placement_sentence(a.node.name, a.outcome, None, result, a.member)
+    text = placement_sentence(a.node.name, a.outcome, None, Seat(result, a.member))
     assert (
         "rails 4-7 here, not rail-aligned: no equally good GPU sets on one rail set were free on every member's "
         "node (rails 4-7 on a, 0-3 on b)"
@@ -244,7 +245,7 @@ def test_whole_node_members_are_aligned_and_not_mentioned() -> None:
     result = plan([h100("a"), h100("b")], pair(8))
     assert not result.rails.applies
     a = result.assignments[0]
-    assert "rail" not in placement_sentence(a.node.name, a.outcome, None, result, a.member)
+    assert "rail" not in placement_sentence(a.node.name, a.outcome, None, Seat(result, a.member))
 
 
 def test_members_of_different_sizes_are_explained() -> None:
@@ -263,7 +264,7 @@ def test_a_replan_lines_up_with_the_rails_of_members_already_placed() -> None:
         "m-1": MemberView("m-1", req),
     }
     nodes = [h100("a", (2, 3, 6, 7)), h100("b")]
-    result = replan("g", 2, "m-1", members, nodes)
+    result = replan("g", 2, "m-1", members, Candidates(nodes))
     assert isinstance(result, Replan) and result.plan is not None
     assert result.slots["m-1"].gpus == frozenset({2, 3, 6, 7})  # alone, b would take 0-3 (one NUMA node)
     assert result.plan.rails.aligned

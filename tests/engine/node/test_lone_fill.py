@@ -14,7 +14,7 @@ from gputopo.engine.network.domains import domain_free, narrow_first, tie_keys
 from gputopo.engine.node.placement import evaluate_pod, rank
 from gputopo.engine.state.snapshot import NodeState, node_state, taking
 from gputopo.model import parse_pod_request
-from gputopo.sim import simulate
+from gputopo.sim import Measures, simulate
 from gputopo.systems import build_system
 from tests.sim.helpers import job
 
@@ -89,7 +89,7 @@ CLUSTERS = {
 @pytest.mark.parametrize(("nodes", "chosen"), CLUSTERS.values(), ids=CLUSTERS.keys())
 def test_a_lone_pod_goes_to_the_fullest_domain_with_room(nodes: list[NodeState], chosen: str) -> None:
     assert first_choice(nodes) == chosen
-    placed = simulate(nodes, [job("one", 1)], "gputopo", exhaustive=False).placements
+    placed = simulate(nodes, [job("one", 1)], "gputopo", measures=Measures(exhaustive=False)).placements
     assert [p.node for p in placed] == [chosen]
 
 
@@ -126,7 +126,7 @@ def test_reversing_the_node_names_chooses_the_same_domain(case: str) -> None:
     ids=["packing decided", "unlabelled node", "the name decided"],
 )
 def test_the_sentence_says_when_packing_decided(nodes: list[NodeState], words: str) -> None:
-    (placed,) = simulate(nodes, [job("one", 1)], "gputopo", exhaustive=False).placements
+    (placed,) = simulate(nodes, [job("one", 1)], "gputopo", measures=Measures(exhaustive=False)).placements
     assert words in placed.reason
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
@@ -24,7 +24,13 @@ from gputopo.engine.dra.claims import (
 )
 from gputopo.extender.app import create_listeners
 from gputopo.extender.settings import Settings
-from gputopo.extender.webhook.claimtemplates import ClaimTemplates, TemplateConflict, TemplateKeeper, templates_path
+from gputopo.extender.webhook.claimtemplates import (
+    ClaimTemplates,
+    KeeperLimits,
+    TemplateConflict,
+    TemplateKeeper,
+    templates_path,
+)
 from gputopo.extender.webhook.mutation import Admission, DraMode, admit_pod
 from gputopo.kube import KubeError
 from gputopo.model import GPU_RESOURCE, SCHEDULER_NAME
@@ -541,8 +547,12 @@ class Clock:
         return self.now
 
 
-def _keeper(api: FakeTemplateApi, clock: Clock | None = None, **kw: Any) -> TemplateKeeper:
-    return TemplateKeeper(api, list_attributes=False, clock=clock or Clock(), **kw)
+def _keeper(
+    api: FakeTemplateApi, clock: Clock | None = None, ready: Callable[[], bool] = lambda: True, **limits: Any
+) -> TemplateKeeper:
+    return TemplateKeeper(
+        api, list_attributes=False, clock=clock or Clock(), ready=ready, limits=KeeperLimits(**limits)
+    )
 
 
 def test_a_real_pod_gets_its_template_once() -> None:
