@@ -188,7 +188,7 @@ def serve_public(http: str, argv: list[str]) -> int:
         return public_config(app, limits, http, tls, client_ca)
 
     app_module.create_listeners = unguarded  # type: ignore[assignment]
-    extender_main.listener_config = config  # type: ignore[assignment]
+    extender_main.listener_config = config
     extender_main.ListenerServer = lambda config, limits: public_server(config)  # type: ignore[assignment,misc]
     return extender_main.main(argv)
 
@@ -241,7 +241,7 @@ def serve_trivial(kind: str, http: str, port: int) -> int:
     limits = ListenerLimits()
     server: Any
     if kind == "verbs":
-        server = VerbServer(TrivialDoor(), limits)  # type: ignore[arg-type]
+        server = VerbServer(TrivialDoor(), limits)
     elif kind == "subclass":
         server = ListenerServer(listener_config(trivial_app, limits), limits)
     else:
