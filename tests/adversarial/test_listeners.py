@@ -36,7 +36,6 @@ import pytest
 from gputopo.extender.app import create_listeners
 from gputopo.extender.http.clientauth import ClientAuth
 from gputopo.extender.http.heads import HeadPolicy
-from gputopo.extender.http.verbserver import VerbServer
 from gputopo.extender.http.workers import BoundedWorkers, Busy
 from gputopo.extender.main import ListenerServer, _loop_factory, listener_config
 from gputopo.extender.settings import ListenerLimits, Settings
@@ -345,7 +344,7 @@ BUDGETED = {"webhook": "/mutate", "verbs": "/filter"}  # the listeners that read
 
 def _budget(served: Served) -> Any:
     server: Any = served.server
-    return server.budget if isinstance(server, VerbServer) else server.slots.budget
+    return server.budget
 
 
 @pytest.mark.parametrize("listener", list(BUDGETED))
