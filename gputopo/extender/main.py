@@ -39,7 +39,6 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from gputopo.clusterfile import ClusterFileError
-from gputopo.extender.http.acceptgate import Full, Gate, Slots
 from gputopo.extender.http.heads import BodyBudget, HeadPolicy
 from gputopo.extender.http.refusals import TOO_MANY, TOO_MANY_FROM_PEER, refusal
 from gputopo.extender.http.uvicornprotocol import BoundedHttpTools, bounded_protocol
@@ -52,6 +51,7 @@ from gputopo.extender.settings import (
     load_settings,
 )
 from gputopo.jsonlog import configure_logging
+from gputopo.listenguard.acceptgate import Full, Gate, Slots
 
 if TYPE_CHECKING:  # the app (cache, engine) is imported only once the settings are valid
     from gputopo.extender.app import Listeners
@@ -154,7 +154,7 @@ def listener_config(
 
 
 class ListenerServer(uvicorn.Server):
-    """uvicorn's server for the webhook or metrics listener, accepting through `gputopo.extender.http.acceptgate.Gate`:
+    """uvicorn's server for the webhook or metrics listener, accepting through `gputopo.listenguard.acceptgate.Gate`:
     each
     connection counts against `limits` from its accept, and the webhook's TLS handshake runs under the
     handshake timeout (uvicorn hands the TLS context to the loop's server, which counts a connection only

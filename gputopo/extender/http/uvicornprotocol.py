@@ -1,6 +1,6 @@
 """uvicorn's httptools protocol under the listener limits (`gputopo.extender.http.refusals`), for the webhook and
 metrics
-listeners, which accept through `gputopo.extender.http.acceptgate.Gate`. uvicorn arms its keep-alive timer only after an
+listeners, which accept through `gputopo.listenguard.acceptgate.Gate`. uvicorn arms its keep-alive timer only after an
 answer, so a connection that sent nothing was held forever; it has no head cap; and its 400 on a bad request
 overtook a pipelined answer in progress. Refusals here wait for the answers before them.
 
@@ -26,7 +26,7 @@ from gputopo.extender.http.refusals import HeadMeter, read_too_slow, refusal
 from gputopo.extender.settings import ListenerLimits
 
 if TYPE_CHECKING:
-    from gputopo.extender.http.acceptgate import Slot
+    from gputopo.listenguard.acceptgate import Slot
 
 TLS_READ_AHEAD_BYTES = 32 * 1024
 REFUSED_TLS_LINGER_S = 0.1
@@ -182,7 +182,7 @@ class BoundedHttpTools(HttpToolsProtocol):
                 self.budget.give(size, self._peer)
 
     def answering(self) -> bool:
-        """A whole request is in and its answer is not yet written out (`gputopo.extender.http.acceptgate.Slot`):
+        """A whole request is in and its answer is not yet written out (`gputopo.listenguard.acceptgate.Slot`):
         a connection in this state is not closed to make room for another address."""
         cycle = self.cycle
         busy = cycle is not None and not cycle.more_body and not cycle.response_complete
@@ -190,7 +190,7 @@ class BoundedHttpTools(HttpToolsProtocol):
 
     def evict(self) -> None:
         """Closed to make room for a connection from an address holding fewer
-        (`gputopo.extender.http.acceptgate.Slots`)."""
+        (`gputopo.listenguard.acceptgate.Slots`)."""
         if self.transport is not None and not self.transport.is_closing():
             self.transport.abort()
 
