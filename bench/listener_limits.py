@@ -711,6 +711,8 @@ def hostile_run(a: argparse.Namespace, tmp: Path, crt: Path, key: Path) -> None:
         cmd += ["--webhook-host", "127.0.0.1", "--webhook-port", str(ports["webhook"])]
         cmd += ["--tls-cert-file", str(crt), "--tls-key-file", str(key), "--log-level", "critical"]
         cmd += ["--webhook-client-ca-file", str(client_ca), "--webhook-client-names", API_SERVER]
+        if a.handshakes_per_second is not None:  # else the checkout's default (an older one has no such flag)
+            cmd += ["--handshakes-per-second", str(a.handshakes_per_second)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTOPO_")}
         env["PYTHONPATH"] = str(a.root)
         env["PYTHONDONTWRITEBYTECODE"] = "1"
@@ -832,6 +834,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flood-addresses", type=int, default=8, help="hostile: addresses holding 64 silent connections")
     p.add_argument("--probes", type=int, default=10, help="hostile: probes from another address")
     p.add_argument("--forgers", type=int, default=48, help="hostile: callers posting forged 6 MiB reviews")
+    p.add_argument(
+        "--handshakes-per-second", type=float, default=None, help="hostile: the extender's flag (default: its own)"
+    )
     p.add_argument("--review-flood-s", type=float, default=15.0, help="hostile: how long the forged reviews go on")
     p.add_argument("--silent", type=int, default=3000, help="flood: connections that send nothing")
     p.add_argument("--half", type=int, default=1500, help="flood: connections that stop after their ClientHello")

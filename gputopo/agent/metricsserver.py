@@ -45,6 +45,7 @@ class _Limits:
     max_connections_per_peer: int
     handshake_timeout_s: float = 0.0
     handshakes_per_peer_per_s: float = 0.0
+    handshakes_per_s: float = 0.0
 
 
 class _Connection:

@@ -23,6 +23,8 @@ from typing import Any, Protocol, cast
 
 # Addresses whose handshake pace is remembered; past this, the ones back at a full burst are forgotten.
 _MAX_PACED_PEERS = 4096
+# Addresses that presented the API server's certificate, remembered for their next handshakes (its replicas).
+_MAX_TRUSTED_PEERS = 64
 
 log = logging.getLogger("gputopo.listenguard")
 
@@ -41,6 +43,9 @@ class Limits(Protocol):
 
     @property
     def handshakes_per_peer_per_s(self) -> float: ...  # TLS handshakes one address starts; 0: any
+
+    @property
+    def handshakes_per_s(self) -> float: ...  # TLS handshakes the listener starts, all addresses; 0: any
 
 
 class Full(enum.Enum):
@@ -183,6 +188,80 @@ class HandshakePace:
             del self._peers[p]
 
 
+class HandshakeTurns:
+    """The TLS handshakes a listener starts, over all addresses: at most `rate` a second (bursts of a tenth of
+    a second's worth, at least one), taken round-robin across the addresses waiting; 0: no limit.
+
+    A handshake is CPU on the listener's loop, where the connections already set up (the API server's,
+    kept alive) are answered: the pace per address (`HandshakePace`) does not bound a flood from many
+    addresses, this does. A connection waiting for its turn keeps its slot and its handshake timeout runs
+    from the accept; a new address waits one round of the addresses waiting at most. An address that has
+    presented the API server's certificate (`trust`, the last `_MAX_TRUSTED_PEERS`) starts its handshakes
+    at once, outside the limit: a flood without that certificate delays only first contacts."""
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.clock = clock
+        self.burst = max(1.0, rate / 10)
+        self.tokens = self.burst
+        self.counted_at = clock()
+        self.waiting: dict[str, collections.deque[asyncio.Future[None]]] = {}  # in round order
+        self.pump: asyncio.Task[None] | None = None
+        self.trusted: dict[str, None] = {}  # oldest first
+
+    def trust(self, peer: str) -> None:
+        self.trusted.pop(peer, None)
+        self.trusted[peer] = None
+        if len(self.trusted) > _MAX_TRUSTED_PEERS:
+            del self.trusted[next(iter(self.trusted))]
+
+    async def turn(self, peer: str) -> None:
+        """Return once `peer`'s connection may start its handshake (cancel it to leave the queue)."""
+        if self.rate <= 0 or peer in self.trusted or (not self.waiting and self._take()):
+            return
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        self.waiting.setdefault(peer, collections.deque()).append(future)
+        if self.pump is None:
+            self.pump = loop.create_task(self._pump())
+        await future
+
+    def _take(self) -> bool:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.counted_at) * self.rate)
+        self.counted_at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+    def _next(self) -> asyncio.Future[None] | None:
+        """The next address's oldest waiting connection (that address goes to the back of the round)."""
+        while self.waiting:
+            peer = next(iter(self.waiting))
+            queue = self.waiting.pop(peer)
+            future = queue.popleft()
+            if queue:
+                self.waiting[peer] = queue
+            if not future.done():  # else it left: evicted, timed out, or the server stopping
+                return future
+        return None
+
+    async def _pump(self) -> None:
+        try:
+            while self.waiting:
+                if not self._take():
+                    await asyncio.sleep((1 - self.tokens) / self.rate)
+                    continue
+                future = self._next()
+                if future is None:
+                    self.tokens += 1  # nobody was left to take it
+                    break
+                future.set_result(None)
+        finally:
+            self.pump = None
+
+
 class Slot:
     """One connection's place in `Slots`, given back once, however the connection ends (or is evicted)."""
 
@@ -241,6 +320,7 @@ class Gate:
         self.task: asyncio.Task[None] | None = None
         limits = slots.limits
         self.pace = HandshakePace(limits.handshakes_per_peer_per_s, limits.handshake_timeout_s)
+        self.turns = HandshakeTurns(limits.handshakes_per_s)
 
     def start(self, sock: socket.socket) -> None:
         sock.setblocking(False)
@@ -295,13 +375,18 @@ class Gate:
 
         setup: list[Released] = []
         loop = asyncio.get_running_loop()
-        timeout = self.slots.limits.handshake_timeout_s - wait if self.tls is not None else None
+        deadline = loop.time() + self.slots.limits.handshake_timeout_s  # the handshake's, from the accept
         try:
-            if wait > 0:  # its address's handshake pace (HandshakePace); the timeout runs from the accept
+            if wait > 0:  # its address's handshake pace (HandshakePace)
                 await asyncio.sleep(wait)
+            if self.tls is not None and self.turns.rate > 0:  # the listener's, all addresses (HandshakeTurns)
+                await asyncio.wait_for(self.turns.turn(slot.peer), deadline - loop.time())
+            timeout = max(0.001, deadline - loop.time()) if self.tls is not None else None
             await loop.connect_accepted_socket(protocol, conn, ssl=self.tls, ssl_handshake_timeout=timeout)
             if slot.held:  # set up: from now on an eviction closes its transport
                 slot.protocol, slot.task = setup[0], None
+            if slot.trusted:  # the API server's certificate: its address's next handshakes need no turn
+                self.turns.trust(slot.peer)
         except BaseException as e:  # timed out, failed, reset, or the server stopping: the slot is free
             conn.close()
             slot.release()
