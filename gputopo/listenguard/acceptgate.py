@@ -1,8 +1,9 @@
 """The accept loop of the listeners reachable from the pod network (`Gate`): every connection is counted against
 a listener's connection limits, in all and per client address (`Slots`, with fair room across addresses), at
 accept, before any byte is read, and over TLS its handshake runs here under the handshake timeout, paced per
-address (`HandshakePace`). asyncio's own server-side TLS counted a connection only once its handshake was done
-and gave the handshake 60 s, so silent connections held file descriptors and memory past every bound.
+address (`HandshakePace`) and over all addresses (`HandshakeTurns`). asyncio's own server-side TLS counted a
+connection only once its handshake was done and gave the handshake 60 s, so silent connections held file
+descriptors and memory past every bound.
 
 `Slots` holds any connection that can say whether it may be closed and close itself (`Held`): the agent's
 threaded /metrics server counts its connections with it too.
