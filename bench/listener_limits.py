@@ -24,13 +24,18 @@ webhook over TLS with a throwaway certificate) and prints, per listener side by 
   review (its certificate, kept alive) timed while `--forgers` (48) callers without one post 6 MiB reviews
   from a process of their own.
 
+- `--part agent` (docs/benchmarks.md, "Hostile callers on the listeners"): the agent's /metrics listener
+  (`serve_metrics`, its default caps) in a subprocess; `--flood-addresses` (8) addresses each keep up to 64
+  silent connections open (re-opened every 0.1 s as they are closed) while `--probes` (10) scrapes come from
+  another address (fresh connection, 3 s).
+
 Counts and time are bounded (`--requests`, `--budget-s`, `--silent`, `--half`, `--flood-s`,
 `--close-budget-s`, `--drip-budget-s`; every socket wait has a timeout); loopback only, and only the
 processes it starts are stopped. The handshaking threads run at nice 19 (`--attacker-nice`): on
 loopback the attacker's CPU is the extender's, which a remote attacker's is not. Nothing is asserted.
 Run it against another checkout (`--root`) for the figures before a change:
 
-    .venv/bin/python bench/listener_limits.py [--part all|heads|floods|hostile] [--requests 300] [--root PATH]
+    .venv/bin/python bench/listener_limits.py [--part all|heads|floods|hostile|agent] [--requests 300] [--root PATH]
 """
 
 from __future__ import annotations
@@ -706,6 +711,8 @@ def hostile_run(a: argparse.Namespace, tmp: Path, crt: Path, key: Path) -> None:
         cmd += ["--webhook-host", "127.0.0.1", "--webhook-port", str(ports["webhook"])]
         cmd += ["--tls-cert-file", str(crt), "--tls-key-file", str(key), "--log-level", "critical"]
         cmd += ["--webhook-client-ca-file", str(client_ca), "--webhook-client-names", API_SERVER]
+        if a.handshakes_per_second is not None:  # else the checkout's default (an older one has no such flag)
+            cmd += ["--handshakes-per-second", str(a.handshakes_per_second)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUTOPO_")}
         env["PYTHONPATH"] = str(a.root)
         env["PYTHONDONTWRITEBYTECODE"] = "1"
@@ -721,6 +728,94 @@ def hostile_run(a: argparse.Namespace, tmp: Path, crt: Path, key: Path) -> None:
             stop(proc)
 
 
+# ---------------------------------------------------------------------------------------------- the agent's /metrics
+
+AGENT_METRICS = """
+import signal, sys
+from prometheus_client import CollectorRegistry, Counter
+from gputopo.agent.metricsserver import serve_metrics
+registry = CollectorRegistry()
+Counter("gputopo_agent_bench", "a metric to scrape", registry=registry).inc()
+serve_metrics(int(sys.argv[1]), registry, host="127.0.0.1")
+signal.sigwait({signal.SIGTERM, signal.SIGINT})
+"""
+
+
+def scrape_once(port: int, source: str, timeout: float = 3.0) -> bool:
+    """Prometheus' scrape: a fresh connection, GET /metrics, 3 s; answered 200 with the metric."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout, source_address=(source, 0)) as conn:
+            conn.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while chunk := conn.recv(65536):
+                answer += chunk
+            return answer.startswith(b"HTTP/1.0 200") and b"gputopo_agent_bench_total" in answer
+    except OSError:
+        return False
+
+
+def keep_silent(port: int, source: str, per_source: int, full: threading.Event, done: threading.Event) -> int:
+    """`source` keeps up to `per_source` silent connections open, re-opening those the server closed every
+    0.1 s, until `done` (`full` once it has tried them all); how many it opened."""
+    held: list[socket.socket] = []
+    opened = 0
+    while not done.is_set():
+        alive = [c for c in held if not gone(c)]
+        for c in set(held) - set(alive):
+            c.close()
+        for _ in range(per_source - len(alive)):
+            try:
+                conn = socket.create_connection(("127.0.0.1", port), timeout=2, source_address=(source, 0))
+            except OSError:
+                break
+            conn.setblocking(False)
+            alive.append(conn)
+            opened += 1
+        held = alive
+        full.set()
+        done.wait(0.1)
+    for c in held:
+        c.close()
+    return opened
+
+
+def agent_run(a: argparse.Namespace) -> None:
+    """The agent's /metrics listener under `--flood-addresses` addresses holding silent connections."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(a.root), "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", AGENT_METRICS, str(port)], env=env, cwd=a.root, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not scrape_once(port, "127.1.0.1"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the agent's /metrics listener did not start")
+            time.sleep(0.1)
+        idle = sum(scrape_once(port, "127.1.0.1") for _ in range(a.probes))
+        sources = source_addresses(a.flood_addresses)
+        full = [threading.Event() for _ in sources]
+        done = threading.Event()
+        with ThreadPoolExecutor(len(sources)) as pool:  # a thread per address: the flood outpaces the timeout
+            flooding = [pool.submit(keep_silent, port, s, 64, f, done) for s, f in zip(sources, full, strict=True)]
+            for f in full:
+                f.wait(a.timeout_s)
+            answered = 0
+            for _ in range(a.probes):
+                answered += scrape_once(port, "127.1.0.1")
+                time.sleep(0.2)
+            done.set()
+            opened = sum(f.result() for f in flooding)
+    finally:
+        stop(proc)
+    print("\nthe agent's /metrics: scrapes from another address (fresh connection, 3 s)")
+    print(f"  idle: {idle} of {a.probes} answered")
+    print(
+        f"  while {a.flood_addresses} addresses keep up to 64 silent connections each open: {answered} of "
+        f"{a.probes} answered ({opened} flood connections opened)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--requests", type=int, default=300, help="filter calls per latency run")
@@ -728,7 +823,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=30.0, help="time bound of each latency run")
     p.add_argument("--timeout-s", type=float, default=20.0, help="bound of every socket wait")
     p.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent, help="checkout to run")
-    p.add_argument("--part", choices=("all", "heads", "floods", "hostile"), default="all", help="which measurements")
+    p.add_argument(
+        "--part", choices=("all", "heads", "floods", "hostile", "agent"), default="all", help="which measurements"
+    )
     p.add_argument("--hostile", default="bodies,probes,reviews", help="hostile: which of bodies, probes, reviews")
     p.add_argument("--bodies", type=int, default=256, help="hostile: connections sending the largest body at once")
     p.add_argument(
@@ -737,6 +834,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flood-addresses", type=int, default=8, help="hostile: addresses holding 64 silent connections")
     p.add_argument("--probes", type=int, default=10, help="hostile: probes from another address")
     p.add_argument("--forgers", type=int, default=48, help="hostile: callers posting forged 6 MiB reviews")
+    p.add_argument(
+        "--handshakes-per-second", type=float, default=None, help="hostile: the extender's flag (default: its own)"
+    )
     p.add_argument("--review-flood-s", type=float, default=15.0, help="hostile: how long the forged reviews go on")
     p.add_argument("--silent", type=int, default=3000, help="flood: connections that send nothing")
     p.add_argument("--half", type=int, default=1500, help="flood: connections that stop after their ClientHello")
@@ -761,6 +861,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"checkout: {a.root}")
         if a.part == "hostile":
             hostile_run(a, tmp, crt, key)
+            return 0
+        if a.part == "agent":
+            agent_run(a)
             return 0
         if a.part in ("all", "floods"):
             flood_run(a, tmp, crt, key)

@@ -39,8 +39,8 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from gputopo.clusterfile import ClusterFileError
-from gputopo.extender.http.acceptgate import Gate, Slots
-from gputopo.extender.http.heads import HeadPolicy
+from gputopo.extender.http.heads import BodyBudget, HeadPolicy
+from gputopo.extender.http.refusals import TOO_MANY, TOO_MANY_FROM_PEER, refusal
 from gputopo.extender.http.uvicornprotocol import BoundedHttpTools, bounded_protocol
 from gputopo.extender.settings import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -51,6 +51,7 @@ from gputopo.extender.settings import (
     load_settings,
 )
 from gputopo.jsonlog import configure_logging
+from gputopo.listenguard.acceptgate import Full, Gate, Slots
 
 if TYPE_CHECKING:  # the app (cache, engine) is imported only once the settings are valid
     from gputopo.extender.app import Listeners
@@ -153,7 +154,7 @@ def listener_config(
 
 
 class ListenerServer(uvicorn.Server):
-    """uvicorn's server for the webhook or metrics listener, accepting through `gputopo.extender.http.acceptgate.Gate`:
+    """uvicorn's server for the webhook or metrics listener, accepting through `gputopo.listenguard.acceptgate.Gate`:
     each
     connection counts against `limits` from its accept, and the webhook's TLS handshake runs under the
     handshake timeout (uvicorn hands the TLS context to the loop's server, which counts a connection only
@@ -163,6 +164,7 @@ class ListenerServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, limits: ListenerLimits) -> None:
         super().__init__(config)
         self.slots = Slots(limits)
+        self.budget = BodyBudget(limits.max_body_bytes_in_flight, limits.body_bytes_per_peer)
         self.slots.on_idle = self._idle
         self._trim: asyncio.TimerHandle | None = None
         self._trimmed_at = (0, 0)  # the connections and bytes counted at the last trim
@@ -196,16 +198,23 @@ class ListenerServer(uvicorn.Server):
         def make() -> BoundedHttpTools:
             make_protocol = config.http_protocol_class
             protocol = make_protocol(config=config, server_state=self.server_state, app_state=self.lifespan.state)  # type: ignore[call-arg]
-            return cast(BoundedHttpTools, protocol)
+            made = cast(BoundedHttpTools, protocol)
+            made.budget = self.budget
+            return made
 
         gates = []
         for sock in sockets:
             sock.listen(config.backlog)
-            gate = Gate(self.slots, make, config.ssl)
+            gate = Gate(self.slots, make, config.ssl, refuse=_busy)
             gate.start(sock)
             gates.append(gate)
         self.servers = cast(Any, gates)  # uvicorn's shutdown calls close() and wait_closed() on each
         self.started = True
+
+
+def _busy(full: Full) -> bytes:
+    """The 503 a plain TCP connection gets when its listener has no room for it (`Gate`)."""
+    return refusal(503, TOO_MANY if full is Full.LISTENER else TOO_MANY_FROM_PEER)
 
 
 GIL_SWITCH_INTERVAL_S = 0.0005

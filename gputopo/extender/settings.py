@@ -44,6 +44,12 @@ DEFAULT_MAX_CONNECTIONS_PER_PEER = DEFAULT_MAX_CONNECTIONS // 4
 # connections alive and opens a few per replica, while a flood of handshakes from one address is CPU the
 # verbs listener shares (on two cores 400 handshakes a second took its p99 to 3.3x idle).
 DEFAULT_HANDSHAKES_PER_PEER_PER_S = 20.0
+# New TLS handshakes the webhook starts per second over all addresses, bursts of 2 (an address that has
+# presented the API server's certificate is outside the limit): a handshake is CPU on the loop that answers
+# the API server's kept-alive connections, and the pace per address does not bound a flood from many
+# addresses. 20 a second is a few percent of a core (RSA-2048): under 48 forging addresses the API server's
+# review stayed within a few ms of idle (docs/benchmarks.md, "Hostile callers on the listeners").
+DEFAULT_HANDSHAKES_PER_S = 20.0
 # Request bodies one listener holds at once, over all its connections: four of the largest the verbs take
 # (--max-request-bytes, 8 MiB). Parsed, a body costs a few times its size: 32 MiB of them stays well inside
 # the chart's 1 GiB memory limit, while the API server's reviews (a pod, at most etcd's 1.5 MiB, twice) fit
@@ -147,6 +153,13 @@ class Settings(BaseSettings):
         ge=0,
         le=1_000_000,
         description="TLS handshakes one client address starts per second on the webhook (and as a burst); 0: no pace",
+    )
+    handshakes_per_second: float = Field(
+        DEFAULT_HANDSHAKES_PER_S,
+        ge=0,
+        le=1_000_000,
+        description="TLS handshakes the webhook starts per second over all addresses, taken round-robin across "
+        "them; 0: no limit",
     )
     max_body_bytes_in_flight: int = Field(
         DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
@@ -305,6 +318,7 @@ class ListenerLimits:
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S  # TLS handshake, from the accept
     max_connections_per_peer: int = DEFAULT_MAX_CONNECTIONS_PER_PEER  # of one client address (webhook, metrics)
     handshakes_per_peer_per_s: float = DEFAULT_HANDSHAKES_PER_PEER_PER_S  # TLS handshakes one address starts; 0: any
+    handshakes_per_s: float = DEFAULT_HANDSHAKES_PER_S  # TLS handshakes started, all addresses; 0: any
     max_body_bytes_in_flight: int = DEFAULT_MAX_BODY_BYTES_IN_FLIGHT  # request bodies held at once, all connections
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # one body (an address's share of the above is at least this)
 
@@ -319,6 +333,7 @@ class ListenerLimits:
             handshake_timeout_s=settings.handshake_timeout_seconds,
             max_connections_per_peer=max(1, settings.max_connections // 4) if per_peer is None else per_peer,
             handshakes_per_peer_per_s=settings.handshakes_per_peer_per_second,
+            handshakes_per_s=settings.handshakes_per_second,
             max_body_bytes_in_flight=settings.max_body_bytes_in_flight,
             max_request_bytes=settings.max_request_bytes,
         )

@@ -26,7 +26,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,6 @@ import pytest
 from gputopo.extender.app import create_listeners
 from gputopo.extender.http.clientauth import ClientAuth
 from gputopo.extender.http.heads import HeadPolicy
-from gputopo.extender.http.verbserver import VerbServer
 from gputopo.extender.http.workers import BoundedWorkers, Busy
 from gputopo.extender.main import ListenerServer, _loop_factory, listener_config
 from gputopo.extender.settings import ListenerLimits, Settings
@@ -57,6 +56,8 @@ LIMITS = ListenerLimits(
     max_body_bytes_in_flight=BUDGET,
     max_request_bytes=BODY_CAP,  # an address's share of the budget: a quarter, at least one body
 )
+# One handshake a second over all addresses: a flood of a few connections keeps the queue long.
+PACED = replace(LIMITS, handshakes_per_s=1.0)
 REVIEW = orjson.dumps(
     {
         "apiVersion": "admission.k8s.io/v1",
@@ -108,10 +109,12 @@ class Served:
         return conn
 
 
-def _start(app: Any, tls: tuple[Path, Path] | None = None, client_ca: Path | None = None) -> tuple[ListenerServer, int]:
+def _start(
+    app: Any, tls: tuple[Path, Path] | None = None, client_ca: Path | None = None, limits: ListenerLimits = LIMITS
+) -> tuple[ListenerServer, int]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
-    server = ListenerServer(listener_config(app, LIMITS, tls, client_ca), LIMITS)
+    server = ListenerServer(listener_config(app, limits, tls, client_ca), limits)
 
     def run() -> None:  # on uvloop where installed, as `gputopo-extender` runs it
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
@@ -152,13 +155,15 @@ def listeners(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Se
     made = create_listeners(settings)
     hook, hook_port = _start(made.webhook, (crt, key), client_ca[0])
     metrics, metrics_port = _start(made.metrics)
+    paced, paced_port = _start(made.webhook, (crt, key), client_ca[0], PACED)
     verbs, verbs_thread, verbs_url = start_server(made.door, LIMITS)
     yield {
         "webhook": Served(hook_port, hook, True, server_ca, certs),
+        "paced webhook": Served(paced_port, paced, True, server_ca, certs),
         "metrics": Served(metrics_port, metrics, False),
         "verbs": Served(int(verbs_url.rsplit(":", 1)[1]), verbs, False),  # type: ignore[arg-type]
     }
-    hook.should_exit = metrics.should_exit = verbs.should_exit = True
+    hook.should_exit = metrics.should_exit = paced.should_exit = verbs.should_exit = True
     verbs_thread.join(10)
     made.door.close()
 
@@ -345,7 +350,7 @@ BUDGETED = {"webhook": "/mutate", "verbs": "/filter"}  # the listeners that read
 
 def _budget(served: Served) -> Any:
     server: Any = served.server
-    return server.budget if isinstance(server, VerbServer) else server.slots.budget
+    return server.budget
 
 
 @pytest.mark.parametrize("listener", list(BUDGETED))
@@ -542,6 +547,38 @@ def test_the_api_servers_connections_are_never_the_ones_making_room(listeners: d
         for conn in [*mine, *held]:
             conn.close()
     _eventually("the slots are given back", lambda: served.slots.total == 0)
+
+
+def test_a_handshake_flood_from_many_addresses_waits_its_turns_while_the_api_server_connects_at_once(
+    listeners: dict[str, Served],
+) -> None:
+    """The listener starts one handshake a second over all addresses: 8 addresses' silent connections wait
+    their turns, round-robin, while the API server's address (known from its first connection, which took
+    the one turn free) opens new connections whose handshakes start at once and whose reviews are answered,
+    far more of them than the flood's turns would allow within the handshake timeout."""
+    served = listeners["paced webhook"]
+    gate: Any = served.server.servers[0]
+
+    def review(conn: socket.socket) -> int:
+        conn.sendall(b"POST /mutate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(REVIEW), REVIEW))
+        return _answer(conn)[0]
+
+    with served.connect("127.0.3.1", cert="api server") as first:
+        assert review(first) == 200
+    held = [
+        socket.create_connection(("127.0.0.1", served.port), timeout=WAIT_S, source_address=(source, 0))
+        for source in FLOOD_ADDRESSES[:4]
+        for _ in range(2)
+    ]
+    try:
+        _eventually("the flood waits for its turns", lambda: len(gate.turns.waiting) >= 3)
+        for _ in range(2 * int(LIMITS.handshake_timeout_s)):  # more than the turns within a handshake timeout
+            with served.connect("127.0.3.1", cert="api server") as conn:
+                assert review(conn) == 200
+    finally:
+        for conn in held:
+            conn.close()
+    _eventually("the flood's slots are given back", lambda: served.slots.total == 0)
 
 
 # ---------------------------------------------------------------------------------------------- reviews off the loop

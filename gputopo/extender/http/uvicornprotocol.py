@@ -1,6 +1,6 @@
 """uvicorn's httptools protocol under the listener limits (`gputopo.extender.http.refusals`), for the webhook and
 metrics
-listeners, which accept through `gputopo.extender.http.acceptgate.Gate`. uvicorn arms its keep-alive timer only after an
+listeners, which accept through `gputopo.listenguard.acceptgate.Gate`. uvicorn arms its keep-alive timer only after an
 answer, so a connection that sent nothing was held forever; it has no head cap; and its 400 on a bad request
 overtook a pipelined answer in progress. Refusals here wait for the answers before them.
 
@@ -26,7 +26,7 @@ from gputopo.extender.http.refusals import HeadMeter, read_too_slow, refusal
 from gputopo.extender.settings import ListenerLimits
 
 if TYPE_CHECKING:
-    from gputopo.extender.http.acceptgate import Slot
+    from gputopo.listenguard.acceptgate import Slot
 
 TLS_READ_AHEAD_BYTES = 32 * 1024
 REFUSED_TLS_LINGER_S = 0.1
@@ -66,8 +66,8 @@ class BoundedHttpTools(HttpToolsProtocol):
         self._lost = False
         self._tls: dict[str, Any] | None = None
         self.on_lost: Callable[[], None] | None = None  # the `Gate`'s release of the connection's slot
-        self.slot: Slot | None = None  # set by the `Gate`: the listener's shared counts and budget
-        self._budget: BodyBudget | None = None
+        self.slot: Slot | None = None  # set by the `Gate`: the listener's shared counts
+        self.budget: BodyBudget | None = None  # set by the listener's server: its request bodies, all connections
         self._peer: str | None = None  # the client's address, for its share of the budget
         self._held: collections.deque[int] = collections.deque()  # budget bytes per request, in request order
         self._chunked = False  # the request being read streams a body of unknown length
@@ -82,7 +82,6 @@ class BoundedHttpTools(HttpToolsProtocol):
             with contextlib.suppress(AttributeError, NotImplementedError, ValueError):
                 transport.set_read_buffer_limits(high=TLS_READ_AHEAD_BYTES)  # type: ignore[attr-defined]
         if self.slot is not None:
-            self._budget = self.slot.slots.budget
             self._peer = self.slot.peer
             self.slot.trusted = self.policy.trusted(self._tls)
         # The first request's head and body from the moment the connection is handed over: one that sends
@@ -121,8 +120,8 @@ class BoundedHttpTools(HttpToolsProtocol):
         path = httptools.parse_url(self.url).path.decode("latin-1")
         decision = self.policy.decide(method, path, self.headers, self._tls)
         refused = decision.refusal
-        if refused is None and self._budget is not None:
-            full = self._budget.refusal(decision.declared, self._peer)
+        if refused is None and self.budget is not None:
+            full = self.budget.refusal(decision.declared, self._peer)
             refused = None if full is None else (503, full)
         if refused is not None:
             # Answered from the head: no 100 Continue, no byte of the body read (the parser stops here).
@@ -130,7 +129,7 @@ class BoundedHttpTools(HttpToolsProtocol):
                 self.policy.refused(path, refused[0])
             self._refuse(*refused)
             raise httptools.HttpParserError("refused from its head")
-        self._held.append(decision.declared if self._budget is not None else 0)
+        self._held.append(decision.declared if self.budget is not None else 0)
         self._chunked = decision.chunked
         if self.expect_100_continue:
             wanted = method == b"POST" and path in self.policy.body_paths
@@ -140,8 +139,8 @@ class BoundedHttpTools(HttpToolsProtocol):
     def on_body(self, body: bytes) -> None:
         if self.slot is not None:
             self.slot.slots.body_bytes += len(body)
-        if self._chunked and self._budget is not None and self._held:
-            full = self._budget.refusal(len(body), self._peer)
+        if self._chunked and self.budget is not None and self._held:
+            full = self.budget.refusal(len(body), self._peer)
             if full is not None:
                 self._refuse(503, full)
                 raise httptools.HttpParserError("over the body budget")
@@ -179,11 +178,11 @@ class BoundedHttpTools(HttpToolsProtocol):
     def _give_back(self, requests: int) -> None:
         for _ in range(min(requests, len(self._held))):
             size = self._held.popleft()
-            if self._budget is not None:
-                self._budget.give(size, self._peer)
+            if self.budget is not None:
+                self.budget.give(size, self._peer)
 
     def answering(self) -> bool:
-        """A whole request is in and its answer is not yet written out (`gputopo.extender.http.acceptgate.Slot`):
+        """A whole request is in and its answer is not yet written out (`gputopo.listenguard.acceptgate.Slot`):
         a connection in this state is not closed to make room for another address."""
         cycle = self.cycle
         busy = cycle is not None and not cycle.more_body and not cycle.response_complete
@@ -191,7 +190,7 @@ class BoundedHttpTools(HttpToolsProtocol):
 
     def evict(self) -> None:
         """Closed to make room for a connection from an address holding fewer
-        (`gputopo.extender.http.acceptgate.Slots`)."""
+        (`gputopo.listenguard.acceptgate.Slots`)."""
         if self.transport is not None and not self.transport.is_closing():
             self.transport.abort()
 

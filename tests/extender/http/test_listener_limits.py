@@ -27,11 +27,11 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from gputopo.extender.app import Listeners, create_listeners
-from gputopo.extender.http.acceptgate import HandshakePace
 from gputopo.extender.http.refusals import HeadMeter
 from gputopo.extender.http.verbserver import VerbServer
 from gputopo.extender.main import ListenerServer, listener_config
 from gputopo.extender.settings import ListenerLimits, Settings, describe_error, load_settings
+from gputopo.listenguard.acceptgate import HandshakePace
 from tests.extender.fake import FakeSource
 from tests.extender.harness import (
     NS,

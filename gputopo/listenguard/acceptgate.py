@@ -1,8 +1,12 @@
-"""The accept loop of the webhook and metrics listeners (`Gate`): every connection is counted against
-`--max-connections` and `--max-connections-per-peer` (`Slots`) at accept, before any byte is read, and on the
-webhook its TLS handshake runs here under `--handshake-timeout-seconds`, paced per address (`HandshakePace`).
-asyncio's own server-side TLS counted a connection only once its handshake was done and gave the handshake 60 s,
-so silent connections held file descriptors and memory past every bound.
+"""The accept loop of the listeners reachable from the pod network (`Gate`): every connection is counted against
+a listener's connection limits, in all and per client address (`Slots`, with fair room across addresses), at
+accept, before any byte is read, and over TLS its handshake runs here under the handshake timeout, paced per
+address (`HandshakePace`) and over all addresses (`HandshakeTurns`). asyncio's own server-side TLS counted a
+connection only once its handshake was done and gave the handshake 60 s, so silent connections held file
+descriptors and memory past every bound.
+
+`Slots` holds any connection that can say whether it may be closed and close itself (`Held`): the agent's
+threaded /metrics server counts its connections with it too.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import enum
 import logging
 import socket
 import ssl
@@ -17,14 +22,50 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
-from gputopo.extender.http.heads import BodyBudget
-from gputopo.extender.http.refusals import TOO_MANY, TOO_MANY_FROM_PEER, refusal
-from gputopo.extender.settings import ListenerLimits
-
 # Addresses whose handshake pace is remembered; past this, the ones back at a full burst are forgotten.
 _MAX_PACED_PEERS = 4096
+# Addresses that presented the API server's certificate, remembered for their next handshakes (its replicas).
+_MAX_TRUSTED_PEERS = 64
 
-log = logging.getLogger("gputopo.extender.http")
+log = logging.getLogger("gputopo.listenguard")
+
+
+class Limits(Protocol):
+    """What a listener allows (the extender's `ListenerLimits` has these and more)."""
+
+    @property
+    def max_connections(self) -> int: ...  # open at once, counted from the accept
+
+    @property
+    def max_connections_per_peer(self) -> int: ...  # of one client address
+
+    @property
+    def handshake_timeout_s(self) -> float: ...  # a TLS handshake, from the accept
+
+    @property
+    def handshakes_per_peer_per_s(self) -> float: ...  # TLS handshakes one address starts; 0: any
+
+    @property
+    def handshakes_per_s(self) -> float: ...  # TLS handshakes the listener starts, all addresses; 0: any
+
+
+class Full(enum.Enum):
+    """Why a connection found no room: the listener holds its limit, or the connection's address holds its own."""
+
+    LISTENER = "listener"
+    PEER = "peer"
+
+
+class Held(Protocol):
+    """A connection `Slots` counts: its address, whether it may be closed to make room for another address,
+    and how it is closed then (after `Slots` has given its place to the newcomer)."""
+
+    @property
+    def peer(self) -> str: ...
+
+    def evictable(self) -> bool: ...
+
+    def evict(self) -> None: ...
 
 
 class Released(Protocol):
@@ -43,8 +84,8 @@ class Released(Protocol):
 
 class Slots:
     """The connections one listener holds, in all and per client address, each from its accept to its
-    close (whether its handshake succeeds, fails or times out); and what they share: the request bodies'
-    `BodyBudget` and the bytes read, counted for the tests and the benchmark.
+    close (whether its handshake succeeds, fails or times out); and the bytes they read, counted for the
+    tests and the benchmark. Used on one event loop, or under one lock: no lock of its own.
 
     When the listener is full, a connection from an address holding fewer connections than the address that
     holds the most takes the place of that address's oldest connection that is not being answered and not the
@@ -53,26 +94,25 @@ class Slots:
     holding one each, a newcomer takes the oldest one's place: a probe, the newest and answered within its
     first read, is the last to be chosen, and once its request is in it cannot be."""
 
-    def __init__(self, limits: ListenerLimits) -> None:
+    def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self.total = 0
         self.per_peer: collections.Counter[str] = collections.Counter()
         self.handshakes: set[asyncio.Task[None]] = set()  # held here: the loop keeps only weak references
-        self.open: dict[Slot, None] = {}  # held connections, oldest first
-        self.budget = BodyBudget(limits.max_body_bytes_in_flight, limits.body_bytes_per_peer)
+        self.open: dict[Held, None] = {}  # held connections, oldest first
         self.bytes_received = 0  # every byte the listener's connections handed the parser
         self.body_bytes = 0  # of those, request body bytes
         self.evicted = 0
         self.accepted = 0  # connections counted in, ever
         self.on_idle: Callable[[], None] | None = None  # once no connection is held (`ListenerServer`: a trim)
 
-    def take(self, peer: str) -> str | None:
-        """Count a connection from `peer`, making room as the class doc says; or the refusal's text when it
-        does not fit (nothing counted)."""
+    def take(self, peer: str) -> Full | None:
+        """Count a connection from `peer`, making room as the class doc says; or why it does not fit
+        (nothing counted). The caller then holds it (`hold`) or gives it back (`release`)."""
         if self.per_peer[peer] >= self.limits.max_connections_per_peer:
-            return TOO_MANY_FROM_PEER
+            return Full.PEER
         if self.total >= self.limits.max_connections and not self._make_room(peer):
-            return TOO_MANY
+            return Full.LISTENER
         self.total += 1
         self.per_peer[peer] += 1
         self.accepted += 1
@@ -80,7 +120,7 @@ class Slots:
 
     def _make_room(self, peer: str) -> bool:
         mine = self.per_peer[peer]
-        victim: Slot | None = None
+        victim: Held | None = None
         most = mine  # only an address holding more than `peer` gives way: ties go to the newcomer's turn
         for slot in self.open:  # oldest first: the first of the heaviest address is its oldest
             held = self.per_peer[slot.peer]
@@ -91,6 +131,15 @@ class Slots:
         self.evicted += 1
         victim.evict()
         return True
+
+    def hold(self, held: Held) -> None:
+        """`held`, counted by `take`, may now be evicted (newest last)."""
+        self.open[held] = None
+
+    def drop(self, held: Held) -> None:
+        """Give `held`'s place back (once: the caller keeps track)."""
+        self.open.pop(held, None)
+        self.release(held.peer)
 
     def release(self, peer: str) -> None:
         self.total -= 1
@@ -140,6 +189,80 @@ class HandshakePace:
             del self._peers[p]
 
 
+class HandshakeTurns:
+    """The TLS handshakes a listener starts, over all addresses: at most `rate` a second (bursts of a tenth of
+    a second's worth, at least one), taken round-robin across the addresses waiting; 0: no limit.
+
+    A handshake is CPU on the listener's loop, where the connections already set up (the API server's,
+    kept alive) are answered: the pace per address (`HandshakePace`) does not bound a flood from many
+    addresses, this does. A connection waiting for its turn keeps its slot and its handshake timeout runs
+    from the accept; a new address waits one round of the addresses waiting at most. An address that has
+    presented the API server's certificate (`trust`, the last `_MAX_TRUSTED_PEERS`) starts its handshakes
+    at once, outside the limit: a flood without that certificate delays only first contacts."""
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.clock = clock
+        self.burst = max(1.0, rate / 10)
+        self.tokens = self.burst
+        self.counted_at = clock()
+        self.waiting: dict[str, collections.deque[asyncio.Future[None]]] = {}  # in round order
+        self.pump: asyncio.Task[None] | None = None
+        self.trusted: dict[str, None] = {}  # oldest first
+
+    def trust(self, peer: str) -> None:
+        self.trusted.pop(peer, None)
+        self.trusted[peer] = None
+        if len(self.trusted) > _MAX_TRUSTED_PEERS:
+            del self.trusted[next(iter(self.trusted))]
+
+    async def turn(self, peer: str) -> None:
+        """Return once `peer`'s connection may start its handshake (cancel it to leave the queue)."""
+        if self.rate <= 0 or peer in self.trusted or (not self.waiting and self._take()):
+            return
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        self.waiting.setdefault(peer, collections.deque()).append(future)
+        if self.pump is None:
+            self.pump = loop.create_task(self._pump())
+        await future
+
+    def _take(self) -> bool:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.counted_at) * self.rate)
+        self.counted_at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+    def _next(self) -> asyncio.Future[None] | None:
+        """The next address's oldest waiting connection (that address goes to the back of the round)."""
+        while self.waiting:
+            peer = next(iter(self.waiting))
+            queue = self.waiting.pop(peer)
+            future = queue.popleft()
+            if queue:
+                self.waiting[peer] = queue
+            if not future.done():  # else it left: evicted, timed out, or the server stopping
+                return future
+        return None
+
+    async def _pump(self) -> None:
+        try:
+            while self.waiting:
+                if not self._take():
+                    await asyncio.sleep((1 - self.tokens) / self.rate)
+                    continue
+                future = self._next()
+                if future is None:
+                    self.tokens += 1  # nobody was left to take it
+                    break
+                future.set_result(None)
+        finally:
+            self.pump = None
+
+
 class Slot:
     """One connection's place in `Slots`, given back once, however the connection ends (or is evicted)."""
 
@@ -150,7 +273,7 @@ class Slot:
         self.trusted = False  # the API server's client certificate: never evicted
         self.protocol: Released | None = None  # once the connection is set up (after its TLS handshake)
         self.task: asyncio.Task[None] | None = None  # its setup (pace, handshake) until then
-        slots.open[self] = None
+        slots.hold(self)
 
     def evictable(self) -> bool:
         if self.trusted:
@@ -169,29 +292,36 @@ class Slot:
     def release(self) -> None:
         if self.held:
             self.held = False
-            self.slots.open.pop(self, None)
-            self.slots.release(self.peer)
+            self.slots.drop(self)
 
 
 class Gate:
     """The accept loop of the webhook or metrics listener: every connection is counted (`Slots`) as it is
     accepted, before any byte is read.
 
-    One that does not fit is closed at once: over plain TCP after a 503, over TLS before the handshake (an
-    answer would cost the very handshake the refusal spares). The others become transports with
+    One that does not fit is closed at once: over plain TCP after `refuse`'s answer (a 503), over TLS before
+    the handshake (an answer would cost the very handshake the refusal spares). The others become transports with
     `loop.connect_accepted_socket` (asyncio and uvloop alike), over TLS with the handshake timeout; the
     protocol made by `make()` gives the slot back when the connection ends (`BoundedHttpTools.on_lost`),
     and a handshake that fails or times out gives it back here. A listening socket read by the loop's own
     server would hand a connection over only after its handshake, and the loop would read its ClientHello
     before a `start_tls` could take it."""
 
-    def __init__(self, slots: Slots, make: Callable[[], Released], tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        slots: Slots,
+        make: Callable[[], Released],
+        tls: ssl.SSLContext | None = None,
+        refuse: Callable[[Full], bytes] | None = None,
+    ) -> None:
         self.slots = slots
         self.make = make
         self.tls = tls
+        self.refuse = refuse  # the answer a plain TCP connection gets when it does not fit (else none)
         self.task: asyncio.Task[None] | None = None
         limits = slots.limits
         self.pace = HandshakePace(limits.handshakes_per_peer_per_s, limits.handshake_timeout_s)
+        self.turns = HandshakeTurns(limits.handshakes_per_s)
 
     def start(self, sock: socket.socket) -> None:
         sock.setblocking(False)
@@ -219,11 +349,11 @@ class Gate:
 
     def _admit(self, conn: socket.socket, address: Any) -> None:
         peer = str(address[0]) if isinstance(address, tuple) and address else "?"
-        refused = self.slots.take(peer)
-        if refused is not None:
-            if self.tls is None:
+        full = self.slots.take(peer)
+        if full is not None:
+            if self.tls is None and self.refuse is not None:
                 with contextlib.suppress(OSError):  # a few hundred bytes: the socket's buffer takes them
-                    conn.send(refusal(503, refused))
+                    conn.send(self.refuse(full))
             conn.close()
             return
         wait = self.pace.delay(peer) if self.tls is not None else 0.0
@@ -246,13 +376,18 @@ class Gate:
 
         setup: list[Released] = []
         loop = asyncio.get_running_loop()
-        timeout = self.slots.limits.handshake_timeout_s - wait if self.tls is not None else None
+        deadline = loop.time() + self.slots.limits.handshake_timeout_s  # the handshake's, from the accept
         try:
-            if wait > 0:  # its address's handshake pace (HandshakePace); the timeout runs from the accept
+            if wait > 0:  # its address's handshake pace (HandshakePace)
                 await asyncio.sleep(wait)
+            if self.tls is not None and self.turns.rate > 0:  # the listener's, all addresses (HandshakeTurns)
+                await asyncio.wait_for(self.turns.turn(slot.peer), deadline - loop.time())
+            timeout = max(0.001, deadline - loop.time()) if self.tls is not None else None
             await loop.connect_accepted_socket(protocol, conn, ssl=self.tls, ssl_handshake_timeout=timeout)
             if slot.held:  # set up: from now on an eviction closes its transport
                 slot.protocol, slot.task = setup[0], None
+            if slot.trusted:  # the API server's certificate: its address's next handshakes need no turn
+                self.turns.trust(slot.peer)
         except BaseException as e:  # timed out, failed, reset, or the server stopping: the slot is free
             conn.close()
             slot.release()
