@@ -134,3 +134,45 @@ def test_a_flood_of_unplaceable_gangs_is_planned_at_a_bounded_pace_and_an_unchan
     # Another tenant's gang that fits is planned first (never planned before) and lifted at the next sweep.
     env.add_pods(*(member(f"ok-{i}", "ok", 2, i, ns="other") for i in range(2)))
     assert sweep(env) == ["other/ok-0", "other/ok-1"]
+
+
+# ------------------------------------------------------------------ a tenant churning its gangs
+
+
+def _toggle_whole(env: Env, turn: int) -> None:
+    """8 unplaceable gangs, half whole each sweep: each member's group-size flips between 5 and 6."""
+    for g in range(8):
+        size = 5 if (g + turn) % 2 else 6
+        env.add_pods(*(member(f"t{g}-{i}", f"t{g}", size, i, ns="a-tenant", created=rfc3339(T0)) for i in range(5)))
+
+
+def _fresh_groups(env: Env, turn: int) -> None:
+    """4 new unplaceable gangs every sweep, each whole from its creation."""
+    now = rfc3339(env.clock.now)
+    for g in range(4 * turn, 4 * turn + 4):
+        env.add_pods(*(member(f"n{g}-{i}", f"n{g}", 5, i, ns="a-tenant", created=now) for i in range(5)))
+
+
+@pytest.mark.parametrize(
+    "churn",
+    [
+        pytest.param(_toggle_whole, id="gangs-flipping-whole-and-not-each-sweep"),
+        pytest.param(_fresh_groups, id="new-gangs-every-sweep"),
+    ],
+)
+def test_a_tenant_churning_its_gangs_never_keeps_another_tenants_gang_from_its_plan(gated_env: Env, churn: Any) -> None:
+    # Groups are planned oldest first: by when each was last planned, or, never planned, by when its oldest
+    # member was gated. A tenant's gangs that leave and come back whole, or new ones each sweep, wait
+    # their turn: another tenant's gang that fits is planned within a round of the groups before it.
+    env = gated_env
+    churn(env, 0)
+    sweep(env)
+    env.clock.advance(0.25)
+    env.add_pods(*(member(f"ok-{i}", "ok", 2, i, ns="other", created=rfc3339(env.clock.now)) for i in range(2)))
+    lifted: list[str] = []
+    for turn in range(1, 5):
+        env.clock.advance(0.25)
+        churn(env, turn)
+        lifted += sweep(env)
+        assert lifter(env).plans <= DEFAULT_MAX_PLANS * (turn + 1)
+    assert lifted == ["other/ok-0", "other/ok-1"]
