@@ -2,7 +2,8 @@
 gputopo.extender.state.leadership): anyone who may write Leases in the release namespace may write it. Bounds:
 a field that is not what kube-scheduler writes reads as no holder, never renewed or no duration, so an
 unreadable Lease leads no one (0 gate lifts written) and the agents' Leases beside it are read as ever; a
-Lease of that name in another namespace, or of another name, is not the leader's."""
+Lease of that name in another namespace, or of another name, is not the leader's; a renewTime ahead of the
+clock leads no longer than a renewal seen now."""
 
 from __future__ import annotations
 
@@ -75,3 +76,28 @@ def test_a_hostile_leader_lease_through_the_watch_lifts_nothing_and_breaks_no_ag
         assert env.listeners.lifter is not None and env.listeners.lifter.sweep() == []
         assert env.source.patches == []
         assert len(env.ledger.states(["gpu-1"])) == 1 and env.ledger.states(["gpu-1"])[0].problem is None
+
+
+@pytest.mark.parametrize(
+    "renew",
+    [
+        pytest.param(T0, id="renewed-now"),
+        pytest.param(T0 + 3600, id="an-hour-ahead"),
+        pytest.param(T0 + 10**9, id="decades-ahead"),
+        pytest.param(253402300799.0, id="the-last-second-of-year-9999"),
+    ],
+)
+def test_a_renewal_ahead_of_our_clock_holds_no_longer_than_one_seen_now(renew: float) -> None:
+    # A renewTime ahead of the extender's clock (a skewed or hostile writer) counts from when this replica saw
+    # it, as client-go's own election counts it: a kube-scheduler that stopped renewing leads no longer than
+    # `leaseDurationSeconds` after its last renewal was seen, and the same Lease delivered again (a relist)
+    # extends nothing.
+    clock = FakeClock()
+    lead = Leadership(LEASE, ME, clock)
+    hold = leader_lease(lease(renewTime=rfc3339(renew)), LEASE, NS)
+    lead.put(hold)
+    assert lead.leading()
+    clock.advance(10)
+    lead.put(hold)  # relisted, unchanged
+    clock.advance(6)
+    assert not lead.leading()
