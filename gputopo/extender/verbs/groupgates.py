@@ -216,6 +216,7 @@ class GateLifter:
         self.max_writes = pace.max_writes
         self.clock = clock
         self.since: dict[str, float] = {}  # uid -> when first seen gated
+        self._read: dict[str, tuple[PodRecord, int, Gated]] = {}  # uid -> (record, its group's version, reading)
         self.told: dict[str, set[str]] = {}  # uid -> what it was told: "waiting" for members, "unplaced"
         self.written: dict[str, float] = {}  # uid -> when its lift was written
         self.on_lift = on_lift  # a lift written, by its reason (the metric)
@@ -228,20 +229,29 @@ class GateLifter:
         self._pool = ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="gputopo-gate-lift")
 
     def gated(self) -> list[Gated]:
+        """The gated pods of this scheduler, in UID order. A pod whose record and group's members are as the
+        last sweep read them keeps that reading: a flood of gated pods costs the lock (which the filters
+        wait on) a look-up each, and a full read only for what changed."""
         now = self.clock()
+        found: dict[str, Gated] = {}
         with self.ledger.lock:
             pods = self.ledger.pods
-            # Another scheduler's pod carries the gate only because its author wrote it: theirs to lift.
-            uids = sorted(u for u in pods.gated if pods[u].scheduler_name == self.ledger.scheduler_name)
-            out = [
-                gated_member(self.ledger, pods[u], gated_since(pods[u].created, self.since.setdefault(u, now)))
-                for u in uids
-            ]
-        for uid in set(self.since) - set(uids):  # lifted (by anyone) or gone
-            self.since.pop(uid, None)
-            self.told.pop(uid, None)
-            self.written.pop(uid, None)
-        return out
+            for u in pods.gated:
+                rec = pods[u]
+                if rec.scheduler_name != self.ledger.scheduler_name:
+                    continue  # another scheduler's pod carries the gate only because its author wrote it
+                key = pods.group_of(rec)
+                version = pods.tally(key).version if key is not None else 0
+                kept = self._read.get(u)
+                # The same record object between relists; after a relist an equal one (compared, not read again).
+                if kept is None or kept[1] != version or (kept[0] is not rec and kept[0] != rec):
+                    since = gated_since(rec.created, self.since.setdefault(u, now))
+                    kept = self._read[u] = (rec, version, gated_member(self.ledger, rec, since))
+                found[u] = kept[2]
+        for uid in set(self._read) - set(found):  # lifted (by anyone) or gone
+            for kept_by_uid in (self.since, self.told, self.written, self._read):
+                kept_by_uid.pop(uid, None)
+        return [found[u] for u in sorted(found)]
 
     def sweep(self) -> list[Lift]:
         """One pass: the lifts written (or tried) and the Events queued. Never raises for the API's sake."""
