@@ -5,7 +5,8 @@
 other errors reconnect, both after client-go's reflector's backoff, and a watch that ends at once
 waits too), and `refresh()` does one direct LIST for callers that
 suspect the watch lags. `StaticLocalPods` holds a fixed list for tests and `--once`. A malformed pod
-object is skipped with one log line; the watch thread never dies of one.
+object is skipped with one log line (what is kept to log it once is bounded: `MAX_LOGGED`); the watch
+thread never dies of one.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from gputopo.model.podspec import PodSpecError
 log = logging.getLogger(__name__)
 
 JSON = dict[str, Any]
+MAX_LOGGED = 1024  # (pod, problem) pairs remembered as logged
+MAX_LOGGED_KEY = 256  # characters of each kept
 
 
 @dataclass(frozen=True)
@@ -117,9 +120,15 @@ class _Store:
         return pod
 
     def _log_once(self, ident: str, key: str, message: str, error: str | None = None) -> None:
-        if (ident, key) in self._logged:
+        # What is kept to log once is bounded: a key cut short (a placement's text may be 256 KiB, rewritten
+        # at will where the chart's policy is off), and forgotten whole past MAX_LOGGED pods' worth (such a
+        # flood is then logged again, never kept).
+        seen = (ident[:MAX_LOGGED_KEY], key[:MAX_LOGGED_KEY])
+        if seen in self._logged:
             return
-        self._logged.add((ident, key))
+        if len(self._logged) >= MAX_LOGGED:
+            self._logged.clear()
+        self._logged.add(seen)
         log.warning(message, extra={"pod": ident, "error": error or key})
 
     def replace(self, objs: Iterable[Mapping[str, Any]]) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 
+from gputopo.kube import jsonbody
 from gputopo.kube.config import client_configuration
 from gputopo.kube.errors import KubeError, status_error
 from gputopo.kube.paths import (
@@ -212,7 +213,7 @@ class Kube:
         if not data:
             return {}
         try:
-            out = orjson.loads(data)
+            out = jsonbody.loads(data)  # one tenant's deeply nested value never makes a whole list unreadable
         except orjson.JSONDecodeError as e:
             raise KubeError(status, f"the answer is not JSON: {e}", method=method, path=path) from None
         if not isinstance(out, dict):

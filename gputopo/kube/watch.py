@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from gputopo.kube import jsonbody
 from gputopo.kube.errors import Gone, KubeError
 from gputopo.kube.paths import JSON
 
@@ -65,7 +66,7 @@ def decode_event(line: bytes) -> WatchEvent | None:
     reconnect from the same resourceVersion and meet the same line again). An ERROR event raises its
     Status as `KubeError` (`Gone` for 410; `error_event`)."""
     try:
-        doc = orjson.loads(line)
+        doc = jsonbody.loads(line)
     except orjson.JSONDecodeError as e:  # a ValueError, as json's; invalid UTF-8 lands here too
         log.warning("skipped a watch line that is not JSON", extra={"error": str(e)[:200]})
         return None

@@ -2,7 +2,7 @@
 tenant's flood of whole gangs that can never be placed. Bounds: no timestamp makes a hold longer than the bound
 from when the extender first saw the pod, and none fails the pod's record; plans a sweep <= max_plans, and an
 unchanged cluster costs no new plan of an unplaceable group (its failure is kept); another tenant's placeable
-gang is lifted at the next sweep."""
+gang is lifted at the next sweep; a flood of gated pods costs a sweep a full read only of what changed."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from gputopo.engine.gang.replan import replan
 from gputopo.extender.settings import Settings
-from gputopo.extender.verbs import gangs
+from gputopo.extender.verbs import gangs, groupgates
 from gputopo.extender.verbs.groupgates import DEFAULT_MAX_PLANS, GateLifter
 from gputopo.model.gates import GROUP_GATE
 from tests.extender.fake import FakeSource
@@ -134,3 +134,94 @@ def test_a_flood_of_unplaceable_gangs_is_planned_at_a_bounded_pace_and_an_unchan
     # Another tenant's gang that fits is planned first (never planned before) and lifted at the next sweep.
     env.add_pods(*(member(f"ok-{i}", "ok", 2, i, ns="other") for i in range(2)))
     assert sweep(env) == ["other/ok-0", "other/ok-1"]
+
+
+# ------------------------------------------------------------------ a tenant churning its gangs
+
+
+def _toggle_whole(env: Env, turn: int) -> None:
+    """8 unplaceable gangs, half whole each sweep: each member's group-size flips between 5 and 6."""
+    for g in range(8):
+        size = 5 if (g + turn) % 2 else 6
+        env.add_pods(*(member(f"t{g}-{i}", f"t{g}", size, i, ns="a-tenant", created=rfc3339(T0)) for i in range(5)))
+
+
+def _fresh_groups(env: Env, turn: int) -> None:
+    """4 new unplaceable gangs every sweep, each whole from its creation."""
+    now = rfc3339(env.clock.now)
+    for g in range(4 * turn, 4 * turn + 4):
+        env.add_pods(*(member(f"n{g}-{i}", f"n{g}", 5, i, ns="a-tenant", created=now) for i in range(5)))
+
+
+@pytest.mark.parametrize(
+    "churn",
+    [
+        pytest.param(_toggle_whole, id="gangs-flipping-whole-and-not-each-sweep"),
+        pytest.param(_fresh_groups, id="new-gangs-every-sweep"),
+    ],
+)
+def test_a_tenant_churning_its_gangs_never_keeps_another_tenants_gang_from_its_plan(gated_env: Env, churn: Any) -> None:
+    # Groups are planned oldest first: by when each was last planned, or, never planned, by when its oldest
+    # member was gated. A tenant's gangs that leave and come back whole, or new ones each sweep, wait
+    # their turn: another tenant's gang that fits is planned within a round of the groups before it.
+    env = gated_env
+    churn(env, 0)
+    sweep(env)
+    env.clock.advance(0.25)
+    env.add_pods(*(member(f"ok-{i}", "ok", 2, i, ns="other", created=rfc3339(env.clock.now)) for i in range(2)))
+    lifted: list[str] = []
+    for turn in range(1, 5):
+        env.clock.advance(0.25)
+        churn(env, turn)
+        lifted += sweep(env)
+        assert lifter(env).plans <= DEFAULT_MAX_PLANS * (turn + 1)
+    assert lifted == ["other/ok-0", "other/ok-1"]
+
+
+# ------------------------------------------------------------------ a flood of gated pods
+
+
+def _nothing(env: Env) -> None:
+    pass
+
+
+def _one_member_comes(env: Env) -> None:
+    env.add_pods(member("w0-1", "w0", 2, 1, ns="a-tenant"))
+
+
+def _one_pod_edited(env: Env) -> None:
+    pod = member("w1-0", "w1", 2, 0, ns="a-tenant")
+    pod["metadata"]["labels"] = {"edited": "yes"}
+    pod["metadata"]["annotations"]["gputopo.io/nvlink"] = "preferred"
+    env.add_pods(pod)
+
+
+@pytest.mark.parametrize(
+    ("change", "read"),
+    [
+        pytest.param(_nothing, 0, id="nothing-changed"),
+        pytest.param(_one_member_comes, 2, id="one-member-comes"),
+        pytest.param(_one_pod_edited, 1, id="one-pod-edited"),
+    ],
+)
+def test_a_flood_of_gated_pods_costs_a_sweep_only_what_changed(
+    gated_env: Env, monkeypatch: pytest.MonkeyPatch, change: Any, read: int
+) -> None:
+    # A tenant's 2,000 gated pods, each waiting for a member that never comes: each is read (under the ledger's
+    # lock, which the filters wait on) when it or its group changes, not at every sweep.
+    env = gated_env
+    reads = 0
+    real = groupgates.gated_member
+
+    def counted(*a: Any) -> Any:
+        nonlocal reads
+        reads += 1
+        return real(*a)
+
+    monkeypatch.setattr(groupgates, "gated_member", counted)
+    env.add_pods(*(member(f"w{g}-0", f"w{g}", 2, 0, ns="a-tenant") for g in range(2_000)))
+    assert sweep(env) == [] and reads == 2_000
+    reads = 0
+    change(env)
+    sweep(env)
+    assert reads == read

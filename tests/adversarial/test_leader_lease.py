@@ -2,7 +2,8 @@
 gputopo.extender.state.leadership): anyone who may write Leases in the release namespace may write it. Bounds:
 a field that is not what kube-scheduler writes reads as no holder, never renewed or no duration, so an
 unreadable Lease leads no one (0 gate lifts written) and the agents' Leases beside it are read as ever; a
-Lease of that name in another namespace, or of another name, is not the leader's."""
+Lease of that name in another namespace, or of another name, is not the leader's; a renewTime ahead of the
+clock leads no longer than a renewal seen now."""
 
 from __future__ import annotations
 
@@ -32,10 +33,16 @@ def lease(**spec: Any) -> JSON:
     ("obj", "leads"),
     [
         pytest.param(lease(), True, id="well-formed-ours"),
+        pytest.param(lease(holderIdentity=ME), True, id="holder-our-hostname-alone"),
+        pytest.param(lease(holderIdentity=f"{ME}x_1"), False, id="holder-a-hostname-that-extends-ours"),
+        pytest.param(lease(holderIdentity=f"{ME[:-1]}_1"), False, id="holder-a-prefix-of-our-hostname"),
+        pytest.param(lease(holderIdentity=f"other_{ME}_1"), False, id="holder-our-hostname-inside-another"),
+        pytest.param(lease(holderIdentity=""), False, id="holder-empty"),
         pytest.param(lease(holderIdentity=7), False, id="holder-not-a-string"),
         pytest.param(lease(holderIdentity=f"{ME}_" + "x" * 5000), False, id="holder-past-its-bound"),
         pytest.param(lease(leaseDurationSeconds="15"), False, id="duration-a-string"),
         pytest.param(lease(leaseDurationSeconds=-5), False, id="duration-negative"),
+        pytest.param(lease(leaseDurationSeconds=0), False, id="duration-zero"),
         pytest.param(lease(leaseDurationSeconds=True), False, id="duration-a-bool"),
         pytest.param(lease(leaseDurationSeconds=10**400), True, id="duration-past-a-float-capped"),
         pytest.param(lease(renewTime="soon"), False, id="renew-time-garbage"),
@@ -75,3 +82,28 @@ def test_a_hostile_leader_lease_through_the_watch_lifts_nothing_and_breaks_no_ag
         assert env.listeners.lifter is not None and env.listeners.lifter.sweep() == []
         assert env.source.patches == []
         assert len(env.ledger.states(["gpu-1"])) == 1 and env.ledger.states(["gpu-1"])[0].problem is None
+
+
+@pytest.mark.parametrize(
+    "renew",
+    [
+        pytest.param(T0, id="renewed-now"),
+        pytest.param(T0 + 3600, id="an-hour-ahead"),
+        pytest.param(T0 + 10**9, id="decades-ahead"),
+        pytest.param(253402300799.0, id="the-last-second-of-year-9999"),
+    ],
+)
+def test_a_renewal_ahead_of_our_clock_holds_no_longer_than_one_seen_now(renew: float) -> None:
+    # A renewTime ahead of the extender's clock (a skewed or hostile writer) counts from when this replica saw
+    # it, as client-go's own election counts it: a kube-scheduler that stopped renewing leads no longer than
+    # `leaseDurationSeconds` after its last renewal was seen, and the same Lease delivered again (a relist)
+    # extends nothing.
+    clock = FakeClock()
+    lead = Leadership(LEASE, ME, clock)
+    hold = leader_lease(lease(renewTime=rfc3339(renew)), LEASE, NS)
+    lead.put(hold)
+    assert lead.leading()
+    clock.advance(10)
+    lead.put(hold)  # relisted, unchanged
+    clock.advance(6)
+    assert not lead.leading()

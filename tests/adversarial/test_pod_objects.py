@@ -7,11 +7,13 @@ Pod without one (a review's pod before it exists) is read by the extender and sk
 from __future__ import annotations
 
 import copy
+import tracemalloc
 from typing import Any
 
 import pytest
 
-from gputopo.agent.pods import MalformedPodError, parse_local_pod
+from gputopo.agent import pods as agent_pods
+from gputopo.agent.pods import MalformedPodError, StaticLocalPods, parse_local_pod
 from gputopo.extender.wire import WireError, pod_info
 from gputopo.model import GPU_RESOURCE
 
@@ -192,3 +194,40 @@ def test_reading_leaves_the_object_as_it_was() -> None:
     pod_info(obj)
     parse_local_pod(obj, NODE)
     assert obj == before
+
+
+def _placement_rewritten(i: int) -> list[dict[str, Any]]:
+    """One bound pod whose gputopo.io/placement is rewritten with another 100 KB of garbage each time."""
+    return [pod(**{"metadata.annotations": {"gputopo.io/placement": f"{i:08d}" + "x" * 100_000}})]
+
+
+def _malformed_pods(i: int) -> list[dict[str, Any]]:
+    """Twenty new pods each time, each refused by the reader (a GPU count that is no quantity)."""
+    return [pod(**{"metadata.uid": f"uid-{i}-{j}", "spec.containers": limits("lots")}) for j in range(20)]
+
+
+@pytest.mark.parametrize(
+    ("objects", "most"),
+    [
+        pytest.param(_placement_rewritten, 8 * 1024 * 1024, id="placement-rewritten-1000-times-100-kb-each"),
+        pytest.param(_malformed_pods, 2 * 1024 * 1024, id="20000-malformed-pods"),
+    ],
+)
+def test_the_agent_keeps_no_memory_of_each_hostile_pod_it_has_logged(
+    objects: Any, most: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The agent logs each unreadable pod or placement once; what it keeps to know that is bounded in count and
+    # size, whatever a tenant writes (a placement is someone else's only while the chart's policy is on).
+    monkeypatch.setattr(agent_pods.log, "disabled", True)  # the test's log capture would keep every line
+    view = StaticLocalPods(NODE)
+    for i in range(50):  # warm: the logger's and the reader's own caches
+        view.set_objects(objects(i))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(50, 1000):
+            view.set_objects(objects(i))
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < most  # of about 100 MB of placements, or 7 MB of 20,000 pods' names and problems

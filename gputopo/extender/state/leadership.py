@@ -3,6 +3,8 @@
 The extender runs beside each kube-scheduler replica (a sidecar: one pod, one hostname). kube-scheduler
 names itself in the Lease's `spec.holderIdentity` as `<hostname>_<uuid>`, so the replica whose hostname
 prefixes the holder is the leader's, while the holder renews the Lease within its `leaseDurationSeconds`.
+A renewal counts from its `renewTime` or from when this replica first saw it, whichever is earlier (client-go's
+election counts from the latter alone): a renewTime ahead of this clock holds no longer than one seen now.
 What only the leader should do (lifting gputopo's scheduling gates, gputopo.extender.verbs.groupgates)
 asks `Leadership.leading()`. Without leader election (no Lease named) every replica leads: there is one.
 
@@ -38,9 +40,12 @@ class Leadership:
         self.identity = identity  # this pod's hostname, the prefix of its kube-scheduler's holderIdentity
         self.clock = clock
         self.hold: LeaseHold | None = None
+        self.seen = 0.0  # when `hold` was first delivered as it is (a relist of the same Lease is no renewal)
 
     def put(self, hold: LeaseHold | None) -> None:
         """The Lease as listed or watched; None: deleted (or not listed)."""
+        if hold != self.hold:
+            self.seen = self.clock()
         self.hold = hold
 
     def leading(self) -> bool:
@@ -51,4 +56,4 @@ class Leadership:
             return False
         if h.holder != self.identity and not h.holder.startswith(f"{self.identity}_"):
             return False
-        return self.clock() <= h.renewed + h.duration
+        return self.clock() <= min(h.renewed, self.seen) + h.duration

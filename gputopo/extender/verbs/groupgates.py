@@ -8,7 +8,9 @@ ledger indexes (`PodTable.gated`), decides each with `gputopo.model.gates.lift`,
 
 - plans each whole group (`plan_with`: the group desk's plan over every node the ledger holds, kept as the
   group's reservation, so the members' filters then find their slots planned, at no second cost), at most
-  `max_plans` groups a sweep, the longest unplanned first; a failed plan is the desk's to keep
+  `max_plans` groups a sweep, the longest waiting first (by when each was last planned or, never planned,
+  when its oldest member was gated: neither new groups nor a group flipping whole and back jump the queue);
+  a failed plan is the desk's to keep
   (`FailedPlans`), so a group no change could help costs nothing until the nodes change;
 - lifts a planned group's gates together, the group's ranks in order, before any other lift;
 - keeps the gates of a whole group no plan places now (its members would only be refused again in
@@ -31,7 +33,6 @@ it (the webhook gates only gputopo's): it is left alone.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -215,6 +216,7 @@ class GateLifter:
         self.max_writes = pace.max_writes
         self.clock = clock
         self.since: dict[str, float] = {}  # uid -> when first seen gated
+        self._read: dict[str, tuple[PodRecord, int, Gated]] = {}  # uid -> (record, its group's version, reading)
         self.told: dict[str, set[str]] = {}  # uid -> what it was told: "waiting" for members, "unplaced"
         self.written: dict[str, float] = {}  # uid -> when its lift was written
         self.on_lift = on_lift  # a lift written, by its reason (the metric)
@@ -227,20 +229,29 @@ class GateLifter:
         self._pool = ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="gputopo-gate-lift")
 
     def gated(self) -> list[Gated]:
+        """The gated pods of this scheduler, in UID order. A pod whose record and group's members are as the
+        last sweep read them keeps that reading: a flood of gated pods costs the lock (which the filters
+        wait on) a look-up each, and a full read only for what changed."""
         now = self.clock()
+        found: dict[str, Gated] = {}
         with self.ledger.lock:
             pods = self.ledger.pods
-            # Another scheduler's pod carries the gate only because its author wrote it: theirs to lift.
-            uids = sorted(u for u in pods.gated if pods[u].scheduler_name == self.ledger.scheduler_name)
-            out = [
-                gated_member(self.ledger, pods[u], gated_since(pods[u].created, self.since.setdefault(u, now)))
-                for u in uids
-            ]
-        for uid in set(self.since) - set(uids):  # lifted (by anyone) or gone
-            self.since.pop(uid, None)
-            self.told.pop(uid, None)
-            self.written.pop(uid, None)
-        return out
+            for u in pods.gated:
+                rec = pods[u]
+                if rec.scheduler_name != self.ledger.scheduler_name:
+                    continue  # another scheduler's pod carries the gate only because its author wrote it
+                key = pods.group_of(rec)
+                version = pods.tally(key).version if key is not None else 0
+                kept = self._read.get(u)
+                # The same record object between relists; after a relist an equal one (compared, not read again).
+                if kept is None or kept[1] != version or (kept[0] is not rec and kept[0] != rec):
+                    since = gated_since(rec.created, self.since.setdefault(u, now))
+                    kept = self._read[u] = (rec, version, gated_member(self.ledger, rec, since))
+                found[u] = kept[2]
+        for uid in set(self._read) - set(found):  # lifted (by anyone) or gone
+            for kept_by_uid in (self.since, self.told, self.written, self._read):
+                kept_by_uid.pop(uid, None)
+        return [found[u] for u in sorted(found)]
 
     def sweep(self) -> list[Lift]:
         """One pass: the lifts written (or tried) and the Events queued. Never raises for the API's sake."""
@@ -251,7 +262,13 @@ class GateLifter:
         lifts: list[tuple[Lift, Gated]] = []
         waiting: list[tuple[Gated, str]] = []  # (member, what it is told: "" while its group is not whole)
         whole: dict[GroupKey, list[tuple[Lift, Gated]]] = {}
-        for g in self.gated():
+        gated = self.gated()
+        # A group's turn to plan is kept while any member is gated, not only while it is whole: a group that
+        # leaves and comes back whole (a tenant flipping its size each sweep) never jumps the queue.
+        groups = {(g.member.namespace, g.member.group) for g in gated}
+        for key in set(self.planned) - groups:
+            del self.planned[key]
+        for g in gated:
             if now - self.written.get(g.member.uid, -_RESEND_AFTER_S) < _RESEND_AFTER_S:
                 continue  # written; the watch has not shown it yet
             decided = lift(g.member, now, self.release_after_s)
@@ -285,12 +302,20 @@ class GateLifter:
         lifts: list[tuple[Lift, Gated]],
         waiting: list[tuple[Gated, str]],
     ) -> None:
-        """Plan the whole groups, the longest unplanned first, at most `max_plans`: a planned group's lifts go
+        """Plan the whole groups, the longest waiting first, at most `max_plans`: a planned group's lifts go
         to `lifts`; an unplaced one's members wait, told why, until the bound; one not planned this sweep
         waits (past the bound it is released unplanned: its members' filters plan)."""
-        for key in set(self.planned) - set(whole):
-            del self.planned[key]
-        order = sorted(whole, key=lambda k: (self.planned.get(k, -math.inf), k))
+
+        def turn(key: GroupKey) -> tuple[float, bool, GroupKey]:
+            # Never planned: when its oldest member was gated, so that new groups (a tenant's flood of them
+            # each sweep) queue behind every group that has waited longer, planned or not (and at one time,
+            # a group never planned goes first).
+            planned = self.planned.get(key)
+            if planned is None:
+                return min(g.member.since for _, g in whole[key]), False, key
+            return planned, True, key
+
+        order = sorted(whole, key=turn)
         for i, key in enumerate(order):
             members = sorted(whole[key], key=lambda x: x[1].stage)
             if i < self.max_plans:

@@ -184,11 +184,9 @@ def pod_record(
     rec = record_of(info, tiers, facts, **how)
     if rec is None or GROUP_GATE not in rec.gates:
         return rec
-    # Read only while gputopo's gate holds the pod: the lift's bound runs from it. A time that cannot be read is
-    # no reason to refuse the pod (None: the lifter counts from when it first saw the gate).
-    meta = obj.get("metadata")
-    created = parse_time(meta.get("creationTimestamp")) if isinstance(meta, Mapping) else None
-    return dataclasses.replace(rec, created=created)
+    # Kept only while gputopo's gate holds the pod: the lift's bound runs from it. The one Pod reader refused a
+    # time it cannot read; an absent one is None (the lifter counts from when it first saw the gate).
+    return dataclasses.replace(rec, created=info.created or None)
 
 
 def record_of(
