@@ -70,21 +70,24 @@ def _nodes(nodes: StackNodes) -> list[str]:
 def test_hold_bounds_a_quota_with_room_for_the_followers_lets_the_jobset_bind(
     kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
-    _nodes(nodes)
+    node, *_ = _nodes(nodes)
     _quota(kube, namespace, 32)  # the 4 pods' 32 GPUs: the leaders' 16 used, the followers' 16 free
     kube.request(
         "POST",
         f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{namespace}/jobsets",
         _exclusive_jobset("roomy", namespace, test_id),
     )
-    pods = wl.wait_pods(kube, namespace, f"{wl.JOBSET_NAME}=roomy", 4, timeout=120)
-    kube.wait_pods_bound(namespace, [p["metadata"]["name"] for p in pods], timeout=120)
+    # JobSet admits the followers once the leaders are scheduled: nudged until all four exist, then bound.
+    selector = f"{wl.JOBSET_NAME}=roomy"
+    made = wl.after_nudges(kube, node, lambda w: wl.wait_pods(kube, namespace, selector, 4, timeout=w), timeout=120)
+    for pod in made:
+        wl.bound_after_nudges(kube, namespace, pod["metadata"]["name"], node, timeout=120)
 
 
 def test_hold_bounds_past_the_quotas_room_nothing_is_held_and_the_leaders_are_told_the_quota(
     kube: KubeClient, nodes: StackNodes, namespace: str, test_id: str
 ) -> None:
-    _nodes(nodes)
+    node, *_ = _nodes(nodes)
     _quota(kube, namespace, 24)  # the leaders' 16 used leave 8: too few for the followers' 16
     kube.request(
         "POST",
@@ -94,5 +97,5 @@ def test_hold_bounds_past_the_quotas_room_nothing_is_held_and_the_leaders_are_to
     leaders = wl.wait_pods(kube, namespace, f"{wl.JOBSET_NAME}=tight", 2, timeout=120)
     told = f"ResourceQuota gpus: {GPU_QUOTA} hard 24, used 16, free 8"
     for pod in leaders:
-        kube.wait_pod_event(namespace, pod["metadata"]["name"], "FailedScheduling", contains=told, timeout=90)
+        wl.event_after_nudges(kube, namespace, pod["metadata"]["name"], node, told)
     assert all(not kube.get_pod(namespace, p["metadata"]["name"])["spec"].get("nodeName") for p in leaders)

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from gputopo.localcluster import KubeClient
 from gputopo.localcluster.kube import WaitTimeout
+
+T = TypeVar("T")
 
 JSON = dict[str, Any]
 
@@ -173,13 +175,30 @@ def bound_after_nudges(kube: KubeClient, ns: str, pod: str, node: str, *, timeou
     the freed GPUs or the renewed Lease reach it. These nodes have no kubelet and report nothing new,
     and the extender's watch can lag behind the scheduler's: a retry may come before the extender
     has seen the change. Each touch is a new event and a new retry, until the extender has caught up."""
+    return after_nudges(kube, node, lambda wait: kube.wait_pod_bound(ns, pod, timeout=wait), timeout=timeout)
+
+
+def event_after_nudges(kube: KubeClient, ns: str, pod: str, node: str, contains: str, *, timeout: float = 90) -> Any:
+    """Until `pod` has a FailedScheduling event containing `contains`, touching `node`'s labels (as
+    `bound_after_nudges`: a pod refused while its group was not yet complete is retried only on a cluster
+    event; a new pod of the group is none on every release)."""
+    return after_nudges(
+        kube,
+        node,
+        lambda wait: kube.wait_pod_event(ns, pod, "FailedScheduling", contains=contains, timeout=wait),
+        timeout=timeout,
+    )
+
+
+def after_nudges(kube: KubeClient, node: str, wait: Callable[[float], T], *, timeout: float) -> T:
+    """`wait(seconds)` again after each touch of `node`'s labels, until it returns or `timeout` passes."""
     deadline = time.monotonic() + timeout
     touch = 0
     while True:
         touch += 1
         kube.patch_node(node, {"metadata": {"labels": {"e2e.gputopo.io/nudge": str(touch)}}})
         try:
-            return kube.wait_pod_bound(ns, pod, timeout=min(3.0, max(0.1, deadline - time.monotonic())))
+            return wait(min(3.0, max(0.1, deadline - time.monotonic())))
         except WaitTimeout:
             if time.monotonic() >= deadline:
                 raise
