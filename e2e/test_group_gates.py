@@ -114,25 +114,8 @@ def test_group_gates_jobset_members_are_gated_then_bind_as_one_group_in_rank_ord
     controllers("jobset")
     added = nodes.add(*[GpuNode(f"gj-{i}", "dgx-h100") for i in range(4)])
     before = lifted(stack, "complete")
-    spec = pod_manifest(
-        "t", gpus=8, scheduling=PodScheduling(scheduler_name=SCHEDULER, node_selector={TEST_LABEL: test_id})
-    )["spec"]
-    spec["restartPolicy"] = "Never"
-    job = {
-        "spec": {
-            "parallelism": 2,
-            "completions": 2,
-            "completionMode": "Indexed",
-            "backoffLimit": 0,
-            "template": {"spec": spec},
-        }
-    }
-    js = {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2",
-        "kind": "JobSet",
-        "metadata": {"name": "pretrain", "namespace": gated},
-        "spec": {"replicatedJobs": [{"name": "workers", "replicas": 2, "template": job}]},
-    }
+    scheduling = PodScheduling(scheduler_name=SCHEDULER, node_selector={TEST_LABEL: test_id})
+    js = wl.two_job_jobset("pretrain", gated, pod_manifest("t", gpus=8, scheduling=scheduling)["spec"])
     kube.request("POST", f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{gated}/jobsets", js)
     pods = wl.wait_pods(kube, gated, f"{wl.JOBSET_NAME}=pretrain", 4, timeout=90)
     names = [p["metadata"]["name"] for p in pods]

@@ -32,25 +32,9 @@ def stack(control_plane: ControlPlane, kube: KubeClient, job_controllers: JobCon
 
 def _exclusive_jobset(name: str, namespace: str, test_id: str) -> dict[str, Any]:
     """Two Jobs of two 8-GPU pods, each Job in a leaf of its own: the followers are held for 16 GPUs."""
-    spec: dict[str, Any] = pod_manifest(
-        "t", gpus=8, scheduling=PodScheduling(scheduler_name=SCHEDULER, node_selector={TEST_LABEL: test_id})
-    )["spec"]
-    spec["restartPolicy"] = "Never"
-    job = {
-        "spec": {
-            "parallelism": 2,
-            "completions": 2,
-            "completionMode": "Indexed",
-            "backoffLimit": 0,
-            "template": {"spec": spec},
-        }
-    }
-    return {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2",
-        "kind": "JobSet",
-        "metadata": {"name": name, "namespace": namespace, "annotations": {wl.EXCLUSIVE_TOPOLOGY: LABEL_NETWORK_LEAF}},
-        "spec": {"replicatedJobs": [{"name": "workers", "replicas": 2, "template": job}]},
-    }
+    scheduling = PodScheduling(scheduler_name=SCHEDULER, node_selector={TEST_LABEL: test_id})
+    spec = pod_manifest("t", gpus=8, scheduling=scheduling)["spec"]
+    return wl.two_job_jobset(name, namespace, spec, annotations={wl.EXCLUSIVE_TOPOLOGY: LABEL_NETWORK_LEAF})
 
 
 def _quota(kube: KubeClient, namespace: str, hard: int) -> None:

@@ -71,6 +71,29 @@ def indexed_job(name: str, namespace: str, template: Mapping[str, Any], *, compl
     }
 
 
+def two_job_jobset(
+    name: str, namespace: str, pod_spec: Mapping[str, Any], *, annotations: Mapping[str, str] | None = None
+) -> JSON:
+    """A JobSet of two Indexed Jobs of two pods each (`pod_spec`, restartPolicy Never), made by the JobSet
+    controller; `annotations` on the JobSet (e.g. exclusive placement)."""
+    spec = {**copy.deepcopy(dict(pod_spec)), "restartPolicy": "Never"}
+    job = {
+        "spec": {
+            "parallelism": 2,
+            "completions": 2,
+            "completionMode": "Indexed",
+            "backoffLimit": 0,
+            "template": {"spec": spec},
+        }
+    }
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": {"name": name, "namespace": namespace, "annotations": dict(annotations or {})},
+        "spec": {"replicatedJobs": [{"name": "workers", "replicas": 2, "template": job}]},
+    }
+
+
 def statefulset(name: str, namespace: str, template: Mapping[str, Any], *, replicas: int) -> JSON:
     """A StatefulSet with Parallel pod management (all pods at once), selecting ``app=<name>``."""
     tpl = copy.deepcopy(dict(template))

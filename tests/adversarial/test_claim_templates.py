@@ -28,6 +28,7 @@ from gputopo.model.claimtemplate import (
     template_meta,
 )
 from tests.extender.webhook.test_dra import FakeTemplateApi
+from tests.objects import with_paths
 
 OURS = claim_template(PodRequest(gpus=4), list_attributes=False)
 
@@ -40,26 +41,14 @@ def channel(name: str = "imex", ns: str = "team", /, **over: Any) -> dict[str, A
             "spec": {"devices": {"requests": [{"name": "c", "exactly": {"deviceClassName": CHANNEL_DEVICE_CLASS}}]}}
         },
     }
-    for path, value in over.items():
-        cur = obj
-        *parents, leaf = path.split(".")
-        for k in parents:
-            cur = cur.setdefault(k, {})
-        cur[leaf] = value
-    return obj
+    return with_paths(obj, over)
 
 
 def ours(**over: Any) -> dict[str, Any]:
     """gputopo's own template as the API server returns it; `over` sets dotted paths."""
     obj = OURS.body("team")
     obj["metadata"] |= {"uid": "u-ours", "resourceVersion": "7"}
-    for path, value in over.items():
-        cur = obj
-        *parents, leaf = path.split(".")
-        for k in parents:
-            cur = cur.setdefault(k, {})
-        cur[leaf] = value
-    return obj
+    return with_paths(obj, over)
 
 
 def test_the_fields_each_user_reads() -> None:

@@ -14,17 +14,11 @@ from gputopo.agent.pods import KubeLocalPods, StaticLocalPods, parse_local_pod
 from gputopo.kube import Backoff, Gone, Pacing
 from gputopo.model import PLACEMENT_ANNOTATION
 from tests.agent.dp_harness import NODE, pod_object, wait_for
+from tests.objects import with_paths
 
 
 def _pod(**over: Any) -> dict[str, Any]:
-    obj = pod_object("p", [0, 1])
-    for path, value in over.items():
-        cur = obj
-        *parents, leaf = path.split(".")
-        for k in parents:
-            cur = cur.setdefault(k, {})
-        cur[leaf] = value
-    return obj
+    return with_paths(pod_object("p", [0, 1]), over)
 
 
 def _limits(*pairs: tuple[str, Any]) -> list[dict[str, Any]]:

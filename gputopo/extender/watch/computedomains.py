@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gputopo.extender.watch.handlers import Bad, KindHandler, each_readable
+from gputopo.extender.watch.handlers import Bad, KindHandler, each_readable, object_at
 from gputopo.kube import COMPUTEDOMAINS, JSON, RESOURCECLAIMTEMPLATES
 from gputopo.model.claimtemplate import CHANNEL_DEVICE_CLASS as CHANNEL_DEVICE_CLASS  # e2e and bench name it here
 from gputopo.model.claimtemplate import read_claim_template
@@ -56,17 +56,9 @@ MAX_NUM_NODES = 65_536  # far past any NVLink domain (NVL576 is 144 trays)
 Key = tuple[str, str]  # (namespace, template)
 
 
-def _map(obj: Any, where: str) -> Mapping[str, Any]:
-    if obj is None:
-        return {}
-    if not isinstance(obj, Mapping):
-        raise ValueError(f"{where} is not an object")
-    return obj
-
-
 def _identity(obj: Any) -> Key:
     """A namespaced object's (namespace, name); ValueError naming the field."""
-    meta = _map(_map(obj, "the object").get("metadata"), "metadata")
+    meta = object_at(object_at(obj, "the object").get("metadata"), "metadata")
     name, namespace = meta.get("name"), meta.get("namespace")
     if not isinstance(name, str) or not name or not isinstance(namespace, str) or not namespace:
         raise ValueError("metadata.name or metadata.namespace is missing or not a string")
@@ -214,9 +206,9 @@ def compute_domain_size(obj: JSON) -> tuple[Key, Key, int]:
     """A ComputeDomain's (namespace, name), its channel template's (namespace, name) and its numNodes
     (0: not said); ValueError naming the field."""
     namespace, name = _identity(obj)
-    spec = _map(obj.get("spec"), "spec")
+    spec = object_at(obj.get("spec"), "spec")
     where = "spec.channel.resourceClaimTemplate"
-    template = _map(_map(spec.get("channel"), "spec.channel").get("resourceClaimTemplate"), where).get("name")
+    template = object_at(object_at(spec.get("channel"), "spec.channel").get("resourceClaimTemplate"), where).get("name")
     if not isinstance(template, str) or not template:
         raise ValueError(f"{where}.name is missing or not a string")
     n = spec.get("numNodes", 0)

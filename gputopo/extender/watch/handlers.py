@@ -3,7 +3,7 @@ of an unreadable object (`Bad`), and the one loop that reads a list past its unr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -36,3 +36,12 @@ def each_readable(kind: str, items: list[JSON], read: Callable[[JSON], T], bad: 
             bad(kind, obj, e)
             continue
         yield obj, value
+
+
+def object_at(obj: Any, where: str) -> Mapping[str, Any]:
+    """An object's optional sub-object: {} when absent or null; ValueError naming `where` when not an object."""
+    if obj is None:
+        return {}
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"{where} is not an object")
+    return obj

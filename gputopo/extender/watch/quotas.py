@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from decimal import ROUND_CEILING, ROUND_FLOOR
 from typing import Any
 
-from gputopo.extender.watch.handlers import Bad, KindHandler, each_readable
+from gputopo.extender.watch.handlers import Bad, KindHandler, each_readable, object_at
 from gputopo.kube import JSON, RESOURCEQUOTAS
 from gputopo.model import GPU_RESOURCE
 from gputopo.model.quantity import parse_quantity
@@ -67,31 +67,23 @@ def _gpus(raw: Any, where: str, rounding: str) -> tuple[int, str]:
     return int(value.to_integral_value(rounding=rounding)), ""
 
 
-def _map(obj: Any, where: str) -> Mapping[str, Any]:
-    if obj is None:
-        return {}
-    if not isinstance(obj, Mapping):
-        raise ValueError(f"{where} is not an object")
-    return obj
-
-
 def quota_room(obj: Any, resource: str = GPU_RESOURCE) -> tuple[str, str, QuotaRoom | None]:
     """A ResourceQuota's (namespace, name, room for `resource`); room None when the quota does not bound it
     for every pod (no `requests.<resource>` in spec.hard, or scoped). ValueError naming the field that makes
     the quota unreadable as a whole (no namespace or name)."""
-    meta = _map(_map(obj, "the object").get("metadata"), "metadata")
+    meta = object_at(object_at(obj, "the object").get("metadata"), "metadata")
     namespace, name = meta.get("namespace"), meta.get("name")
     for field, value in (("namespace", namespace), ("name", name)):
         if not isinstance(value, str) or not value or len(value) > MAX_NAME:
             raise ValueError(f"metadata.{field} is missing, not a string or longer than {MAX_NAME} characters")
     assert isinstance(namespace, str) and isinstance(name, str)
-    spec = _map(obj.get("spec"), "spec")
+    spec = object_at(obj.get("spec"), "spec")
     key = f"requests.{resource}"
-    hard_raw = _map(spec.get("hard"), "spec.hard").get(key)
+    hard_raw = object_at(spec.get("hard"), "spec.hard").get(key)
     if hard_raw is None or spec.get("scopes") or spec.get("scopeSelector"):
         return namespace, name, None
     hard, problem = _gpus(hard_raw, f"spec.hard[{key}]", ROUND_FLOOR)
-    used_raw = _map(_map(obj.get("status"), "status").get("used"), "status.used").get(key)
+    used_raw = object_at(object_at(obj.get("status"), "status").get("used"), "status.used").get(key)
     used = 0
     if not problem:
         if used_raw is None:
