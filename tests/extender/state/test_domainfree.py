@@ -161,8 +161,8 @@ def test_the_figures_kept_from_generation_to_generation_equal_the_engines(
             nodes[at] = taking(nodes[at], frozenset(range(value)))
         elif what == "relabel":
             nodes[at] = _h100(nodes[at].name, value % 4, len(nodes[at].in_use))
-        elif what == "rename":  # another node in its place: as many nodes as before
-            nodes[at] = taking(_h100(f"r{value}-{at}", None, 0), nodes[at].in_use)
+        elif what == "rename":  # another node in its place: as many nodes as before, names unique as a cluster's
+            nodes[at] = taking(_h100(f"r{generation[0]}-{at}", None, 0), nodes[at].in_use)
         elif what == "drop" and len(nodes) > 1:
             del nodes[at]
         elif what == "add":
