@@ -8,7 +8,7 @@ Pure parsing of resource.k8s.io/v1 objects as JSON-shaped mappings. A malformed 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,10 +177,16 @@ def parse_claim(obj: Mapping[str, Any]) -> ClaimInfo:
     return ClaimInfo(str(uid), str(namespace), str(name), next(iter(pools), None), frozenset(gpus), frozenset(reserved))
 
 
-def in_use_by_node(claims: Iterable[ClaimInfo], slices: Iterable[SliceInfo]) -> dict[str, GpusInUse]:
+def in_use_by_node(
+    claims: Iterable[ClaimInfo], slices: Iterable[SliceInfo], pod_namespace: Callable[[str], str | None]
+) -> dict[str, GpusInUse]:
     """Per node that publishes our GPUs, the GPUs its claims hold: per pod UID when the claim is
-    reserved for one pod, else under `other` (a claim shared by pods, or allocated but not yet
-    reserved, still holds its GPUs). A claim on a pool no slice publishes counts for nobody."""
+    reserved for one pod that `pod_namespace` (a pod UID's namespace, None when unknown) puts in the
+    claim's own namespace, else under `other`. A consumer reference in `reservedFor` is in the claim's
+    namespace by API definition: a claim naming another namespace's pod (or one not known yet) still
+    holds its GPUs, but never as that pod's, so a what-if without that pod frees none of them. A claim
+    shared by pods, or allocated but not yet reserved, likewise counts under `other`. A claim on a pool
+    no slice publishes counts for nobody."""
     node_of = {s.pool: s.node for s in slices}
     pods: dict[str, dict[str, set[int]]] = {node: {} for node in node_of.values()}
     other: dict[str, set[int]] = {node: set() for node in node_of.values()}
@@ -188,11 +194,17 @@ def in_use_by_node(claims: Iterable[ClaimInfo], slices: Iterable[SliceInfo]) -> 
         node = node_of.get(c.pool) if c.pool is not None else None
         if node is None or not c.gpus:
             continue
-        if len(c.reserved_for) == 1:
-            pods[node].setdefault(next(iter(c.reserved_for)), set()).update(c.gpus)
+        pod = sole_pod(c)
+        if pod is not None and pod_namespace(pod) == c.namespace:
+            pods[node].setdefault(pod, set()).update(c.gpus)
         else:
             other[node].update(c.gpus)
     out: dict[str, GpusInUse] = {}
     for node in pods:
         out[node] = GpusInUse(pods={uid: frozenset(g) for uid, g in pods[node].items()}, other=frozenset(other[node]))
     return out
+
+
+def sole_pod(claim: ClaimInfo) -> str | None:
+    """The UID of the one pod `claim` is reserved for; None when it is reserved for none or several."""
+    return next(iter(claim.reserved_for)) if len(claim.reserved_for) == 1 else None

@@ -228,6 +228,7 @@ class ClusterCache:
             if rec is not None:
                 records[rec.uid] = rec
         self.ledger.replace_pods(records)
+        self.dra.pods_replaced()
         if self.pod_hook is not None:
             self.pod_hook.pods_replaced(items)
 
@@ -256,14 +257,17 @@ class ClusterCache:
         uid = pod_key(obj)
         rec = None if deleted else self._pod_record(obj)
         self.ledger.put_pod(uid, rec)
+        self.dra.pod_changed(uid)  # its claims count as its own only while the ledger holds it
         return rec
 
     def forget_pod(self, obj: JSON) -> None:
-        """Drop a pod and the GPUs its node reports for it: the cluster as if it had never run (what-if
-        views such as `gputopo explain`; the live cache keeps reported GPUs until the node stops
-        reporting them)."""
+        """Drop a pod, the claims reserved for it and the GPUs its node reports for it: the cluster as if
+        it had never run (what-if views such as `gputopo explain`; the live cache keeps reported GPUs
+        until the node stops reporting them)."""
+        uid = pod_key(obj)
+        self.dra.forget_pod(uid)  # first: once the pod is gone its claims' GPUs count under `other`
         self.upsert_pod(obj, deleted=True)
-        self.ledger.forget_reported(pod_key(obj))
+        self.ledger.forget_reported(uid)
 
     # ------------------------------------------------------------------ leases
 

@@ -4,6 +4,11 @@ they read the device plugin's.
 
 Every Node's facts pass through here on their way to the ledger: what each Node object says is kept, so
 that a claim's or slice's change re-merges its node without the Node changing.
+
+A claim's GPUs count under a pod's UID only while the ledger holds that pod in the claim's own namespace
+(`gputopo.model.dra.in_use_by_node`); otherwise under `other`. A pod may arrive after the claim reserved
+for it, so the cache tells this merge of each pod event (`pod_changed`), which re-merges only the pools of
+the claims reserved for that pod.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from gputopo.extender.state.records import NodeFacts, object_name
 from gputopo.extender.watch.handlers import Bad, KindHandler, each_readable
 from gputopo.kube import JSON, RESOURCECLAIMS, RESOURCESLICES
 from gputopo.model import GpusInUse
-from gputopo.model.dra import ClaimInfo, SliceInfo, in_use_by_node, parse_claim, parse_slice
+from gputopo.model.dra import ClaimInfo, SliceInfo, in_use_by_node, parse_claim, parse_slice, sole_pod
 
 
 class DraMerge:
@@ -30,6 +35,7 @@ class DraMerge:
         self._claims: dict[str, ClaimInfo] = {}
         self._claim_uid: dict[tuple[str, str], str] = {}  # (namespace, name) -> uid, of self._claims
         self._pool_claims: dict[str, set[str]] = {}  # pool -> uids of the claims holding its GPUs
+        self._pod_claims: dict[str, set[str]] = {}  # pod uid -> uids of the claims reserved for it alone
         self._pool_slice: dict[str, SliceInfo] = {}  # pool -> its slice (rebuilt on a slice's change)
         self._reports: dict[str, GpusInUse] = {}
         self._node_facts: dict[str, NodeFacts] = {}
@@ -76,27 +82,67 @@ class DraMerge:
         for _, claim in each_readable(RESOURCECLAIMS.name, items, parse_claim, self._bad):
             if claim.gpus:
                 claims[claim.uid] = claim
-        self._claims = claims
-        self._claim_uid = {(c.namespace, c.name): c.uid for c in claims.values()}
-        self._pool_claims = {}
+        self._claims, self._claim_uid, self._pool_claims, self._pod_claims = {}, {}, {}, {}
         for claim in claims.values():
-            if claim.pool is not None:
-                self._pool_claims.setdefault(claim.pool, set()).add(claim.uid)
+            self._keep(claim)
         self._redo()
 
     def apply_claim(self, event_type: str, obj: JSON) -> None:
         claim = parse_claim(obj)
-        before = self._claims.pop(claim.uid, None)
-        if before is not None:
-            self._claim_uid.pop((before.namespace, before.name), None)
-            if before.pool is not None:
-                self._pool_claims.get(before.pool, set()).discard(claim.uid)
-        if event_type != "DELETED" and claim.gpus and claim.pool is not None:
-            self._claims[claim.uid] = claim
-            self._claim_uid[(claim.namespace, claim.name)] = claim.uid
-            self._pool_claims.setdefault(claim.pool, set()).add(claim.uid)
+        before = self._drop(claim.uid)
+        if event_type != "DELETED" and claim.gpus:
+            self._keep(claim)
         # One claim changes only its pools' nodes: no walk over every claim per event.
         self._redo({p for p in (before.pool if before else None, claim.pool) if p is not None})
+
+    def _keep(self, claim: ClaimInfo) -> None:
+        if claim.pool is None:
+            return
+        self._claims[claim.uid] = claim
+        self._claim_uid[(claim.namespace, claim.name)] = claim.uid
+        self._pool_claims.setdefault(claim.pool, set()).add(claim.uid)
+        pod = sole_pod(claim)
+        if pod is not None:
+            self._pod_claims.setdefault(pod, set()).add(claim.uid)
+
+    def _drop(self, uid: str) -> ClaimInfo | None:
+        before = self._claims.pop(uid, None)
+        if before is None:
+            return None
+        self._claim_uid.pop((before.namespace, before.name), None)
+        if before.pool is not None:
+            _discard(self._pool_claims, before.pool, uid)
+        pod = sole_pod(before)
+        if pod is not None:
+            _discard(self._pod_claims, pod, uid)
+        return before
+
+    # ------------------------------------------------------------------ pods
+
+    def pod_changed(self, uid: str) -> None:
+        """Pod `uid` came, went or changed in the ledger: re-merge the pools of the claims reserved for it
+        (whether they count as its own depends on the ledger holding it in their namespace)."""
+        claims = self._pod_claims.get(uid)
+        if claims:
+            self._redo({p for c in claims if (p := self._claims[c].pool) is not None})
+
+    def pods_replaced(self) -> None:
+        """The ledger's pods replaced (a relist): re-merge every pool."""
+        self._redo()
+
+    def forget_pod(self, uid: str) -> None:
+        """What-if views: the claims that count as pod `uid`'s own (reserved for it alone, in the namespace the
+        ledger holds it in) dropped, the cluster as if it had never run; another namespace's still hold."""
+        namespace = self._pod_namespace(uid)
+        own = [self._claims[c] for c in self._pod_claims.get(uid, ()) if self._claims[c].namespace == namespace]
+        for claim in own:
+            self._drop(claim.uid)
+        self._redo({c.pool for c in own if c.pool is not None})
+
+    def _pod_namespace(self, uid: str) -> str | None:
+        with self.ledger.lock:  # the binder records its bound pods from another thread
+            rec = self.ledger.pods.get(uid)
+        return None if rec is None else rec.namespace
 
     def allocated(self, namespace: str, name: str) -> ClaimInfo | None:
         """The claim `namespace/name` when this cache has seen our GPUs allocated to it, else None (not
@@ -125,13 +171,13 @@ class DraMerge:
                 if found is None:
                     continue
                 claims = [self._claims[u] for u in self._pool_claims.get(pool, ())]
-                report = in_use_by_node(claims, [found])[found.node]
+                report = in_use_by_node(claims, [found], self._pod_namespace)[found.node]
                 if report != self._reports.get(found.node):
                     self._reports[found.node] = report
                     self._reput(found.node)
             return
         self._pool_slice = {sl.pool: sl for sl in self._slices.values()}
-        reports = in_use_by_node(self._claims.values(), self._slices.values())
+        reports = in_use_by_node(self._claims.values(), self._slices.values(), self._pod_namespace)
         changed = {n for n in set(reports) | set(self._reports) if reports.get(n) != self._reports.get(n)}
         self._reports = reports
         for name in changed:
@@ -141,3 +187,12 @@ class DraMerge:
         facts = self._node_facts.get(name)
         if facts is not None:
             self.ledger.put_node(self._with_dra(facts))
+
+
+def _discard(index: dict[str, set[str]], key: str, uid: str) -> None:
+    """`uid` out of `index[key]`, the key gone with its last uid (an index of gone pods or pools never grows)."""
+    uids = index.get(key)
+    if uids is not None:
+        uids.discard(uid)
+        if not uids:
+            del index[key]

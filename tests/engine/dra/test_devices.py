@@ -188,7 +188,7 @@ def test_slices_and_claims_give_each_node_its_claimed_gpus() -> None:
         parse_claim(_claim("u3", [], [])),
         parse_claim(_claim("u4", [(DRIVER, "gone", "gpu-3")], ["pod4"])),
     ]
-    got = in_use_by_node(claims, [s for s in slices if s is not None])
+    got = in_use_by_node(claims, [s for s in slices if s is not None], {"pod1": "ns", "pod4": "ns"}.get)
     assert got == {"a": GpusInUse(pods={"pod1": frozenset({0, 1})}, other=frozenset({5})), "b": GpusInUse()}
     assert claims[1] == ClaimInfo("u2", "ns", "c-u2", "a", frozenset({5}), frozenset())
     assert slices[1] == SliceInfo("b", "b", 1, frozenset({0}))

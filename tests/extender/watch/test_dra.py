@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from gputopo.extender.watch import dramerge
 from gputopo.extender.watch.cache import ClusterCache
 from gputopo.extender.watch.source import Informer
 from gputopo.extender.wire import pod_gpus
@@ -15,6 +16,7 @@ from gputopo.model import TOPOLOGY_ANNOTATION, GpusInUse
 from gputopo.model.dra import DRIVER, pod_claim_gpus, template_gpus
 from gputopo.systems import build_system
 from tests.extender.fake import FakeSource
+from tests.extender.harness import pod_obj
 
 NODE = "dra-a"
 
@@ -38,10 +40,10 @@ def _slice(node: str = NODE, driver: str = DRIVER) -> dict[str, Any]:
     }
 
 
-def _claim(uid: str, gpus: list[int], pod: str | None, pool: str = NODE) -> dict[str, Any]:
+def _claim(uid: str, gpus: list[int], pod: str | None, pool: str = NODE, namespace: str = "ns") -> dict[str, Any]:
     results = [{"request": "gpus", "driver": DRIVER, "pool": pool, "device": f"gpu-{i}"} for i in gpus]
     return {
-        "metadata": {"uid": uid, "namespace": "ns", "name": f"claim-{uid}"},
+        "metadata": {"uid": uid, "namespace": namespace, "name": f"claim-{uid}"},
         "status": {
             "allocation": {"devices": {"results": results}},
             "reservedFor": [{"resource": "pods", "name": "p", "uid": pod}] if pod else [],
@@ -49,13 +51,26 @@ def _claim(uid: str, gpus: list[int], pod: str | None, pool: str = NODE) -> dict
     }
 
 
+def _pod(uid: str, namespace: str = "ns", *, gputopo: bool = True) -> dict[str, Any]:
+    """A pending pod of `namespace` (a gputopo pod, which the ledger holds, or a plain one, which it does not)."""
+    return pod_obj(
+        f"pod-{uid}", 2, {"gputopo.io/nvlink": "required"} if gputopo else None, namespace=namespace, uid=uid
+    )
+
+
 def _report(cache: ClusterCache, node: str = NODE) -> GpusInUse:
     return cache.ledger.nodes[node].report
+
+
+def _in_use(cache: ClusterCache, without_pod: str = "") -> frozenset[int]:
+    """The node's GPUs in use as pod `without_pod` sees them (the bind's re-check: its own are free)."""
+    return cache.ledger.node_states.in_use(NODE, _report(cache), without_pod)
 
 
 def test_claims_on_our_slices_join_the_agents_report_per_pod() -> None:
     cache = ClusterCache()
     cache.replace("nodes", [_node(in_use=GpusInUse(pods={"agent-pod": frozenset({7})}))])
+    cache.replace("pods", [_pod("pod-1")])
     cache.replace("resourceslices", [_slice(), _slice(driver="gpu.nvidia.com")])
     cache.replace("resourceclaims", [_claim("c1", [0, 1], "pod-1"), _claim("c2", [5], None)])
     assert _report(cache) == GpusInUse(
@@ -66,6 +81,7 @@ def test_claims_on_our_slices_join_the_agents_report_per_pod() -> None:
 def test_a_claims_events_change_the_node_without_the_node_changing() -> None:
     cache = ClusterCache()
     cache.replace("nodes", [_node()])
+    cache.replace("pods", [_pod("pod-1"), _pod("pod-2")])
     cache.replace("resourceslices", [_slice()])
     cache.replace("resourceclaims", [])
     assert _report(cache) == GpusInUse()
@@ -81,12 +97,126 @@ def test_a_claims_events_change_the_node_without_the_node_changing() -> None:
 
 def test_a_node_update_keeps_its_claims() -> None:
     cache = ClusterCache()
+    cache.replace("pods", [_pod("pod-1")])
     cache.replace("resourceslices", [_slice()])
     cache.replace("resourceclaims", [_claim("c1", [6], "pod-1")])
     cache.replace("nodes", [_node()])  # the Node arrives after the claims
     assert _report(cache).pods == {"pod-1": frozenset({6})}
     cache.apply("nodes", "MODIFIED", _node(in_use=GpusInUse(other=frozenset({0}))))
     assert _report(cache) == GpusInUse(pods={"pod-1": frozenset({6})}, other=frozenset({0}))
+
+
+@pytest.mark.parametrize(
+    ("pods", "claim_namespace", "report"),
+    [
+        pytest.param(
+            [_pod("p1", "ns")],
+            "ns",
+            GpusInUse(pods={"p1": frozenset({0, 1})}),
+            id="claim and pod in one namespace: its own",
+        ),
+        pytest.param(
+            [_pod("p1", "other")], "ns", GpusInUse(other=frozenset({0, 1})), id="pod of another namespace: other"
+        ),
+        pytest.param([], "ns", GpusInUse(other=frozenset({0, 1})), id="pod unknown: other"),
+        pytest.param(
+            [_pod("p1", "ns", gputopo=False)],
+            "ns",
+            GpusInUse(other=frozenset({0, 1})),
+            id="a plain pod (not held): other",
+        ),
+    ],
+)
+def test_a_claims_gpus_count_for_its_pod_only_in_the_claims_namespace(
+    pods: list[dict[str, Any]], claim_namespace: str, report: GpusInUse
+) -> None:
+    cache = ClusterCache()
+    cache.replace("nodes", [_node()])
+    cache.replace("pods", pods)
+    cache.replace("resourceslices", [_slice()])
+    cache.replace("resourceclaims", [_claim("c1", [0, 1], "p1", namespace=claim_namespace)])
+    assert _report(cache) == report
+    # Held either way: no pod's what-if frees a GPU the claim holds unless the claim is that pod's own.
+    assert _in_use(cache, without_pod="p1") == (frozenset() if report.pods else {0, 1})
+
+
+@pytest.mark.parametrize(
+    ("arrivals", "report"),
+    [
+        pytest.param(
+            [("ADDED", _pod("p1", "ns"))], GpusInUse(pods={"p1": frozenset({3})}), id="pod arrives after: attributed"
+        ),
+        pytest.param(
+            [("ADDED", _pod("p1", "other"))],
+            GpusInUse(other=frozenset({3})),
+            id="pod of another namespace arrives: other",
+        ),
+        pytest.param(
+            [("ADDED", _pod("p1", "ns")), ("DELETED", _pod("p1", "ns"))],
+            GpusInUse(other=frozenset({3})),
+            id="pod arrives, then goes: other again, still held",
+        ),
+        pytest.param(
+            [("RELIST", _pod("p1", "ns"))],
+            GpusInUse(pods={"p1": frozenset({3})}),
+            id="pod arrives in a relist: attributed",
+        ),
+    ],
+)
+def test_a_pod_arriving_after_its_claim_re_merges_the_claim(
+    arrivals: list[tuple[str, dict[str, Any]]], report: GpusInUse
+) -> None:
+    cache = ClusterCache()
+    cache.replace("nodes", [_node()])
+    cache.replace("pods", [])
+    cache.replace("resourceslices", [_slice()])
+    cache.replace("resourceclaims", [_claim("c1", [3], "p1")])
+    assert _report(cache) == GpusInUse(other=frozenset({3}))
+    for event, pod in arrivals:
+        if event == "RELIST":
+            cache.replace("pods", [pod])
+        else:
+            cache.apply("pods", event, pod)
+    assert _report(cache) == report
+
+
+def test_a_what_if_without_a_pod_frees_its_own_claim_and_no_other() -> None:
+    """`gputopo explain`'s view (ClusterCache.forget_pod): the pod's own claim dropped with it; a claim
+    of another namespace naming its UID still holds."""
+    cache = ClusterCache()
+    cache.replace("nodes", [_node()])
+    cache.replace("pods", [_pod("p1", "ns")])
+    cache.replace("resourceslices", [_slice()])
+    cache.replace("resourceclaims", [_claim("own", [0, 1], "p1"), _claim("foreign", [4, 5], "p1", namespace="x")])
+    assert _report(cache) == GpusInUse(pods={"p1": frozenset({0, 1})}, other=frozenset({4, 5}))
+    cache.ledger.forget_reported("p1")  # the preempt verb's view of a victim: only what is its own
+    assert _in_use(cache) == {4, 5}
+    cache.forget_pod(_pod("p1", "ns"))
+    assert _report(cache) == GpusInUse(other=frozenset({4, 5}))
+
+
+def test_a_pod_event_re_merges_only_the_pools_of_the_claims_reserved_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cost per pod event: the claims of the pools its claims are on, none for a pod no claim names."""
+    nodes = [f"n{i}" for i in range(20)]
+    cache = ClusterCache()
+    cache.replace("nodes", [_node(n) for n in nodes])
+    cache.replace("pods", [])
+    cache.replace("resourceslices", [_slice(n) for n in nodes])
+    cache.replace("resourceclaims", [_claim(f"{n}-{g}", [g], f"p-{n}-{g}", pool=n) for n in nodes for g in range(4)])
+    merged: list[int] = []
+    real = dramerge.in_use_by_node
+
+    def counting(claims: Any, slices: Any, pod_namespace: Any) -> dict[str, GpusInUse]:
+        merged.append(len(list(claims)))
+        return real(claims, slices, pod_namespace)
+
+    monkeypatch.setattr(dramerge, "in_use_by_node", counting)
+    for i in range(100):
+        cache.apply("pods", "ADDED", _pod(f"unnamed-{i}"))
+    assert merged == []
+    cache.apply("pods", "ADDED", _pod("p-n7-2"))
+    assert merged == [4]  # pool n7's claims, not the 80 of all pools
+    assert _report(cache, "n7").pods == {"p-n7-2": frozenset({2})}
 
 
 @pytest.mark.parametrize(
