@@ -66,7 +66,7 @@ def forged(env: Env) -> Env:
 def test_a_forged_claim_hides_none_of_another_tenants_gpus(forged: Env) -> None:
     """Were the claim the victim's, its GPUs would replace the victim's placement: quad {0-3} would look free."""
     assert forged.ledger.nodes[NODE].report == GpusInUse(other=frozenset({4, 5, 6, 7}))
-    assert forged.ledger.pod_gpus(NODE, VICTIM_UID) == {0, 1, 2, 3}
+    assert forged.ledger.pod_gpus(NODE, VICTIM_UID) == frozenset({0, 1, 2, 3})
     out = forged.filter(pod_obj("new", 4, {"gputopo.io/nvlink": "required"}, namespace="tenant-c"), [NODE])
     assert NODE not in (out.get("NodeNames") or [])
 

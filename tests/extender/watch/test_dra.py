@@ -13,7 +13,7 @@ from gputopo.extender.watch.source import Informer
 from gputopo.extender.wire import pod_gpus
 from gputopo.kube import KubeError
 from gputopo.model import TOPOLOGY_ANNOTATION, GpusInUse
-from gputopo.model.dra import DRIVER, pod_claim_gpus, template_gpus
+from gputopo.model.dra import DRIVER, in_use_by_node, pod_claim_gpus, template_gpus
 from gputopo.systems import build_system
 from tests.extender.fake import FakeSource
 from tests.extender.harness import pod_obj
@@ -204,7 +204,7 @@ def test_a_pod_event_re_merges_only_the_pools_of_the_claims_reserved_for_it(monk
     cache.replace("resourceslices", [_slice(n) for n in nodes])
     cache.replace("resourceclaims", [_claim(f"{n}-{g}", [g], f"p-{n}-{g}", pool=n) for n in nodes for g in range(4)])
     merged: list[int] = []
-    real = dramerge.in_use_by_node
+    real = in_use_by_node
 
     def counting(claims: Any, slices: Any, pod_namespace: Any) -> dict[str, GpusInUse]:
         merged.append(len(list(claims)))
