@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import http.client
 import re
 import ssl
@@ -251,11 +252,12 @@ def statuses(phase: str) -> JSON_T:
          "lastTransitionTime": now()}
         for t in ("PodReadyToStartContainers", "Initialized", "Ready", "ContainersReady", "PodScheduled")
     ]  # fmt: skip
-    state: JSON_T = {
+    states: dict[str, JSON_T] = {
         "Pending": {"waiting": {"reason": "ContainerCreating"}},
         "Running": {"running": {"startedAt": now()}},
         "Succeeded": {"terminated": {"exitCode": 0, "reason": "Completed", "startedAt": now(), "finishedAt": now()}},
-    }[phase]
+    }
+    state = states[phase]
     return {
         "status": {
             "phase": phase, "conditions": conds, "hostIP": "10.0.0.10", "hostIPs": [{"ip": "10.0.0.10"}],
@@ -302,7 +304,11 @@ class Bench:
         def one(name: str) -> None:
             made.append(self.admin.create_pod(pod_manifest(name, namespace=NAMESPACE, gpus=4, annotations=ann)))
 
-        threads = [threading.Thread(target=lambda ns=names[i::8]: [one(n) for n in ns]) for i in range(8)]
+        def several(ns: list[str]) -> None:
+            for n in ns:
+                one(n)
+
+        threads = [threading.Thread(target=several, args=(names[i::8],)) for i in range(8)]
         for t in threads:
             t.start()
         for t in threads:
@@ -362,7 +368,7 @@ class Bench:
                 name = f"l-{i}-{v.form}-{int(v.event)}"
                 proto0 = watches.settled(name, timeout=0)
                 self.create([name])
-                live(self.admin, name, lambda v=v, name=name: self.bind(v, name), raw, tally, i == 0)
+                live(self.admin, name, functools.partial(self.bind, v, name), raw, tally, i == 0)
                 self.free(name)
                 tally.watch_proto += watches.settled(name) - proto0
                 got = watches.by_pod.get(name, [0, 0])
