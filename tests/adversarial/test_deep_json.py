@@ -19,6 +19,7 @@ import pytest
 from gputopo.kube import Kube, KubeError, jsonbody
 from gputopo.kube.watch import decode_event
 from gputopo.model.claimtemplate import CHANNEL_DEVICE_CLASS, read_claim_template
+from tests.kube.scripted import kubeconfig
 from tests.kube.test_transport import RawServer, framed
 
 JSON = dict[str, Any]
@@ -61,16 +62,7 @@ def depth_of(value: Any) -> int:
 @pytest.fixture
 def raw(tmp_path: Path) -> Iterator[tuple[RawServer, Kube]]:
     srv = RawServer()
-    doc = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "c", "cluster": {"server": srv.url}}],
-        "users": [{"name": "u", "user": {}}],
-        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
-        "current-context": "x",
-    }
-    (tmp_path / "kubeconfig").write_text(json.dumps(doc))
-    kube = Kube(tmp_path / "kubeconfig", request_timeout=5.0)
+    kube = Kube(kubeconfig(tmp_path / "kubeconfig", srv.url), request_timeout=5.0)
     yield srv, kube
     kube.close()
     srv.close()
