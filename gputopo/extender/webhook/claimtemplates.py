@@ -134,12 +134,7 @@ class TemplateKeeper:
         self.scheduler_name = scheduler_name
         self.ready = ready
         self.clock = clock
-        self.grace_seconds = limits.grace_seconds
-        self.pass_seconds = limits.pass_seconds
-        self.ttl_seconds = limits.ttl_seconds
-        self.max_per_namespace = limits.max_per_namespace
-        self.max_deletes_per_pass = limits.max_deletes_per_pass
-        self.max_pending = limits.max_pending
+        self.limits = limits
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self.stop = threading.Event()
@@ -212,9 +207,9 @@ class TemplateKeeper:
         for k in keys:
             self._wanted.add(k)
             at = self._ensured.get(k)
-            if (at is not None and now - at < self.ttl_seconds) or k in self._pending:
+            if (at is not None and now - at < self.limits.ttl_seconds) or k in self._pending:
                 continue
-            if len(self._pending) < self.max_pending:  # the collector's pass picks up what did not fit
+            if len(self._pending) < self.limits.max_pending:  # the collector's pass picks up what did not fit
                 self._pending[k] = None
 
     # ------------------------------------------------------------------ the keeper's thread
@@ -254,13 +249,13 @@ class TemplateKeeper:
             return 0
         with self._lock:
             known = self._known.setdefault(namespace, set())
-            full = name not in known and len(known) >= self.max_per_namespace
+            full = name not in known and len(known) >= self.limits.max_per_namespace
         if full:
             self.refused += 1
             if self._first(key):
                 log.warning(
                     "namespace holds the most gputopo claim templates allowed; not creating another",
-                    extra={"namespace": namespace, "template": name, "max": self.max_per_namespace},
+                    extra={"namespace": namespace, "template": name, "max": self.limits.max_per_namespace},
                 )
             return 0
         try:
@@ -333,14 +328,14 @@ class TemplateKeeper:
                     self._unused_since.pop(key, None)
                     continue
                 since = self._unused_since.setdefault(key, now)
-                if now - since >= self.grace_seconds and len(doomed) < self.max_deletes_per_pass:
+                if now - since >= self.limits.grace_seconds and len(doomed) < self.limits.max_deletes_per_pass:
                     doomed.append(key)
             for key in list(self._unused_since):
                 if key not in listed:
                     del self._unused_since[key]
             for key in self._wanted - set(listed):  # deleted by hand, or a create that failed
                 self._ensured.pop(key, None)
-                if len(self._pending) < self.max_pending:
+                if len(self._pending) < self.limits.max_pending:
                     self._pending[key] = None
         deleted = 0
         for key in doomed:
@@ -377,14 +372,14 @@ class TemplateKeeper:
             try:
                 self.ensure_pending()
                 if self.clock() >= next_pass:
-                    next_pass = self.clock() + self.pass_seconds
+                    next_pass = self.clock() + self.limits.pass_seconds
                     self.collect()
                     self.ensure_pending()
             except KubeError as e:
                 log.warning("claim template pass failed; trying again later", extra={"error": str(e)[:200]})
             except Exception:  # one bad pass must not end the thread that keeps templates
                 log.exception("claim template pass failed")
-            self._wake.wait(max(0.0, min(self.pass_seconds, next_pass - self.clock())))
+            self._wake.wait(max(0.0, min(self.limits.pass_seconds, next_pass - self.clock())))
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self.run, name="gputopo-claim-templates", daemon=True)
