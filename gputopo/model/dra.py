@@ -47,6 +47,70 @@ def device_index(name: str) -> int | None:
     return index if index < MAX_GPU_INDEX else None
 
 
+# Clique blocks (partitionable devices, KEP-4815): one device stands for a whole NVLink clique and
+# consumes one counter per GPU it covers from the node's one counter set, so the allocator never hands
+# out a block and any of its GPUs, or two overlapping blocks, at once. Names, all DNS labels:
+COUNTER_SET = "gpus"  # the node's counter set: one counter per GPU, value 1
+BLOCK_PREFIX = "block"  # a block device: `block-0-1-2-3`, or `block-x<hex mask>` past 63 characters
+BLOCK_SIZES = (2, 4, 8, 16)  # the sizes a block is published in, each with its DeviceClass
+MAX_DEVICE_NAME = 63
+_BLOCK_HEX = re.compile(r"x[1-9a-f][0-9a-f]{0,1023}")
+
+
+def counter_name(index: int) -> str:
+    """The counter that GPU `index` is in its node's counter set (the device name: one per GPU)."""
+    return device_name(index)
+
+
+def block_name(gpus: Iterable[int]) -> str:
+    """The DRA device name of the block over `gpus` (two or more indices): canonical, so one set has
+    one name and `block_gpus` reads back exactly the set."""
+    idx = sorted(set(gpus))
+    if len(idx) < 2 or idx[0] < 0 or idx[-1] >= MAX_GPU_INDEX:
+        raise ValueError(f"a block covers two or more GPUs below {MAX_GPU_INDEX}, not {idx}")
+    text = f"{BLOCK_PREFIX}-" + "-".join(map(str, idx))
+    if len(text) <= MAX_DEVICE_NAME:
+        return text
+    return f"{BLOCK_PREFIX}-x{sum(1 << i for i in idx):x}"
+
+
+def block_gpus(name: str) -> tuple[int, ...] | None:
+    """The GPUs a block device name covers, ascending; None when `name` is not a canonical block name
+    (so two names never stand for one set)."""
+    prefix, sep, rest = name.partition("-")
+    if prefix != BLOCK_PREFIX or not sep or len(name) > MAX_DEVICE_NAME:
+        return None
+    if _BLOCK_HEX.fullmatch(rest):
+        mask = int(rest[1:], 16)
+        idx = tuple(i for i in range(mask.bit_length()) if mask >> i & 1)
+    else:
+        parts = rest.split("-")
+        if not all(_INDEX.fullmatch(p) for p in parts):
+            return None
+        idx = tuple(int(p) for p in parts)
+    if len(idx) < 2 or idx[-1] >= MAX_GPU_INDEX or list(idx) != sorted(set(idx)):
+        return None
+    return idx if block_name(idx) == name else None
+
+
+def device_gpus(name: str) -> tuple[int, ...] | None:
+    """The GPUs any of our device names stands for: one for `gpu-<i>`, a clique for a block; None for
+    a name that is not ours."""
+    index = device_index(name)
+    return (index,) if index is not None else block_gpus(name)
+
+
+def block_class(size: int) -> str:
+    """The DeviceClass whose devices are blocks of `size` GPUs."""
+    return f"clique{size}.{DRIVER}"
+
+
+def block_resource(size: int) -> str:
+    """The extended resource a pod asks to get one block of `size` GPUs (KEP-5004: the DeviceClass's
+    `extendedResourceName`), e.g. `gputopo.io/gpu-clique4: 1`."""
+    return f"gputopo.io/gpu-clique{size}"
+
+
 def template_gpus(name: str) -> int | None:
     """The GPU count of one of gputopo's claim templates, read from its name; None for any other name."""
     head, sep, rest = name.partition(TEMPLATE_PREFIX + "-")
