@@ -23,7 +23,9 @@ first, lowest GPUs on ties, as the engine's exhaustive search breaks them. At eq
 puts blocks inside already-broken cliques first, then blocks of fuller cliques, and whole large
 cliques last, as `gputopo.engine.dra.order` does for single GPUs. Blocks that overlap a GPU in use
 (which the allocator cannot take anyway) follow, in index order. So the first fit of a k-block claim
-is the engine's best choice among the published k-blocks.
+is the engine's best choice among the published k-blocks. Where the clique enumeration was capped
+(`Encoding.capped`: adversarial wiring) the blocks stay in index order: ranking them would cost a hard
+clique search per block.
 """
 
 from __future__ import annotations
@@ -86,9 +88,11 @@ def clique_blocks(n: int, cliques: tuple[int, ...], max_blocks: int = MAX_BLOCKS
 
 
 @lru_cache(maxsize=4096)
-def block_order(shape: Shape, masks: tuple[int, ...], usable: int, in_use: int) -> tuple[int, ...]:
+def block_order(shape: Shape, masks: tuple[int, ...], usable: int, in_use: int, rank: bool = True) -> tuple[int, ...]:
     """`masks` in the order the slice lists them: by size ascending, and in each size the free blocks
-    best first (module docstring), then those that overlap GPUs in use or not usable, by index."""
+    best first (module docstring), then those that overlap GPUs in use or not usable, by index. Without
+    `rank` the free blocks are in index order: a capped encoding's wiring (exponentially many cliques)
+    makes every rank a hard clique search, seconds per block."""
     free = usable & ~in_use
     out: list[int] = []
     for size in sorted({popcount(m) for m in masks}):
@@ -96,7 +100,8 @@ def block_order(shape: Shape, masks: tuple[int, ...], usable: int, in_use: int) 
         takeable = [m for m in same if m & free == m]
         ranked = sorted(takeable, key=lambda m: bits(m))
         # Stable sort on the rank alone: equal ranks keep the lowest GPUs first.
-        ranked.sort(key=lambda m: rank_key("clique", shape, free, m, 0), reverse=True)
+        if rank:
+            ranked.sort(key=lambda m: rank_key("clique", shape, free, m, 0), reverse=True)
         out += ranked
         out += sorted((m for m in same if m & free != m), key=lambda m: bits(m))
     return tuple(out)
@@ -130,7 +135,7 @@ def block_devices(topology: NodeTopology, in_use: frozenset[int] | None = None) 
     usable = sum(1 << g.index for g in topology.gpus if g.health is not Health.FAILED)
     busy = mask_of(sorted(in_use or frozenset())) & usable
     out: list[Device] = []
-    for mask in block_order(shape_of(topology), found.masks, usable, busy):
+    for mask in block_order(shape_of(topology), found.masks, usable, busy, not enc.capped):
         members = [gpus[i] for i in bits(mask)]
         attrs: dict[str, Scalar | tuple[str, ...]] = {
             ATTR_BLOCK_SIZE: len(members),
