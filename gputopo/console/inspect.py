@@ -1,8 +1,8 @@
 """`gputopo topo NODE` and `gputopo explain POD`: read-only views of a live cluster.
 
-`explain` loads one snapshot of the cluster (nodes, pods, the agents' Leases, Jobs, DRA's slices and claims) into the extender's own
-cache and asks the extender's own decision code, so it shows exactly what the extender would decide
-for the pod now, without changing anything in the cluster.
+`explain` loads one snapshot of the cluster (nodes, pods, the agents' Leases, Jobs, DRA's slices and
+claims) into the extender's own cache and asks the extender's own decision code, so it shows exactly
+what the extender would decide for the pod now, without changing anything in the cluster.
 """
 
 from __future__ import annotations
