@@ -17,15 +17,19 @@ single GPUs), and `Blocks.left_out` says which.
 
 **Best-fit order** (`block_order`). The allocator takes the first free block of the requested size in
 slice order, and each size has its own DeviceClass, so each size is ordered on its own: free blocks
-by the engine's own rank of a clique set (`rank_key("clique", ...)` over the free GPUs: link strength,
-then the largest clique left free, then the NVLink pairs left, then NUMA span and link sum), best
-first, lowest GPUs on ties, as the engine's exhaustive search breaks them. At equal link strength that
-puts blocks inside already-broken cliques first, then blocks of fuller cliques, and whole large
-cliques last, as `gputopo.engine.dra.order` does for single GPUs. Blocks that overlap a GPU in use
-(which the allocator cannot take anyway) follow, in index order. So the first fit of a k-block claim
-is the engine's best choice among the published k-blocks. Where the clique enumeration was capped
-(`Encoding.capped`: adversarial wiring) the blocks stay in index order: ranking them would cost a hard
-clique search per block.
+by `fit_key`, the engine's own rank of a clique set (`rank_key("clique", ...)` over the free GPUs)
+with its fragmentation terms first, as `gputopo.engine.dra.order` ranks single GPUs: the largest
+clique left free, then the NVLink pairs left, then link strength, NUMA span and link sum; best first,
+lowest GPUs on ties, as the engine's exhaustive search breaks them. That puts blocks inside
+already-broken cliques first, then blocks of fuller cliques, and whole large cliques last. Blocks
+that overlap a GPU in use (which the allocator cannot take anyway) follow, in index order. So the
+first fit of a k-block claim is the engine's best published k-block on those terms. Like
+`gputopo.engine.dra.order` it ranks fragmentation before link strength where the engine's own
+choice of GPUs does the reverse: on a DGX-1V with nothing in use the engine takes the NV2 pair 0,3
+(no aligned block), and with 2-3 busy the NV2 cross-quad pair 0,4, breaking both quads; the blocks'
+order takes pairs inside one quad and keeps the other whole for a 4-GPU claim. Where the clique
+enumeration was capped (`Encoding.capped`: adversarial wiring) the blocks stay in index order:
+ranking them would cost a hard clique search per block.
 """
 
 from __future__ import annotations
@@ -101,10 +105,18 @@ def block_order(shape: Shape, masks: tuple[int, ...], usable: int, in_use: int, 
         ranked = sorted(takeable, key=lambda m: bits(m))
         # Stable sort on the rank alone: equal ranks keep the lowest GPUs first.
         if rank:
-            ranked.sort(key=lambda m: rank_key("clique", shape, free, m, 0), reverse=True)
+            ranked.sort(key=lambda m: fit_key(shape, free, m), reverse=True)
         out += ranked
         out += sorted((m for m in same if m & free != m), key=lambda m: bits(m))
     return tuple(out)
+
+
+def fit_key(shape: Shape, free: int, block: int) -> tuple[int, ...]:
+    """What best fit maximises for taking `block` out of the `free` GPUs: the engine's rank of a clique
+    set (`rank_key`) with its fragmentation terms first (the largest clique left free, the NVLink pairs
+    left), then link strength and the rest, as `gputopo.engine.dra.order` orders single GPUs."""
+    r = rank_key("clique", shape, free, block, 0)
+    return (r[1], r[2], r[0], *r[3:])
 
 
 def first_free(order: Sequence[int], size: int, taken: int) -> int | None:
