@@ -154,3 +154,17 @@ def test_a_claim_with_a_block_and_one_of_its_gpus_injects_each_gpu_once(tmp_path
         assert r.plugin.driver is not None
         ids = [i for d in r.plugin.driver.prepared()["a"].devices for i in d.cdi_device_ids if "gpu=" in i]
         assert ids == [f"gputopo.io/gpu={topo.gpus[0].uuid}", f"gputopo.io/gpu={topo.gpus[1].uuid}"]
+
+
+@pytest.mark.parametrize(("strip", "dropped", "blocks"), [(False, False, 7), (True, True, 0)])
+def test_the_plugin_says_when_the_counters_were_dropped(
+    tmp_path: Path, strip: bool, dropped: bool, blocks: int
+) -> None:
+    slices = FakeSlices(strip_counters=strip)
+    with running_dra(tmp_path, topology("dgx-h100"), slices=slices, blocks=True) as r:
+        assert r.plugin.counters_dropped is dropped
+        names = _names(r.slices.slices[slice_name(NODE)]["spec"])
+        assert sum(n.startswith("block-") for n in names) == blocks
+        assert r.plugin.driver is not None
+        error = _prepare(r, "a", ["block-0-1"])
+        assert (error == "") is not dropped  # a block is refused once none is published
