@@ -202,11 +202,6 @@ class Device:
     failed: bool
     gpus: tuple[int, ...] = ()  # a block's GPUs (`gputopo.engine.dra.blocks`); () for a single GPU
 
-    @property
-    def covers(self) -> tuple[int, ...]:
-        """The GPUs this device stands for: its own, or a block's."""
-        return self.gpus or (self.index,)
-
 
 @dataclass(frozen=True)
 class Encoding:
