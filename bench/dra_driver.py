@@ -7,11 +7,14 @@
   seeded) allocated by the emulated allocator over the published order and released at random, the
   slice re-published after each change; prints slice writes per change, the slice's JSON bytes per
   write, and the agent's CPU per re-publish (order, spec and compare).
+- blocks: the same with `--dra-blocks` (the pool: a counters slice and the devices with the clique
+  blocks), 2- and 4-GPU claims taking the first free block of their size in the published order;
+  slice writes per change count every slice written (the first publish's two are not counted).
 - unprepare: six Prepares whose ResourceClaim reads the API server answers only after `--api-s`
   seconds, then one Unprepare (which needs no API read) over the real unix socket; prints how long
   the Unprepare took.
 
-    .venv/bin/python bench/dra_driver.py [--api-s 2.5] [--skip cliques|bestfit|unprepare]
+    .venv/bin/python bench/dra_driver.py [--api-s 2.5] [--skip cliques|bestfit|blocks|unprepare]
 """
 
 from __future__ import annotations
@@ -99,9 +102,20 @@ class CountingSlices:
         self.stored.pop(name, None)
 
 
-def bestfit(claims: int = 2000, seed: int = 0) -> None:
+def _block(topo: NodeTopology, k: int, in_use: frozenset[int]) -> tuple[int, ...] | None:
+    """A k-block claim's GPUs: the first free block of k in the order published for `in_use`."""
+    from gputopo.engine.dra.blocks import block_devices, first_free
+    from gputopo.engine.state.cliques import bits, mask_of
+
+    order = [mask_of(list(d.gpus)) for d in block_devices(topo, in_use)]
+    found = first_free(order, k, mask_of(sorted(in_use)))
+    return tuple(bits(found)) if found else None
+
+
+def bestfit(claims: int = 2000, seed: int = 0, blocks: bool = False) -> None:
     import random
 
+    from gputopo.agent.dra.pool import PoolPublisher
     from gputopo.agent.dra.slices import SlicePublisher, SliceShape
     from gputopo.engine.dra.devices import device_name, devices
     from gputopo.sim.draallocator import allocate, partition_claim, unconstrained_claim
@@ -109,8 +123,8 @@ def bestfit(claims: int = 2000, seed: int = 0) -> None:
     for system in ("dgx-h100", "dgx-1v", "a100-pcie-bridged", "gb200-tray"):
         topo = build_system(system, NODE)
         api = CountingSlices()
-        shape = SliceShape(list_attributes=False, device_taints=False, best_fit_order=True)
-        pub = SlicePublisher(api, NODE, shape, sleep=lambda _s: True)
+        shape = SliceShape(list_attributes=False, device_taints=False, best_fit_order=True, blocks=blocks)
+        pub = (PoolPublisher if blocks else SlicePublisher)(api, NODE, shape, sleep=lambda _s: True)
         pub.publish(topo, in_use=frozenset())
         rng = random.Random(seed)
         held: list[tuple[int, ...]] = []
@@ -125,17 +139,19 @@ def bestfit(claims: int = 2000, seed: int = 0) -> None:
                 claim = unconstrained_claim(1) if k == 1 else partition_claim(k)
                 order = devices(topo, list_attributes=False, in_use=in_use)
                 got = allocate(order, claim, [device_name(g) for g in sorted(in_use)])
-                if got is None:
+                gpus = _block(topo, k, in_use) if blocks and k > 1 else (got.gpus if got else None)
+                if gpus is None:
                     continue
-                held.append(got.gpus)
-                in_use = in_use | set(got.gpus)
+                held.append(gpus)
+                in_use = in_use | set(gpus)
             changes += 1
             t0 = time.process_time()
             pub.publish(topo, in_use=in_use)
             cpu += time.process_time() - t0
         writes = api.writes - writes0
         print(
-            f"bestfit {system:18} {changes} changes: {writes / changes:.2f} slice writes per change, "
+            f"bestfit{' blocks' if blocks else ''} {system:18} {changes} changes: "
+            f"{writes / changes:.2f} slice writes per change, "
             f"{(api.bytes - bytes0) / max(writes, 1) / 1024:.1f} KiB per write, "
             f"{1e3 * cpu / changes:.2f} ms CPU per re-publish"
         )
@@ -216,12 +232,14 @@ def unprepare(api_s: float) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--api-s", type=float, default=2.5)
-    ap.add_argument("--skip", action="append", default=[], choices=["cliques", "bestfit", "unprepare"])
+    ap.add_argument("--skip", action="append", default=[], choices=["cliques", "bestfit", "blocks", "unprepare"])
     opts = ap.parse_args()
     if "cliques" not in opts.skip:
         cliques()
     if "bestfit" not in opts.skip:
         bestfit()
+    if "blocks" not in opts.skip:
+        bestfit(blocks=True)
     if "unprepare" not in opts.skip:
         unprepare(opts.api_s)
     return 0

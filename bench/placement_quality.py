@@ -409,6 +409,7 @@ CHURN_LABELS = {
     "device-plugin": "device plugin (engine's GPUs)",
     "dra-stock": "DRA, index order (stock)",
     "dra-best-fit": "DRA, best-fit order",
+    "dra-blocks": "DRA, clique blocks",
 }
 
 
@@ -449,7 +450,9 @@ def churn_section(quick: bool, seed: int, load: float = 0.9) -> list[str]:
         "  (openb_pod_list_default.csv, deletion - creation, in file order) or exponential (seeded), both scaled to",
         f"  {load:.0%} of the GPUs asked on average); the first {count // 6} arrivals warm up. The node: the engine's",
         "  choice (the extender) or the first node by name that fits; the GPUs: the engine's (device plugin), or",
-        "  the DRA allocator's first fit for gputopo's partition claim over index order (stock) or best-fit order.",
+        "  the DRA allocator's first fit for gputopo's partition claim over index order (stock) or best-fit order,",
+        "  or, with clique blocks, the first free block of the claim's size in the published best-fit order (2, 4",
+        "  and 8 GPUs where the node publishes such blocks; 1 GPU and other sizes as best-fit order).",
     ]
     for system in CHURN_SYSTEMS:
         topo = build_system(system)
@@ -740,7 +743,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     if args.only == "dra-churn":
-        print("== 2c. DRA with departures: device plugin vs the DRA allocator over index or best-fit order")
+        print("== 2c. DRA with departures: device plugin vs the DRA allocator over index or best-fit order, and blocks")
         print("\n".join(churn_section(args.quick, args.seed)))
         print(f"total wall time {time.perf_counter() - t_start:.0f} s")
         return 0
@@ -815,7 +818,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
 
     if "dra" not in args.skip:
-        print("== 2c. DRA with departures: device plugin vs the DRA allocator over index or best-fit order")
+        print("== 2c. DRA with departures: device plugin vs the DRA allocator over index or best-fit order, and blocks")
         print("\n".join(churn_section(args.quick, args.seed)))
         print()
 

@@ -157,6 +157,7 @@ def start_dra(
         list_attributes=settings.dra_list_attributes,
         device_taints=settings.dra_device_taints,
         best_fit_order=settings.dra_best_fit_order,
+        blocks=settings.dra_blocks,
         sysfs_root=settings.sysfs_root,
     )
     topology = backend.discover()
@@ -171,6 +172,7 @@ def start_dra(
             "cdi_dir": str(config.cdi_dir),
             "list_attributes": config.list_attributes,
             "device_taints": config.device_taints,
+            "blocks": config.blocks,
             "slice": result.value,
         },
     )
@@ -282,6 +284,8 @@ def _run(
             dra = start_dra(settings, node, backend, stop.wait, access.dra_factory, kube)
         except Exception as e:  # no first topology, a socket path, the Kubernetes client's configuration
             return _fail(f"cannot start the DRA driver: {e}")
+        started = dra
+        metrics.dra_counters_dropped.set_function(lambda: float(started.counters_dropped))
     elif settings.device_plugin and not once:
         try:
             plugin = start_device_plugin(settings, node, backend, pods)

@@ -27,5 +27,10 @@ class AgentMetrics:
             "NVLink links currently down or degraded on this node.",
             registry=self.registry,
         )
+        self.dra_counters_dropped = Gauge(
+            "gputopo_agent_dra_counters_dropped",
+            "1 when --dra-blocks is on and the API server dropped the blocks' counters: single GPUs only.",
+            registry=self.registry,
+        )
         for result in PublishResult:  # export zeros so rate() works from the first scrape
             self.publish_total.labels(result=result.value)

@@ -93,6 +93,12 @@ class AgentSettings(BaseSettings):
         description="DRA: list the devices so that the allocator's first fit is best fit, re-published after "
         "each claim prepared or unprepared (Kubernetes 1.36+ documents that order)",
     )
+    dra_blocks: bool = Field(
+        False,
+        description="DRA: also publish each NVLink clique's aligned blocks of 2, 4, 8 and 16 GPUs as one device "
+        "each, with counters so no GPU is allocated twice (partitionable devices, Kubernetes 1.36+; where the "
+        "API server drops the counters only single GPUs are published)",
+    )
     dra_plugins_dir: Path = Field(DEFAULT_DRA_PLUGINS_DIR, description="DRA: the kubelet's plugins directory")
     dra_registry_dir: Path = Field(
         DEFAULT_DRA_REGISTRY_DIR, description="DRA: the kubelet's plugin registration directory"

@@ -1,8 +1,8 @@
 """`gputopo topo NODE` and `gputopo explain POD`: read-only views of a live cluster.
 
-`explain` loads one snapshot of the cluster (nodes, pods, the agents' Leases) into the extender's own
-cache and asks the extender's own decision code, so it shows exactly what the extender would decide
-for the pod now, without changing anything in the cluster.
+`explain` loads one snapshot of the cluster (nodes, pods, the agents' Leases, Jobs, DRA's slices and
+claims) into the extender's own cache and asks the extender's own decision code, so it shows exactly
+what the extender would decide for the pod now, without changing anything in the cluster.
 """
 
 from __future__ import annotations
@@ -179,8 +179,11 @@ def run(args: argparse.Namespace) -> int:
             items, _ = source.list_objects(kind)
             cache.replace(kind, items)
         # Jobs give the sizes of inferred groups (gputopo.model.jobs); without them such a group waits.
-        with contextlib.suppress(KubeError):
-            cache.replace("jobs", source.list_objects("jobs")[0])
+        # DRA's slices and claims give the GPUs claims hold (a clique block counts as its GPUs); a cluster
+        # without resource.k8s.io, or a reader not allowed to list it, has none.
+        for kind in ("jobs", "resourceslices", "resourceclaims"):
+            with contextlib.suppress(KubeError):
+                cache.replace(kind, source.list_objects(kind)[0])
     except KubeError as e:
         print(f"gputopo explain: cannot read {args.namespace}/{args.pod}: {e}", file=sys.stderr)
         return 1

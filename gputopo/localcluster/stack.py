@@ -171,7 +171,7 @@ class Stack(NodeAgents):
         # Nodes run by a real kubelet, and their agents' device-plugin options (mode, resource).
         self.kubelets: dict[str, RealKubelet] = {}
         self._plugin_options: dict[str, tuple[str, str]] = {}
-        self._dra: dict[str, tuple[bool, bool]] = {}
+        self._dra: dict[str, tuple[bool, bool, bool]] = {}
         self.dir = cp.dir / "gputopo"
         self.dir.mkdir(exist_ok=True)
         self._progress = progress

@@ -176,7 +176,9 @@ class SliceInfo:
 
 def parse_slice(obj: Mapping[str, Any]) -> SliceInfo | None:
     """A ResourceSlice of our driver, or None for another driver's. Device names that are not ours
-    (`gpu-<index>`) are an error: our agent publishes no others."""
+    (`gpu-<index>`, or a canonical block name: its GPUs count) are an error: our agent publishes no
+    others. A slice of counters only (`sharedCounters`, no devices) is valid and publishes no GPUs; its
+    counters are not read."""
     what = f"ResourceSlice {_name(obj)}"
     spec = _map(obj, "spec", what)
     if spec.get("driver") != DRIVER:
@@ -191,10 +193,10 @@ def parse_slice(obj: Mapping[str, Any]) -> SliceInfo | None:
     gpus: set[int] = set()
     for d in _list(spec, "devices", what, MAX_SLICE_DEVICES):
         name = d.get("name") if isinstance(d, Mapping) else None
-        index = device_index(name) if isinstance(name, str) else None
-        if index is None:
-            raise DraObjectError(f"{what}: device {name!r} is not a gputopo GPU (gpu-<index>)")
-        gpus.add(index)
+        covers = device_gpus(name) if isinstance(name, str) else None
+        if covers is None:
+            raise DraObjectError(f"{what}: device {name!r} is not a gputopo GPU (gpu-<index>) or block")
+        gpus.update(covers)
     return SliceInfo(node, pool_name, generation, frozenset(gpus))
 
 
@@ -227,11 +229,11 @@ def parse_claim(obj: Mapping[str, Any]) -> ClaimInfo:
         if r.get("driver") != DRIVER:
             continue
         pool, device = r.get("pool"), r.get("device")
-        index = device_index(device) if isinstance(device, str) else None
-        if not isinstance(pool, str) or index is None:
+        covers = device_gpus(device) if isinstance(device, str) else None
+        if not isinstance(pool, str) or covers is None:
             raise DraObjectError(f"{what}: allocation result {device!r} in pool {pool!r} is not a gputopo GPU")
         pools.add(pool)
-        gpus.add(index)
+        gpus.update(covers)  # a block is its GPUs; a GPU named twice (a block and one of its own) counts once
     if len(pools) > 1:
         raise DraObjectError(f"{what}: our GPUs from {len(pools)} pools; gputopo's devices are node-local")
     reserved: set[str] = set()

@@ -9,7 +9,10 @@ the first node by name that fits, as kube-scheduler alone) meet one of three GPU
 - `dra-stock`: kube-scheduler's allocator (`gputopo.sim.draallocator.allocate`) over the devices in
   index order, gputopo's partition claim (today's DRA driver);
 - `dra-best-fit`: the same allocator and claim over the devices in best-fit order for the node's
-  GPUs in use at that moment (`gputopo.engine.dra.order`, what the driver re-publishes).
+  GPUs in use at that moment (`gputopo.engine.dra.order`, what the driver re-publishes);
+- `dra-blocks`: a claim for one clique block (`--dra-blocks`): the first free block of its size in
+  the published best-fit order (`gputopo.engine.dra.blocks`, counters: none of its GPUs taken); a
+  1-GPU claim, or a size the node publishes no block of, as `dra-best-fit`.
 
 Figures, over the arrivals after the first `warmup` (the nodes start empty):
 
@@ -30,15 +33,16 @@ from heapq import heappop, heappush
 from itertools import combinations
 from typing import Literal
 
+from gputopo.engine.dra.blocks import block_order, first_free, node_blocks
 from gputopo.engine.dra.devices import device_name, devices
 from gputopo.engine.node.placement import evaluate_pod
-from gputopo.engine.state.cliques import max_clique_size, popcount
+from gputopo.engine.state.cliques import bits, mask_of, max_clique_size, popcount
 from gputopo.engine.state.snapshot import NodeState, node_state, shape_of
 from gputopo.model import NvlinkPolicy, PodRequest
 from gputopo.sim.draallocator import NodeDevices, allocate, claim_for
 
-Mode = Literal["device-plugin", "dra-stock", "dra-best-fit"]
-MODES: tuple[Mode, ...] = ("device-plugin", "dra-stock", "dra-best-fit")
+Mode = Literal["device-plugin", "dra-stock", "dra-best-fit", "dra-blocks"]
+MODES: tuple[Mode, ...] = ("device-plugin", "dra-stock", "dra-best-fit", "dra-blocks")
 # Who picks the node: gputopo's engine (the extender's prioritize), or kube-scheduler alone (the first
 # node by name where the pod fits: DRA devices get no score before 1.36's prioritized lists).
 NodeChoice = Literal["engine", "first"]
@@ -70,6 +74,19 @@ class ChurnFigures:
 
 def _is_clique(adj: Sequence[int], gpus: Sequence[int]) -> bool:
     return all(adj[a] >> b & 1 for a, b in combinations(gpus, 2))
+
+
+def _first_block(node: NodeState, k: int) -> int | None:
+    """The block a k-block claim gets on `node` (0: none free), or None where the node publishes no
+    block of k GPUs (the claim is then a plain one)."""
+    assert node.topology is not None
+    masks = node_blocks(node.topology).masks
+    if not any(popcount(m) == k for m in masks):
+        return None
+    usable = node.free_mask | mask_of(sorted(node.in_use))
+    order = block_order(shape_of(node.topology), masks, usable, mask_of(sorted(node.in_use)))
+    found = first_free(order, k, mask_of(sorted(node.in_use)))
+    return found or 0
 
 
 def simulate_churn(
@@ -117,6 +134,12 @@ def simulate_churn(
                 got = (i, tuple(v.outcome.gpus))
                 break
             assert node.topology is not None
+            block = _first_block(node, k) if mode == "dra-blocks" else None
+            if block is not None:
+                got = (i, tuple(bits(block))) if block else None
+                if got is not None:
+                    break
+                continue
             if mode == "dra-stock":
                 view = index_views[id(node.topology)]
             else:

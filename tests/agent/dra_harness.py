@@ -80,6 +80,7 @@ class FakeSlices:
     reads: int = 0
     strip_taints: bool = False  # a cluster without DRADeviceTaints drops the field
     canonical_quantities: bool = True  # the server writes 81920Mi back as 80Gi
+    strip_counters: bool = False  # a cluster without DRAPartitionableDevices drops the counter fields
     _rv: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -102,7 +103,11 @@ class FakeSlices:
         doc = copy.deepcopy(body)
         self._rv += 1
         doc["metadata"]["resourceVersion"] = str(self._rv)
+        if self.strip_counters:
+            doc["spec"].pop("sharedCounters", None)
         for d in doc["spec"].get("devices", []):
+            if self.strip_counters:
+                d.pop("consumesCounters", None)
             if self.strip_taints:
                 d.pop("taints", None)
             for t in d.get("taints", []):

@@ -21,6 +21,7 @@ SEQUENCE = [Arrival(2, 3), Arrival(2, 2), Arrival(2, 100), Arrival(2, 100), Arri
         pytest.param("device-plugin", True, id="device plugin: the pair fills 6-7, the 4-GPU claim gets 0-3"),
         pytest.param("dra-stock", False, id="DRA index order: the pair takes 0-1, no whole quad is left"),
         pytest.param("dra-best-fit", True, id="DRA best-fit order: the pair fills 6-7, the 4-GPU claim gets 0-3"),
+        pytest.param("dra-blocks", True, id="DRA clique blocks: pair blocks inside one quad, then the quad block"),
     ],
 )
 def test_the_issues_dgx1v_sequence(mode: Mode, quad_left: bool) -> None:

@@ -3,9 +3,11 @@
 Prepare, per claim: answer from the checkpoint when the claim is already prepared; else read the
 ResourceClaim (the one Kubernetes client, behind `ClaimReader`), check its uid, take the allocation's
 results whose driver is ours (every one of them must be in this node's pool, and there must be one),
-map each device name (`gpu-<i>`) to a GPU of the current topology, write the claim's CDI spec,
+map each device name (`gpu-<i>`, or a block `block-<i>-<j>-...` the node publishes: all its GPUs) to
+GPUs of the current topology, write the claim's CDI spec,
 checkpoint, answer. A device we do not have, a failed GPU, a missing or changed claim, a claim for
-another node or driver: that claim gets an error naming it, the others in the call go on.
+another node or driver, a block not published or sharing a GPU with another prepared claim: that claim
+gets an error naming it, the others in the call go on.
 Unprepare: forget the claim and its CDI spec; a claim we never prepared is already unprepared.
 Nothing raises out of `prepare` or `unprepare`: every failure is a claim's error string.
 
@@ -28,9 +30,11 @@ from typing import Any, Protocol
 
 from gputopo.agent.dra.cdi import CdiNameError, CdiWriter, claim_device_id, gpu_device_id
 from gputopo.agent.dra.checkpoint import CLAIM_UID, Checkpoint, PreparedClaim, PreparedDevice
-from gputopo.engine.dra.devices import DRIVER, device_index
+from gputopo.engine.dra.devices import DRIVER
+from gputopo.engine.state.cliques import mask_of
 from gputopo.kube import short_error
 from gputopo.model import Health, NodeTopology
+from gputopo.model.dra import device_gpus
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +131,8 @@ class DraDriver:
         self.node_spec_error = ""  # why the node's CDI spec is not written ('' when it is)
         # Called, outside the lock, after a claim is newly prepared or unprepared: the GPUs in use changed.
         self.on_change: Callable[[], None] | None = None
+        # Whether the block over a GPU mask is published now (the plugin's, with --dra-blocks): none by default.
+        self.blocks_published: Callable[[int], bool] = lambda _mask: False
         try:
             removed = cdi.remove_orphans(checkpoint.claims().keys())
         except OSError as e:
@@ -168,9 +174,8 @@ class DraDriver:
         out: set[int] = set()
         for claim in self.prepared().values():
             for d in claim.devices:
-                index = device_index(d.device_name) if d.pool_name == self.node else None
-                if index is not None:
-                    out.add(index)
+                if d.pool_name == self.node:
+                    out.update(device_gpus(d.device_name) or ())  # a block is its GPUs
         return frozenset(out)
 
     def _changed(self) -> None:
@@ -281,25 +286,23 @@ class DraDriver:
         if elsewhere:
             pools = ", ".join(elsewhere[:3]) + (f" and {len(elsewhere) - 3} more" if len(elsewhere) > 3 else "")
             raise ClaimError(f"it is allocated {self.driver} devices of pool {pools}, not this node's ({self.node})")
-        by_device: dict[str, tuple[list[str], str]] = {}  # device -> (requests, uuid)
+        by_device: dict[str, tuple[list[str], tuple[str, ...]]] = {}  # device -> (requests, its GPUs' uuids)
         for r in ours:
             name, request = r.get("device"), r.get("request")
             if not isinstance(name, str) or not isinstance(request, str):
                 raise ClaimError(f"an allocation result of driver {self.driver} has no device or request name")
-            index = device_index(name)
-            gpu = gpus.get(index) if index is not None else None
-            if gpu is None:
-                raise ClaimError(f"device {name!r} of pool {self.node} is not a GPU of this node")
-            if gpu.health is Health.FAILED:
-                raise ClaimError(f"device {name} (GPU {gpu.index}, {gpu.uuid}) has failed")
-            requests, _ = by_device.setdefault(name, ([], gpu.uuid))
+            requests, _ = by_device.setdefault(name, ([], self._uuids(name, gpus)))
             if request not in requests:
                 requests.append(request)
+        self._check_overlap(claim_uid, list(by_device))
         devices: list[PreparedDevice] = []
-        uuids = [uuid for _, uuid in by_device.values()]
-        for i, (name, (requests, uuid)) in enumerate(by_device.items()):
+        # A GPU named twice (a block and one of its own GPUs) is injected once.
+        uuids = list(dict.fromkeys(u for _, found in by_device.values() for u in found))
+        injected: set[str] = set()
+        for i, (name, (requests, found)) in enumerate(by_device.items()):
             try:
-                ids = [gpu_device_id(uuid)]
+                ids = [gpu_device_id(uuid) for uuid in found if uuid not in injected]
+                injected.update(found)
                 if i == 0:
                     # The claim's NVIDIA_VISIBLE_DEVICES rides on its first device only: the runtime
                     # would apply the same edit once per device otherwise.
@@ -308,6 +311,35 @@ class DraDriver:
                 raise ClaimError(f"device {name}: {e}") from None
             devices.append(PreparedDevice(tuple(requests), self.node, name, tuple(ids)))
         return tuple(devices), uuids
+
+    def _uuids(self, name: str, gpus: Mapping[int, Any]) -> tuple[str, ...]:
+        """Under the lock: the UUIDs of the GPUs device `name` stands for. A block must be one this node
+        publishes now: the allocator never hands out another, a compromised scheduler might."""
+        covers = device_gpus(name)
+        if covers is None or any(i not in gpus for i in covers):
+            raise ClaimError(f"device {name[:80]!r} of pool {self.node} is not a GPU or block of this node")
+        if len(covers) > 1 and not self.blocks_published(mask_of(covers)):
+            raise ClaimError(f"device {name} is not a block this node publishes (--dra-blocks, its clique's blocks)")
+        for i in covers:
+            if gpus[i].health is Health.FAILED:
+                raise ClaimError(f"device {name} (GPU {i}, {gpus[i].uuid}) has failed")
+        return tuple(str(gpus[i].uuid) for i in covers)
+
+    def _check_overlap(self, claim_uid: str, names: Sequence[str]) -> None:
+        """Under the lock: a claim with a block shares no GPU with another prepared claim, nor does a
+        claim share one with another's block (counters make the allocator never do either)."""
+        mine = {g for n in names for g in device_gpus(n) or ()}
+        has_block = any(len(device_gpus(n) or ()) > 1 for n in names)
+        for uid, other in self._checkpoint.claims().items():
+            if uid == claim_uid:
+                continue
+            theirs = [device_gpus(d.device_name) or () for d in other.devices if d.pool_name == self.node]
+            shared = mine & {g for covers in theirs for g in covers}
+            if shared and (has_block or any(len(c) > 1 for c in theirs)):
+                raise ClaimError(
+                    f"its GPUs {sorted(shared)[:8]} are prepared for claim {other.namespace}/{other.name} already, "
+                    "and a block shares no GPU"
+                )
 
     # ------------------------------------------------------------------ Unprepare
 

@@ -13,6 +13,10 @@ its next write, so at most one slice write follows each change, none when the or
 The kubelet prepares a claim when its pod arrives, after kube-scheduler allocated it: allocations in
 between read the order before it, which costs only optimality (a device's name is its GPU whatever
 the order).
+
+With `blocks` the node's NVLink cliques are published as block devices too, beside the single GPUs,
+with counters so that no GPU is allocated twice (`gputopo.agent.dra.pool`); their order follows
+`best_fit_order` the same way.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ from gputopo.agent.confirmedwrite import PublishResult
 from gputopo.agent.dra.cdi import DEFAULT_CDI_DIR, CdiWriter
 from gputopo.agent.dra.checkpoint import CHECKPOINT_NAME, Checkpoint
 from gputopo.agent.dra.driver import ClaimReader, DraDriver
+from gputopo.agent.dra.pool import PoolPublisher
 from gputopo.agent.dra.server import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR, DraServer, plugin_dir
 from gputopo.agent.dra.slices import SliceApi, SlicePublisher, SliceShape
 from gputopo.agent.sysfs import pci_path
+from gputopo.engine.dra.blocks import node_blocks
 from gputopo.engine.dra.devices import DRIVER
 from gputopo.model import NodeTopology
 
@@ -49,6 +55,7 @@ class DraConfig:
     poll_s: float = 1.0
     driver: str = DRIVER
     best_fit_order: bool = False
+    blocks: bool = False  # the NVLink cliques also as block devices with counters (gputopo.agent.dra.pool)
 
 
 def _sysfs_bus_id(bus_id: str) -> str:
@@ -85,8 +92,13 @@ class DraPlugin:
             device_taints=config.device_taints,
             driver=config.driver,
             best_fit_order=config.best_fit_order,
+            blocks=config.blocks,
         )
-        self.publisher = SlicePublisher(slices, config.node, shape, sleep=sleep)
+        self.publisher: SlicePublisher | PoolPublisher = (
+            PoolPublisher(slices, config.node, shape, sleep=sleep)
+            if config.blocks
+            else SlicePublisher(slices, config.node, shape, sleep=sleep)
+        )
         self.driver: DraDriver | None = None
         self.server: DraServer | None = None
         self._roots: tuple[tuple[str, ...], dict[int, str]] | None = None
@@ -109,6 +121,7 @@ class DraPlugin:
             poll_s=c.poll_s,
         )
         self.server = server
+        self.driver.blocks_published = self._block_published
         result = self._publish(topology)  # the slice first: a registered driver with no devices is useless
         if c.best_fit_order:
             self.driver.on_change = self._dirty.set
@@ -148,6 +161,18 @@ class DraPlugin:
             labels = self._labels() if self._labels is not None else None
             in_use = self.driver.in_use() if self.driver is not None else frozenset()
             return self.publisher.publish(topology, labels=labels, pcie_roots=self._pcie_roots(topology), in_use=in_use)
+
+    def _block_published(self, mask: int) -> bool:
+        """Whether the block over `mask` is one the pool publishes with the topology published last."""
+        topology = self._topology
+        if not self.config.blocks or self.counters_dropped or topology is None:
+            return False
+        return mask in node_blocks(topology).masks
+
+    @property
+    def counters_dropped(self) -> bool:
+        """The API server dropped the blocks' counters: single GPUs only (`gputopo.agent.dra.pool`)."""
+        return isinstance(self.publisher, PoolPublisher) and self.publisher.counters_dropped
 
     def update(self, topology: NodeTopology) -> PublishResult:
         """The driver's devices follow `topology`, then the ResourceSlice is published."""

@@ -75,12 +75,14 @@ def wire_device(device: Device, *, taint: bool) -> dict[str, Any]:
 class SliceShape:
     """What this node's slice says and how (module docstring): its `driver`; `list_attributes`, each
     device's cliques as a list attribute; `device_taints`, a failed GPU published with a taint, else left
-    out; `best_fit_order`, the devices in best-fit order, else in index order."""
+    out; `best_fit_order`, the devices in best-fit order, else in index order; `blocks`, the NVLink
+    cliques also as block devices with counters (`gputopo.agent.dra.pool`)."""
 
     list_attributes: bool
     device_taints: bool
     driver: str = DRIVER
     best_fit_order: bool = False
+    blocks: bool = False
 
 
 def desired_spec(

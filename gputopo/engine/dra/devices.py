@@ -62,6 +62,8 @@ ATTR_CLIQUE_SIZE = "nvlinkCliqueSize"  # the largest clique this GPU is in
 ATTR_RAIL = "rail"
 ATTR_IMPAIRED = "nvlinkImpaired"  # the GPU is degraded or one of its NVLink links is
 ATTR_HEALTH = "health"
+ATTR_BLOCK_SIZE = "blockSize"  # 1 for a single GPU, k for a block of k (DeviceClass selectors tell them apart)
+ATTR_BLOCK_GPUS = "gpus"  # a block's GPUs as `block_id` ('0-3')
 CAPACITY_MEMORY = "memory"
 # Standard attributes (KEP-4381 / KEP-6072), fully qualified.
 STD_PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
@@ -198,6 +200,7 @@ class Device:
     attributes: Mapping[str, Scalar | tuple[str, ...]]
     memory_mib: int
     failed: bool
+    gpus: tuple[int, ...] = ()  # a block's GPUs (`gputopo.engine.dra.blocks`); () for a single GPU
 
 
 @dataclass(frozen=True)
@@ -264,6 +267,7 @@ def devices(
             ATTR_HEALTH: str(g.health),
             ATTR_IMPAIRED: g.health is Health.DEGRADED or i in impaired,
             ATTR_CLIQUE_SIZE: max((popcount(c) for c in enc.cliques if c >> i & 1), default=0),
+            ATTR_BLOCK_SIZE: 1,
         }
         for p in range(PARTITIONS):
             part = enc.partitions[p] if p < len(enc.partitions) else enc.partitions[0]

@@ -229,3 +229,21 @@ def test_a_pods_claim_names_are_read(pod: JSON, names: tuple[str, ...]) -> None:
 def test_hostile_claim_names_are_refused_naming_the_field(pod: JSON, field: str) -> None:
     with pytest.raises(WireError, match=field.replace("[", r"\[").replace("]", r"\]")):
         pod_info(pod)
+
+
+@pytest.mark.parametrize(
+    ("devices", "placed"),
+    [
+        pytest.param(["block-6-7"], (6, 7), id="a block claim is placed on its GPUs"),
+        pytest.param(["block-0-1", "gpu-1"], (0, 1), id="a block and one of its GPUs: each GPU once"),
+    ],
+)
+def test_the_placement_names_a_block_claims_gpus(dgx1: Env, devices: list[str], placed: tuple[int, ...]) -> None:
+    pod = _dra_pod("tp2", 2, "tp2-gpus")
+    dgx1.add_pods(pod)
+    claim = _claim("tp2-gpus", [], pod["metadata"]["uid"])
+    results = [{"request": "gpus", "driver": DRIVER, "pool": NODE, "device": d} for d in devices]
+    claim["status"]["allocation"]["devices"]["results"] = results
+    dgx1.source.put("resourceclaims", claim)
+    assert dgx1.bind(pod, NODE) == ""
+    assert _placed(dgx1, pod) == placed
