@@ -87,6 +87,7 @@ class Listeners:
                 self.keeper = TemplateKeeper(
                     extender.source.api,
                     list_attributes=settings.dra_list_attributes,
+                    blocks=settings.dra_blocks,
                     memory_classes=settings.memory_classes,
                     ready=lambda: "pods" in cache.synced,
                 )

@@ -123,6 +123,7 @@ class TemplateKeeper:
         *,
         list_attributes: bool,
         memory_classes: tuple[int, ...] = MEMORY_CLASSES_MIB,
+        blocks: bool = False,
         scheduler_name: str = SCHEDULER_NAME,
         ready: Callable[[], bool] = lambda: True,
         clock: Callable[[], float] = time.monotonic,
@@ -130,6 +131,7 @@ class TemplateKeeper:
     ) -> None:
         self.api = api
         self.list_attributes = list_attributes
+        self.blocks = blocks
         self.memory_classes = memory_classes
         self.scheduler_name = scheduler_name
         self.ready = ready
@@ -219,7 +221,7 @@ class TemplateKeeper:
             if len(self._builds) >= DEFAULT_MAX_ENTRIES:
                 self._builds.clear()
             self._builds[name] = template_named(
-                name, list_attributes=self.list_attributes, memory_classes=self.memory_classes
+                name, list_attributes=self.list_attributes, memory_classes=self.memory_classes, blocks=self.blocks
             )
         return self._builds[name]
 
