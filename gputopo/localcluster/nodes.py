@@ -54,7 +54,8 @@ class GpuNode:
 class KubeletAgent:
     """How the agent of a node run by a real kubelet serves its GPUs: as the kubelet's device plugin
     (`preferred_allocation` mode, under `resource_name`), or with `dra` as the node's DRA driver (the
-    list attribute when `dra_list_attributes`, in best-fit order when `dra_best_fit_order`). With `nvml`
+    list attribute when `dra_list_attributes`, in best-fit order when `dra_best_fit_order`, with clique
+    blocks beside the single GPUs when `dra_blocks`). With `nvml`
     it reads its system through nvidia-ml-py from the NVML mock library."""
 
     preferred_allocation: str = "placement"
@@ -62,6 +63,7 @@ class KubeletAgent:
     dra: bool = False
     dra_list_attributes: bool = False
     dra_best_fit_order: bool = False
+    dra_blocks: bool = False
     nvml: bool = False
 
 
@@ -80,7 +82,8 @@ class NodeAgents:
     nodes: dict[str, GpuNode]
     kubelets: dict[str, RealKubelet]
     _plugin_options: dict[str, tuple[str, str]]
-    _dra: dict[str, tuple[bool, bool]]  # kubelet nodes whose agent is the DRA driver -> (list attributes, best fit)
+    # kubelet nodes whose agent is the DRA driver -> (list attributes, best fit, blocks)
+    _dra: dict[str, tuple[bool, bool, bool]]
     dir: Path
     _progress: Callable[[str], None] | None
 
@@ -194,6 +197,7 @@ class NodeAgents:
                 f"--cdi-dir={kubelet.cdi_dir}",
                 *(["--dra-list-attributes"] if self._dra[node][0] else []),
                 *(["--dra-best-fit-order"] if self._dra[node][1] else []),
+                *(["--dra-blocks"] if self._dra[node][2] else []),
             ]
         mode, resource = self._plugin_options[node]
         return [
@@ -226,7 +230,7 @@ class NodeAgents:
         self._plugin_options[name] = (agent.preferred_allocation, agent.resource_name)
         dra = agent.dra
         if dra:
-            self._dra[name] = (agent.dra_list_attributes, agent.dra_best_fit_order)
+            self._dra[name] = (agent.dra_list_attributes, agent.dra_best_fit_order, agent.dra_blocks)
         self.nodes[name] = GpuNode(name, system, labels=dict(labels or {}), nvml=agent.nvml)
         kubelet.start(timeout=timeout)
         # The agent's token is bound to the Node object, which the kubelet has just registered.
