@@ -236,7 +236,9 @@ class NodeAgents:
         # The agent's token is bound to the Node object, which the kubelet has just registered.
         self.start_agent(name)
         gpus = len(self.nodes[name].resolved().gpus)
-        if dra:
+        if dra and agent.dra_blocks:  # a counters slice beside the devices': every GPU listed is enough
+            self.wait_devices(name, [f"gpu-{i}" for i in range(gpus)], timeout=timeout)
+        elif dra:
             self.wait_resource_slice(name, gpus, timeout=timeout)
         else:
             kubelet.wait_allocatable(agent.resource_name, gpus, timeout=timeout)
@@ -246,6 +248,24 @@ class NodeAgents:
         """The ResourceSlices of gputopo's DRA driver on `node`."""
         out = self.kube.kubectl("get", "resourceslices", "-o", "json", f"--field-selector=spec.nodeName={node}")
         return [s for s in json.loads(out)["items"] if s["spec"].get("driver") == DRA_DRIVER]
+
+    def devices(self, node: str) -> list[dict[str, Any]]:
+        """The devices gputopo's driver publishes on `node`, over its slices in name order (the allocator's)."""
+        slices = sorted(self.resource_slices(node), key=lambda s: str(s["metadata"]["name"]))
+        return [d for s in slices for d in s["spec"].get("devices") or []]
+
+    def wait_devices(self, node: str, names: Sequence[str], *, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """Until the node's agent publishes every device in `names` (in any of its slices)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.devices(node)
+            if set(names) <= {d["name"] for d in found}:
+                return found
+            time.sleep(0.5)
+        raise TimeoutError(
+            f"{DRA_DRIVER} on {node} did not publish {list(names)} in {timeout:.0f}s; "
+            "agent log tail:\n" + self.cp.log_tail(self.agent_component(node), 30)
+        )
 
     def wait_resource_slice(self, node: str, devices: int, *, timeout: float = 60.0) -> dict[str, Any]:
         """Until the node's agent has published one ResourceSlice with `devices` devices."""
