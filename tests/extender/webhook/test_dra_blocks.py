@@ -10,10 +10,12 @@ from typing import Any
 
 import pytest
 
-from gputopo.engine.dra.claims import template_named
+from gputopo.engine.dra.claims import claim_template, template_named
 from gputopo.extender.settings import Settings
+from gputopo.extender.webhook.claimtemplates import TemplateKeeper
 from gputopo.extender.webhook.mutation import DraMode, admit_pod
-from gputopo.model import GPU_RESOURCE, SCHEDULER_NAME
+from gputopo.model import GPU_RESOURCE, SCHEDULER_NAME, PodRequest
+from tests.extender.webhook.test_dra import FakeTemplateApi, _live
 
 
 def _pod(resources: dict[str, str], annotations: dict[str, str] | None = None) -> dict[str, Any]:
@@ -76,3 +78,15 @@ def test_blocks_without_dra_are_refused_at_start() -> None:
     with pytest.raises(ValueError, match="--dra-blocks shapes the claims of --dra"):
         Settings(dra_blocks=True)
     assert Settings(dra=True, dra_blocks=True).dra_blocks
+
+
+@pytest.mark.parametrize(("keeper_blocks", "made"), [(True, 1), (False, 0)])
+def test_the_keeper_makes_a_block_template_only_when_it_builds_blocks(keeper_blocks: bool, made: int) -> None:
+    """A pod names the webhook's block-first template: a keeper of the same settings makes it; one without
+    blocks finds no template of that name it would build, and makes nothing."""
+    template = claim_template(PodRequest(gpus=4), list_attributes=False, blocks=True)
+    api = FakeTemplateApi()
+    keeper = TemplateKeeper(api, claims=DraMode(blocks=keeper_blocks))
+    keeper.pod_changed(_live("w-0", template.name))
+    assert keeper.ensure_pending() == made
+    assert (api.names() == {("ml", template.name)}) is bool(made)
