@@ -80,3 +80,9 @@ def test_the_block_values_are_booleans(value: str) -> None:
     proc = run_helm(cmd, check=False)
     assert proc.returncode != 0
     assert value in proc.stderr
+
+
+def test_mapping_nvidia_gpu_without_dra_fails_naming_the_value() -> None:
+    proc = run_helm(template_args((), {"agent.dra.gpuExtendedResource": "true"}), check=False)
+    assert proc.returncode != 0
+    assert "agent.dra.gpuExtendedResource maps nvidia.com/gpu onto gputopo's DRA devices" in proc.stderr
