@@ -54,9 +54,9 @@ class GpuNode:
 class KubeletAgent:
     """How the agent of a node run by a real kubelet serves its GPUs: as the kubelet's device plugin
     (`preferred_allocation` mode, under `resource_name`), or with `dra` as the node's DRA driver (the
-    list attribute when `dra_list_attributes`, in best-fit order when `dra_best_fit_order`, with clique
-    blocks beside the single GPUs when `dra_blocks`). With `nvml`
-    it reads its system through nvidia-ml-py from the NVML mock library."""
+    list attribute when `dra_list_attributes`, in best-fit order when `dra_best_fit_order`, with the
+    clique blocks when `dra_blocks`). With `nvml` it reads its system through nvidia-ml-py from the NVML
+    mock library."""
 
     preferred_allocation: str = "placement"
     resource_name: str = GPU_RESOURCE
@@ -236,9 +236,7 @@ class NodeAgents:
         # The agent's token is bound to the Node object, which the kubelet has just registered.
         self.start_agent(name)
         gpus = len(self.nodes[name].resolved().gpus)
-        if dra and agent.dra_blocks:  # a counters slice beside the devices': every GPU listed is enough
-            self.wait_devices(name, [f"gpu-{i}" for i in range(gpus)], timeout=timeout)
-        elif dra:
+        if dra:
             self.wait_resource_slice(name, gpus, timeout=timeout)
         else:
             kubelet.wait_allocatable(agent.resource_name, gpus, timeout=timeout)
@@ -249,32 +247,19 @@ class NodeAgents:
         out = self.kube.kubectl("get", "resourceslices", "-o", "json", f"--field-selector=spec.nodeName={node}")
         return [s for s in json.loads(out)["items"] if s["spec"].get("driver") == DRA_DRIVER]
 
-    def devices(self, node: str) -> list[dict[str, Any]]:
-        """The devices gputopo's driver publishes on `node`, over its slices in name order (the allocator's)."""
-        slices = sorted(self.resource_slices(node), key=lambda s: str(s["metadata"]["name"]))
-        return [d for s in slices for d in s["spec"].get("devices") or []]
-
-    def wait_devices(self, node: str, names: Sequence[str], *, timeout: float = 60.0) -> list[dict[str, Any]]:
-        """Until the node's agent publishes every device in `names` (in any of its slices)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = self.devices(node)
-            if set(names) <= {d["name"] for d in found}:
-                return found
-            time.sleep(0.5)
-        raise TimeoutError(
-            f"{DRA_DRIVER} on {node} did not publish {list(names)} in {timeout:.0f}s; "
-            "agent log tail:\n" + self.cp.log_tail(self.agent_component(node), 30)
-        )
-
     def wait_resource_slice(self, node: str, devices: int, *, timeout: float = 60.0) -> dict[str, Any]:
-        """Until the node's agent has published one ResourceSlice with `devices` devices."""
+        """Until the node's agent has published `devices` single GPUs: one ResourceSlice with that many
+        devices, or (`--dra-blocks`) the slice of its pool whose devices start with that many GPUs."""
         deadline = time.monotonic() + timeout
         last: list[dict[str, Any]] = []
         while time.monotonic() < deadline:
             last = self.resource_slices(node)
             if len(last) == 1 and len(last[0]["spec"].get("devices", [])) == devices:
                 return last[0]
+            for found in last if len(last) > 1 else []:
+                names = [d["name"] for d in found["spec"].get("devices", [])]
+                if sum(n.startswith("gpu-") for n in names) == devices:
+                    return found
             time.sleep(0.5)
         raise TimeoutError(
             f"no ResourceSlice of {DRA_DRIVER} with {devices} devices on {node} in {timeout:.0f}s (saw {last}); "
@@ -369,3 +354,8 @@ class NodeAgents:
                 return value
             time.sleep(0.3)
         raise TimeoutError(f"node {node} annotation {key} did not reach the expected value; last: {value!r}")
+
+    def devices(self, node: str) -> list[dict[str, Any]]:
+        """The devices gputopo's driver publishes on `node`, over its slices in name order (the allocator's)."""
+        slices = sorted(self.resource_slices(node), key=lambda s: str(s["metadata"]["name"]))
+        return [d for s in slices for d in s["spec"].get("devices") or []]
