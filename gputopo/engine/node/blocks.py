@@ -8,9 +8,11 @@ one of `BLOCK_SIZES`, and its aligned sub-blocks of each smaller size in `BLOCK_
 publishes none (one counter set holds 32 counters). A pod asking `gputopo.io/gpu-clique<N>: 1` gets one
 of those blocks from the allocator and never any other N GPUs, so the engine chooses among the free
 ones, ranked as the agent orders them for the allocator's first fit: the engine's own rank of a clique
-set over the node's free GPUs, lowest GPUs on ties. That first fit is what the pod gets, so a node whose
-first free block the pod may not have (a degraded link, too little HBM) fails rather than passing on
-another block the allocator would not give: the filter, the bind's sentence and the claim name one block.
+set over the node's free GPUs with its fragmentation terms first (`fit_key`), lowest GPUs on ties
+(gputopo.engine.dra.blocks orders the agent's slice by the same rule; a test pins the two equal). That
+first fit is what the pod gets, so a node whose first free block the pod may not have (a degraded link,
+too little HBM) fails rather than passing on another block the allocator would not give: the filter,
+the bind's sentence and the claim name one block.
 
 The maximal cliques are enumerated as the agent's encoding does (Bron-Kerbosch with pivoting); past
 `MAX_CLIQUE_STEPS` steps, on wiring no real node has, no block is found rather than a wrong one.
@@ -82,5 +84,13 @@ def first_fit_block(shape: Shape, usable: int, free: int, size: int) -> int | No
     node's usable GPUs not in use), the first in the agent's best-fit order; None when none is free."""
     takeable = [m for m in published_blocks(shape, usable, size) if m & free == m]
     # Stable sort on the rank alone keeps the lowest GPUs first among equals, as the agent orders them.
-    takeable.sort(key=lambda m: rank_key("clique", shape, free, m, 0), reverse=True)
+    takeable.sort(key=lambda m: fit_key(shape, free, m), reverse=True)
     return takeable[0] if takeable else None
+
+
+def fit_key(shape: Shape, free: int, block: int) -> tuple[int, ...]:
+    """Best fit's rank of taking `block` out of the `free` GPUs, as the agent orders blocks: the engine's
+    rank of a clique set (`rank_key`) with its fragmentation terms first (the largest clique left free,
+    the NVLink pairs left), then link strength and the rest."""
+    r = rank_key("clique", shape, free, block, 0)
+    return (r[1], r[2], r[0], *r[3:])
