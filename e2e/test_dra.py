@@ -37,7 +37,7 @@ from gputopo.localcluster.kubelet import kubelet_unavailable
 from gputopo.localcluster.nvmlmock import profile_for_system
 from gputopo.localcluster.stack import ChartRelease, KubeletAgent, SchedulerPods, Stack, StackTiming
 from gputopo.model import PLACEMENT_ANNOTATION, NvlinkPolicy, PodRequest, parse_placement
-from gputopo.model.dra import DEVICE_CLASS, DRIVER, device_index
+from gputopo.model.dra import DEVICE_CLASS, DRIVER, device_gpus, device_index
 from gputopo.model.topology import Health
 from gputopo.systems import build_system
 
@@ -88,6 +88,7 @@ class DraNode:
         best_fit: bool = False,
         suffix: str = "",
         nvml: bool = False,
+        blocks: bool = False,
     ) -> None:
         self.stack = stack
         self.kube = stack.kube
@@ -98,7 +99,13 @@ class DraNode:
             self.name,
             SYSTEM,
             labels={TEST_LABEL: test_id},
-            agent=KubeletAgent(dra=True, dra_list_attributes=list_attributes, dra_best_fit_order=best_fit, nvml=nvml),
+            agent=KubeletAgent(
+                dra=True,
+                dra_list_attributes=list_attributes,
+                dra_best_fit_order=best_fit,
+                dra_blocks=blocks,
+                nvml=nvml,
+            ),
         )
         self.kubelet = stack.kubelets[self.name]
         self.pods: list[str] = []
@@ -159,17 +166,19 @@ class DraNode:
         return full
 
     def claim_of(self, pod: str) -> dict[str, Any]:
-        statuses = self.kube.get_pod(NS, pod).get("status", {}).get("resourceClaimStatuses") or []
-        assert statuses, f"{pod} has no generated claim yet"
-        claim = statuses[0]["resourceClaimName"]
+        """The claim made for the pod: from its template, else for its extended resource (KEP-5004)."""
+        status = self.kube.get_pod(NS, pod).get("status", {})
+        statuses = status.get("resourceClaimStatuses") or [status.get("extendedResourceClaimStatus") or {}]
+        claim = statuses[0].get("resourceClaimName")
+        assert claim, f"{pod} has no generated claim yet"
         return dict(json.loads(self.kube.kubectl("get", "resourceclaim", "-n", NS, claim, "-o", "json")))
 
     def gpus_of(self, pod: str) -> tuple[int, ...]:
         results = self.claim_of(pod)["status"]["allocation"]["devices"]["results"]
         assert all(r["driver"] == DRIVER and r["pool"] == self.name for r in results), results
-        out = [device_index(r["device"]) for r in results]
+        out = [device_gpus(r["device"]) for r in results]  # a clique block stands for its GPUs
         assert None not in out, results
-        return tuple(sorted(i for i in out if i is not None))
+        return tuple(sorted(i for gpus in out if gpus is not None for i in gpus))
 
     def running(self, pod: str, *, timeout: float = 90.0) -> tuple[int, ...]:
         """Until the kubelet runs `pod` (its claim prepared by the agent); the GPUs it holds."""

@@ -45,6 +45,7 @@ from gputopo.extender.verbs.service import Extender
 from gputopo.extender.watch.cache import ClusterCache
 from gputopo.extender.watch.source import ClusterSource, Informer, KubeSource, start_informers
 from gputopo.extender.webhook.claimtemplates import TemplateKeeper
+from gputopo.extender.webhook.mutation import DraMode
 
 log = logging.getLogger("gputopo.extender")
 
@@ -86,8 +87,11 @@ class Listeners:
                 cache = self.cache
                 self.keeper = TemplateKeeper(
                     extender.source.api,
-                    list_attributes=settings.dra_list_attributes,
-                    memory_classes=settings.memory_classes,
+                    claims=DraMode(
+                        list_attributes=settings.dra_list_attributes,
+                        memory_classes=settings.memory_classes,
+                        blocks=settings.dra_blocks,
+                    ),
                     ready=lambda: "pods" in cache.synced,
                 )
             if self.keeper is not None:

@@ -173,6 +173,11 @@ class Settings(BaseSettings):
     dra_list_attributes: bool = Field(
         False, description="with --dra: claims match the nvlinkCliques list attribute (DRAListTypeAttributes)"
     )
+    dra_blocks: bool = Field(
+        False,
+        description="with --dra: the agents publish clique blocks (--dra-blocks), so a clique claim of a block "
+        "size asks for one whole block first",
+    )
     dra_memory_classes: str = Field(
         "",
         description="with --dra: comma-separated GPU memory figures (MiB, as NVML reports them) a claim's minimum "
@@ -252,6 +257,8 @@ class Settings(BaseSettings):
             raise ValueError("--dra-memory-classes shapes the claims of --dra: set --dra as well")
         if self.dra_list_attributes and not self.dra:
             raise ValueError("--dra-list-attributes shapes the claims of --dra: set --dra as well")
+        if self.dra_blocks and not self.dra:
+            raise ValueError("--dra-blocks shapes the claims of --dra: set --dra as well")
         ports = {"--port": self.port, "--webhook-port": self.webhook_port, "--metrics-port": self.metrics_port}
         used = [(flag, p) for flag, p in ports.items() if p]
         for i, (flag, p) in enumerate(used):

@@ -117,8 +117,10 @@ def render(
     namespace: str = NAMESPACE,
     chart: Path = CHART_DIR,
     timeout: float = 120.0,
+    kube_version: str = KUBE_VERSION,
 ) -> RenderedChart:
-    """``helm template`` with ``values`` (written to a file, so nested values keep their types)."""
+    """``helm template`` with ``values`` (written to a file, so nested values keep their types), for the
+    Kubernetes release ``kube_version``."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="gputopo-values-") as f:
         json.dump(dict(values), f)
         f.flush()
@@ -130,7 +132,7 @@ def render(
             "--namespace",
             namespace,
             "--kube-version",
-            KUBE_VERSION,
+            kube_version,
             "-f",
             f.name,
         ]

@@ -354,3 +354,8 @@ class NodeAgents:
                 return value
             time.sleep(0.3)
         raise TimeoutError(f"node {node} annotation {key} did not reach the expected value; last: {value!r}")
+
+    def devices(self, node: str) -> list[dict[str, Any]]:
+        """The devices gputopo's driver publishes on `node`, over its slices in name order (the allocator's)."""
+        slices = sorted(self.resource_slices(node), key=lambda s: str(s["metadata"]["name"]))
+        return [d for s in slices for d in s["spec"].get("devices") or []]

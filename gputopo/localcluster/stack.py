@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gputopo.localcluster.chart import (
+    KUBE_VERSION,
     NAMESPACE,
     RELEASE,
     RenderedChart,
@@ -116,12 +117,14 @@ class SchedulerPods:
 class ChartRelease:
     """The chart's release: its `namespace` and `release` name; `dra` renders the agents as DRA drivers
     (their RBAC and the DeviceClass); `values`, more chart values over the local layout's (e.g.
-    `tiers`, `tierSets`)."""
+    `tiers`, `tierSets`); `kube_version`, the release the chart is rendered for (what it renders by
+    version, such as the clique-block DeviceClasses from 1.36), else the chart module's default."""
 
     namespace: str = NAMESPACE
     release: str = RELEASE
     dra: bool = False
     values: Mapping[str, Any] = field(default_factory=dict)
+    kube_version: str = ""
 
 
 STACK_TIMING = StackTiming()
@@ -165,6 +168,7 @@ class Stack(NodeAgents):
         self.webhook_client_auth = scheduler.webhook_client_auth
         self.dra = chart.dra
         self.values = dict(chart.values)
+        self.kube_version = chart.kube_version or KUBE_VERSION
         self.ca_file: Path | None = None
         self.webhook_url = ""
         self.nodes: dict[str, GpuNode] = {}
@@ -193,7 +197,13 @@ class Stack(NodeAgents):
                 dra=self.dra,
             )
             values = {**values, **self.values}
-            self._chart = render(helm_binary(self.cp.bin_dir), values, release=self.release, namespace=self.namespace)
+            self._chart = render(
+                helm_binary(self.cp.bin_dir),
+                values,
+                release=self.release,
+                namespace=self.namespace,
+                kube_version=self.kube_version,
+            )
         return self._chart
 
     def install(self) -> None:

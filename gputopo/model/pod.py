@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gputopo.model.blockrequest import read_block_ask
 from gputopo.model.dra import pod_claim_gpus
 from gputopo.model.gates import gate_names
 from gputopo.model.k8snames import parse_time
@@ -41,7 +42,12 @@ class PodInfo:
     uid: str  # "" when the object has none (a review's pod before it is created)
     annotations: Mapping[str, str] = field(default_factory=dict)
     labels: Mapping[str, str] = field(default_factory=dict)
-    gpus: int = 0  # the GPUs it asks for: its nvidia.com/gpu request, else its gputopo claim templates' (DRA)
+    # The GPUs it asks for: its nvidia.com/gpu request, else its gputopo claim templates' (DRA), else its block's.
+    gpus: int = 0
+    # `gputopo.io/gpu-clique<N>: 1` (gputopo.model.blockrequest): N, the GPUs of the one whole block it asks
+    # for; 0 for none. `block_problem`: why what it asks through those resources cannot be placed.
+    block: int = 0
+    block_problem: str = ""
     scheduler_name: str = ""
     node_name: str = ""
     phase: str = ""
@@ -90,6 +96,9 @@ def read_pod(pod: Any, where: str = "Pod", resource: str = GPU_RESOURCE) -> PodI
     status = pod.get("status") or {}
     if not isinstance(status, Mapping):
         raise PodSpecError(f"{where}.status must be an object")
+    request = read_pod_gpus(spec, f"{where}.spec", resource)
+    gpus = request.total or pod_claim_gpus(spec)
+    block = read_block_ask(spec, f"{where}.spec", gpus)
     return PodInfo(
         name=name,
         namespace=_opt_str(meta.get("namespace"), f"{where}.metadata.namespace") or "default",
@@ -97,7 +106,9 @@ def read_pod(pod: Any, where: str = "Pod", resource: str = GPU_RESOURCE) -> PodI
         annotations=string_map(meta.get("annotations"), f"{where}.metadata.annotations"),
         labels=string_map(meta.get("labels"), f"{where}.metadata.labels"),
         # Under DRA the webhook moved the count into a claim template of gputopo's (nvidia.com/gpu is gone).
-        gpus=(request := read_pod_gpus(spec, f"{where}.spec", resource)).total or pod_claim_gpus(spec),
+        gpus=gpus or block.size,
+        block=block.size,
+        block_problem=block.problem,
         scheduler_name=_opt_str(spec.get("schedulerName"), f"{where}.spec.schedulerName"),
         node_name=_opt_str(spec.get("nodeName"), f"{where}.spec.nodeName"),
         phase=_opt_str(status.get("phase"), f"{where}.status.phase"),
@@ -114,7 +125,8 @@ def read_pod(pod: Any, where: str = "Pod", resource: str = GPU_RESOURCE) -> PodI
 
 def pod_gpus(spec: Mapping[str, Any], where: str = "Pod.spec") -> int:
     """The GPUs a Pod spec asks for, as `PodInfo.gpus` reads them: nvidia.com/gpu by Kubernetes' rules
-    (gputopo.model.podspec), else the count in gputopo's claim templates."""
+    (gputopo.model.podspec), else the count in gputopo's claim templates. A block's GPUs are not counted:
+    the webhook moves only these into a claim of its own; kube-scheduler makes a block's."""
     return read_pod_gpus(spec, where).total or pod_claim_gpus(spec)
 
 

@@ -104,6 +104,9 @@ class PodRequest(BaseModel):
     # The ComputeDomain whose IMEX channel the pod claims (namespace/ResourceClaimTemplate), read from the
     # pod's resource claims by the extender, never from an annotation: its pods share one NVLink domain.
     compute_domain: str | None = None
+    # One whole clique block of `gpus` (`gputopo.io/gpu-clique<N>: 1`, gputopo.model.blockrequest): the
+    # allocator hands out one of the blocks the node publishes, so the engine chooses among those.
+    block: bool = False
 
     @property
     def is_group(self) -> bool:
@@ -138,11 +141,14 @@ def parse_pod_request(
     gpus: int,
     tiers: tuple[str, ...] = ("spine", "leaf", "nvlink-domain"),
     inferred: InferredGroup | None = None,
+    block: int = 0,
 ) -> PodRequest:
     """Validate a pod's `gputopo.io/*` annotations. Raises AnnotationError on the first bad one.
 
     `inferred`: the group the pod's controller labels give (gputopo.model.jobs, with its size known);
-    each of `group`, `group-size` and `stage` given as an annotation overrides its inferred value."""
+    each of `group`, `group-size` and `stage` given as an annotation overrides its inferred value.
+    `block`: the pod asks one whole block of that many GPUs (`gpus` is then the same count), which is one
+    NVLink clique whatever it says: a `gputopo.io/nvlink` other than `required` contradicts it."""
     ann = {k: v for k, v in (annotations or {}).items() if k.startswith(PREFIX)}
     for key, value in ann.items():
         if key not in POD_OPT_IN_ANNOTATIONS and key not in POD_OUTPUT_ANNOTATIONS:
@@ -150,6 +156,12 @@ def parse_pod_request(
     fields: dict[str, Any] = {"gpus": gpus}
     if ANN_NVLINK in ann:
         fields["nvlink"] = _enum(ANN_NVLINK, ann[ANN_NVLINK], NvlinkPolicy)
+    if block:
+        if fields.get("nvlink", NvlinkPolicy.REQUIRED) is not NvlinkPolicy.REQUIRED:
+            raise AnnotationError(
+                ANN_NVLINK, ann[ANN_NVLINK], f"a {block}-GPU block (gputopo.io/gpu-clique{block}) is one NVLink clique"
+            )
+        fields["block"] = True
     if ANN_MIN_GPU_MEMORY in ann:
         v = ann[ANN_MIN_GPU_MEMORY]
         try:

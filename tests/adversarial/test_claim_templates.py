@@ -15,6 +15,7 @@ import pytest
 from gputopo.engine.dra.claims import claim_template
 from gputopo.extender.watch.computedomains import ChannelTemplates
 from gputopo.extender.webhook.claimtemplates import KeeperLimits, TemplateKeeper, same_template
+from gputopo.extender.webhook.mutation import DraMode
 from gputopo.model import PodRequest
 from gputopo.model.claimtemplate import (
     CHANNEL_DEVICE_CLASS,
@@ -203,7 +204,7 @@ def test_the_informer_reports_a_hostile_template_and_keeps_nothing_of_it(obj: An
 def test_the_collector_sends_no_request_for_an_unreadable_template() -> None:
     api = FakeTemplateApi()
     api.put("team", ours(**{"metadata.uid": None, "metadata.labels": {MANAGED_BY_LABEL: MANAGED_BY, "x": 1}}))
-    keeper = TemplateKeeper(api, list_attributes=False, limits=KeeperLimits(grace_seconds=0))
+    keeper = TemplateKeeper(api, claims=DraMode(), limits=KeeperLimits(grace_seconds=0))
     assert [keeper.collect(), keeper.collect()] == [0, 0]
     assert [verb for verb, _ in api.calls] == ["LIST", "LIST"]
     assert len(api.objects) == 1

@@ -189,6 +189,9 @@ Fail fast on value combinations that cannot work.
 {{- if and (or .Values.agent.dra.listAttributes .Values.agent.dra.deviceTaints) (not .Values.agent.dra.enabled) }}
 {{- fail "\n\nagent.dra.listAttributes and agent.dra.deviceTaints shape the agent's DRA devices: set agent.dra.enabled too." }}
 {{- end }}
+{{- if and .Values.agent.dra.gpuExtendedResource (not .Values.agent.dra.enabled) }}
+{{- fail "\n\nagent.dra.gpuExtendedResource maps nvidia.com/gpu onto gputopo's DRA devices: set agent.dra.enabled too." }}
+{{- end }}
 {{- if and .Values.webhook.clientAuth.caBundle (not .Values.webhook.clientAuth.names) }}
 {{- fail "\n\nwebhook.clientAuth.caBundle needs webhook.clientAuth.names: the names (subject CN or a\nsubjectAltName) of the API server's webhook client certificate, so that no other certificate\nthat CA signed is let in." }}
 {{- end }}

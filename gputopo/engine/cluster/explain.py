@@ -47,6 +47,10 @@ def describe_gpus(node: str, outcome: Outcome) -> str:
         caveat = (
             ", some with degraded links: no healthy clique was free" if outcome.components.get("health") == 0.0 else ""
         )
+        if outcome.block:  # a whole block (gputopo.io/gpu-clique<N>): the one the allocator's first fit gives
+            label += (
+                f" are {outcome.block}, the first free {len(gpus)}-GPU block in the order the allocator takes them, and"
+            )
         return f"{label} form a full NVLink clique (NV{bw.min_links} {via}{caveat})" + _leftover(outcome)
     if outcome.components.get("clique", 0.0) >= 1.0:  # nvlink: ignore
         return f"{label} are free (NVLink not requested)" + _leftover(outcome)

@@ -14,6 +14,11 @@ two encodings gputopo.engine.dra.devices publishes:
 - `preferred`: the same, then a last subrequest `any` with no constraint: a clique where one is free,
   else any N devices.
 - `ignore`, or one GPU: no constraint.
+- **blocks** (`blocks`, the agents publish clique blocks: `--dra-blocks`), N a block size: `firstAvailable`
+  starts with one subrequest `block`, one device of the class `clique<N>.gpu.gputopo.io` (a whole
+  NVLink clique, no constraint needed), and goes on with the subrequests above: N single GPUs of one
+  clique when no whole block is free (a block whose GPU is taken is no longer free, but the clique's
+  other GPUs may still be). A minimum HBM per GPU is, on the block, N times that on its summed `memory`.
 
 The API's limits (k8s.io/api v0.34 resource/v1) that bound what this builds, checked by `check_spec`:
 at most 32 devices allocated per claim (`AllocationResultsMaxSize`), 8 subrequests
@@ -50,7 +55,7 @@ from gputopo.engine.dra.devices import (
     qualified,
 )
 from gputopo.model.claimtemplate import MANAGED_BY, MANAGED_BY_LABEL, SPEC_DIGEST_ANNOTATION
-from gputopo.model.dra import TEMPLATE_PREFIX, template_gpus
+from gputopo.model.dra import BLOCK_SIZES, TEMPLATE_PREFIX, block_class, template_gpus
 from gputopo.model.request import NvlinkPolicy, PodRequest
 from gputopo.systems import SYSTEMS
 
@@ -59,6 +64,8 @@ KIND = "ResourceClaimTemplate"
 REQUEST = "gpus"  # the one device request; also the pod's claim name (gputopo.extender.webhook.mutation)
 ANY_SUBREQUEST = "any"  # the unconstrained fallback of `preferred`
 CLIQUE_SUBREQUEST = "clique"  # the constrained subrequest of `preferred` with list attributes
+BLOCK_SUBREQUEST = "block"  # one whole clique block, tried first where the agents publish blocks
+DEVICE_CLASSES = frozenset({DEVICE_CLASS, *(block_class(s) for s in BLOCK_SIZES)})
 NAME_PREFIX = TEMPLATE_PREFIX
 # Every template gputopo makes carries MANAGED_BY_LABEL and the digest of its spec, SPEC_DIGEST_ANNOTATION
 # (declared by gputopo.model.claimtemplate, which reads the templates back).
@@ -95,10 +102,16 @@ class ClaimShape:
     nvlink: NvlinkPolicy
     min_memory_mib: int | None
     list_attributes: bool
+    blocks: bool = False  # the agents publish clique blocks (--dra-blocks)
 
     @property
     def constrained(self) -> bool:
         return self.gpus >= 2 and self.nvlink is not NvlinkPolicy.IGNORE
+
+    @property
+    def block_first(self) -> bool:
+        """The claim asks for one whole block first: blocks are published and N is a block size."""
+        return self.blocks and self.constrained and self.gpus in BLOCK_SIZES
 
 
 def memory_class(mib: int, classes: tuple[int, ...] = MEMORY_CLASSES_MIB) -> int:
@@ -115,7 +128,11 @@ def memory_class(mib: int, classes: tuple[int, ...] = MEMORY_CLASSES_MIB) -> int
 
 
 def claim_shape(
-    request: PodRequest, *, list_attributes: bool, memory_classes: tuple[int, ...] = MEMORY_CLASSES_MIB
+    request: PodRequest,
+    *,
+    list_attributes: bool,
+    memory_classes: tuple[int, ...] = MEMORY_CLASSES_MIB,
+    blocks: bool = False,
 ) -> ClaimShape:
     """The claim's shape of `request`, its minimum HBM rounded up to one of `memory_classes`; ClaimError
     when its GPU count is 0 or over a claim's limit, or its HBM above every class."""
@@ -134,7 +151,7 @@ def claim_shape(
         memory = memory_class(memory, memory_classes)
     # One GPU is always "connected": every policy gives the same claim, so they share one template.
     nvlink = request.nvlink if n >= 2 else NvlinkPolicy.IGNORE
-    return ClaimShape(n, nvlink, memory, list_attributes)
+    return ClaimShape(n, nvlink, memory, list_attributes, blocks)
 
 
 def memory_quantity(mib: int) -> str:
@@ -165,17 +182,27 @@ def _devices(shape: ClaimShape, name: str) -> dict[str, Any]:
     return out
 
 
+def _block(shape: ClaimShape) -> dict[str, Any]:
+    """The subrequest for one whole block of `shape.gpus`: its HBM is the block's GPUs' sum."""
+    out: dict[str, Any] = {"name": BLOCK_SUBREQUEST, "deviceClassName": block_class(shape.gpus)}
+    out["allocationMode"] = "ExactCount"
+    out["count"] = 1
+    if shape.min_memory_mib is not None:
+        out["selectors"] = [{"cel": {"expression": memory_selector(shape.min_memory_mib * shape.gpus)}}]
+    return out
+
+
 def device_claim(shape: ClaimShape) -> dict[str, Any]:
     """The claim's `spec.devices` (resource.k8s.io/v1 DeviceClaim) for `shape`."""
     if not shape.constrained:
         return {"requests": [{"name": REQUEST, "exactly": _devices(shape, "")}]}
     preferred = shape.nvlink is NvlinkPolicy.PREFERRED
-    if shape.list_attributes and not preferred:
+    if shape.list_attributes and not preferred and not shape.block_first:
         return {
             "requests": [{"name": REQUEST, "exactly": _devices(shape, "")}],
             "constraints": [{"requests": [REQUEST], "matchAttribute": qualified(ATTR_CLIQUES)}],
         }
-    subrequests: list[dict[str, Any]] = []
+    subrequests: list[dict[str, Any]] = [_block(shape)] if shape.block_first else []
     constraints: list[dict[str, Any]] = []
     if shape.list_attributes:
         subrequests.append(_devices(shape, CLIQUE_SUBREQUEST))
@@ -235,20 +262,25 @@ def memory_classes(extra: tuple[int, ...] = ()) -> tuple[int, ...]:
 
 
 def claim_template(
-    request: PodRequest, *, list_attributes: bool, memory_classes: tuple[int, ...] = MEMORY_CLASSES_MIB
+    request: PodRequest,
+    *,
+    list_attributes: bool,
+    memory_classes: tuple[int, ...] = MEMORY_CLASSES_MIB,
+    blocks: bool = False,
 ) -> ClaimTemplate:
     """The template a pod with `request` gets its claim from. `list_attributes`: the cluster's devices
     carry `nvlinkCliques` (the `DRAListTypeAttributes` gate); else the scalar partitions are used.
-    `memory_classes`: what the minimum HBM rounds up to. Raises ClaimError (naming the field) for a
+    `memory_classes`: what the minimum HBM rounds up to. `blocks`: the agents publish clique blocks, so a
+    clique of a block size asks for a whole block first. Raises ClaimError (naming the field) for a
     request no claim can express."""
-    shape = claim_shape(request, list_attributes=list_attributes, memory_classes=memory_classes)
+    shape = claim_shape(request, list_attributes=list_attributes, memory_classes=memory_classes, blocks=blocks)
     devices = device_claim(shape)
     check_spec(devices)
     return ClaimTemplate(template_name(shape), _digest(devices), devices)
 
 
 def template_named(
-    name: str, *, list_attributes: bool, memory_classes: tuple[int, ...] = MEMORY_CLASSES_MIB
+    name: str, *, list_attributes: bool, memory_classes: tuple[int, ...] = MEMORY_CLASSES_MIB, blocks: bool = False
 ) -> ClaimTemplate | None:
     """The template this module makes under `name`, or None when it makes none of that name (another
     encoding, another version's digest, a name someone made up). The candidates are few: the count is in
@@ -259,7 +291,9 @@ def template_named(
     for nvlink in NvlinkPolicy:
         for mib in (None, *memory_classes):
             request = PodRequest(gpus=gpus, nvlink=nvlink, min_gpu_memory_mib=mib)
-            template = claim_template(request, list_attributes=list_attributes, memory_classes=memory_classes)
+            template = claim_template(
+                request, list_attributes=list_attributes, memory_classes=memory_classes, blocks=blocks
+            )
             if template.name == name:
                 return template
     return None
@@ -304,8 +338,8 @@ def check_spec(devices: Mapping[str, Any]) -> None:
 
 
 def _check_devices(d: Mapping[str, Any], where: str) -> None:
-    if d["deviceClassName"] != DEVICE_CLASS:
-        raise ClaimError(f"{where}: device class {d['deviceClassName']!r} is not {DEVICE_CLASS}")
+    if d["deviceClassName"] not in DEVICE_CLASSES:
+        raise ClaimError(f"{where}: device class {d['deviceClassName']!r} is not one of {DRIVER}'s")
     if not 1 <= d["count"] <= MAX_DEVICES_PER_CLAIM:
         raise ClaimError(f"{where}: count {d['count']}: resource/v1 allocates 1..{MAX_DEVICES_PER_CLAIM}")
     selectors = d.get("selectors", [])

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from gputopo.engine.network.cost import REFERENCE_BUSBW_GBPS, Estimate, SetBandwidth, intra_node_bandwidth, tp_estimate
 from gputopo.engine.network.domains import DomainFree, narrow_first
+from gputopo.engine.node.blocks import MAX_BLOCK_GPUS, first_fit_block, published_blocks
 from gputopo.engine.node.gpusets import (
     GpuChoice,
     Kind,
@@ -21,6 +22,7 @@ from gputopo.engine.state.reasons import Code, Reason, code_for, message
 from gputopo.engine.state.scoring import DEFAULT_WEIGHTS, ScoreWeights
 from gputopo.engine.state.snapshot import NodeState
 from gputopo.model import NetworkKind, NvlinkPolicy, PodRequest, format_mib
+from gputopo.model.dra import block_name
 from gputopo.tiers import DEFAULT_TIERS, TierConfig
 
 # A pod that names no HBM minimum is steered gently off GPUs with more than this, keeping large-HBM
@@ -55,6 +57,7 @@ class Outcome:
     free_clique: int = 0  # largest free clique on the node before this pod
     estimate: Estimate | None = None  # the pod's all-reduce over these GPUs (gputopo.io/message-size)
     search: Search | None = None
+    block: str = ""  # the block device the allocator hands a pod asking one whole block (req.block)
 
     @property
     def fits(self) -> bool:
@@ -126,6 +129,12 @@ def evaluate_node(node: NodeState, req: PodRequest, weights: ScoreWeights = DEFA
         preferred = free & ~node.impaired_mask
         search = Search("any", preferred if preferred else free, free, near)
         choice = choose_any(shape, search.candidates, 1, near)
+    elif req.block:
+        search = Search("clique", free, free, near)
+        picked = _block(node, req, eligible, free)
+        if isinstance(picked, Outcome):
+            return picked
+        choice = choice_of(shape, free, picked)
     elif req.nvlink is NvlinkPolicy.REQUIRED:
         search = Search("clique", free, free, near)
         choice = choose_clique(shape, free, k, near)
@@ -148,6 +157,29 @@ def evaluate_node(node: NodeState, req: PodRequest, weights: ScoreWeights = DEFA
         choice = choose_any(shape, free, k, near)
     assert choice is not None  # free has at least k GPUs, so some k-set exists
     return _success(node, req, choice, free, near, weights, search)
+
+
+def _block(node: NodeState, req: PodRequest, eligible: int, free: int) -> int | Outcome:
+    """The block the allocator hands a pod asking one whole block of `req.gpus` (gputopo.engine.node.blocks),
+    or why the node fails: it publishes no block of that size, none is free, or the first free one holds a
+    GPU the pod may not have (`free` holds those it may)."""
+    assert node.shape is not None
+    k, usable = req.gpus, node.all_mask & ~node.failed_mask
+    if not published_blocks(node.shape, usable, k):
+        why = f"node has {node.shape.n} GPUs, over {MAX_BLOCK_GPUS}" if node.shape.n > MAX_BLOCK_GPUS else "none"
+        return _fail(Reason.NO_NVLINK_DOMAIN, f"node publishes no {k}-GPU block ({why})", k=k)
+    pick = first_fit_block(node.shape, usable, usable & ~node.in_use_mask, k)
+    if pick is None:
+        in_use = _gpu_list(node.in_use_mask) or "none"
+        return _fail(Reason.NO_FREE_CLIQUE, f"every {k}-GPU block holds a GPU in use (in use: {in_use})", k=k)
+    if pick & ~free:
+        name = block_name(bits(pick))
+        if pick & ~eligible:
+            need = format_mib(req.min_gpu_memory_mib or 0)
+            detail = f"the allocator's first free {k}-GPU block, {name}, has GPUs under {need} HBM"
+            return _fail(Reason.INSUFFICIENT_GPU_MEMORY, detail, k=k, memory=need)
+        return _fail(Reason.NVLINK_DEGRADED, f"the allocator's first free {k}-GPU block, {name}, has degraded links")
+    return pick
 
 
 def _ineligible(node: NodeState, req: PodRequest) -> Outcome:
@@ -261,6 +293,7 @@ def _success(
         free_clique=free_clique,
         estimate=tp_estimate(req.message_bytes, bw, k),
         search=search,
+        block=block_name(choice.gpus) if req.block and choice.clique else "",
     )
 
 

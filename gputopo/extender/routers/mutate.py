@@ -112,7 +112,11 @@ async def mutate(request: Request, extender: ExtenderDep, metrics: MetricsDep) -
         metrics.decision("mutate", "unauthenticated" if refused[0] == 401 else "forbidden")
         return Response(to_json({"Error": refused[1]}), refused[0], media_type="application/json")
     dra = (
-        mutation.DraMode(list_attributes=settings.dra_list_attributes, memory_classes=settings.memory_classes)
+        mutation.DraMode(
+            list_attributes=settings.dra_list_attributes,
+            memory_classes=settings.memory_classes,
+            blocks=settings.dra_blocks,
+        )
         if settings.dra
         else None
     )

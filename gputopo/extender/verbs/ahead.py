@@ -206,10 +206,10 @@ class Ahead:
 
     def _same_request(self, ev: Evaluation, info: PodInfo, names: list[str]) -> bool:
         assert ev.passed is not None
-        if not is_gputopo_pod(info.annotations):
+        if not (is_gputopo_pod(info.annotations) or info.block):
             return False
         try:
-            req = parse_pod_request(info.annotations, info.gpus, self._ledger.tier_names)
+            req = parse_pod_request(info.annotations, info.gpus, self._ledger.tier_names, block=info.block)
         except AnnotationError:
             return False
         uid, want, _ = ev.key

@@ -363,11 +363,11 @@ class Extender:
         back unchanged: their placement is not decided node by node."""
         candidates = args.meta_victims()
         info = pod_info(args.pod)
-        if not is_gputopo_pod(info.annotations):
+        if not (is_gputopo_pod(info.annotations) or info.block):
             return candidates
         ledger = self.ledger
         try:
-            req = parse_pod_request(info.annotations, info.gpus, ledger.tier_names)
+            req = parse_pod_request(info.annotations, info.gpus, ledger.tier_names, block=info.block)
         except AnnotationError:
             return {}
         if req.is_group:

@@ -155,15 +155,19 @@ def resolve_pod(
         except AnnotationError as e:
             group = ann.get(ANN_GROUP, "").strip() or group_identity(info.labels, info.pod_group)
             return Resolved(True, None, None, str(e), group=group)
-    if not annotated and inferred is None and not (info.scheduler_name == scheduler and (cd or wait)):
+    # A block resource (gputopo.model.blockrequest) opts a pod under `scheduler` in, as an IMEX channel does.
+    blocks = info.block or info.block_problem
+    if not annotated and inferred is None and not (info.scheduler_name == scheduler and (cd or wait or blocks)):
         return Resolved(False, None)
+    if info.block_problem:
+        return Resolved(True, None, inferred, info.block_problem, group=ann.get(ANN_GROUP, "").strip() or None)
     if wait:
         return Resolved(True, None, inferred, wait, waiting=True, group=ann.get(ANN_GROUP, "").strip() or None)
     if inferred is not None and inferred.size is None and ANN_GROUP_SIZE not in ann:
         why = f"group {inferred.group}: waiting: {inferred.waiting}"
         return Resolved(True, None, inferred, why, waiting=True, group=ann.get(ANN_GROUP, "").strip() or inferred.group)
     try:
-        request = parse_pod_request(ann, info.gpus, tiers, inferred)
+        request = parse_pod_request(ann, info.gpus, tiers, inferred, info.block)
     except AnnotationError as e:
         group = ann.get(ANN_GROUP, "").strip() or (inferred.group if inferred else None)
         return Resolved(True, None, inferred, str(e), group=group)
@@ -201,7 +205,7 @@ def record_of(
             return None
         # Only gputopo's own placement: a pod bound by gputopo holds GPUs whatever else it says.
         try:
-            resolved = Resolved(False, parse_pod_request(ann, info.gpus, tiers))
+            resolved = Resolved(False, parse_pod_request(ann, info.gpus, tiers, block=info.block))
         except AnnotationError as e:
             resolved = Resolved(False, None, problem=str(e))
     placement = None

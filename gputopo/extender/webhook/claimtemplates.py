@@ -36,7 +36,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gputopo.engine.dra.claims import MEMORY_CLASSES_MIB, ClaimTemplate, template_named
+from gputopo.engine.dra.claims import ClaimTemplate, template_named
+from gputopo.extender.webhook.mutation import DraMode
 
 # The webhook's read-only check lives in its own module; its names stay importable from here.
 from gputopo.extender.webhook.templatecheck import (
@@ -121,16 +122,17 @@ class TemplateKeeper:
         self,
         api: TemplateApi,
         *,
-        list_attributes: bool,
-        memory_classes: tuple[int, ...] = MEMORY_CLASSES_MIB,
+        claims: DraMode,
         scheduler_name: str = SCHEDULER_NAME,
         ready: Callable[[], bool] = lambda: True,
         clock: Callable[[], float] = time.monotonic,
         limits: KeeperLimits = KEEPER_LIMITS,
     ) -> None:
         self.api = api
-        self.list_attributes = list_attributes
-        self.memory_classes = memory_classes
+        # The claims' encoding, memory classes and blocks: what the webhook builds with (gputopo.engine.dra.claims).
+        self.list_attributes = claims.list_attributes
+        self.memory_classes = claims.memory_classes
+        self.blocks = claims.blocks
         self.scheduler_name = scheduler_name
         self.ready = ready
         self.clock = clock
@@ -219,7 +221,7 @@ class TemplateKeeper:
             if len(self._builds) >= DEFAULT_MAX_ENTRIES:
                 self._builds.clear()
             self._builds[name] = template_named(
-                name, list_attributes=self.list_attributes, memory_classes=self.memory_classes
+                name, list_attributes=self.list_attributes, memory_classes=self.memory_classes, blocks=self.blocks
             )
         return self._builds[name]
 

@@ -181,10 +181,12 @@ def scheduler_name_patch(scheduler_name: str = SCHEDULER_NAME) -> list[dict[str,
 @dataclass(frozen=True)
 class DraMode:
     """The webhook's DRA settings: `list_attributes` when the devices carry `nvlinkCliques`;
-    `memory_classes` what a minimum HBM rounds up to (gputopo.engine.dra.claims)."""
+    `memory_classes` what a minimum HBM rounds up to (gputopo.engine.dra.claims); `blocks` when the agents
+    publish clique blocks, so a clique of a block size asks for a whole block first."""
 
     list_attributes: bool = False
     memory_classes: tuple[int, ...] = MEMORY_CLASSES_MIB
+    blocks: bool = False
 
 
 @dataclass(frozen=True)
@@ -363,7 +365,9 @@ def _claim(pod: Mapping[str, Any], dra: DraMode) -> ClaimTemplate | None:
             wanted[key] = value
     # Only what a claim carries is read here: the extender reads (and reports) the rest of the request.
     request = parse_pod_request(wanted, gpus)
-    return claim_template(request, list_attributes=dra.list_attributes, memory_classes=dra.memory_classes)
+    return claim_template(
+        request, list_attributes=dra.list_attributes, memory_classes=dra.memory_classes, blocks=dra.blocks
+    )
 
 
 def claim_patch(pod: Mapping[str, Any], template_name: str) -> list[dict[str, Any]]:

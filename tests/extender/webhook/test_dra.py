@@ -501,7 +501,7 @@ def test_a_configured_memory_class_keeps_a_gpu_the_named_systems_lack() -> None:
     adm = admit_pod(_review(pod), dra=dra)
     assert adm.template is not None and "-40gi-" in adm.template.name
     api = FakeTemplateApi()
-    keeper = TemplateKeeper(api, list_attributes=False, memory_classes=settings.memory_classes)
+    keeper = TemplateKeeper(api, claims=DraMode(memory_classes=settings.memory_classes))
     keeper.pod_changed(_live("a", adm.template.name))
     assert keeper.ensure_pending() == 1  # the keeper builds what the webhook named
 
@@ -550,9 +550,7 @@ class Clock:
 def _keeper(
     api: FakeTemplateApi, clock: Clock | None = None, ready: Callable[[], bool] = lambda: True, **limits: Any
 ) -> TemplateKeeper:
-    return TemplateKeeper(
-        api, list_attributes=False, clock=clock or Clock(), ready=ready, limits=KeeperLimits(**limits)
-    )
+    return TemplateKeeper(api, claims=DRA, clock=clock or Clock(), ready=ready, limits=KeeperLimits(**limits))
 
 
 def test_a_real_pod_gets_its_template_once() -> None:

@@ -1,0 +1,99 @@
+"""Hostile block resources on a pod (`gputopo.io/gpu-clique<N>`, gputopo/model/blockrequest.py): counts that
+are no whole quantity (-1, "٤", "1.5", NaN), counts of 0, 1k and 10^9, names under the prefix with a size
+no class serves (3, 04, 2^64, a 10,000-character suffix), thousands of such names. Bounds: a bad count is
+refused naming the field, as nvidia.com/gpu is; every other case is one reason naming the resource on
+every node, never a placement, and the names read per pod stop at MAX_RESOURCE_NAMES."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gputopo.extender.wire import WireError, pod_info
+from gputopo.model.blockrequest import MAX_RESOURCE_NAMES, read_block_ask
+from tests.extender.harness import JSON, Env, node_obj, pod_obj
+
+NODES = ["a", "b"]
+
+
+def block_pod(resources: dict[str, Any], key: str = "limits", init: bool = False) -> JSON:
+    pod = pod_obj("hostile", 0, {})
+    c = pod["spec"]["containers"][0]
+    c["resources"] = {key: resources}
+    if init:
+        pod["spec"]["initContainers"] = [{"name": "init", "resources": {key: resources}}]
+        c["resources"] = {}
+    return pod
+
+
+@pytest.mark.parametrize(
+    "count",
+    [
+        pytest.param("-1", id="negative"),
+        pytest.param("٤", id="Arabic-Indic four"),
+        pytest.param("１", id="full-width one"),
+        pytest.param("1.5", id="fraction"),
+        pytest.param(float("nan"), id="NaN"),
+        pytest.param([1], id="a list"),
+        pytest.param(True, id="a bool"),
+        pytest.param("9" * 400, id="400 digits"),
+    ],
+)
+def test_a_count_that_is_no_whole_quantity_is_refused_naming_the_field(count: Any) -> None:
+    with pytest.raises(WireError, match=r"Pod\.spec\.containers\[0\]\.resources\.limits\.gputopo\.io/gpu-clique4"):
+        pod_info(block_pod({"gputopo.io/gpu-clique4": count}))
+
+
+@pytest.mark.parametrize(
+    ("resources", "says"),
+    [
+        pytest.param({"gputopo.io/gpu-clique4": "1k"}, "gputopo.io/gpu-clique4: 1000: a pod asks for one", id="1k"),
+        pytest.param({"gputopo.io/gpu-clique4": str(10**9)}, f"gputopo.io/gpu-clique4: {10**9}:", id="10^9"),
+        pytest.param({"gputopo.io/gpu-clique16": 2**62}, "gputopo.io/gpu-clique16: 4611686018427387904", id="2^62"),
+        pytest.param({"gputopo.io/gpu-clique3": "1"}, "'gputopo.io/gpu-clique3': no such block resource", id="3"),
+        pytest.param({"gputopo.io/gpu-clique04": "1"}, "'gputopo.io/gpu-clique04': no such block", id="04"),
+        pytest.param({"gputopo.io/gpu-clique" + "4" * 10_000: "1"}, "no such block resource", id="10,000 digits"),
+        pytest.param({"gputopo.io/gpu-clique18446744073709551616": "1"}, "no such block", id="2^64"),
+        pytest.param({"gputopo.io/gpu-clique": "1"}, "'gputopo.io/gpu-clique': no such block", id="no size"),
+        pytest.param({"gputopo.io/gpu-clique٤": "1"}, "no such block resource", id="Arabic-Indic size"),
+    ],
+)
+def test_what_no_block_serves_fails_every_node_with_one_reason_naming_it(
+    env: Env, resources: dict[str, Any], says: str
+) -> None:
+    env.add_nodes(node_obj("a", "dgx-h100"), node_obj("b", "dgx-1v"))
+    out = env.filter(block_pod(resources), NODES)
+    assert out["NodeNames"] == []
+    reasons = set(out["FailedNodes"].values()) | set(out["FailedAndUnresolvableNodes"].values())
+    assert len(reasons) == 1
+    [reason] = reasons
+    assert says in reason
+    assert len(reason) < 300  # a 10,000-character name is quoted short
+
+
+@pytest.mark.parametrize(
+    "pod",
+    [
+        pytest.param(block_pod({"gputopo.io/gpu-clique4": "0"}), id="limit 0"),
+        pytest.param(block_pod({"gputopo.io/gpu-clique4": 0}, "requests"), id="request 0 as a number"),
+        pytest.param(block_pod({"gputopo.io/gpu-clique4": "0", "gputopo.io/gpu-clique2": "0"}), id="two zeros"),
+    ],
+)
+def test_a_count_of_zero_asks_for_nothing(pod: JSON) -> None:
+    info = pod_info(pod)
+    assert (info.gpus, info.block, info.block_problem) == (0, 0, "")
+
+
+def test_an_init_container_block_counts_as_kubernetes_counts_it() -> None:
+    info = pod_info(block_pod({"gputopo.io/gpu-clique8": "1"}, init=True))
+    assert (info.gpus, info.block) == (8, 8)
+
+
+def test_thousands_of_names_under_the_prefix_stop_at_the_bound() -> None:
+    resources = {f"gputopo.io/gpu-clique{i}x": "1" for i in range(5_000)}
+    spec = {"containers": [{"name": "c", "resources": {"limits": resources}}]}
+    ask = read_block_ask(spec)
+    assert ask.size == 0
+    assert "no such block resource" in ask.problem
+    assert MAX_RESOURCE_NAMES < 5_000
