@@ -50,14 +50,11 @@ from gputopo.engine.dra.devices import (
     block_id,
     encoding,
 )
-from gputopo.engine.node.gpusets import rank_key
+from gputopo.engine.node.blocks import MAX_BLOCK_GPUS, MAX_BLOCKS, aligned_blocks, fit_key
 from gputopo.engine.state.cliques import bits, mask_of, popcount
 from gputopo.engine.state.snapshot import Shape, shape_of
-from gputopo.model.dra import BLOCK_SIZES, block_name
+from gputopo.model.dra import block_name
 from gputopo.model.topology import Health, NodeTopology
-
-MAX_BLOCK_GPUS = 32  # counters per counter set (resource.k8s.io/v1): one set covers at most 32 GPUs
-MAX_BLOCKS = 96  # with up to 32 singles: two slices of 64 devices, the per-slice limit with counters
 
 
 @dataclass(frozen=True)
@@ -70,25 +67,12 @@ class Blocks:
     none_because: str = ""
 
 
-def _key(mask: int) -> tuple[int, list[int]]:
-    return (-popcount(mask), bits(mask))
-
-
 @lru_cache(maxsize=64)
 def clique_blocks(n: int, cliques: tuple[int, ...], max_blocks: int = MAX_BLOCKS) -> Blocks:
     """The blocks of a node of `n` GPUs whose maximal cliques are `cliques` (masks); see the module."""
     if n > MAX_BLOCK_GPUS:
         return Blocks((), (), f"{n} GPUs: one counter set holds {MAX_BLOCK_GPUS}")
-    found: set[int] = set()
-    for clique in cliques:
-        gpus = bits(clique)
-        for size in BLOCK_SIZES:
-            if size > len(gpus):
-                break
-            for start in range(0, len(gpus) - size + 1, size):
-                found.add(sum(1 << g for g in gpus[start : start + size]))
-    ordered = sorted(found, key=_key)
-    return Blocks(tuple(ordered[:max_blocks]), tuple(ordered[max_blocks:]))
+    return Blocks(*aligned_blocks(cliques, max_blocks))
 
 
 @lru_cache(maxsize=4096)
@@ -109,14 +93,6 @@ def block_order(shape: Shape, masks: tuple[int, ...], usable: int, in_use: int, 
         out += ranked
         out += sorted((m for m in same if m & free != m), key=lambda m: bits(m))
     return tuple(out)
-
-
-def fit_key(shape: Shape, free: int, block: int) -> tuple[int, ...]:
-    """What best fit maximises for taking `block` out of the `free` GPUs: the engine's rank of a clique
-    set (`rank_key`) with its fragmentation terms first (the largest clique left free, the NVLink pairs
-    left), then link strength and the rest, as `gputopo.engine.dra.order` orders single GPUs."""
-    r = rank_key("clique", shape, free, block, 0)
-    return (r[1], r[2], r[0], *r[3:])
 
 
 def first_free(order: Sequence[int], size: int, taken: int) -> int | None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from gputopo.engine.dra.order import best_fit_order
-from gputopo.engine.state.cliques import bits, mask_of, popcount
+from gputopo.engine.state.cliques import bits, capped_cliques, mask_of, popcount
 from gputopo.engine.state.snapshot import shape_of
 from gputopo.model.base import LabelError
 from gputopo.model.dra import DEVICE_CLASS as DEVICE_CLASS
@@ -80,52 +80,6 @@ def qualified(name: str) -> str:
 
 def partition_attribute(p: int) -> str:
     return f"{ATTR_PARTITION}{p}"
-
-
-class _Capped(Exception):
-    pass
-
-
-def maximal_cliques(adj: Sequence[int], usable: int) -> list[int]:
-    """Every maximal fully connected set inside `usable` (masks), largest first, then lowest mask.
-    Unbounded: for a node's own topology use `capped_cliques`."""
-    out, _ = capped_cliques(adj, usable, max_cliques=None, max_steps=None)
-    return out
-
-
-def capped_cliques(
-    adj: Sequence[int], usable: int, max_cliques: int | None = MAX_CLIQUES, max_steps: int | None = MAX_CLIQUE_STEPS
-) -> tuple[list[int], bool]:
-    """Maximal cliques inside `usable`, largest first, then lowest mask, and whether a cap stopped the
-    enumeration (then the list holds the first `max_cliques` found, not all). Bron-Kerbosch with pivoting."""
-    out: list[int] = []
-    steps = 0
-
-    def expand(r: int, p: int, x: int) -> None:
-        nonlocal steps
-        steps += 1
-        if max_steps is not None and steps > max_steps:
-            raise _Capped
-        if not p and not x:
-            if max_cliques is not None and len(out) >= max_cliques:
-                raise _Capped
-            out.append(r)
-            return
-        pivot = max(bits(p | x), key=lambda u: popcount(p & adj[u]))
-        for v in bits(p & ~adj[pivot]):
-            bit = 1 << v
-            expand(r | bit, p & adj[v], x & adj[v])
-            p &= ~bit
-            x |= bit
-
-    capped = False
-    if usable:
-        try:
-            expand(0, usable, 0)
-        except _Capped:
-            capped = True
-    out.sort(key=lambda m: (-popcount(m), m))
-    return out, capped
 
 
 def greedy_cover(adj: Sequence[int], usable: int) -> list[int]:

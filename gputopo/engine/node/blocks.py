@@ -14,53 +14,45 @@ first fit is what the pod gets, so a node whose first free block the pod may not
 too little HBM) fails rather than passing on another block the allocator would not give: the filter,
 the bind's sentence and the claim name one block.
 
-The maximal cliques are enumerated as the agent's encoding does (Bron-Kerbosch with pivoting); past
-`MAX_CLIQUE_STEPS` steps, on wiring no real node has, no block is found rather than a wrong one.
+This module is the one place of that rule (`aligned_blocks`, `fit_key`): the agent's slice
+(gputopo.engine.dra.blocks) and the extender's choice read it here. The maximal cliques are enumerated
+as the agent's encoding does; past `MAX_CLIQUE_STEPS` steps, on wiring no real node has, the extender
+finds no block rather than a wrong one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import lru_cache
 
 from gputopo.engine.node.gpusets import rank_key
-from gputopo.engine.state.cliques import bits, popcount
+from gputopo.engine.state.cliques import bits, capped_cliques, popcount
 from gputopo.engine.state.snapshot import Shape
 from gputopo.model.dra import BLOCK_SIZES
 
-MAX_BLOCK_GPUS = 32  # counters per counter set (resource.k8s.io/v1)
+MAX_BLOCK_GPUS = 32  # counters per counter set (resource.k8s.io/v1): one set covers at most 32 GPUs
+MAX_BLOCKS = 96  # with up to 32 singles: two slices of 64 devices, the per-slice limit with counters
 MAX_CLIQUE_STEPS = 1 << 16
 
 
-class _Capped(Exception):
-    pass
+def _key(mask: int) -> tuple[int, list[int]]:
+    return (-popcount(mask), bits(mask))
 
 
-def maximal_cliques(adj: tuple[int, ...], usable: int) -> tuple[int, ...]:
-    """The maximal cliques inside `usable` (masks, largest first, then lowest); () past the step cap."""
-    out: list[int] = []
-    steps = 0
-
-    def expand(r: int, p: int, x: int) -> None:
-        nonlocal steps
-        steps += 1
-        if steps > MAX_CLIQUE_STEPS:
-            raise _Capped
-        if not p and not x:
-            out.append(r)
-            return
-        pivot = max(bits(p | x), key=lambda u: popcount(p & adj[u]))
-        for v in bits(p & ~adj[pivot]):
-            bit = 1 << v
-            expand(r | bit, p & adj[v], x & adj[v])
-            p &= ~bit
-            x |= bit
-
-    if usable:
-        try:
-            expand(0, usable, 0)
-        except _Capped:
-            return ()
-    return tuple(sorted(out, key=lambda m: (-popcount(m), m)))
+def aligned_blocks(cliques: Iterable[int], max_blocks: int = MAX_BLOCKS) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The blocks of a node whose maximal cliques are `cliques` (masks): each clique's aligned
+    sub-blocks of every size in `BLOCK_SIZES`, each once, largest first, then lowest GPUs; and those
+    left out past `max_blocks` (the smallest: a large block has no stand-in, a pair has the singles)."""
+    found: set[int] = set()
+    for clique in cliques:
+        gpus = bits(clique)
+        for size in BLOCK_SIZES:
+            if size > len(gpus):
+                break
+            for start in range(0, len(gpus) - size + 1, size):
+                found.add(sum(1 << g for g in gpus[start : start + size]))
+    ordered = sorted(found, key=_key)
+    return tuple(ordered[:max_blocks]), tuple(ordered[max_blocks:])
 
 
 @lru_cache(maxsize=4096)
@@ -68,14 +60,11 @@ def published_blocks(shape: Shape, usable: int, size: int) -> tuple[int, ...]:
     """The blocks of `size` GPUs a node of `shape` publishes when `usable` are its healthy GPUs."""
     if shape.n > MAX_BLOCK_GPUS or size not in BLOCK_SIZES:
         return ()
-    found: set[int] = set()
-    for clique in maximal_cliques(shape.adj, usable):
-        gpus = bits(clique)
-        if popcount(clique) < 2:
-            continue
-        for start in range(0, len(gpus) - size + 1, size):
-            found.add(sum(1 << g for g in gpus[start : start + size]))
-    return tuple(sorted(found, key=bits))
+    cliques, capped = capped_cliques(shape.adj, usable, max_cliques=None, max_steps=MAX_CLIQUE_STEPS)
+    if capped:
+        return ()
+    kept, _ = aligned_blocks(cliques)
+    return tuple(sorted((m for m in kept if popcount(m) == size), key=bits))
 
 
 @lru_cache(maxsize=65536)
@@ -91,6 +80,6 @@ def first_fit_block(shape: Shape, usable: int, free: int, size: int) -> int | No
 def fit_key(shape: Shape, free: int, block: int) -> tuple[int, ...]:
     """Best fit's rank of taking `block` out of the `free` GPUs, as the agent orders blocks: the engine's
     rank of a clique set (`rank_key`) with its fragmentation terms first (the largest clique left free,
-    the NVLink pairs left), then link strength and the rest."""
+    the NVLink pairs left), then link strength and the rest, as gputopo.engine.dra.order ranks single GPUs."""
     r = rank_key("clique", shape, free, block, 0)
     return (r[1], r[2], r[0], *r[3:])

@@ -7,7 +7,7 @@ usable mask, size); the largest clique is a branch and bound, quick on the regul
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from itertools import combinations
 
 
@@ -101,3 +101,49 @@ def all_subsets(candidates: int, k: int) -> Iterator[int]:
     """Every k-subset of `candidates` (for `nvlink: preferred|ignore`, where sets need not be cliques)."""
     for combo in combinations(bits(candidates), k):
         yield mask_of(combo)
+
+
+class _Capped(Exception):
+    pass
+
+
+def maximal_cliques(adj: Sequence[int], usable: int) -> list[int]:
+    """Every maximal fully connected set inside `usable` (masks), largest first, then lowest mask.
+    Unbounded: for a node's own topology use `capped_cliques` (exponential in the worst case)."""
+    out, _ = capped_cliques(adj, usable, max_cliques=None, max_steps=None)
+    return out
+
+
+def capped_cliques(
+    adj: Sequence[int], usable: int, max_cliques: int | None, max_steps: int | None
+) -> tuple[list[int], bool]:
+    """Maximal cliques inside `usable`, largest first, then lowest mask, and whether a cap stopped the
+    enumeration (then the list holds the first `max_cliques` found, not all). Bron-Kerbosch with pivoting."""
+    out: list[int] = []
+    steps = 0
+
+    def expand(r: int, p: int, x: int) -> None:
+        nonlocal steps
+        steps += 1
+        if max_steps is not None and steps > max_steps:
+            raise _Capped
+        if not p and not x:
+            if max_cliques is not None and len(out) >= max_cliques:
+                raise _Capped
+            out.append(r)
+            return
+        pivot = max(bits(p | x), key=lambda u: popcount(p & adj[u]))
+        for v in bits(p & ~adj[pivot]):
+            bit = 1 << v
+            expand(r | bit, p & adj[v], x & adj[v])
+            p &= ~bit
+            x |= bit
+
+    capped = False
+    if usable:
+        try:
+            expand(0, usable, 0)
+        except _Capped:
+            capped = True
+    out.sort(key=lambda m: (-popcount(m), m))
+    return out, capped

@@ -13,16 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputopo.engine.dra.blocks import (
-    MAX_BLOCKS,
-    block_devices,
-    block_order,
-    clique_blocks,
-    first_free,
-    fit_key,
-    node_blocks,
-)
+from gputopo.engine.dra.blocks import block_devices, block_order, clique_blocks, first_free, node_blocks
 from gputopo.engine.dra.devices import block_id
+from gputopo.engine.node.blocks import MAX_BLOCKS, fit_key
 from gputopo.engine.node.gpusets import choose_clique, rank_key
 from gputopo.engine.state.cliques import bits, mask_of, popcount
 from gputopo.engine.state.snapshot import shape_of

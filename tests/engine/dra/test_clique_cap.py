@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gputopo.engine.dra import devices as dra
-from gputopo.engine.state.cliques import bits, popcount
+from gputopo.engine.state.cliques import bits, capped_cliques, maximal_cliques, popcount
 from gputopo.model import NodeTopology
 from gputopo.systems import build_system
 
@@ -110,13 +110,13 @@ def test_a_capped_encoding_publishes_only_cliques_and_covers_every_gpu(
     if enc.capped:
         assert len(enc.cliques) <= max(cap, len(dra.greedy_cover(adj, usable)))
     else:
-        assert enc.cliques == tuple(dra.maximal_cliques(adj, usable))
+        assert enc.cliques == tuple(maximal_cliques(adj, usable))
 
 
 @pytest.mark.usefixtures("fresh_memo")
 def test_an_unchanged_topology_is_not_enumerated_again(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    real = dra.capped_cliques
+    real = capped_cliques
 
     def counting(*args: Any, **kwargs: Any) -> tuple[list[int], bool]:
         calls.append(args)

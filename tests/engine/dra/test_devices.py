@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gputopo.engine.dra import devices as dra
-from gputopo.engine.state.cliques import bits, mask_of, popcount
+from gputopo.engine.state.cliques import bits, mask_of, maximal_cliques, popcount
 from gputopo.model.dra import (
     DRIVER,
     ClaimInfo,
@@ -52,7 +52,7 @@ def graphs(draw: st.DrawFn) -> tuple[int, tuple[int, ...]]:
 @settings(max_examples=300, deadline=None)
 def test_maximal_cliques_are_exactly_the_brute_force_ones(g: tuple[int, tuple[int, ...]]) -> None:
     n, adj = g
-    found = dra.maximal_cliques(adj, (1 << n) - 1)
+    found = maximal_cliques(adj, (1 << n) - 1)
     assert len(found) == len(set(found))
     assert set(found) == _brute_maximal(adj, n)
 
@@ -61,7 +61,7 @@ def test_maximal_cliques_are_exactly_the_brute_force_ones(g: tuple[int, tuple[in
 @settings(max_examples=300, deadline=None)
 def test_partitions_are_disjoint_cliques_that_cover_every_maximal_clique(g: tuple[int, tuple[int, ...]]) -> None:
     n, adj = g
-    cliques = dra.maximal_cliques(adj, (1 << n) - 1)
+    cliques = maximal_cliques(adj, (1 << n) - 1)
     parts, left = dra.partition_cover(n, cliques, limit=64)
     assert not left
     for part in parts:

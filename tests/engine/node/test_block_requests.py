@@ -9,9 +9,9 @@ import json
 import pytest
 
 from gputopo.engine.cluster.explain import describe_gpus
-from gputopo.engine.node.blocks import first_fit_block, maximal_cliques, published_blocks
+from gputopo.engine.node.blocks import first_fit_block, published_blocks
 from gputopo.engine.node.placement import evaluate_node
-from gputopo.engine.state.cliques import bits, mask_of
+from gputopo.engine.state.cliques import bits, mask_of, maximal_cliques
 from gputopo.engine.state.reasons import Code, Reason
 from gputopo.engine.state.snapshot import NodeState, Shape, node_state
 from gputopo.model import parse_pod_request, parse_topology
@@ -65,7 +65,7 @@ def test_published_blocks_are_aligned_sub_blocks_of_maximal_cliques(
 def test_dgx1v_maximal_cliques_include_its_quads() -> None:
     n = node("dgx-1v")
     assert n.shape is not None
-    cliques = sets(maximal_cliques(n.shape.adj, n.all_mask))
+    cliques = sets(tuple(maximal_cliques(n.shape.adj, n.all_mask)))
     assert [0, 1, 2, 3] in cliques and [4, 5, 6, 7] in cliques
 
 
