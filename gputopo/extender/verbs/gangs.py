@@ -350,7 +350,7 @@ class GroupDesk:
             if isinstance(out, GroupFailure) and left_out:
                 return GroupFailure(out.group, f"{out.message}; {left_out}")
             if isinstance(out, GroupFailure) and asker is not None:
-                self.failures.keep(key, _Failed(out, asker, written, self._names(names), selected, generation, labels))
+                self.failures.keep(key, _Failed(out, asker, written, self.spelled(names), selected, generation, labels))
             if not isinstance(out, Replan):
                 return out
             res = Reservation(key, now, dict(out.slots), out.plan)
@@ -366,7 +366,7 @@ class GroupDesk:
                 return res
         return GroupFailure(group, f"group {group}: the planned GPUs kept changing while planning; retrying")
 
-    def _names(self, names: Sequence[str]) -> list[str]:
+    def spelled(self, names: Sequence[str]) -> list[str]:
         """`names` as the node cache spells them (its strings, shared), for keeping."""
         nodes = self.ledger.nodes
         return [e.name if (e := nodes.get(n)) is not None else n for n in names]
