@@ -2,8 +2,8 @@
 (gputopo.extender.verbs.repeats). Only kube-scheduler calls filter (the verbs listener is loopback-only),
 but a caller that names ever new nodes, forges the body's layout around the names, or draws ever new
 sentences must neither grow them nor get an answer meant for another body. Bounds: entries <= 4 each,
-each kept tail <= SEGMENT_MAX_BYTES and map <= REASON_MAP_MAX_BYTES; every answer is the one the body
-decoded whole gets."""
+each kept tail <= SEGMENT_MAX_BYTES, each map <= REASON_MAP_MAX_BYTES and all maps <= REASON_MAPS_BYTES;
+every answer is the one the body decoded whole gets."""
 
 from __future__ import annotations
 
@@ -101,6 +101,15 @@ def test_a_map_past_the_byte_bound_is_made_and_not_kept(monkeypatch: pytest.Monk
     got = maps.map(NAMES, "x" * 100)
     assert got.encoded == orjson.dumps(dict.fromkeys(NAMES, "x" * 100))
     assert len(maps) == 0
+
+
+def test_maps_kept_together_stay_within_their_byte_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(repeats, "REASON_MAPS_BYTES", 5000)
+    maps = ReasonMaps()
+    for i in range(20):  # each about 1.8 KB: two fit, three do not
+        maps.map(NAMES, f"s{i}")
+        assert maps.kept_bytes() <= 5000 and len(maps) >= 1
+    assert len(maps) == 2
 
 
 def test_an_honest_gang_is_told_its_own_failure_after_a_flood_of_node_lists(env: Env) -> None:

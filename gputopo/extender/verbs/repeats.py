@@ -16,8 +16,9 @@ full on every call, so nothing kept can go stale; they only spare the work of co
 - `ReasonMaps`: `{name: message}` for every node as one `SameReason` (a read-only mapping) with its JSON
   encoded once, for the same message and names (compared element by element).
 
-Both are bounded in entries and bytes: only kube-scheduler calls filter, but a caller naming ever new
-nodes or sentences only replaces the oldest entry.
+Both are bounded in entries and bytes (4 tails of at most 4 MiB; 4 maps of at most 16 MiB, 32 MiB in
+all): only kube-scheduler calls filter, but a caller naming ever new nodes or sentences only replaces the
+oldest entry.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ class SameReason(Mapping[str, str]):
 
 REASON_MAPS_KEPT = 4
 REASON_MAP_MAX_BYTES = 16 * 1024 * 1024  # one map's JSON; 65,000 nodes and a 200-character sentence: 15 MB
+REASON_MAPS_BYTES = 32 * 1024 * 1024  # all kept maps' JSON together; the oldest goes first
 
 
 class ReasonMaps:
@@ -137,8 +139,14 @@ class ReasonMaps:
                 return kept
         made = SameReason(names, message)
         if len(names) >= MIN_NAMES and len(made.encoded) <= REASON_MAP_MAX_BYTES:
-            self._kept = (made, *self._kept[: REASON_MAPS_KEPT - 1])
+            newest = (made, *self._kept[: REASON_MAPS_KEPT - 1])
+            while len(newest) > 1 and sum(len(m.encoded) for m in newest) > REASON_MAPS_BYTES:
+                newest = newest[:-1]
+            self._kept = newest
         return made
+
+    def kept_bytes(self) -> int:
+        return sum(len(m.encoded) for m in self._kept)
 
     def __len__(self) -> int:
         return len(self._kept)
