@@ -122,27 +122,46 @@ def fast_extender_args(body: bytes) -> ExtenderArgs | None:
     `Nodes` null), decoded by orjson without validating the embedded Pod through pydantic (`pod_info`
     checks what is read from it). None for anything else, including every malformed body: the caller
     then parses with `ExtenderArgs`, whose errors name the field (HTTP 400) exactly as before."""
-    # Each nesting level needs one bracket: with fewer than MAX_JSON_DEPTH of them (strings included) the
-    # depth bound holds without walking the document. Near the bound, pydantic-core decides.
-    shallow = body.count(b"{") + body.count(b"[") < MAX_JSON_DEPTH
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
+    return checked_args(data, brackets(body))
+
+
+def brackets(raw: bytes) -> int:
+    """The `{` and `[` bytes in `raw`, strings included: at least its nesting depth."""
+    return raw.count(b"{") + raw.count(b"[")
+
+
+def checked_args(data: Any, opened: int, names_checked: bool = False) -> ExtenderArgs | None:
+    """`fast_extender_args` of a decoded body: `opened` is `brackets` of the body it was decoded from;
+    `names_checked`: its `NodeNames` are known to be a list of strings within the bound."""
     if not isinstance(data, dict) or not data.keys() <= _FAST_KEYS or data.get("Nodes") is not None:
         return None
     pod, names = data.get("Pod"), data.get("NodeNames")
-    if not isinstance(pod, dict) or not isinstance(names, list) or len(names) > MAX_CANDIDATE_NODES:
+    if not isinstance(pod, dict) or not isinstance(names, list):
         return None
-    try:
-        "".join(names)  # a TypeError unless every name is a string: C-level, a quarter of a type-set's time
-    except TypeError:
+    if not names_checked and not strings_within_bound(names):
         return None
-    if not shallow and not _depth_within(pod, MAX_JSON_DEPTH - 2):
+    # Each nesting level needs one bracket: with fewer than MAX_JSON_DEPTH of them (strings included) the
+    # depth bound holds without walking the document. Near the bound, pydantic-core decides.
+    if opened >= MAX_JSON_DEPTH and not _depth_within(pod, MAX_JSON_DEPTH - 2):
         return None
     if _float_gpu_count(pod):
         return None
     return ExtenderArgs.model_construct(pod=pod, nodes=None, node_names=names)
+
+
+def strings_within_bound(names: list[Any]) -> bool:
+    """Whether `names` are all strings and at most MAX_CANDIDATE_NODES of them."""
+    if len(names) > MAX_CANDIDATE_NODES:
+        return False
+    try:
+        "".join(names)  # a TypeError unless every name is a string: C-level, a quarter of a type-set's time
+    except TypeError:
+        return False
+    return True
 
 
 def _float_gpu_count(pod: dict[str, Any]) -> bool:

@@ -320,7 +320,8 @@ def _sets(members: Sequence[Held], where: Candidates, mine: Selector) -> dict[tu
             elif select is not None:
                 if not order:
                     order.update((n.name, i) for i, n in enumerate(every))
-                allowed = tuple(sorted((n for n in select(h.selector) if n in order), key=order.__getitem__))
+                found = select(h.selector)  # often none (a selector of nodes gone): nothing to sort
+                allowed = tuple(sorted((n for n in found if n in order), key=order.__getitem__)) if found else ()
             else:
                 allowed = tuple(n.name for n in every if selects(h.selector, n.name, n.labels))
             memo[h.selector] = allowed

@@ -84,9 +84,10 @@ def replan(
         return miscounted
     lead = members[me].request
     assert lead is not None, "the asking member's request parsed"
-    pinned = {n: m for n, m in sorted(members.items()) if n != me and m.node}
+    ordered = sorted(members.items())
+    pinned = {n: m for n, m in ordered if n != me and m.node}
     todo: list[Member] = []
-    for name, m in sorted(members.items()):
+    for name, m in ordered:
         if name in pinned:
             continue
         if m.request is None:

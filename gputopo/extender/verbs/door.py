@@ -9,8 +9,10 @@ prioritize-ahead memory's two hooks (`gputopo.extender.verbs.ahead`), called by 
 
 Filter and prioritize bodies as kube-scheduler sends them (Go-cased keys, `NodeNames`) are decoded by
 orjson and only the fields the decision reads are checked (`wire.fast_extender_args`, `wire.pod_info`);
-any other body is parsed by pydantic-core (both key casings, `Nodes` objects). Answers are encoded by
-orjson, with the Go field names. A request that does not have the protocol's shape gets HTTP 400 naming
+any other body is parsed by pydantic-core (both key casings, `Nodes` objects). A filter whose node names
+repeat an earlier body's decodes only its Pod, and one reason told on every node is encoded once
+(`gputopo.extender.verbs.repeats`: the same bytes, less work). Answers are encoded by orjson, with the Go
+field names. A request that does not have the protocol's shape gets HTTP 400 naming
 the problem; anything unexpected after that is caught and reported in the `Error` field (filter, bind) or
 as neutral scores (prioritize): never a 500.
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import compress, repeat
 from typing import Any, TypeVar
@@ -38,6 +40,7 @@ from pydantic_core import to_json
 
 from gputopo.extender.metrics import Metrics
 from gputopo.extender.settings import DEFAULT_MAX_REQUEST_BYTES
+from gputopo.extender.verbs.repeats import RepeatedNames, SameReason
 from gputopo.extender.verbs.service import HEALTHY, NEUTRAL_SCORE, Extender
 from gputopo.extender.wire import (
     ExtenderArgs,
@@ -128,9 +131,12 @@ def _parse(body: bytes, model: type[M]) -> M:
         raise BadRequest(_describe(e)) from None
 
 
-def _scheduling_args(body: bytes) -> tuple[ExtenderArgs, list[str], PodInfo]:
-    """What filter and prioritize both read: the args, the candidate node names, the pod."""
-    args = fast_extender_args(body)
+def _scheduling_args(body: bytes, repeated: RepeatedNames | None = None) -> tuple[ExtenderArgs, list[str], PodInfo]:
+    """What filter and prioritize both read: the args, the candidate node names, the pod; `repeated`: the
+    node names of earlier bodies (gputopo.extender.verbs.repeats)."""
+    args = repeated.decode(body) if repeated is not None else None
+    if args is None:
+        args = fast_extender_args(body)
     if args is None:
         args = _parse(body, ExtenderArgs)
     return args, args.candidate_names(), pod_info(args.pod)
@@ -154,9 +160,14 @@ def _not_ready(verb: str, metrics: Metrics, body: dict[str, Any]) -> Answer:
     return 200, _json({**body, "Error": NOT_READY})
 
 
+def _encoded(failures: Mapping[str, str]) -> Mapping[str, str] | orjson.Fragment:
+    """A failure map as orjson writes it: one reason on every node is encoded once (`SameReason`)."""
+    return failures.fragment if isinstance(failures, SameReason) else failures
+
+
 def filter_(extender: Extender, metrics: Metrics, body: bytes) -> Answer:
     try:
-        args, names, info = _scheduling_args(body)
+        args, names, info = _scheduling_args(body, extender.repeated)
     except (BadRequest, WireError) as e:
         return _bad("filter", metrics, e)
     if not extender.cache.ready:
@@ -167,8 +178,8 @@ def filter_(extender: Extender, metrics: Metrics, body: bytes) -> Answer:
         d = answer.decision
         out: dict[str, Any] = {
             "NodeNames": answer.passed,
-            "FailedNodes": answer.failed,
-            "FailedAndUnresolvableNodes": answer.unresolvable,
+            "FailedNodes": _encoded(answer.failed),
+            "FailedAndUnresolvableNodes": _encoded(answer.unresolvable),
             "Error": "",
         }
         if args.node_names is None and args.nodes is not None:

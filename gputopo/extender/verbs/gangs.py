@@ -333,7 +333,8 @@ class GroupDesk:
             generation = self.ledger.generation  # read before the nodes: a change meanwhile makes it stale
             labels = self.ledger.node_states.labels.generation
             states = self.ledger.states(names, now)
-            selected = self._selected(members, names, info.node_selector)
+            picked: dict[Selector, frozenset[str]] = {}  # each selector's nodes, looked up once per plan
+            selected = self._selected(members, names, info.node_selector, picked)
             extra = self.ledger.states(selected, now)
             left_out = ""
             if req.compute_domain is not None:
@@ -343,14 +344,14 @@ class GroupDesk:
                 req.group_size,
                 info.name,
                 members,
-                Candidates(states, extra, self._select if self.indexed else None),
+                Candidates(states, extra, self._picked(picked) if self.indexed else None),
                 self.ledger.tiers,
                 self.ledger.weights,
             )
             if isinstance(out, GroupFailure) and left_out:
                 return GroupFailure(out.group, f"{out.message}; {left_out}")
             if isinstance(out, GroupFailure) and asker is not None:
-                self.failures.keep(key, _Failed(out, asker, written, self._names(names), selected, generation, labels))
+                self.failures.keep(key, _Failed(out, asker, written, self.spelled(names), selected, generation, labels))
             if not isinstance(out, Replan):
                 return out
             res = Reservation(key, now, dict(out.slots), out.plan)
@@ -366,7 +367,7 @@ class GroupDesk:
                 return res
         return GroupFailure(group, f"group {group}: the planned GPUs kept changing while planning; retrying")
 
-    def _names(self, names: Sequence[str]) -> list[str]:
+    def spelled(self, names: Sequence[str]) -> list[str]:
         """`names` as the node cache spells them (its strings, shared), for keeping."""
         nodes = self.ledger.nodes
         return [e.name if (e := nodes.get(n)) is not None else n for n in names]
@@ -394,6 +395,10 @@ class GroupDesk:
         with self.ledger.lock:
             return self.ledger.node_states.labels.select(selector)
 
+    def _picked(self, picked: dict[Selector, frozenset[str]]) -> Callable[[Selector], frozenset[str]]:
+        """`_select` answered from `picked` (what this plan's `_selected` looked up) where it holds the selector."""
+        return lambda selector: found if (found := picked.get(selector)) is not None else self._select(selector)
+
     def _channels(
         self, cd: str, states: list[NodeState], extra: list[NodeState], now: float
     ) -> tuple[list[NodeState], list[NodeState], str]:
@@ -404,18 +409,27 @@ class GroupDesk:
         kept, said = group_candidates(cd, states, serving, served)
         return kept, group_candidates(cd, extra, serving, served)[0], said
 
-    def _selected(self, members: dict[str, MemberView], names: Sequence[str], mine: Selector) -> list[str]:
+    def _selected(
+        self,
+        members: dict[str, MemberView],
+        names: Sequence[str],
+        mine: Selector,
+        picked: dict[Selector, frozenset[str]],
+    ) -> list[str]:
         """The nodes outside `names` that members' nodeSelectors select (Kueue TAS writes each member's
         domain there): a member held to other nodes than the asking pod's is planned there. Members with
         the asking pod's selector (`mine`) go where it may. Each distinct selector is looked up in the
-        label index (`indexed`), else matched against every node's labels."""
+        label index (`indexed`; its nodes kept in `picked`), else matched against every node's labels."""
         selectors = {m.selector for m in members.values() if m.selector and m.selector != mine}
         if not selectors:
             return []
         out: set[str] = set()
         if self.indexed:
-            for sel in selectors:
-                out.update(self._select(sel))
+            with self.ledger.lock:  # once for every selector, not once each
+                labels = self.ledger.node_states.labels
+                for sel in selectors:
+                    picked[sel] = found = labels.select(sel)
+                    out.update(found)
             return sorted(out.difference(names))
         nodes = self.ledger.nodes
         scan: list[Selector] = []

@@ -37,6 +37,7 @@ from gputopo.extender.verbs.events import MISMATCH_REASON, EventPoster
 from gputopo.extender.verbs.gangs import GroupDesk
 from gputopo.extender.verbs.holdnotes import held_gpus, whose_holds
 from gputopo.extender.verbs.recentpods import RecentPods
+from gputopo.extender.verbs.repeats import ReasonMaps, RepeatedNames
 from gputopo.extender.watch.cache import ClusterCache
 from gputopo.extender.watch.parsers import resolve_pod
 from gputopo.extender.watch.source import ClusterSource, Kind
@@ -59,8 +60,8 @@ Imex = list[Outcome] | None  # outcomes under the ComputeDomain rules; None when
 @dataclass(frozen=True)
 class FilterAnswer:
     passed: list[str]
-    failed: dict[str, str]
-    unresolvable: dict[str, str]
+    failed: Mapping[str, str]  # a `repeats.SameReason` when one reason is told on every node
+    unresolvable: Mapping[str, str]
     decision: Decision
 
 
@@ -88,6 +89,10 @@ class Extender:
         self._preempted: dict[str, tuple[float, list[frozenset[str]]]] = {}
         self.events = EventPoster(lambda: self.source)
         self.groups = GroupDesk(self.ledger, cache.facts, self.serving)
+        # A filter's repeated node names decoded once, one reason for every node encoded once
+        # (gputopo/extender/verbs/repeats.py); None: every filter decodes and encodes in full.
+        self.repeated: RepeatedNames | None = RepeatedNames(self.groups.spelled)
+        self.reasons: ReasonMaps | None = ReasonMaps()
         self.groups.exclusive.quota = cache.quotas.room  # what a hold for pods not created yet may take
         self.groups.exclusive.owner = cache.jobsets.why_not_owner
         # A lone pod's filter passes only the engine's best node (--filter-best-only, off by default):
@@ -205,7 +210,7 @@ class Extender:
             return FilterAnswer(list(names), {}, {}, d)
         if d.kind in ONE_OUTCOME and d.outcomes:  # no node passes; one reason for all (a waiting gang's)
             o = d.outcomes[0]
-            answer = dict.fromkeys(d.names, o.message)
+            answer = dict.fromkeys(d.names, o.message) if self.reasons is None else self.reasons.map(d.names, o.message)
             if o.code is Code.UNRESOLVABLE or o.reason is Reason.NO_FREE_CLIQUE:
                 return FilterAnswer([], {}, answer, d)
             return FilterAnswer([], answer, {}, d)

@@ -245,3 +245,28 @@ def test_members_with_selectors_that_match_nothing_are_looked_up_once_and_named(
     assert "example.com/slot=s-" in message and "matches none of the nodes gputopo may use" in message
     assert matched["nodes"] <= len(NODES)  # the asking pod's own selector at most: none per member
     assert env.reasons(gputopo_pod("gpu-pod", 8, group="sel", group_size=str(size)), NODES) == told
+
+
+def test_a_plan_looks_each_distinct_selector_up_once(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nodes outside the candidates that members' selectors name, and the members' sets by the nodes
+    they may use, read one lookup per distinct selector (and the ledger's lock once for them all)."""
+    from gputopo.engine.gang.labelindex import LabelIndex
+
+    env.add_nodes(*(node(n) for n in NODES))
+    size = 9
+    env.add_pods(gputopo_pod("gpu-pod", 8, group="sel", group_size=str(size)))
+    for i in range(1, size):
+        pod = gputopo_pod(f"idle-{i}", 0, group="sel", group_size=str(size))
+        pod["spec"]["nodeSelector"] = {"example.com/slot": f"s-{i % 4}"}  # 4 distinct selectors
+        env.add_pods(pod)
+    looked: Counter[object] = Counter()
+    real = LabelIndex.select
+
+    def counted(self: LabelIndex, selector: Any) -> frozenset[str]:
+        looked[selector] += 1
+        return real(self, selector)
+
+    monkeypatch.setattr(LabelIndex, "select", counted)
+    told = env.reasons(gputopo_pod("gpu-pod", 8, group="sel", group_size=str(size)), NODES)
+    assert "example.com/slot=s-" in next(iter(told))
+    assert len(looked) == 4 and set(looked.values()) == {1}
