@@ -27,15 +27,14 @@ next generation, the counters slice first.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gputopo.agent.confirmedwrite import Confirmed, PublishResult, retry_write
+from gputopo.agent.confirmedwrite import PublishResult, retry_write
 from gputopo.agent.dra.slices import (
     API_VERSION,
-    DEFAULT_BACKOFF,
     SliceApi,
+    SlicePublisher,
     SliceShape,
     _owner,
     comparable,
@@ -222,37 +221,18 @@ class PoolTarget:
         return answer
 
 
-class PoolPublisher:
-    """This node's pool with clique blocks, published through `gputopo.agent.confirmedwrite.Confirmed`;
-    the same face as `gputopo.agent.dra.slices.SlicePublisher`."""
+class PoolPublisher(SlicePublisher):
+    """This node's pool with clique blocks: `SlicePublisher`'s face, written through `PoolTarget`."""
 
-    def __init__(
-        self,
-        api: SliceApi,
-        node: str,
-        shape: SliceShape,
-        *,
-        sleep: Callable[[float], bool],
-        backoff: Backoff = DEFAULT_BACKOFF,
-        reverify_s: float = 60.0,
-        monotonic: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.node = node
-        self.shape = shape
-        self.name = slice_name(node, shape.driver)
-        self.target = PoolTarget(api, node, shape.driver, sleep, backoff)
-        self._pool = Confirmed(self.target, reverify_s, monotonic)
+    target: PoolTarget
 
-    @property
-    def writes(self) -> int:
-        return self._pool.writes
+    def _target(self, api: SliceApi, sleep: Callable[[float], bool], backoff: Backoff) -> PoolTarget:
+        self.target = PoolTarget(api, self.node, self.driver, sleep, backoff)
+        return self.target
 
     @property
     def counters_dropped(self) -> bool:
         return self.target.counters_dropped
-
-    def reverify(self, window_s: float = 30.0) -> None:
-        self._pool.reverify(window_s)
 
     def publish(
         self,
@@ -271,4 +251,4 @@ class PoolPublisher:
             in_use=in_use,
             blocks=not self.target.counters_dropped,
         )
-        return self._pool.publish(pool)
+        return self._slice.publish(pool)

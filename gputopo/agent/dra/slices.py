@@ -280,10 +280,13 @@ class SlicePublisher:
         self.shape = shape
         self.driver = shape.driver
         self.name = slice_name(node, shape.driver)
-        describe = {"list_attributes": shape.list_attributes, "taints": shape.device_taints}
-        describe["best_fit_order"] = shape.best_fit_order
-        self.target = SliceTarget(api, node, shape.driver, sleep, backoff, describe, ordered=shape.best_fit_order)
-        self._slice = Confirmed(self.target, reverify_s, monotonic)
+        self._slice = Confirmed(self._target(api, sleep, backoff), reverify_s, monotonic)
+
+    def _target(self, api: SliceApi, sleep: Callable[[float], bool], backoff: Backoff) -> Any:
+        """What `Confirmed` writes through: here the one slice."""
+        describe = {"list_attributes": self.shape.list_attributes, "taints": self.shape.device_taints}
+        describe["best_fit_order"] = self.shape.best_fit_order
+        return SliceTarget(api, self.node, self.driver, sleep, backoff, describe, ordered=self.shape.best_fit_order)
 
     @property
     def writes(self) -> int:
