@@ -29,7 +29,7 @@ from gputopo.localcluster.binaries import kubernetes_version
 from gputopo.localcluster.kubelet import kubelet_unavailable
 from gputopo.localcluster.stack import ChartRelease, SchedulerPods, Stack, StackTiming
 from gputopo.model import PLACEMENT_ANNOTATION, PodRequest, parse_placement
-from gputopo.model.dra import BLOCK_SIZES, DEVICE_CLASS, block_class, block_gpus, block_resource
+from gputopo.model.dra import BLOCK_SIZES, COUNTER_SET, DEVICE_CLASS, DRIVER, block_class, block_gpus, block_resource
 from gputopo.systems import build_system
 
 pytestmark = pytest.mark.e2e
@@ -190,5 +190,42 @@ def test_blocks_before_136_claims_of_single_gpus_still_land_on_cliques(
         assert _is_clique(got) and not {0, 5} & set(got)
         assert all(r["device"].startswith("gpu-") for r in _results(n, pod))
         assert _placed(n, pod) == got
+    finally:
+        n.close()
+
+
+def test_blocks_the_pool_shares_counters_and_a_gpu_of_a_taken_block_waits(stack: Stack, blocks_node: DraNode) -> None:
+    """The pool as the API server stored it: one counters slice (a counter per GPU) and a device slice whose
+    singles and blocks all consume counters. A claim by the 4-GPU class gets a quad, prepared as one block;
+    a claim for one GPU of that quad then waits: the block's counters are spent."""
+    n = blocks_node
+    slices = {s["metadata"]["name"]: s["spec"] for s in stack.resource_slices(n.name)}
+    (counters,) = slices[f"{n.name}-{DRIVER}-counters"]["sharedCounters"]
+    assert counters["name"] == COUNTER_SET and len(counters["counters"]) == 8
+    devices = {d["name"]: d for d in slices[f"{n.name}-{DRIVER}"]["devices"]}
+    assert all(d.get("consumesCounters") for d in devices.values())
+    assert {"block-0-1-2-3", "block-4-5-6-7", "block-0-4"} <= set(devices)
+    by_class = {"requests": [{"name": "gpus", "exactly": {"deviceClassName": block_class(4), "count": 1}}]}
+    quad = n.pod("quad", n.template("by-class-4", by_class))
+    gpus = n.running(quad)
+    (block,) = [r["device"] for r in _results(n, quad)]
+    assert block_gpus(block) == gpus and gpus in ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert n.claim_of(quad)["metadata"]["uid"] in n.checkpoint()
+    pin = n.pod("pin", n.pin_template([gpus[0]]))
+    assert "cannot allocate all claims" in n.unschedulable(pin)
+
+
+def test_blocks_an_agent_told_to_publish_blocks_before_136_publishes_singles_only(
+    stack: Stack, control_plane: ControlPlane, test_id: str
+) -> None:
+    """1.34 and 1.35 drop the counter fields on write: the agent sees that in the API server's answer and
+    publishes its single GPUs alone, never a block that could be allocated beside its own GPUs."""
+    if _blocks_served(control_plane):
+        pytest.skip("from 1.36 the counters are kept: the tests above")
+    n = DraNode(stack, test_id, blocks=True)
+    try:
+        (only,) = stack.resource_slices(n.name)
+        assert not only["spec"].get("sharedCounters")
+        assert all(d["name"].startswith("gpu-") for d in only["spec"]["devices"])
     finally:
         n.close()
