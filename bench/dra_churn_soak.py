@@ -107,6 +107,7 @@ class Tally:
     prepared_not_clique: set[str] = field(default_factory=set)
     prepared_overlap: set[str] = field(default_factory=set)
     errors: list[str] = field(default_factory=list)
+    blocks: int = 0  # allocations that are one block device
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,10 @@ def check_once(soak: Soak, tally: Tally) -> None:
         pool, gpus = claim_gpus(c)
         if pool is None:
             continue
+        if uid not in tally.allocated and any(
+            str(r.get("device", "")).startswith("block-") for r in c["status"]["allocation"]["devices"]["results"]
+        ):
+            tally.blocks += 1
         tally.allocated.add(uid)
         allocation[uid] = gpus
         if pool in soak.adj and not is_clique(soak.adj[pool], gpus):
@@ -251,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     minor = kubernetes_version(bin_dir)[1]
     best_fit = minor >= 36
+    blocks = best_fit and not args.no_blocks  # partitionable devices: on by default from 1.36
     with ControlPlane(bin_dir, lifetime=Lifetime(keep=args.keep)) as cp:
         cp.start_controller_manager()
         kube = cp.client()
@@ -259,17 +265,21 @@ def run(args: argparse.Namespace) -> int:
             kube,
             timing=StackTiming(stale_after_seconds=120, heartbeat_seconds=5, interval_seconds=2),
             scheduler=SchedulerPods(extender_name="gputopo-extender-dra"),
-            chart=ChartRelease(dra=True),
+            chart=ChartRelease(dra=True, kube_version=".".join(map(str, kubernetes_version(bin_dir)))),
         )
         stack.start()
         kube.create_namespace(NS)
         systems = args.systems.split(",")
         adj: dict[str, tuple[int, ...]] = {}
         checkpoints: dict[str, Path] = {}
+        agent = KubeletAgent(dra=True, dra_best_fit_order=best_fit, dra_blocks=blocks)
         for i in range(args.nodes):
             name, system = f"soak-{i}", systems[i % len(systems)]
             stack.add_kubelet_node(
-                name, system, labels={LABEL: "1"}, agent=KubeletAgent(dra=True, dra_best_fit_order=best_fit)
+                name,
+                system,
+                labels={LABEL: "1"},
+                agent=agent,
             )
             adj[name] = tuple(shape_of(build_system(system)).adj)
             checkpoints[name] = stack.kubelets[name].dra_plugins_dir / DRIVER / "checkpoint.json"
@@ -277,7 +287,9 @@ def run(args: argparse.Namespace) -> int:
         templates: dict[int, str] = {}
         for size in FALLBACK_WEIGHTS:
             if size <= largest:
-                t = claim_template(PodRequest(gpus=size, nvlink=NvlinkPolicy.REQUIRED), list_attributes=False)
+                t = claim_template(
+                    PodRequest(gpus=size, nvlink=NvlinkPolicy.REQUIRED), list_attributes=False, blocks=blocks
+                )
                 kube.apply(
                     [
                         {
@@ -291,7 +303,8 @@ def run(args: argparse.Namespace) -> int:
                 templates[size] = t.name
         soak = Soak(kube, stack, adj, checkpoints)
         say(
-            f"DRA churn soak: Kubernetes 1.{minor}, {args.nodes} nodes ({args.systems}), best-fit order {best_fit}, "
+            f"DRA churn soak: Kubernetes 1.{minor}, {args.nodes} nodes ({args.systems}), "
+            f"best-fit order {best_fit}, blocks {blocks}, "
             f"{args.claims} claims, {args.concurrent} at once"
         )
         gen0 = slice_generations(kube)
@@ -316,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
             group = "agents" if n.startswith("agent-") else "extender" if "extender" in n else n
             cpu[group] = cpu.get(group, 0.0) + cpu_seconds(p) - cpu0[n]
     report(tally, writes, wall, cpu)
+    say(f"blocks allocated: {tally.blocks}")
     bad = (
         tally.double
         or tally.not_clique
@@ -338,7 +352,10 @@ def report(tally: Tally, writes: int, wall: float, cpu: Mapping[str, float]) -> 
         ("prepared != allocated (target 0)", len(tally.prepared_mismatch)),
         ("prepared not one clique (target 0)", len(tally.prepared_not_clique)),
         ("prepared GPUs overlapping (target 0)", len(tally.prepared_overlap)),
-        ("ResourceSlice writes per allocation", f"{writes / n:.2f} ({writes} writes)"),
+        (
+            "ResourceSlice writes per claim change",
+            f"{writes / (2 * n):.2f} ({writes} writes, {2 * n} prepares and unprepares)",
+        ),
         ("wall s / allocations per s", f"{wall:.0f} / {len(tally.allocated) / max(wall, 1e-9):.2f}"),
     ]
     rows += [(f"CPU ms per allocation: {g}", f"{1000 * s / n:.1f}") for g, s in sorted(cpu.items())]
@@ -355,12 +372,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--claims", type=int, default=2000)
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--systems", default="dgx-1v,dgx-h100", help="systems of the nodes, in turn")
-    p.add_argument("--concurrent", type=int, default=12, help="pods alive at once")
+    p.add_argument("--concurrent", type=int, default=16, help="pods alive at once")
     p.add_argument("--hold", type=float, default=4.0, help="mean seconds a running pod is kept")
     p.add_argument("--give-up", type=float, default=30.0, help="seconds a pending pod waits before it is deleted")
     p.add_argument("--check-period", type=float, default=2.0)
     p.add_argument("--deadline", type=float, default=3600.0, help="stop making claims after this many seconds")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--no-blocks", action="store_true", help="no clique blocks even where partitionable devices are on")
     p.add_argument("--keep", action="store_true", help="keep the control plane's directory")
     args = p.parse_args(argv)
     if not args.bin_dir:
