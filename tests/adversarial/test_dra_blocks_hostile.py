@@ -151,3 +151,37 @@ def test_a_blocks_memory_meets_a_per_gpu_minimum_only_when_each_gpu_does(memory:
         size = len(device.gpus)
         admitted = device.memory_mib >= _block_threshold_mib(size, min_mib)
         assert admitted == all(memory[g] >= min_mib for g in device.gpus), device.name
+
+
+# --------------------------------------------------------------------------------------------------
+# a slice whose pool is named for another node
+
+
+def _pool_slice(node: str, pool: str, name: str) -> JSON:
+    body = {"driver": DRIVER, "nodeName": node, "pool": {"name": pool, "generation": 9, "resourceSliceCount": 1}}
+    return {"metadata": {"name": name}, "spec": {**body, "devices": [{"name": f"gpu-{i}"} for i in range(8)]}}
+
+
+@pytest.mark.parametrize(
+    ("forged_node", "forged_pool"),
+    [
+        pytest.param("b", NODE, id="node-b-publishes-node-a's-pool"),
+        pytest.param(NODE, "b", id="node-a's-name-on-node-b's-pool"),
+    ],
+)
+def test_a_slice_naming_another_nodes_pool_moves_no_claim(env: Env, forged_node: str, forged_pool: str) -> None:
+    """A compromised node's token (where the chart's admission policy is off) publishes a slice whose pool
+    is named for another node: the claims of that pool must stay on the node the pool is named for, so a
+    tenant's allocated GPUs are never shown free to another tenant's pod, nor another node's shown taken."""
+    env.add_nodes(node_obj(NODE, "dgx-1v"), node_obj("b", "dgx-1v"))
+    for node in (NODE, "b"):
+        env.source.put("resourceslices", _pool_slice(node, node, f"{node}-{DRIVER}"))
+    claim = _claim([f"gpu-{i}" for i in range(8)])
+    env.source.put("resourceclaims", claim)
+    env.resync()
+    assert env.ledger.nodes[NODE].report == GpusInUse(other=frozenset(range(8)))
+    env.source.put("resourceslices", _pool_slice(forged_node, forged_pool, "zz-forged"))
+    env.resync()
+    assert env.ledger.nodes[NODE].report == GpusInUse(other=frozenset(range(8)))
+    assert env.ledger.nodes["b"].report == GpusInUse()
+    assert env.passed(pod_obj("q", 1, {"gputopo.io/nvlink": "ignore"}), [NODE, "b"]) == ["b"]
