@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 import pytest
 
 from gputopo.extender.wire import WireError, pod_info
@@ -43,6 +44,25 @@ def block_pod(resources: dict[str, Any], key: str = "limits", init: bool = False
 def test_a_count_that_is_no_whole_quantity_is_refused_naming_the_field(count: Any) -> None:
     with pytest.raises(WireError, match=r"Pod\.spec\.containers\[0\]\.resources\.limits\.gputopo\.io/gpu-clique4"):
         pod_info(block_pod({"gputopo.io/gpu-clique4": count}))
+
+
+@pytest.mark.parametrize(
+    "digits",
+    [
+        pytest.param(str(2**64 + 1), id="2^64+1"),
+        pytest.param("1" + "0" * 30, id="10^30"),
+    ],
+)
+@pytest.mark.parametrize("resource", ["gputopo.io/gpu-clique4", "nvidia.com/gpu"])
+def test_a_count_past_64_bits_in_the_body_is_refused_with_its_own_digits(env: Env, resource: str, digits: str) -> None:
+    """A JSON integer past 64 bits decodes as a float on the fast path and as an int on the validating one:
+    the refusal quotes the count as written, for a block as for nvidia.com/gpu."""
+    env.add_nodes(node_obj("a", "dgx-h100"))
+    raw = orjson.dumps({"Pod": block_pod({resource: 1}), "Nodes": None, "NodeNames": ["a"]})
+    raw = raw.replace(f'"{resource}":1'.encode(), f'"{resource}":{digits}'.encode())
+    r = env.call("filter", content=raw)
+    assert r.status == 400
+    assert f"resources.limits.{resource}: {digits}: out of range" in r.text
 
 
 @pytest.mark.parametrize(
