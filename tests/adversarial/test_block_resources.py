@@ -6,13 +6,19 @@ every node, never a placement, and the names read per pod stop at MAX_RESOURCE_N
 
 from __future__ import annotations
 
+from itertools import combinations
 from typing import Any
 
 import orjson
 import pytest
 
+from gputopo.engine.node.placement import evaluate_node, outcome_on
+from gputopo.engine.state.cliques import bits, mask_of
+from gputopo.engine.state.snapshot import node_state
 from gputopo.extender.wire import WireError, pod_info
+from gputopo.model import parse_pod_request
 from gputopo.model.blockrequest import MAX_RESOURCE_NAMES, read_block_ask
+from gputopo.systems import build_system
 from tests.extender.harness import JSON, Env, node_obj, pod_obj
 
 NODES = ["a", "b"]
@@ -117,3 +123,32 @@ def test_thousands_of_names_under_the_prefix_stop_at_the_bound() -> None:
     assert ask.size == 0
     assert "no such block resource" in ask.problem
     assert MAX_RESOURCE_NAMES < 5_000
+
+
+# --------------------------------------------------------------------------------------------------
+# a block pod's GPUs are the allocator's first fit, never re-chosen
+
+
+@pytest.mark.parametrize(
+    ("system", "size", "in_use"),
+    [
+        pytest.param("dgx-h100", 2, (), id="NVSwitch-pairs"),
+        pytest.param("dgx-h100", 4, (0,), id="NVSwitch-quads-one-busy"),
+        pytest.param("dgx-1v", 2, (0, 2), id="DGX-1V-pairs-two-busy"),
+        pytest.param("dgx-1v", 4, (), id="DGX-1V-quads"),
+    ],
+)
+def test_a_block_pods_gpus_are_never_swapped_for_another_set(system: str, size: int, in_use: tuple[int, ...]) -> None:
+    """A group plan re-picks members' GPU sets (common rails) and a bind re-checks a reservation's set
+    through `outcome_on`: for a block pod any set but the allocator's first-fit block is one it will
+    never get, so the plan's or the placement's GPUs would not be the claim's."""
+    state = node_state("n", build_system(system, "n"), in_use=frozenset(in_use))
+    req = parse_pod_request({}, size, block=size)
+    outcome = evaluate_node(state, req)
+    assert outcome.fits and outcome.search is not None
+    first = mask_of(list(outcome.gpus))
+    assert outcome_on(state, req, outcome, first) is not None
+    free = [g for g in range(len(state.memory_mib)) if g not in in_use]
+    others = [mask_of(list(s)) for s in combinations(free, size) if mask_of(list(s)) != first]
+    swapped = [bits(m) for m in others if outcome_on(state, req, outcome, m) is not None]
+    assert swapped == []
