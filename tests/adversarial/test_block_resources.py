@@ -12,6 +12,8 @@ from typing import Any
 import orjson
 import pytest
 
+from gputopo.engine.gang.groups import plan_group
+from gputopo.engine.gang.plan import GroupPlan, Member
 from gputopo.engine.node.placement import evaluate_node, outcome_on
 from gputopo.engine.state.cliques import bits, mask_of
 from gputopo.engine.state.snapshot import node_state
@@ -152,3 +154,28 @@ def test_a_block_pods_gpus_are_never_swapped_for_another_set(system: str, size: 
     others = [mask_of(list(s)) for s in combinations(free, size) if mask_of(list(s)) != first]
     swapped = [bits(m) for m in others if outcome_on(state, req, outcome, m) is not None]
     assert swapped == []
+
+
+@pytest.mark.parametrize(
+    ("in_use_a", "in_use_b"),
+    [
+        pytest.param((0, 1), (), id="first-fits-on-different-rails"),
+        pytest.param((0, 1, 2, 3), (4, 5), id="first-fits-on-different-quads"),
+    ],
+)
+def test_a_group_of_block_pods_is_planned_on_the_blocks_the_allocator_gives(
+    in_use_a: tuple[int, ...], in_use_b: tuple[int, ...]
+) -> None:
+    """Two members of 2 on two DGX H100 nodes whose first free pairs sit on different rails: aligning the
+    members' rails must not plan (and reserve) a pair the allocator will not hand out."""
+    labels = {"gputopo.io/network-spine": "s", "gputopo.io/network-leaf": "l"}
+    nodes = [
+        node_state(name, build_system("dgx-h100", name), in_use=frozenset(busy), labels=labels)
+        for name, busy in (("a", in_use_a), ("b", in_use_b))
+    ]
+    ann = {"gputopo.io/group": "pp", "gputopo.io/group-size": "2"}
+    members = [Member(f"pp-{i}", parse_pod_request({**ann, "gputopo.io/stage": str(i)}, 2, block=2)) for i in range(2)]
+    plan = plan_group("pp", members, nodes)
+    assert isinstance(plan, GroupPlan), plan
+    for a in plan.assignments:
+        assert a.outcome.gpus == evaluate_node(a.node, members[0].request).gpus, a.node.name
