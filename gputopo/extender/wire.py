@@ -16,6 +16,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gputopo.model import GPU_RESOURCE
+from gputopo.model.dra import BLOCK_SIZES, block_resource
 from gputopo.model.pod import PodInfo as PodInfo  # the extender reads pods as the model does
 from gputopo.model.pod import pod_gpus as read_spec_gpus
 from gputopo.model.pod import read_pod
@@ -164,9 +165,14 @@ def strings_within_bound(names: list[Any]) -> bool:
     return True
 
 
+# The counts a pod's GPUs are read from: nvidia.com/gpu and the block resources whose counts are read (a
+# name under the block prefix with another size is refused without reading its count).
+_COUNTED = (GPU_RESOURCE, *(block_resource(s) for s in BLOCK_SIZES))
+
+
 def _float_gpu_count(pod: dict[str, Any]) -> bool:
-    """Whether a container's GPU count decoded as a float: orjson reads an integer literal past 64 bits
-    as one, pydantic-core as an int, and the error for it should read the same either way."""
+    """Whether a container's GPU or block count decoded as a float: orjson reads an integer literal past
+    64 bits as one, pydantic-core as an int, and the error for it should read the same either way."""
     spec = pod.get("spec")
     if not isinstance(spec, dict):
         return False
@@ -176,7 +182,7 @@ def _float_gpu_count(pod: dict[str, Any]) -> bool:
             resources = c.get("resources") if isinstance(c, dict) else None
             for kind in ("limits", "requests"):
                 values = resources.get(kind) if isinstance(resources, dict) else None
-                if isinstance(values, dict) and isinstance(values.get(GPU_RESOURCE), float):
+                if isinstance(values, dict) and any(isinstance(values.get(k), float) for k in _COUNTED):
                     return True
     return False
 

@@ -175,7 +175,8 @@ class SliceInfo:
 
 
 def parse_slice(obj: Mapping[str, Any]) -> SliceInfo | None:
-    """A ResourceSlice of our driver, or None for another driver's. Device names that are not ours
+    """A ResourceSlice of our driver, or None for another driver's. Its pool must be named for its node,
+    as our agent names it (a claim's pool is its node). Device names that are not ours
     (`gpu-<index>`, or a canonical block name: its GPUs count) are an error: our agent publishes no
     others. A slice of counters only (`sharedCounters`, no devices) is valid and publishes no GPUs; its
     counters are not read."""
@@ -190,6 +191,9 @@ def parse_slice(obj: Mapping[str, Any]) -> SliceInfo | None:
     pool_name, generation = pool.get("name"), pool.get("generation", 0)
     if not isinstance(pool_name, str) or not isinstance(generation, int) or isinstance(generation, bool):
         raise DraObjectError(f"{what}: spec.pool needs a name and an integer generation")
+    if pool_name != node:
+        # Every reader keys a claim's GPUs by pool: a pool named for another node would move its claims there.
+        raise DraObjectError(f"{what}: pool {pool_name[:80]!r} is not named for its node {node[:80]!r}")
     gpus: set[int] = set()
     for d in _list(spec, "devices", what, MAX_SLICE_DEVICES):
         name = d.get("name") if isinstance(d, Mapping) else None

@@ -1,19 +1,24 @@
 """Clique blocks as the readers of allocations take them (gputopo/model/dra.py parse_slice and parse_claim,
 the extender's DRA merge, the agent's driver): a block is its GPUs. Forged names (non-canonical, GPUs not
 on the node, the largest hex mask a name can hold, overlapping blocks in one claim, a block and one of its
-GPUs), a slice with a huge counter set. Bounds: a GPU counts once; a name that is not canonical is refused
-naming the object; what one object costs is bounded by the name's length (<= 63 characters: <= 224 GPUs);
-nothing crashes."""
+GPUs), a slice with a huge counter set; a clique of GPUs with unequal HBM under the webhook's per-GPU
+minimum. Bounds: a GPU counts once; a name that is not canonical is refused naming the object; what one
+object costs is bounded by the name's length (<= 63 characters: <= 224 GPUs); a block's `memory` admits
+it under a per-GPU minimum only when every GPU of it has that much; nothing crashes."""
 
 from __future__ import annotations
 
+import re
 import tracemalloc
 from typing import Any
 
 import pytest
 
-from gputopo.model import GpusInUse
+from gputopo.engine.dra.blocks import block_devices
+from gputopo.engine.dra.claims import BLOCK_SUBREQUEST, ClaimShape, device_claim
+from gputopo.model import GpusInUse, NodeTopology, NvlinkPolicy
 from gputopo.model.dra import DRIVER, MAX_ALLOCATION_RESULTS, DraObjectError, block_name, parse_claim, parse_slice
+from tests.engine.dra.blocks_fixtures import nvswitch
 from tests.extender.harness import JSON, Env, node_obj, pod_obj
 
 NODE = "a"  # a DGX-1V
@@ -107,3 +112,76 @@ def test_the_merge_counts_a_block_as_its_gpus_and_a_forged_one_holds_only_gpus(e
     env.resync()
     assert env.ledger.nodes[NODE].report == GpusInUse(other=frozenset(range(10)))
     assert NODE not in env.passed(pod_obj("q", 1, {"gputopo.io/nvlink": "ignore"}), [NODE])
+
+
+# --------------------------------------------------------------------------------------------------
+# a block's HBM against the webhook's per-GPU minimum
+
+
+def _with_memory(memory: list[int]) -> NodeTopology:
+    topo = nvswitch(len(memory))
+    gpus = tuple(g.model_copy(update={"memory_mib": m}) for g, m in zip(topo.gpus, memory, strict=True))
+    return topo.model_copy(update={"gpus": gpus})
+
+
+def _block_threshold_mib(size: int, min_mib: int) -> int:
+    """The HBM the webhook's `block` subrequest asks of a block's `memory` capacity, in MiB."""
+    claim = device_claim(ClaimShape(size, NvlinkPolicy.REQUIRED, min_mib, False, blocks=True))
+    [block] = [s for s in claim["requests"][0]["firstAvailable"] if s["name"] == BLOCK_SUBREQUEST]
+    [selector] = block["selectors"]
+    amount, unit = re.fullmatch(r'.*quantity\("(\d+)(Mi|Gi)"\).*', selector["cel"]["expression"]).groups()  # type: ignore[union-attr]
+    return int(amount) * (1024 if unit == "Gi" else 1)
+
+
+@pytest.mark.parametrize(
+    ("memory", "min_mib"),
+    [
+        pytest.param([81920, 81920, 40960, 122880], 81920, id="one-small-gpu-made-up-by-a-large-one"),
+        pytest.param([81559, 81920, 81920, 81920], 81920, id="one-gpu-a-little-short"),
+        pytest.param([40960, 163840], 81920, id="a-pair-of-half-and-double"),
+        pytest.param([81920] * 4, 81920, id="equal-gpus-at-the-minimum"),
+        pytest.param([81920] * 8, 40960, id="equal-gpus-over-the-minimum"),
+    ],
+)
+def test_a_blocks_memory_meets_a_per_gpu_minimum_only_when_each_gpu_does(memory: list[int], min_mib: int) -> None:
+    """The webhook asks a block for N times the pod's per-GPU minimum on its `memory`: a GPU under the
+    minimum, made up for by a larger one beside it, must not let the allocator hand the pod that block."""
+    topo = _with_memory(memory)
+    for device in block_devices(topo):
+        size = len(device.gpus)
+        admitted = device.memory_mib >= _block_threshold_mib(size, min_mib)
+        assert admitted == all(memory[g] >= min_mib for g in device.gpus), device.name
+
+
+# --------------------------------------------------------------------------------------------------
+# a slice whose pool is named for another node
+
+
+def _pool_slice(node: str, pool: str, name: str) -> JSON:
+    body = {"driver": DRIVER, "nodeName": node, "pool": {"name": pool, "generation": 9, "resourceSliceCount": 1}}
+    return {"metadata": {"name": name}, "spec": {**body, "devices": [{"name": f"gpu-{i}"} for i in range(8)]}}
+
+
+@pytest.mark.parametrize(
+    ("forged_node", "forged_pool"),
+    [
+        pytest.param("b", NODE, id="node-b-publishes-node-a's-pool"),
+        pytest.param(NODE, "b", id="node-a's-name-on-node-b's-pool"),
+    ],
+)
+def test_a_slice_naming_another_nodes_pool_moves_no_claim(env: Env, forged_node: str, forged_pool: str) -> None:
+    """A compromised node's token (where the chart's admission policy is off) publishes a slice whose pool
+    is named for another node: the claims of that pool must stay on the node the pool is named for, so a
+    tenant's allocated GPUs are never shown free to another tenant's pod, nor another node's shown taken."""
+    env.add_nodes(node_obj(NODE, "dgx-1v"), node_obj("b", "dgx-1v"))
+    for node in (NODE, "b"):
+        env.source.put("resourceslices", _pool_slice(node, node, f"{node}-{DRIVER}"))
+    claim = _claim([f"gpu-{i}" for i in range(8)])
+    env.source.put("resourceclaims", claim)
+    env.resync()
+    assert env.ledger.nodes[NODE].report == GpusInUse(other=frozenset(range(8)))
+    env.source.put("resourceslices", _pool_slice(forged_node, forged_pool, "zz-forged"))
+    env.resync()
+    assert env.ledger.nodes[NODE].report == GpusInUse(other=frozenset(range(8)))
+    assert env.ledger.nodes["b"].report == GpusInUse()
+    assert env.passed(pod_obj("q", 1, {"gputopo.io/nvlink": "ignore"}), [NODE, "b"]) == ["b"]

@@ -48,6 +48,9 @@ def test_a_list_past_the_byte_bound_is_decoded_and_not_kept(monkeypatch: pytest.
 
 TAIL = body()[body().rfind(b',"NodeNames"') :]
 EVIL = '{"x":1},"NodeNames":["evil"]}'
+HEAD = b'{"Pod":' + orjson.dumps(POD)
+# The honest names spelled with a unicode escape each: other bytes, the same strings once decoded.
+ESCAPED = b',"NodeNames":[' + b",".join(b'"\\u006e' + n[1:].encode() + b'"' for n in NAMES) + b"]}"
 
 
 @pytest.mark.parametrize(
@@ -64,6 +67,14 @@ EVIL = '{"x":1},"NodeNames":["evil"]}'
         EVIL.encode() + TAIL,
         b'{"Pod":' + orjson.dumps(POD) + b'\xff"' + TAIL,
         b'{"Pod":' + orjson.dumps(POD) + TAIL[:-2] + b',"x"]}',
+        HEAD + b" \n\t" + TAIL,
+        HEAD + ESCAPED,
+        HEAD + b',"nodeNames":["evil"]' + TAIL,
+        HEAD + b',"Node\\u004eames":["evil"]' + TAIL,
+        HEAD + TAIL[:-1] + TAIL,
+        b'{"Pod":{"metadata":{"name":"other"}},"Pod":' + orjson.dumps(POD) + TAIL,
+        HEAD + b',"Nodes":{"items":[]}' + TAIL,
+        b"\xef\xbb\xbf" + HEAD + TAIL,
     ],
     ids=[
         "the key inside an annotation",
@@ -77,6 +88,14 @@ EVIL = '{"x":1},"NodeNames":["evil"]}'
         "a head of another shape",
         "bytes that are no UTF-8",
         "a tail that only starts alike",
+        "whitespace before the tail",
+        "the names as unicode escapes",
+        "another casing of the key in the head",
+        "the key as a unicode escape in the head",
+        "the tail twice",
+        "the pod twice, the real one last",
+        "nodes not null",
+        "a byte order mark",
     ],
 )
 def test_forged_layouts_around_a_kept_tail_decode_as_the_whole_body(raw: bytes) -> None:

@@ -113,7 +113,9 @@ def block_devices(topology: NodeTopology, in_use: frozenset[int] | None = None) 
     """The node's blocks as DRA devices, in slice order: best-fit order from `in_use` (the GPUs allocated
     now), or, with None, the order with every GPU free. Attributes: `blockSize`, `gpus` (the block's id),
     the GPUs' product, the worst health of its GPUs, `nvlinkImpaired` when any is, the size of the largest
-    maximal clique holding the block; capacity `memory` is the GPUs' sum."""
+    maximal clique holding the block; capacity `memory` is its size times its smallest GPU's HBM, so a
+    claim's N times a per-GPU minimum admits the block only when each of its GPUs has that minimum (a sum
+    would let a large GPU make up for one under it)."""
     found = node_blocks(topology)
     if not found.masks:
         return []
@@ -133,6 +135,6 @@ def block_devices(topology: NodeTopology, in_use: frozenset[int] | None = None) 
             ATTR_IMPAIRED: any(g.health is Health.DEGRADED or g.index in impaired for g in members),
             ATTR_CLIQUE_SIZE: max((popcount(c) for c in enc.cliques if c & mask == mask), default=len(members)),
         }
-        memory = sum(g.memory_mib for g in members)
+        memory = len(members) * min(g.memory_mib for g in members)
         out.append(Device(block_name(bits(mask)), members[0].index, attrs, memory, False, tuple(bits(mask))))
     return out

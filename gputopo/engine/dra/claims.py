@@ -18,7 +18,8 @@ two encodings gputopo.engine.dra.devices publishes:
   starts with one subrequest `block`, one device of the class `clique<N>.gpu.gputopo.io` (a whole
   NVLink clique, no constraint needed), and goes on with the subrequests above: N single GPUs of one
   clique when no whole block is free (a block whose GPU is taken is no longer free, but the clique's
-  other GPUs may still be). A minimum HBM per GPU is, on the block, N times that on its summed `memory`.
+  other GPUs may still be). A minimum HBM per GPU is, on the block, N times that on its `memory` (N
+  times its smallest GPU's).
 
 The API's limits (k8s.io/api v0.34 resource/v1) that bound what this builds, checked by `check_spec`:
 at most 32 devices allocated per claim (`AllocationResultsMaxSize`), 8 subrequests
@@ -183,7 +184,7 @@ def _devices(shape: ClaimShape, name: str) -> dict[str, Any]:
 
 
 def _block(shape: ClaimShape) -> dict[str, Any]:
-    """The subrequest for one whole block of `shape.gpus`: its HBM is the block's GPUs' sum."""
+    """The subrequest for one whole block of `shape.gpus`: its `memory` is N times its smallest GPU's."""
     out: dict[str, Any] = {"name": BLOCK_SUBREQUEST, "deviceClassName": block_class(shape.gpus)}
     out["allocationMode"] = "ExactCount"
     out["count"] = 1

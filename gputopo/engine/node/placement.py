@@ -224,10 +224,13 @@ def outcome_on(
     """`outcome` (evaluate_node's for `node` and `req`) with the GPU set `gpus` instead, scored and
     explained as evaluate_node would have: a group plan's rail-aligned set, or at bind time the set a
     member's reservation holds. None when `gpus` is not an admissible choice there (not among the
-    candidates, another size, not a clique where one was required)."""
+    candidates, another size, not a clique where one was required, or for a pod asking one whole block any
+    set but the block the allocator's first fit gives it)."""
     search = outcome.search
     if node.shape is None or search is None or not outcome.fits:
         return None
+    if req.block and gpus != mask_of(list(outcome.gpus)):
+        return None  # the allocator hands out that block and no other: another set is never the claim's
     if gpus & ~search.candidates or popcount(gpus) != len(outcome.gpus):
         return None
     choice = choice_of(node.shape, search.candidates, gpus)

@@ -79,7 +79,7 @@ def test_blocks_stay_within_the_api_limits(topo: NodeTopology, count: int, left_
     assert all(popcount(m) <= min(popcount(x) for x in found.masks) for m in found.left_out)
 
 
-def test_a_block_device_sums_memory_and_takes_the_worst_health() -> None:
+def test_a_block_device_counts_memory_per_gpu_and_takes_the_worst_health() -> None:
     topo = build_system("dgx-h100")
     degraded = topo.model_copy(
         update={
