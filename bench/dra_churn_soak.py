@@ -197,7 +197,7 @@ def slice_generations(kube: KubeClient) -> dict[str, int]:
     }
 
 
-def pod_for(name: str, template: str, scheduler: str) -> dict[str, Any]:
+def pod_for(name: str, template: str, scheduler: str, grace: int) -> dict[str, Any]:
     m = pod_manifest(
         name,
         namespace=NS,
@@ -207,6 +207,8 @@ def pod_for(name: str, template: str, scheduler: str) -> dict[str, Any]:
     )
     m["spec"]["resourceClaims"] = [{"name": "gpus", "resourceClaimTemplateName": template}]
     m["spec"]["containers"][0]["resources"]["claims"] = [{"name": "gpus"}]
+    # With 0 the kubelet may let the pod go before its claim is unprepared (kubernetes#131513).
+    m["spec"]["terminationGracePeriodSeconds"] = grace
     return m
 
 
@@ -230,7 +232,7 @@ def churn(soak: Soak, args: argparse.Namespace, templates: Mapping[int, str], ta
         while tally.made < args.claims and len(live) < args.concurrent:
             size = rng.choices(sizes, [weights[s] for s in sizes])[0]
             name = f"soak-{tally.made:05d}-g{size}"
-            soak.kube.create_pod(pod_for(name, templates[size], soak.stack.scheduler_name))
+            soak.kube.create_pod(pod_for(name, templates[size], soak.stack.scheduler_name, args.grace))
             live[name] = time.monotonic() + args.give_up
             tally.made += 1
         now = time.monotonic()
@@ -387,6 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--check-period", type=float, default=2.0)
     p.add_argument("--deadline", type=float, default=3600.0, help="stop making claims after this many seconds")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--grace", type=int, default=1, help="the pods' terminationGracePeriodSeconds")
     p.add_argument("--no-blocks", action="store_true", help="no clique blocks even where partitionable devices are on")
     p.add_argument("--keep", action="store_true", help="keep the control plane's directory")
     args = p.parse_args(argv)
