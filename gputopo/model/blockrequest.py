@@ -25,10 +25,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gputopo.model.dra import BLOCK_SIZES, block_resource
+from gputopo.model.dra import BLOCK_RESOURCE_PREFIX, BLOCK_SIZES, block_resource
 from gputopo.model.podspec import read_pod_gpus, short_repr
 
-BLOCK_RESOURCE_PREFIX = "gputopo.io/gpu-clique"
 MAX_RESOURCE_NAMES = 64  # names under the prefix read per container: an API server caps the object anyway
 
 

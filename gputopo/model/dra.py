@@ -54,6 +54,7 @@ COUNTER_SET = "gpus"  # the node's counter set: one counter per GPU, value 1
 BLOCK_PREFIX = "block"  # a block device: `block-0-1-2-3`, or `block-x<hex mask>` past 63 characters
 BLOCK_SIZES = (2, 4, 8, 16)  # the sizes a block is published in, each with its DeviceClass
 MAX_DEVICE_NAME = 63
+BLOCK_RESOURCE_PREFIX = "gputopo.io/gpu-clique"  # + the size: each block class's extended resource
 _BLOCK_HEX = re.compile(r"x[1-9a-f][0-9a-f]{0,1023}")
 
 
@@ -108,7 +109,7 @@ def block_class(size: int) -> str:
 def block_resource(size: int) -> str:
     """The extended resource a pod asks to get one block of `size` GPUs (KEP-5004: the DeviceClass's
     `extendedResourceName`), e.g. `gputopo.io/gpu-clique4: 1`."""
-    return f"gputopo.io/gpu-clique{size}"
+    return f"{BLOCK_RESOURCE_PREFIX}{size}"
 
 
 def template_gpus(name: str) -> int | None:

@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from gputopo.model.base import AnnotationError, LabelError
+from gputopo.model.dra import block_resource
 from gputopo.model.jobs import InferredGroup
 from gputopo.model.k8snames import ascii_int
 from gputopo.model.names import GPU_RESOURCE, PLACEMENT_ANNOTATION, PREFIX
@@ -159,7 +160,7 @@ def parse_pod_request(
     if block:
         if fields.get("nvlink", NvlinkPolicy.REQUIRED) is not NvlinkPolicy.REQUIRED:
             raise AnnotationError(
-                ANN_NVLINK, ann[ANN_NVLINK], f"a {block}-GPU block (gputopo.io/gpu-clique{block}) is one NVLink clique"
+                ANN_NVLINK, ann[ANN_NVLINK], f"a {block}-GPU block ({block_resource(block)}) is one NVLink clique"
             )
         fields["block"] = True
     if ANN_MIN_GPU_MEMORY in ann:
