@@ -292,8 +292,8 @@ def one_round(args: argparse.Namespace, cp: ControlPlane, kube: KubeClient, stac
     delete_pods(kube, "bench-plain", args.workers, deadline)
     if deadline.expired():
         return rnd
-    # The chart passes --filter-best-only (a lone pod's filter passes one node): --filter-all turns it off.
-    every = ["--no-filter-best-only"] if args.filter_all else []
+    # Run B passes one node from filter unless --filter-all (the chart's default, extender.filterBestOnly: false).
+    every = ["--no-filter-best-only"] if args.filter_all else ["--filter-best-only"]
     stack.start_extender(extra_args=[f"--log-level={args.extender_log_level}", *every])
     status, body = http_get(f"{stack.extender_url}/readyz")
     cached = json.loads(body).get("nodes") if status == 200 else None
