@@ -97,3 +97,21 @@ def wire_scores(
         if len(top) >= MAX_EXTENDER_SCORE:
             break
     return list(map(top.get, names, repeat(0)))
+
+
+def first_ranked(
+    names: Sequence[str],
+    kinds: Sequence[K],
+    scores: Mapping[K, float],
+    order: Mapping[str, tuple[int | str, ...]] | None = None,
+) -> int | None:
+    """The index of the node `wire_scores` gives 10 (None: no node fits), found without ranking the others:
+    a filter that passes one node needs only that one."""
+    levels = [s for s in scores.values() if s == s]
+    if not levels:
+        return None
+    best = max(levels)
+    at = {k for k, s in scores.items() if s == best}
+    fitting = compress(names, map(at.__contains__, kinds))
+    name = min(fitting, key=order.__getitem__) if order is not None else min(fitting)
+    return names.index(name)

@@ -30,7 +30,7 @@ import orjson
 from gputopo.engine.network.domains import TieKey
 from gputopo.engine.node.placement import Outcome
 from gputopo.engine.state.reasons import Code
-from gputopo.engine.state.scoring import wire_scores
+from gputopo.engine.state.scoring import first_ranked, wire_scores
 from gputopo.extender.state.domainfree import FabricFigures
 from gputopo.extender.state.verdicts import Kinds
 from gputopo.extender.wire import PodInfo
@@ -82,24 +82,34 @@ Decode = Callable[[bytes], tuple[PodInfo, list[str]] | None]  # a prioritize bod
 _NODE_NAMES = b',"NodeNames":'
 
 
-def ranked(
-    names: Sequence[str], outcomes: list[Outcome], kinds: Kinds | None, order: Mapping[str, TieKey] | None = None
-) -> list[int]:
-    """The wire scores (0..10) prioritize gives `names` from their evaluated outcomes. Outcomes are shared
-    between equivalent nodes: one engine score per kind, ranked over the fitting nodes (`wire_scores`
-    reads names only at the best levels), equal scores by `order` (the ledger's `fabric` keys: best fit
-    above the node; None: by name)."""
-    scores: dict[int, float]  # kind -> engine score, fitting kinds only
-    ids: list[int]
+def _kind_scores(outcomes: list[Outcome], kinds: Kinds | None) -> tuple[list[int], dict[int, float]]:
+    """Each node's kind, and the engine score of each fitting kind (outcomes are shared between
+    equivalent nodes: one score per kind)."""
     if kinds is not None:  # the ledger's kinds: ints, and which of them fit
         ids, verdicts = kinds
         fits = verdicts.passing
-        scores = {k: verdicts[k].score for k in set(ids) if k in fits}
-    else:
-        ids = list(map(id, outcomes))
-        distinct = dict(zip(ids, outcomes, strict=True))
-        scores = {k: o.score for k, o in distinct.items() if o.code is Code.SUCCESS}
+        return ids, {k: verdicts[k].score for k in set(ids) if k in fits}
+    ids = list(map(id, outcomes))
+    distinct = dict(zip(ids, outcomes, strict=True))
+    return ids, {k: o.score for k, o in distinct.items() if o.code is Code.SUCCESS}
+
+
+def ranked(
+    names: Sequence[str], outcomes: list[Outcome], kinds: Kinds | None, order: Mapping[str, TieKey] | None = None
+) -> list[int]:
+    """The wire scores (0..10) prioritize gives `names` from their evaluated outcomes, ranked over the
+    fitting nodes (`wire_scores` reads names only at the best levels), equal scores by `order` (the
+    ledger's `fabric` keys: best fit above the node; None: by name)."""
+    ids, scores = _kind_scores(outcomes, kinds)
     return wire_scores(names, ids, scores, order)
+
+
+def first(
+    names: Sequence[str], outcomes: list[Outcome], kinds: Kinds | None, order: Mapping[str, TieKey] | None = None
+) -> int | None:
+    """The index of the node `ranked` gives 10 (None: none fits), without ranking the others."""
+    ids, scores = _kind_scores(outcomes, kinds)
+    return first_ranked(names, ids, scores, order)
 
 
 def prioritize_body(filter_body: bytes, names: list[str], passed: list[str]) -> bytes | None:

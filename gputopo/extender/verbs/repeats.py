@@ -9,8 +9,9 @@ full on every call, so nothing kept can go stale; they only spare the work of co
 
 - `RepeatedNames`: a filter body ends `,"NodeNames":[...]}` (Go writes ExtenderArgs' fields in order:
   Pod, Nodes, NodeNames). When that tail is byte-identical to one seen before, only the part before it
-  (the Pod) is decoded, and the names are the list decoded then (spelled with the node cache's strings,
-  so that later comparisons of them are by identity). The split is proven, not guessed: the head with a
+  (the Pod) is decoded, and the names are the list decoded then (spelled with the node cache's strings
+  at the first repeat, so that later comparisons of them are by identity; a list seen once, as a lone
+  pod's shrinking node list mostly is, is never spelled). The split is proven, not guessed: the head with a
   closing brace must decode to an object without `NodeNames`, and the tail's array decoded alone, so the
   body is that object plus that array, exactly what decoding it whole gives.
 - `ReasonMaps`: `{name: message}` for every node as one `SameReason` (a read-only mapping) with its JSON
@@ -39,13 +40,14 @@ MIN_NAMES = 64  # shorter lists decode in microseconds: not worth an entry
 @dataclass(frozen=True)
 class _Segment:
     tail: bytes  # `,"NodeNames":[...]}`, the body's last bytes
-    names: list[str]  # the array, decoded and spelled; never handed out (callers get a copy)
+    names: list[str]  # the array, decoded (spelled once `spelled`); never handed out (callers get a copy)
     opened: int  # `brackets(tail)`
+    spelled: bool = False
 
 
 class RepeatedNames:
     """The last few node-name tails of filter bodies and their names (module doc). `spell` maps decoded
-    names to equal strings (the node cache's), once per new tail."""
+    names to equal strings (the node cache's), once per tail that repeats."""
 
     def __init__(self, spell: Callable[[list[str]], list[str]] = list) -> None:
         self.spell = spell
@@ -56,6 +58,8 @@ class RepeatedNames:
         decodes it the usual way)."""
         for seg in self._kept:
             if body.endswith(seg.tail):
+                if not seg.spelled:
+                    seg = self._spelled(seg)
                 head = body[: len(body) - len(seg.tail)]
                 return _joined(head, list(seg.names), brackets(head) + seg.opened)
         return self._learn(body)
@@ -75,11 +79,16 @@ class RepeatedNames:
             return None
         if len(names) < MIN_NAMES or len(tail) > SEGMENT_MAX_BYTES:
             return _joined(body[:at], names, brackets(body))
-        names = self.spell(names)  # this body's names are the kept ones: later comparisons are by identity
         args = _joined(body[:at], list(names), brackets(body))
         if args is not None:
             self._kept = (_Segment(tail, names, brackets(tail)), *self._kept[: SEGMENTS_KEPT - 1])
         return args
+
+    def _spelled(self, seg: _Segment) -> _Segment:
+        """`seg` with its names spelled, put in its place (a segment dropped meanwhile stays dropped)."""
+        done = _Segment(seg.tail, self.spell(seg.names), seg.opened, spelled=True)
+        self._kept = tuple(done if s is seg else s for s in self._kept)
+        return done
 
     def __len__(self) -> int:
         return len(self._kept)

@@ -31,7 +31,7 @@ from gputopo.extender.metrics import Metrics
 from gputopo.extender.state.mismatch import Mismatch
 from gputopo.extender.state.reservations import GroupKey
 from gputopo.extender.state.verdicts import ONE_OUTCOME, Decision, Kinds
-from gputopo.extender.verbs.ahead import Ahead, ranked
+from gputopo.extender.verbs.ahead import Ahead, first, ranked
 from gputopo.extender.verbs.binder import Binder
 from gputopo.extender.verbs.events import MISMATCH_REASON, EventPoster
 from gputopo.extender.verbs.gangs import GroupDesk
@@ -271,11 +271,11 @@ class Extender:
     def _best(
         self, d: Decision, passed: list[str], outcomes: list[Outcome], kinds: Kinds | None, raw: bytes
     ) -> FilterAnswer:
-        """Only the node prioritize would rank first (`ranked`: the engine's score, then best fit above the
+        """Only the node prioritize would rank first (`first`: the engine's score, then best fit above the
         node, then the name) passes: with one feasible node kube-scheduler skips its score plugins and
         the prioritize call, the cost of which is most of what a lone pod adds to its cycle."""
-        scores = ranked(passed, outcomes, kinds, self.ledger.fabric.now().order)
-        i = scores.index(max(scores))
+        i = first(passed, outcomes, kinds, self.ledger.fabric.now().order)
+        i = 0 if i is None else i  # no comparable score (NaN): prioritize would rank every node 0
         one = Kinds([kinds.keys[i]], kinds.verdicts) if kinds is not None else None
         self.ahead.passed(d.outcomes, [passed[i]], [outcomes[i]], one, raw)
         return FilterAnswer([passed[i]], {}, {}, d)

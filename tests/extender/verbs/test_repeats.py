@@ -95,7 +95,7 @@ def test_names_handed_out_are_a_copy_of_the_kept_ones() -> None:
     assert again is not None and again.node_names == NAMES
 
 
-def test_names_are_spelled_once_per_new_tail_and_compare_by_identity() -> None:
+def test_names_are_spelled_once_at_their_first_repeat_and_then_compare_by_identity() -> None:
     spelled: list[int] = []
     canonical = {n: "".join(n) for n in NAMES}
 
@@ -104,8 +104,11 @@ def test_names_are_spelled_once_per_new_tail_and_compare_by_identity() -> None:
         return [canonical.get(n, n) for n in names]
 
     memo = RepeatedNames(spell)
-    answers = [memo.decode(body(p)) for p in (POD, OTHER, POD)]
+    first = memo.decode(body(POD))
+    assert spelled == []  # a list seen once (a lone pod's) is never spelled
+    answers = [memo.decode(body(p)) for p in (OTHER, POD)]
     assert spelled == [len(NAMES)]
+    assert first is not None and first.node_names == NAMES
     assert all(a is not None and a.node_names is not None for a in answers)
     assert all(x is canonical[x] for a in answers if a and a.node_names for x in a.node_names)
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from gputopo.console import inspect
 from gputopo.engine.node.placement import evaluate_pod, rank
-from gputopo.engine.state.scoring import MAX_EXTENDER_SCORE, wire_scores
+from gputopo.engine.state.scoring import MAX_EXTENDER_SCORE, first_ranked, wire_scores
 from gputopo.engine.state.snapshot import node_state
 from gputopo.extender.settings import Settings
 from gputopo.model import parse_pod_request
@@ -58,6 +58,23 @@ def test_wire_scores_equal_the_engines_rank_order(nodes: list[tuple[int, bool]],
     kinds = [k for k, _ in nodes]
     scores = {k: levels[k] for k, fits in nodes if fits}
     assert wire_scores(names, kinds, scores) == _engine_order(names, kinds, scores)
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.booleans()), max_size=40),
+    st.lists(st.floats(0, 1) | st.just(float("nan")), min_size=6, max_size=6),
+    st.booleans(),
+)
+def test_the_one_node_filter_passes_the_node_wire_scores_rank_first(
+    nodes: list[tuple[int, bool]], levels: list[float], by_fit: bool
+) -> None:
+    names = [f"node-{i}" for i in range(len(nodes))]
+    kinds = [k for k, _ in nodes]
+    scores = {k: levels[k] for k, fits in nodes if fits}
+    order = {n: (-(i % 3), n) for i, n in enumerate(names)} if by_fit else None
+    wire = wire_scores(names, kinds, scores, order)
+    want = wire.index(MAX_EXTENDER_SCORE) if MAX_EXTENDER_SCORE in wire else None
+    assert first_ranked(names, kinds, scores, order) == want
 
 
 def test_tp4_prefers_the_fragmented_dgx1v_node_on_the_wire(env: Env) -> None:
