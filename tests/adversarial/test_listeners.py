@@ -587,8 +587,9 @@ def test_a_handshake_flood_from_many_addresses_waits_its_turns_while_the_api_ser
 def test_reviews_are_parsed_off_the_loop_so_probes_answer_while_every_worker_is_held(
     listeners: dict[str, Served], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Reviews held inside their parse (the workers busy, as under a flood of large reviews): the listener's
-    own probes are still answered, and the reviews past the bounded queue get 503 at once."""
+    """Reviews held inside their parse (the workers busy, as under a burst of pod creations): the listener's
+    own probes are still answered, and the API server's reviews past one address's share are queued, not
+    refused (a refused review leaves its pod unmutated): every one is answered once the workers are free."""
     served = listeners["webhook"]
     release = threading.Event()
     threads: list[str] = []
@@ -600,26 +601,26 @@ def test_reviews_are_parsed_off_the_loop_so_probes_answer_while_every_worker_is_
         return admit(*a, **kw)
 
     monkeypatch.setattr(mutation, "admit_pod", held_admit)
-    workers = BoundedWorkers()  # the app's own bounds: 2 threads, 16 queued, 4 per address
+    app: Any = served.server.config.app
+    app.state.review_workers = BoundedWorkers(per_peer=2)  # the API server's burst passes this share
     reviews = b"POST /mutate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(REVIEW), REVIEW)
+    burst = LIMITS.max_connections_per_peer - 2  # three times the share, within the connections of one address
     conns: list[socket.socket] = []
     try:
-        for i in range(workers.per_peer + 1):  # one address: its fifth review is refused at once
+        for i in range(burst):
             conn = served.connect("127.0.3.1", cert="api server")
             conn.sendall(reviews)
             conns.append(conn)
-            if i < workers.per_peer:
-                _eventually("the review is queued", functools.partial(_queued, served, i + 1))
-        status, _, answer = _answer(conns[-1])
-        assert status == 503 and "127.0.3.1" in orjson.loads(answer)["Error"]
+            _eventually("the review is queued", functools.partial(_queued, served, i + 1))
         answered = sum(_probe(served, "127.0.4.1") for _ in range(PROBES))
         assert answered == PROBES
         release.set()
-        assert [_answer(conn)[0] for conn in conns[:-1]] == [200] * workers.per_peer
+        assert [_answer(conn)[0] for conn in conns] == [200] * burst
     finally:
         release.set()
         for conn in conns:
             conn.close()
+        app.state.review_workers = None
     assert threads and all(name.startswith("gputopo-review") for name in threads)
 
 
@@ -631,21 +632,23 @@ def _queued(served: Served, count: int) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("queue", "per_peer", "peers", "refused"),
+    ("queue", "per_peer", "peers", "trusted", "refused"),
     [
-        pytest.param(4, 2, ["a", "a", "a"], 1, id="one address past its share: refused"),
-        pytest.param(4, 2, ["a", "a", "b", "b", "c"], 1, id="past the whole queue: refused"),
-        pytest.param(4, 2, ["a", "b", "c", "d"], 0, id="four addresses within both: all queued"),
+        pytest.param(4, 2, ["a", "a", "a"], False, 1, id="one address past its share: refused"),
+        pytest.param(4, 2, ["a", "a", "a"], True, 0, id="the API server past one address's share: queued"),
+        pytest.param(4, 2, ["a", "a", "b", "b", "c"], False, 1, id="past the whole queue: refused"),
+        pytest.param(4, 2, ["a", "a", "a", "a", "a"], True, 1, id="the API server past the whole queue: refused"),
+        pytest.param(4, 2, ["a", "b", "c", "d"], False, 0, id="four addresses within both: all queued"),
     ],
 )
 def test_the_review_queue_is_bounded_in_all_and_per_address(
-    queue: int, per_peer: int, peers: list[str], refused: int
+    queue: int, per_peer: int, peers: list[str], trusted: bool, refused: int
 ) -> None:
     async def scenario() -> int:
         workers = BoundedWorkers(workers=1, queue=queue, per_peer=per_peer)
         gate = threading.Event()
         outcomes = await asyncio.gather(
-            *(workers.run(p, lambda: gate.wait(WAIT_S)) for p in peers[:-1]),
+            *(workers.run(p, lambda: gate.wait(WAIT_S), trusted=trusted) for p in peers[:-1]),
             _last(workers, peers[-1], gate),
             return_exceptions=True,
         )
@@ -655,11 +658,41 @@ def test_the_review_queue_is_bounded_in_all_and_per_address(
     async def _last(workers: BoundedWorkers, peer: str, gate: threading.Event) -> bool:
         await asyncio.sleep(0)  # the others are queued first
         try:
-            return await workers.run(peer, lambda: True)
+            return await workers.run(peer, lambda: True, trusted=trusted)
         finally:
             gate.set()
 
     assert asyncio.run(scenario()) == refused
+
+
+@pytest.mark.parametrize(
+    ("arrivals", "started"),
+    [
+        pytest.param("aaaab", "aabaa", id="a backlog of one address: another's call starts second in line"),
+        pytest.param("aaabbc", "aabcab", id="three addresses: one call each in turn"),
+        pytest.param("abab", "abab", id="alternating arrivals: in arrival order"),
+    ],
+)
+def test_waiting_reviews_start_round_robin_by_address(arrivals: str, started: str) -> None:
+    """One worker, held by the first call while the rest queue: the order the others start in."""
+
+    async def scenario() -> str:
+        workers = BoundedWorkers(workers=1, queue=64, per_peer=64)
+        gate = threading.Event()
+        order: list[str] = []
+
+        def call(peer: str) -> None:
+            order.append(peer)
+            gate.wait(WAIT_S)
+
+        runs = [asyncio.ensure_future(workers.run(p, functools.partial(call, p))) for p in arrivals]
+        await asyncio.sleep(0)  # every call queued behind the first, which holds the worker
+        gate.set()
+        await asyncio.gather(*runs)
+        workers.close()
+        return "".join(order)
+
+    assert asyncio.run(scenario()) == started
 
 
 @pytest.mark.parametrize(

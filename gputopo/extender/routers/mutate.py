@@ -123,9 +123,10 @@ async def mutate(request: Request, extender: ExtenderDep, metrics: MetricsDep) -
     body = await request.body()
     peer = request.client.host if request.client is not None else "?"
     try:
-        # Parsed off the loop, which answers this listener's probes; bounded in all and per address.
+        # Parsed off the loop, which answers this listener's probes; bounded in all and, unless the caller
+        # proved it is the API server, per address.
         review, admission = await review_workers(request).run(
-            peer, lambda: _read(body, settings.scheduler_name, dra, settings.group_gate)
+            peer, lambda: _read(body, settings.scheduler_name, dra, settings.group_gate), trusted=auth is not None
         )
     except Busy as e:
         metrics.decision("mutate", "busy")
