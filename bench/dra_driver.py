@@ -10,11 +10,16 @@
 - blocks: the same with `--dra-blocks` (the pool: a counters slice and the devices with the clique
   blocks), 2- and 4-GPU claims taking the first free block of their size in the published order;
   slice writes per change count every slice written (the first publish's two are not counted).
+- order: best-fit order's CPU per order (`gputopo.engine.dra.order`), without its work budget (before)
+  and with it (after), side by side: on each named system over random GPUs in use (seeded), and on 32-GPU
+  wirings built against the clique search (each GPU linked to all but its partner, link counts irregular);
+  prints ms per order, the work units spent and how many orders ran past the budget.
 - unprepare: six Prepares whose ResourceClaim reads the API server answers only after `--api-s`
   seconds, then one Unprepare (which needs no API read) over the real unix socket; prints how long
   the Unprepare took.
 
-    .venv/bin/python bench/dra_driver.py [--api-s 2.5] [--skip cliques|bestfit|blocks|unprepare]
+    .venv/bin/python bench/dra_driver.py [--api-s 2.5] [--skip cliques|bestfit|blocks|order|unprepare]
+    .venv/bin/python bench/dra_driver.py --part order   # only the named parts
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -40,12 +45,15 @@ from gputopo.systems import build_system
 NODE = "bench-node"
 
 
-def mesh_minus_matching(n: int = 32) -> NodeTopology:
-    """`n` GPUs, each NVLinked to every other but its partner (2k, 2k+1): 2^(n/2) maximal cliques."""
+def mesh_minus_matching(n: int = 32, strength: Callable[[int, int], int] = lambda _i, _j: 2) -> NodeTopology:
+    """`n` GPUs, each NVLinked to every other but its partner (2k, 2k+1): 2^(n/2) maximal cliques.
+    `strength(i, j)`: the link count of a linked pair (symmetric)."""
     base = build_system("dgx-h100", NODE)
     gpu = base.gpus[0]
     gpus = tuple(gpu.model_copy(update={"index": i, "uuid": f"GPU-bench-{i:04d}", "pci_bus_id": ""}) for i in range(n))
-    links = tuple(tuple(0 if j == i or j == i ^ 1 else 2 for j in range(n)) for i in range(n))
+    links = tuple(
+        tuple(0 if j == i or j == i ^ 1 else strength(min(i, j), max(i, j)) for j in range(n)) for i in range(n)
+    )
     nvlink = base.nvlink.model_copy(update={"links": links})
     return base.model_copy(update={"gpus": gpus, "nvlink": nvlink, "nics": (), "degraded_links": ()})
 
@@ -157,6 +165,58 @@ def bestfit(claims: int = 2000, seed: int = 0, blocks: bool = False) -> None:
         )
 
 
+# Wirings built against the clique search: name -> (GPUs, link count of a linked pair i < j).
+HOSTILE_WIRINGS: dict[str, tuple[int, Callable[[int, int], int]]] = {
+    "mesh-32 minus matching, NV2": (32, lambda _i, _j: 2),
+    "mesh-32 minus matching, NV1-3 irregular": (32, lambda i, j: 1 + (i * j + i + j) % 3),
+    "mesh-24 minus matching, NV1-3 irregular": (24, lambda i, j: 1 + (i * j + i + j) % 3),
+}
+
+
+def _orders(topo: NodeTopology, states: list[frozenset[int]], budget: int) -> tuple[float, float, int, int]:
+    """CPU ms per order (mean, max), the most work units one took, and how many ran past the budget."""
+    from gputopo.engine.dra.devices import encoding
+    from gputopo.engine.dra.order import bounded_order
+    from gputopo.engine.state.cliques import mask_of
+    from gputopo.engine.state.snapshot import shape_of
+
+    shape, part = shape_of(topo), encoding(topo).partitions[0]
+    usable = mask_of([g.index for g in topo.gpus])
+    times, work, capped = [], 0, 0
+    for in_use in states:
+        bounded_order.cache_clear()  # every order computed, none answered from the memo
+        t0 = time.process_time()
+        got = bounded_order(shape, part, usable, mask_of(sorted(in_use)), budget)
+        times.append(1e3 * (time.process_time() - t0))
+        work, capped = max(work, got.work), capped + got.capped
+    return sum(times) / len(times), max(times), work, capped
+
+
+def order(states: int = 200, hostile_states: int = 3, seed: int = 0) -> None:
+    import random
+
+    from gputopo.engine.dra.order import ORDER_BUDGET
+
+    unbounded = 10**15  # the nesting as it was before the budget: every rank to the end
+    rng = random.Random(seed)
+    cases: list[tuple[str, NodeTopology, int]] = [
+        (name, build_system(name, NODE), states)
+        for name in ("dgx-1v", "dgx-h100", "dgx-a100", "hgx-a100-4", "a100-pcie-bridged", "gb200-tray")
+    ]
+    cases += [(name, mesh_minus_matching(n, fn), hostile_states) for name, (n, fn) in HOSTILE_WIRINGS.items()]
+    print(f"order: ms CPU per order (mean / max), most work units, orders past the budget ({ORDER_BUDGET:,})")
+    for name, topo, count in cases:
+        n = len(topo.gpus)
+        picks = [frozenset(rng.sample(range(n), rng.randrange(n))) for _ in range(count - 1)]
+        run = [frozenset(), *picks]
+        b_mean, b_max, b_work, _ = _orders(topo, run, unbounded)
+        a_mean, a_max, a_work, a_capped = _orders(topo, run, ORDER_BUDGET)
+        print(
+            f"order {name:40} {len(run):3} orders: before {b_mean:9.2f} / {b_max:9.2f} ms, {b_work:>13,} units; "
+            f"after {a_mean:6.2f} / {a_max:6.2f} ms, {a_work:>6,} units, {a_capped} capped"
+        )
+
+
 class SlowClaims:
     """A ClaimReader whose every read takes `delay_s`."""
 
@@ -232,15 +292,20 @@ def unprepare(api_s: float) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--api-s", type=float, default=2.5)
-    ap.add_argument("--skip", action="append", default=[], choices=["cliques", "bestfit", "blocks", "unprepare"])
+    parts = ["cliques", "bestfit", "blocks", "order", "unprepare"]
+    ap.add_argument("--skip", action="append", default=[], choices=parts)
+    ap.add_argument("--part", action="append", default=[], choices=parts, help="run only these parts")
     opts = ap.parse_args()
-    if "cliques" not in opts.skip:
+    run = [p for p in (opts.part or parts) if p not in opts.skip]
+    if "cliques" in run:
         cliques()
-    if "bestfit" not in opts.skip:
+    if "bestfit" in run:
         bestfit()
-    if "blocks" not in opts.skip:
+    if "blocks" in run:
         bestfit(blocks=True)
-    if "unprepare" not in opts.skip:
+    if "order" in run:
+        order()
+    if "unprepare" in run:
         unprepare(opts.api_s)
     return 0
 

@@ -5,6 +5,7 @@ and claims cost no write."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -12,8 +13,10 @@ import pytest
 
 from gputopo.agent.dra.driver import ClaimRef
 from gputopo.agent.dra.slices import slice_name
+from gputopo.model import NodeTopology
 from tests.agent.dp_harness import NODE, topology
 from tests.agent.dra_harness import Running, claim_object, running_dra
+from tests.engine.dra.order_fixtures import mesh_minus_matching
 
 
 def _order(r: Running) -> list[int]:
@@ -81,3 +84,24 @@ def test_the_order_follows_the_setting(tmp_path: Path, best_fit: bool, expected:
         r.plugin.update(topology("dgx-1v"))  # a discovery cycle publishes what the setting says
         _until(r, expected)
         assert r.slices.writes == writes + (1 if best_fit else 0)
+
+
+@pytest.mark.parametrize(
+    ("topo", "warnings"),
+    [
+        pytest.param(topology("dgx-1v"), 0, id="a named system: no word"),
+        pytest.param(mesh_minus_matching(32), 1, id="wired against the clique search: said once"),
+    ],
+)
+def test_an_order_past_its_work_budget_is_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, topo: NodeTopology, warnings: int
+) -> None:
+    with (
+        caplog.at_level(logging.WARNING, logger="gputopo.agent.dra.plugin"),
+        running_dra(tmp_path, topo, best_fit_order=True) as r,
+    ):
+        for uid, gpus in (("a", [0, 2]), ("b", [4, 6])):  # each a new order: three in all
+            _prepare(r, uid, gpus)
+            r.plugin.republish()  # waits for the re-publisher's turn: it holds the same lock
+    said = [rec for rec in caplog.records if "work budget" in rec.getMessage()]
+    assert len(said) == warnings

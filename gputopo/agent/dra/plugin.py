@@ -10,6 +10,8 @@ With `best_fit_order` the slice lists the devices so that the allocator's first 
 (`gputopo.engine.dra.order`), from the GPUs the prepared claims hold; every Prepare or Unprepare that
 changes them wakes one thread that re-publishes (changes that come while it writes are coalesced into
 its next write, so at most one slice write follows each change, none when the order stays the same).
+An order that ran past its work budget (a node wired against the clique search) is still correct but
+partly in index order; the first such order is logged once, as a warning.
 The kubelet prepares a claim when its pod arrives, after kube-scheduler allocated it: allocations in
 between read the order before it, which costs only optimality (a device's name is its GPU whatever
 the order).
@@ -36,7 +38,7 @@ from gputopo.agent.dra.server import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR, 
 from gputopo.agent.dra.slices import SliceApi, SlicePublisher, SliceShape
 from gputopo.agent.sysfs import pci_path
 from gputopo.engine.dra.blocks import node_blocks
-from gputopo.engine.dra.devices import DRIVER
+from gputopo.engine.dra.devices import DRIVER, best_fit
 from gputopo.model import NodeTopology
 
 log = logging.getLogger(__name__)
@@ -107,6 +109,7 @@ class DraPlugin:
         self._dirty = threading.Event()
         self._stopping = threading.Event()
         self._republisher: threading.Thread | None = None
+        self._told_capped = False  # the log said once that an order ran past its work budget
 
     def start(self, topology: NodeTopology) -> PublishResult:
         """Raises OSError or ValueError (a socket path too long) before anything is served."""
@@ -160,7 +163,17 @@ class DraPlugin:
             self._topology = topology
             labels = self._labels() if self._labels is not None else None
             in_use = self.driver.in_use() if self.driver is not None else frozenset()
-            return self.publisher.publish(topology, labels=labels, pcie_roots=self._pcie_roots(topology), in_use=in_use)
+            result = self.publisher.publish(
+                topology, labels=labels, pcie_roots=self._pcie_roots(topology), in_use=in_use
+            )
+            if self.config.best_fit_order and not self._told_capped and best_fit(topology, in_use).capped:
+                self._told_capped = True
+                log.warning(
+                    "best-fit order ran past its work budget: the slice lists some GPUs by index (correct, "
+                    "maybe not best fit); this node's NVLink wiring defeats the clique search",
+                    extra={"gpus": len(topology.gpus), "in_use": len(in_use)},
+                )
+            return result
 
     def _block_published(self, mask: int) -> bool:
         """Whether the block over `mask` is one the pool publishes with the topology published last."""

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from gputopo.engine.dra.order import best_fit_order
+from gputopo.engine.dra.order import Order, bounded_order
 from gputopo.engine.state.cliques import bits, capped_cliques, mask_of, popcount
 from gputopo.engine.state.snapshot import shape_of
 from gputopo.model.base import LabelError
@@ -240,7 +240,13 @@ def devices(
         out.append(Device(device_name(i), i, attrs, g.memory_mib, failed))
     if in_use is None:
         return out
-    usable = sum(1 << g.index for g in topology.gpus if g.health is not Health.FAILED)
-    order = best_fit_order(shape_of(topology), enc.partitions[0], usable, mask_of(sorted(in_use)) & usable)
     at = {d.index: d for d in out}
-    return [at[i] for i in order if i in at]
+    return [at[i] for i in best_fit(topology, in_use).gpus if i in at]
+
+
+def best_fit(topology: NodeTopology, in_use: frozenset[int]) -> Order:
+    """The node's GPUs in best-fit order for `in_use` (the GPUs allocated now), within the order's work
+    budget (`gputopo.engine.dra.order`); memoised, so asking again after `devices` costs nothing."""
+    usable = sum(1 << g.index for g in topology.gpus if g.health is not Health.FAILED)
+    busy = mask_of(sorted(in_use)) & usable
+    return bounded_order(shape_of(topology), encoding(topology).partitions[0], usable, busy)
