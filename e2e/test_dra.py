@@ -32,7 +32,7 @@ from gputopo.engine.cluster.explain import gpu_ranges
 from gputopo.engine.dra.claims import claim_template
 from gputopo.engine.state.cliques import mask_of
 from gputopo.engine.state.snapshot import shape_of
-from gputopo.localcluster import TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
+from gputopo.localcluster import PLAIN_PROFILE, TEST_LABEL, ControlPlane, KubeClient, PodScheduling, pod_manifest
 from gputopo.localcluster.kubelet import kubelet_unavailable
 from gputopo.localcluster.nvmlmock import profile_for_system
 from gputopo.localcluster.stack import ChartRelease, KubeletAgent, SchedulerPods, Stack, StackTiming
@@ -74,6 +74,15 @@ def stack(control_plane: ControlPlane, kube: KubeClient) -> Iterator[Stack]:
     yield s
     control_plane.remove(s.scheduler_name)
     control_plane.remove(s.extender_name, grace=3)
+
+
+def _plain_scheduler(stack: Stack) -> str:
+    """The scheduler without the extender (the session's `plain_scheduler`), started here if it is not yet."""
+    try:
+        stack.cp.scheduler_port(PLAIN_PROFILE)
+    except KeyError:
+        stack.cp.start_plain_scheduler()
+    return PLAIN_PROFILE
 
 
 class DraNode:
@@ -144,18 +153,30 @@ class DraNode:
             },
         )
 
+    def pin(self, name: str, indices: Sequence[int]) -> str:
+        """A pod on this node holding GPUs `indices` (its claim's CEL selector picks them by index), placed by
+        the scheduler without the extender: under gputopo's, a claim it cannot read is refused
+        (docs/install.md, "Your own claims")."""
+        return self.pod(name, self.pin_template(indices), scheduler=_plain_scheduler(self.stack))
+
     def pod(
-        self, name: str, template: str, *, anywhere: bool = False, annotations: dict[str, str] | None = None
+        self,
+        name: str,
+        template: str,
+        *,
+        anywhere: bool = False,
+        annotations: dict[str, str] | None = None,
+        scheduler: str | None = None,
     ) -> str:
         """A pod on this node (with `anywhere`: on any node of this test) whose one claim comes from
-        `template`."""
+        `template`, under gputopo's scheduler (or `scheduler`)."""
         full = f"{self.name}-{name}"
         m = pod_manifest(
             full,
             labels={TEST_LABEL: self.test_id},
             annotations=annotations,
             scheduling=PodScheduling(
-                scheduler_name=self.stack.scheduler_name,
+                scheduler_name=scheduler or self.stack.scheduler_name,
                 node_selector={TEST_LABEL: self.test_id} if anywhere else {"kubernetes.io/hostname": self.name},
             ),
         )
@@ -281,8 +302,8 @@ def test_dra_nvml_driver_on_the_real_binding_drops_a_lost_gpu_and_takes_it_back(
 
 def test_dra_tp4_waits_for_a_full_quad_and_tp2_gets_only_nvlink_pairs(dra_node: DraNode) -> None:
     n = dra_node
-    pin0 = n.pod("pin0", n.pin_template([0]))
-    pin5 = n.pod("pin5", n.pin_template([5]))
+    pin0 = n.pin("pin0", [0])
+    pin5 = n.pin("pin5", [5])
     assert (n.running(pin0), n.running(pin5)) == ((0,), (5,))
 
     # GPUs 0 and 5 taken: neither quad is whole, so a TP-4 claim cannot be allocated on this node...
@@ -292,7 +313,7 @@ def test_dra_tp4_waits_for_a_full_quad_and_tp2_gets_only_nvlink_pairs(dra_node: 
     n.delete(pin5)
     assert n.running(tp4) == (4, 5, 6, 7)
     n.delete(tp4)
-    pin5 = n.pod("pin5b", n.pin_template([5]))
+    pin5 = n.pin("pin5b", [5])
     assert n.running(pin5) == (5,)
 
     # TP-2 pods, one after another: each gets an NVLink pair. First fit without the constraint would
@@ -312,7 +333,7 @@ def test_dra_tp4_waits_for_a_full_quad_and_tp2_gets_only_nvlink_pairs(dra_node: 
 def test_dra_without_the_constraint_first_fit_breaks_the_clique(dra_node: DraNode) -> None:
     """The control for the test above: what KEP-5004's plain count gets on the same node."""
     n = dra_node
-    pins = n.pod("pins", n.pin_template([0, 5]))
+    pins = n.pin("pins", [0, 5])
     assert n.running(pins) == (0, 5)
     first = n.pod("any2a", n.tp_template(2, NvlinkPolicy.IGNORE))
     assert n.running(first) == (1, 2)
@@ -332,7 +353,7 @@ def test_dra_tp2_takes_the_cross_quad_pair_when_only_it_is_free(
         if encoding == "list":
             attrs = stack.resource_slices(n.name)[0]["spec"]["devices"][0]["attributes"]
             assert attrs["nvlinkCliques"] == {"strings": ["0-3", "0,4"]}
-        pins = n.pod("pins", n.pin_template([1, 2, 3, 5, 6, 7]))
+        pins = n.pin("pins", [1, 2, 3, 5, 6, 7])
         assert n.running(pins) == (1, 2, 3, 5, 6, 7)
         pair = n.pod("tp2", n.tp_template(2))
         assert n.running(pair) == (0, 4)
@@ -351,7 +372,7 @@ def test_dra_best_fit_order_fills_the_half_used_quad_and_the_placement_names_the
     1.34's allocator goes in slice order too, so the test runs on both releases."""
     n = DraNode(stack, test_id, best_fit=True)
     try:
-        pins = n.pod("pins", n.pin_template([4, 5]))
+        pins = n.pin("pins", [4, 5])
         assert n.running(pins) == (4, 5)
         # The agent re-publishes once the pin's claim is prepared: the half-used quad's free pair first.
         deadline = time.monotonic() + 30
@@ -404,7 +425,7 @@ def test_dra_extender_puts_a_tp2_claim_on_the_fragmented_node(stack: Stack, test
     a = DraNode(stack, test_id, suffix="a")
     b = DraNode(stack, test_id, suffix="b")
     try:
-        pins = a.pod("pins", a.pin_template([0, 5]))
+        pins = a.pin("pins", [0, 5])
         assert a.running(pins) == (0, 5)
         pair = a.pod("tp2", a.tp_template(2), anywhere=True, annotations={"gputopo.io/nvlink": "required"})
         got = a.running(pair)
@@ -442,7 +463,7 @@ def test_dra_webhook_turns_an_opted_in_gpu_pod_into_a_clique_claim(
     ca = hook.ca_file.read_bytes()
     hook.route_pods_to_webhook(name, namespace, side_effects="NoneOnDryRun", timeout_seconds=10)
     try:
-        pins = node.pod("pins", node.pin_template([0, 5]))
+        pins = node.pin("pins", [0, 5])
         assert node.running(pins) == (0, 5)
         pod = pod_manifest(
             "tp2",

@@ -2,13 +2,14 @@
 its GPUs (`--dra-blocks`, sharing counters with them), the chart's block DeviceClasses carry the extended
 resources `gputopo.io/gpu-clique<N>` (KEP-5004), and pods ask for a whole block three ways: the extended
 resource, a claim by class, and the webhook's prioritized list (a block first, else single GPUs of one
-clique). docs/install.md, "Clique blocks: what a pod can ask for".
+clique). docs/install.md, "Clique blocks: what a pod can ask for" and "Your own claims".
 
 The nodes are DGX-1V-shaped real kubelets on Kubernetes' fake CRI, as in e2e/test_dra.py (whose `DraNode`
 this module reuses): quads 0-3 and 4-7 are its 4-GPU blocks; its aligned pairs are 0-1, 2-3, 4-5, 6-7 and
 the cross-quad pairs 0-4 .. 3-7. GPUs are taken by "pin" pods whose one-device claims select single GPUs
-by index. Partitionable devices and extended resources are on by default from 1.36: the block tests skip
-below it, and on 1.34 and 1.35 the last test checks that the claims of single GPUs still land on cliques.
+by index (under the scheduler without the extender: gputopo refuses a CEL selector it cannot evaluate).
+Partitionable devices and extended resources are on by default from 1.36: the block tests skip below it,
+and on 1.34 and 1.35 the last test checks that the claims of single GPUs still land on cliques.
 Needs root and the kubelet and fakecri binaries, as e2e/test_dra.py.
 """
 
@@ -129,7 +130,7 @@ def test_blocks_a_4_gpu_block_by_extended_resource_lands_on_a_whole_clique(stack
     """GPU 1 taken: the pod asking `gputopo.io/gpu-clique4: 1` gets the whole quad 4-7 as one device, its
     placement names exactly those GPUs, and its container is given exactly their UUIDs."""
     n = blocks_node
-    pin = n.pod("pin1", n.pin_template([1]))
+    pin = n.pin("pin1", [1])
     assert n.running(pin) == (1,)
     quad = _block_pod(n, "tp4", 4)
     got = n.running(quad)
@@ -155,13 +156,35 @@ def test_blocks_a_prioritized_list_claim_takes_the_whole_block(blocks_node: DraN
     assert [(r["request"], r["device"]) for r in _results(n, pod)] == [("gpus/block", "block-0-1-2-3")]
 
 
+def test_blocks_a_pod_naming_its_own_block_template_lands_where_the_extender_chose(
+    stack: Stack, blocks_node: DraNode
+) -> None:
+    """GPU 1 taken: a pod naming a template of its own for one `clique4.gpu.gputopo.io` device is a gputopo
+    pod (docs/install.md, "Your own claims"): the extender filters and binds it, expecting the block the
+    allocator gives, and its placement and Event name that block."""
+    n = blocks_node
+    pin = n.pin("pin1", [1])
+    assert n.running(pin) == (1,)
+    one = {"deviceClassName": block_class(4), "allocationMode": "ExactCount", "count": 1}
+    pod = n.pod("own-quad", n.template("own-quad", {"requests": [{"name": "gpus", "exactly": one}]}))
+    got = n.running(pod)
+    assert got == (4, 5, 6, 7)
+    assert [r["device"] for r in _results(n, pod)] == ["block-4-5-6-7"]
+    stored = n.kube.get_pod(NS, pod)
+    placement = parse_placement(stored["metadata"]["annotations"][PLACEMENT_ANNOTATION])
+    assert (placement.node, placement.gpus) == (stored["spec"]["nodeName"], got)
+    assert "block-4-5-6-7, the first free 4-GPU block" in placement.reason
+    event = stack.kube.wait_pod_event(NS, pod, "TopologyPlacement", timeout=60)
+    assert "block-4-5-6-7" in event.message
+
+
 def test_blocks_a_2_gpu_block_beside_a_half_used_and_a_whole_quad_takes_the_half_used(
     stack: Stack, blocks_node: DraNode
 ) -> None:
     """GPUs 4 and 5 taken: a 2-GPU block goes to 6-7, leaving the quad 0-3 whole for a 4-GPU block, and
     the extender's placement names the block the allocator gave."""
     n = blocks_node
-    pins = n.pod("pins", n.pin_template([4, 5]))
+    pins = n.pin("pins", [4, 5])
     assert n.running(pins) == (4, 5)
     _first_pair_is(stack, n, "block-6-7")
     pair = _block_pod(n, "tp2", 2)
@@ -182,7 +205,7 @@ def test_blocks_before_136_claims_of_single_gpus_still_land_on_cliques(
     assert not {block_class(s) for s in BLOCK_SIZES} & {c["metadata"]["name"] for c in items}
     n = DraNode(stack, test_id)
     try:
-        pins = n.pod("pins", n.pin_template([0, 5]))
+        pins = n.pin("pins", [0, 5])
         assert n.running(pins) == (0, 5)
         t = claim_template(PodRequest(gpus=2), list_attributes=False)
         pod = n.pod("tp2", n.template(t.name, dict(t.devices)), annotations={"gputopo.io/nvlink": "required"})
@@ -211,7 +234,7 @@ def test_blocks_the_pool_shares_counters_and_a_gpu_of_a_taken_block_waits(stack:
     (block,) = [r["device"] for r in _results(n, quad)]
     assert block_gpus(block) == gpus and gpus in ((0, 1, 2, 3), (4, 5, 6, 7))
     assert n.claim_of(quad)["metadata"]["uid"] in n.checkpoint()
-    pin = n.pod("pin", n.pin_template([gpus[0]]))
+    pin = n.pin("pin", [gpus[0]])
     assert "cannot allocate all claims" in n.unschedulable(pin)
 
 

@@ -179,9 +179,10 @@ def run(args: argparse.Namespace) -> int:
             items, _ = source.list_objects(kind)
             cache.replace(kind, items)
         # Jobs give the sizes of inferred groups (gputopo.model.jobs); without them such a group waits.
-        # DRA's slices and claims give the GPUs claims hold (a clique block counts as its GPUs); a cluster
-        # without resource.k8s.io, or a reader not allowed to list it, has none.
-        for kind in ("jobs", "resourceslices", "resourceclaims"):
+        # DRA's slices and claims give the GPUs claims hold (a clique block counts as its GPUs), and the claim
+        # templates what a pod's own claim asks; a cluster without resource.k8s.io, or a reader not allowed to
+        # list it, has none (a pod naming a template then waits for them).
+        for kind in ("jobs", "resourceslices", "resourceclaims", "resourceclaimtemplates"):
             with contextlib.suppress(KubeError):
                 cache.replace(kind, source.list_objects(kind)[0])
     except KubeError as e:

@@ -8,9 +8,9 @@ engine, the agent and the extender all sit above it.
 Modules: `names` (keys and shared names), `base` (AnnotationError, the wire base), `topology`, `fabric`
 (NVLink fabric health), `inuse` (gpus-in-use), `rails`, `quantity`, `k8snames` (names, integers and times as
 the API server reads them), `request` (pod annotations) and `placement`: import them from `gputopo.model`,
-where every public name of theirs is. Besides them: `pod` and `podspec` (the
-one Pod reader and its GPU count), `claimtemplate` (the one ResourceClaimTemplate reader), `dra`, `gates`,
-`jobs`, imported by their module names.
+where every public name of theirs is. Besides them: `pod` and `podspec` (the one Pod reader and its GPU
+count), `claimtemplate` (the one ResourceClaimTemplate reader), `claimask` (what a claim asks of gputopo's
+devices), `dra`, `gates`, `jobs`, imported by their module names.
 """
 
 from gputopo.model.base import (

@@ -1,8 +1,9 @@
 """A ResourceClaimTemplate object (resource.k8s.io/v1), read once: the project's one reader of them. Pure.
 
-Three parts of the extender read templates, all through here: the ComputeDomain channel templates'
-informer (gputopo.extender.watch.computedomains: which templates ask for an IMEX channel, and the
-ComputeDomain UID NVIDIA's driver labels them with), the webhook's check of a template of gputopo's name
+Three parts of the extender read templates, all through here: the templates informer
+(gputopo.extender.watch.computedomains: which templates ask for an IMEX channel, and the ComputeDomain UID
+NVIDIA's driver labels them with; and, through gputopo.model.claimask, what a hand-written template asks of
+gputopo's devices), the webhook's check of a template of gputopo's name
 (gputopo.extender.webhook.templatecheck: the claim spec it holds) and the keeper's collector
 (gputopo.extender.webhook.claimtemplates: the identity and preconditions of gputopo's own templates).
 gputopo.engine.dra.claims builds the templates gputopo writes, stamped with the labels and the spec

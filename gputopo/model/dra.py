@@ -54,6 +54,12 @@ COUNTER_SET = "gpus"  # the node's counter set: one counter per GPU, value 1
 BLOCK_PREFIX = "block"  # a block device: `block-0-1-2-3`, or `block-x<hex mask>` past 63 characters
 BLOCK_SIZES = (2, 4, 8, 16)  # the sizes a block is published in, each with its DeviceClass
 MAX_DEVICE_NAME = 63
+# The clique attributes a claim's `matchAttribute` names (gputopo.engine.dra.devices publishes them; the
+# webhook's claims and the hand-written claims gputopo reads, gputopo.model.claimask, constrain on them):
+# a list of clique ids, and PARTITIONS scalar partitions `nvlinkPartition0..`.
+ATTR_CLIQUES = "nvlinkCliques"
+ATTR_PARTITION = "nvlinkPartition"
+PARTITIONS = 4  # every device carries them all: enough for DGX-1V (2) with room to spare
 BLOCK_RESOURCE_PREFIX = "gputopo.io/gpu-clique"  # + the size: each block class's extended resource
 _BLOCK_HEX = re.compile(r"x[1-9a-f][0-9a-f]{0,1023}")
 
@@ -99,6 +105,15 @@ def device_gpus(name: str) -> tuple[int, ...] | None:
     a name that is not ours."""
     index = device_index(name)
     return (index,) if index is not None else block_gpus(name)
+
+
+def qualified(name: str) -> str:
+    """An attribute's full name as a claim's constraint or CEL selector names it."""
+    return name if "/" in name else f"{DRIVER}/{name}"
+
+
+def partition_attribute(p: int) -> str:
+    return f"{ATTR_PARTITION}{p}"
 
 
 def block_class(size: int) -> str:

@@ -24,7 +24,7 @@ SECTION = "### Clique blocks: what a pod can ask for"
 def section() -> str:
     text = (REPO / "docs" / "install.md").read_text()
     start = text.index(SECTION)
-    return text[start : text.index("\n## ", start)]
+    return text[start : min(text.index("\n## ", start), text.index("\n### ", start + 1))]
 
 
 def examples() -> list[dict[str, Any]]:

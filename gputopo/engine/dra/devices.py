@@ -38,14 +38,18 @@ from gputopo.engine.dra.order import Order, bounded_order
 from gputopo.engine.state.cliques import bits, capped_cliques, mask_of, popcount
 from gputopo.engine.state.snapshot import shape_of
 from gputopo.model.base import LabelError
+from gputopo.model.dra import ATTR_CLIQUES as ATTR_CLIQUES
+from gputopo.model.dra import ATTR_PARTITION as ATTR_PARTITION
 from gputopo.model.dra import DEVICE_CLASS as DEVICE_CLASS
 from gputopo.model.dra import DRIVER as DRIVER
+from gputopo.model.dra import PARTITIONS as PARTITIONS
 from gputopo.model.dra import device_index as device_index
 from gputopo.model.dra import device_name as device_name
+from gputopo.model.dra import partition_attribute as partition_attribute
+from gputopo.model.dra import qualified as qualified
 from gputopo.model.rails import gpu_rail_masks, nic_rails
 from gputopo.model.topology import Health, NodeTopology
 
-PARTITIONS = 4  # scalar partitions every device carries: enough for DGX-1V (2) with room to spare
 # Real systems have a handful of maximal cliques (DGX-1V: 6, NVSwitch: 1); a node past these is
 # adversarial or broken, and its encoding is capped (see the module's docstring).
 MAX_CLIQUES = 64
@@ -56,8 +60,8 @@ MAX_ID_CHARS = 64  # DeviceAttributeMaxValueLength: a longer clique id would be 
 ATTR_INDEX = "index"
 ATTR_UUID = "uuid"
 ATTR_PRODUCT = "productName"
-ATTR_CLIQUES = "nvlinkCliques"  # list attribute
-ATTR_PARTITION = "nvlinkPartition"  # + partition number
+# ATTR_CLIQUES (the list attribute) and ATTR_PARTITION (+ partition number): gputopo.model.dra, which the
+# reader of hand-written claims shares.
 ATTR_CLIQUE_SIZE = "nvlinkCliqueSize"  # the largest clique this GPU is in
 ATTR_RAIL = "rail"
 ATTR_IMPAIRED = "nvlinkImpaired"  # the GPU is degraded or one of its NVLink links is
@@ -71,15 +75,6 @@ STD_PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
 STD_NUMA_NODE = "resource.kubernetes.io/numaNode"
 
 Scalar = bool | int | str
-
-
-def qualified(name: str) -> str:
-    """An attribute's full name as a claim's constraint or CEL selector names it."""
-    return name if "/" in name else f"{DRIVER}/{name}"
-
-
-def partition_attribute(p: int) -> str:
-    return f"{ATTR_PARTITION}{p}"
 
 
 def greedy_cover(adj: Sequence[int], usable: int) -> list[int]:

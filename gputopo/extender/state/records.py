@@ -1,7 +1,7 @@
 """The records the ledger keeps of API objects (a Node's facts, its ledger entry, a pod's record), and the
 refusal of an object that cannot be read (`BadObject`, naming the field). The parsers that turn API objects into
 these records are `gputopo.extender.watch.parsers`; which ComputeDomain a pod's claims join is read through a
-`ChannelReader` the cache hands them.
+`ChannelReader` the cache hands them, and what their hand-written claim templates ask through an `AskReader`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from gputopo.model import (
     Placement,
     PodRequest,
 )
+from gputopo.model.claimask import NO_ASK, ClaimAsk
 
 log = logging.getLogger("gputopo.extender.state.records")
 
@@ -119,6 +120,11 @@ class PodRecord:
     topology_gated: bool = False  # Kueue has not written its topology domain yet
     gates: tuple[str, ...] = ()  # PodInfo's: gputopo's gate is lifted by gputopo.extender.verbs.groupgates
     claim_templates: tuple[str, ...] = ()  # PodInfo's: its ComputeDomain is read again when a template changes
+    # PodInfo's block ask (gputopo.model.blockrequest), kept so that a record read again asks what the pod asks.
+    block: int = 0
+    block_problem: str = ""
+    # Of `gpus`, those its hand-written claim template asks (gputopo.model.claimask); the rest are PodInfo's.
+    claim_gpus: int = 0
     # metadata.creationTimestamp (epoch seconds; None: unreadable, or no gputopo gate on it): when gputopo's gate
     # was added (gputopo.model.gates.gated_since). Not compared: a record built again without the object
     # (re-inference) is the same record, and the ledger keeps the time it read.
@@ -149,3 +155,14 @@ ChannelReader = Callable[[str, tuple[str, ...]], tuple[str | None, str]]
 def no_channels(_namespace: str, _templates: tuple[str, ...]) -> tuple[str | None, str]:
     """The reader where no templates are watched (snapshot mode, `gputopo explain` offline): no channels."""
     return None, ""
+
+
+# What a pod's hand-written claim templates ask of gputopo's devices: (namespace, its claims' template names) ->
+# (the template that asks, its ask: gputopo.model.claimask). The cache hands the templates' table
+# (gputopo.extender.watch.templateasks); waiting for the first list is the ChannelReader's.
+AskReader = Callable[[str, tuple[str, ...]], tuple[str, ClaimAsk]]
+
+
+def no_asks(_namespace: str, _templates: tuple[str, ...]) -> tuple[str, ClaimAsk]:
+    """The reader where no templates are watched: no template asks for anything."""
+    return "", NO_ASK

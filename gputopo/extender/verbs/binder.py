@@ -38,9 +38,9 @@ from gputopo.engine.state.scoring import grade
 from gputopo.engine.state.snapshot import NodeState
 from gputopo.extender.state.ledger import Ledger
 from gputopo.extender.state.locks import StripedLocks
-from gputopo.extender.state.records import ChannelReader, no_channels
+from gputopo.extender.state.records import AskReader, ChannelReader, no_asks, no_channels
 from gputopo.extender.verbs.events import EventPoster
-from gputopo.extender.watch.parsers import record_of, resolve_pod
+from gputopo.extender.watch.parsers import Resolved, record_of, resolve_pod
 from gputopo.extender.watch.source import JSON, ClusterSource
 from gputopo.extender.wire import PodInfo, pod_info
 from gputopo.kube import KubeError
@@ -86,6 +86,7 @@ class Binder:
         self.allocated = allocated  # a ResourceClaim as the cache last saw it allocated with our GPUs
         self.locks = StripedLocks()
         self.channels: ChannelReader = no_channels  # which ComputeDomain a pod's claims join (the cache's)
+        self.asks: AskReader = no_asks  # what its hand-written claim templates ask (the cache's)
         # The ComputeDomain rules on one node as the filter applies them (the service's); none by default.
         self.rules: Callable[[PodRequest, str, Outcome], Outcome] = lambda _req, _node, outcome: outcome
         self._caps: tuple[int, dict[str, int | None]] = (-1, {})  # (ledger.where_version, domain -> its cap)
@@ -148,6 +149,7 @@ class Binder:
                     self.facts(info.namespace),
                     scheduler=self.ledger.scheduler_name,
                     channels=self.channels,
+                    asks=self.asks,
                 ),
             )
         finally:
@@ -172,7 +174,12 @@ class Binder:
         """A gputopo pod: annotated, or a member of a group its controller's labels give."""
         if is_gputopo_pod(info.annotations):
             return True
-        return resolve_pod(info, self.ledger.tier_names, scheduler=info.scheduler_name, channels=self.channels).opted_in
+        return self._resolve(info).opted_in
+
+    def _resolve(self, info: PodInfo) -> Resolved:
+        return resolve_pod(
+            info, self.ledger.tier_names, scheduler=info.scheduler_name, channels=self.channels, asks=self.asks
+        )
 
     def claimed_gpus(self, source: ClusterSource, info: PodInfo, node: str) -> frozenset[int] | None:
         """Our GPUs on `node` that the pod's ResourceClaims hold now, or None when a claim cannot be read
@@ -204,7 +211,7 @@ class Binder:
         if rec is not None and rec.inferred is not None and rec.request is not None:
             req = rec.request
         else:
-            resolved = resolve_pod(info, self.ledger.tier_names, scheduler=info.scheduler_name, channels=self.channels)
+            resolved = self._resolve(info)
             if resolved.request is None:
                 return resolved.problem or f"pod {info.ref} is no gputopo pod"
             req = resolved.request

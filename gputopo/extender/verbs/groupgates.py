@@ -136,7 +136,9 @@ def plan_with(desk: GroupDesk) -> GroupPlanner:
             uid=rec.uid,
             annotations={**dict(rec.job_keys), **dict(rec.own)},  # as re-inference rebuilds a pod
             labels=dict(rec.job_keys),
-            gpus=rec.gpus,
+            gpus=rec.gpus - rec.claim_gpus,
+            block=rec.block,
+            block_problem=rec.block_problem,
             scheduler_name=rec.scheduler_name,
             phase=rec.phase,
             priority=rec.priority,

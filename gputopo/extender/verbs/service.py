@@ -101,7 +101,7 @@ class Extender:
         self.binder = Binder(
             self.ledger, lambda: self.source, self.events, cache.facts, self.recent.recall, cache.dra.allocated
         )
-        self.binder.channels = cache.channels
+        self.binder.channels, self.binder.asks = cache.channels, cache.asks
         self.binder.rules = self._rules_on
         self.ledger.on_mismatch = self._on_mismatch
         cache.on_bad_object = self._on_bad_object
@@ -142,8 +142,10 @@ class Extender:
         ledger = self.ledger
         # kube-scheduler sends only its gputopo profile's pods: a known controller's labels make one a
         # group member without annotations (gputopo.model.jobs; annotations override).
-        facts, channels = self.cache.facts(info.namespace), self.cache.channels
-        resolved = resolve_pod(info, ledger.tier_names, facts, scheduler=info.scheduler_name, channels=channels)
+        facts, cache = self.cache.facts(info.namespace), self.cache
+        resolved = resolve_pod(
+            info, ledger.tier_names, facts, scheduler=info.scheduler_name, channels=cache.channels, asks=cache.asks
+        )
         if not resolved.opted_in:
             return Decision("pass_through")
         if resolved.waiting:

@@ -34,6 +34,7 @@ from gputopo.extender.watch.jobsets import JobSets
 from gputopo.extender.watch.parsers import leader_lease, lease_renewal, node_facts, pod_key, pod_record
 from gputopo.extender.watch.quotas import Quotas
 from gputopo.extender.watch.source import JSON, Kind
+from gputopo.extender.watch.templateasks import TemplateAsks
 from gputopo.kube import KIND_NAMES, LEASES, NODES, PODS, watched
 from gputopo.model import DEFAULT_NAMESPACE, ControllerFacts, GpusInUse
 
@@ -115,8 +116,9 @@ class ClusterCache:
         self.compute_domain_sizes = ComputeDomainSizes(self._bad)
         self.jobsets = JobSets(self.ledger, self._bad)
         self.quotas = Quotas(self._bad)
+        self.asks = self.controllers.asks = TemplateAsks()
         self.channels = self.controllers.channels = ChannelTemplates(
-            self._bad, self._templates_changed, owners=self.compute_domain_sizes
+            self._bad, self._templates_changed, owners=self.compute_domain_sizes, asks=self.asks
         )
         self.handlers = check_handlers(
             {
@@ -239,7 +241,9 @@ class ClusterCache:
 
     def _pod_record(self, obj: JSON) -> PodRecord | None:
         facts, scheduler = self.controllers.facts_for(obj), self.ledger.scheduler_name
-        return pod_record(obj, self.ledger.tier_names, facts, scheduler=scheduler, channels=self.channels)
+        return pod_record(
+            obj, self.ledger.tier_names, facts, scheduler=scheduler, channels=self.channels, asks=self.asks
+        )
 
     def _templates_changed(self, keys: set[Key] | None) -> None:
         """Read again the pods that name a template whose answer changed (None: every one naming one)."""

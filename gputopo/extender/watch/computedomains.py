@@ -29,7 +29,9 @@ template; when one arrives or changes, the pods naming it are read again (`on_ch
 after the first list: every pod that names a template).
 
 Each template is read by the project's one ResourceClaimTemplate reader (`gputopo.model.claimtemplate`): its
-channel request and its driver label; one it cannot read is reported as a bad object, naming the field.
+channel request and its driver label; one it cannot read is reported as a bad object, naming the field. Each
+readable template is also handed to `asks` (gputopo.extender.watch.templateasks: what a hand-written template
+asks of gputopo's devices), and a template whose ask changed reads its pods again, as a channel's change does.
 """
 
 from __future__ import annotations
@@ -37,12 +39,12 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from gputopo.extender.watch.handlers import Bad, KindHandler, each_readable, object_at
 from gputopo.kube import COMPUTEDOMAINS, JSON, RESOURCECLAIMTEMPLATES
 from gputopo.model.claimtemplate import CHANNEL_DEVICE_CLASS as CHANNEL_DEVICE_CLASS  # e2e and bench name it here
-from gputopo.model.claimtemplate import read_claim_template
+from gputopo.model.claimtemplate import ClaimTemplateInfo, read_claim_template
 from gputopo.model.dra import TEMPLATE_PREFIX
 
 log = logging.getLogger("gputopo.extender.watch.computedomains")
@@ -98,6 +100,14 @@ class PerNamespace:
         self.counts.clear()
 
 
+class AskTable(Protocol):
+    """Told of every readable template, as this informer reads it (gputopo.extender.watch.templateasks)."""
+
+    def replace(self, templates: list[ClaimTemplateInfo]) -> set[Key]: ...
+
+    def apply(self, template: ClaimTemplateInfo, *, deleted: bool = False) -> bool: ...
+
+
 class ChannelTemplates:
     """The channel templates by (namespace, name): a `ChannelReader` over the templates informer (module doc).
     `owners`: the ComputeDomains read from their objects, which alone name a UID where they are served."""
@@ -108,11 +118,13 @@ class ChannelTemplates:
         on_change: Callable[[set[Key] | None], None] = lambda keys: None,
         *,
         owners: ComputeDomainSizes | None = None,
+        asks: AskTable | None = None,
         max_per_namespace: int = MAX_PER_NAMESPACE,
     ) -> None:
         self._bad = bad
         self.on_change = on_change
         self.owners = owners
+        self.asks = asks  # what hand-written templates ask of gputopo's devices (watch/templateasks), fed here
         self.channels: set[Key] = set()
         self._claims: dict[str, set[Key]] = {}  # a ComputeDomain UID (a template's driver label) -> the templates
         self._uid_of: dict[Key, str] = {}
@@ -177,24 +189,28 @@ class ChannelTemplates:
         before = self.channels
         self.channels, self._claims, self._uid_of = set(), {}, {}
         self._room.clear()
-        for _, template in each_readable(RESOURCECLAIMTEMPLATES.name, items, read_claim_template, self._bad):
+        templates = [t for _, t in each_readable(RESOURCECLAIMTEMPLATES.name, items, read_claim_template, self._bad)]
+        for template in templates:
             if template.channel:
                 self._keep(template.meta.key, template.meta.compute_domain_uid)
+        asked = self.asks.replace(templates) if self.asks is not None else set()
         first, self.listed = not self.listed, True
         if first:
             self.on_change(None)  # every pod that names a template: those waiting for this list among them
-        elif before != self.channels:
-            self.on_change(before ^ self.channels)
+        elif before != self.channels or asked:
+            self.on_change((before ^ self.channels) | asked)
 
     def apply(self, event_type: str, obj: JSON) -> None:
         template = read_claim_template(obj)
         key = template.meta.key
         was = key in self.channels
-        if event_type == "DELETED" or not template.channel:
+        deleted = event_type == "DELETED"
+        if deleted or not template.channel:
             self._forget(key)
-        elif not self._keep(key, template.meta.compute_domain_uid):
-            return
-        if was != (key in self.channels):
+        else:
+            self._keep(key, template.meta.compute_domain_uid)
+        asked = self.asks.apply(template, deleted=deleted) if self.asks is not None else False
+        if was != (key in self.channels) or asked:
             self.on_change({key})
 
     def namespaces_held(self) -> dict[str, int]:

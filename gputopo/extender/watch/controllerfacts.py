@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from gputopo.extender.state.ledger import Ledger
 from gputopo.extender.state.podindex import ControllerRef
-from gputopo.extender.state.records import ChannelReader, PodRecord, no_channels
+from gputopo.extender.state.records import AskReader, ChannelReader, PodRecord, no_asks, no_channels
 from gputopo.extender.watch.handlers import Bad, KindHandler, each_readable
 from gputopo.extender.watch.parsers import job_shape, podgroup_of, record_of
 from gputopo.extender.wire import PodInfo
@@ -40,6 +40,7 @@ class Controllers:
         # labelled pod of its namespace, the reference the index is checked and measured against.
         self.by_object = True
         self.channels: ChannelReader = no_channels  # the cache's templates: a record read again keeps its CD
+        self.asks: AskReader = no_asks  # and what its hand-written claim template asks
 
     def handlers(self) -> dict[str, KindHandler]:
         return {
@@ -178,7 +179,9 @@ class Controllers:
             uid=rec.uid,
             annotations={**keys, **dict(rec.own)},
             labels=keys,
-            gpus=rec.gpus,
+            gpus=rec.gpus - rec.claim_gpus,  # what its claim template asks is read again from the template
+            block=rec.block,
+            block_problem=rec.block_problem,
             scheduler_name=rec.scheduler_name,
             node_name=rec.node_name,
             phase=rec.phase,
@@ -192,7 +195,12 @@ class Controllers:
         )
         facts = self.facts(rec.namespace)
         again = record_of(
-            info, self.ledger.tier_names, facts, scheduler=self.ledger.scheduler_name, channels=self.channels
+            info,
+            self.ledger.tier_names,
+            facts,
+            scheduler=self.ledger.scheduler_name,
+            channels=self.channels,
+            asks=self.asks,
         )
         return again if again is None or rec.placement is None else dataclasses.replace(again, placement=rec.placement)
 

@@ -18,11 +18,13 @@ from gputopo.engine.state.reasons import Reason
 from gputopo.extender.state.leadership import MAX_HOLDER, MAX_LEASE_SECONDS, LeaseHold
 from gputopo.extender.state.records import (
     MAX_VALUE_BYTES,
+    AskReader,
     BadObject,
     ChannelReader,
     NodeEntry,
     NodeFacts,
     PodRecord,
+    no_asks,
     no_channels,
     object_name,
     short,
@@ -35,6 +37,8 @@ from gputopo.model import (
     AGENT_LEASE_PREFIX,
     ANN_GROUP,
     ANN_GROUP_SIZE,
+    ANN_NVLINK,
+    GPU_RESOURCE,
     GPUS_IN_USE_ANNOTATION,
     NO_FACTS,
     PLACEMENT_ANNOTATION,
@@ -47,6 +51,7 @@ from gputopo.model import (
     InferredGroup,
     JobShape,
     NodeTopology,
+    NvlinkPolicy,
     PodRequest,
     infer_group,
     parse_gpus_in_use_report,
@@ -54,6 +59,8 @@ from gputopo.model import (
     parse_pod_request,
     parse_topology,
 )
+from gputopo.model.claimask import NO_ASK, ClaimAsk
+from gputopo.model.dra import BLOCK_RESOURCE_PREFIX, TEMPLATE_PREFIX, block_resource
 from gputopo.model.gates import GROUP_GATE
 from gputopo.model.jobs import (
     JOB_KEYS,
@@ -132,22 +139,56 @@ class Resolved:
     problem: str = ""
     waiting: bool = False  # the group's size is in a controller object not seen yet
     group: str | None = None  # the group, even when `request` is None
+    claim_gpus: int = 0  # the GPUs its hand-written claim template asks (gputopo.model.claimask)
 
 
 class How(TypedDict, total=False):
     scheduler: str  # the scheduler whose pods opt in by their controller's labels (SCHEDULER_NAME)
     channels: ChannelReader  # which ComputeDomain a pod's claims join (none)
+    asks: AskReader  # what its hand-written claim templates ask of gputopo's devices (nothing)
+
+
+def _other_way(info: PodInfo) -> str:
+    """How else a pod asks for GPUs, in words ("" for no other way)."""
+    if info.block:
+        return block_resource(info.block)
+    if info.block_problem:
+        return f"{BLOCK_RESOURCE_PREFIX}<N>"
+    own = [n for n in info.claim_templates if n.startswith(TEMPLATE_PREFIX + "-")]
+    if own:
+        return f"gputopo's ResourceClaimTemplate {own[0]}"
+    return f"{GPU_RESOURCE}: {info.gpus}" if info.gpus else ""
+
+
+def _claim_problem(info: PodInfo, template: str, ask: ClaimAsk) -> str:
+    """Why what the pod's hand-written claim asks cannot be placed ("" when it can, or asks nothing)."""
+    if not ask.asks:
+        return ""
+    other = _other_way(info)
+    if other:
+        return f"ResourceClaimTemplate {short(template, 80)} beside {other}: a pod asks for GPUs one way; drop one"
+    if ask.problem:
+        return ask.problem
+    nvlink = info.annotations.get(ANN_NVLINK)
+    if not ask.block and ask.gpus > 1 and nvlink is not None and nvlink.strip() != NvlinkPolicy.REQUIRED.value:
+        why = f"ResourceClaimTemplate {short(template, 80)} asks {ask.gpus} GPUs of one NVLink clique"
+        return str(AnnotationError(ANN_NVLINK, nvlink, why))
+    return ""
 
 
 def resolve_pod(
     info: PodInfo, tiers: tuple[str, ...], facts: ControllerFacts = NO_FACTS, **how: Unpack[How]
 ) -> Resolved:
     """Read a pod's request: its `gputopo.io/` annotations and, for a pod under `scheduler`, its
-    controller's labels with `facts` (the controller objects of its namespace), and the ComputeDomain whose
-    IMEX channel its claims name (`channels`; such a claim alone opts a pod under `scheduler` in)."""
+    controller's labels with `facts` (the controller objects of its namespace), the ComputeDomain whose
+    IMEX channel its claims name (`channels`) and what its hand-written claim templates ask of gputopo's
+    devices (`asks`); such a claim alone opts a pod under `scheduler` in."""
     ann, scheduler, channels = info.annotations, how.get("scheduler", SCHEDULER_NAME), how.get("channels", no_channels)
     annotated = any(k.startswith(PREFIX) and k != PLACEMENT_ANNOTATION for k in ann)
     cd, wait = channels(info.namespace, info.claim_templates) if info.claim_templates else (None, "")
+    template, ask = (
+        how.get("asks", no_asks)(info.namespace, info.claim_templates) if info.claim_templates else ("", NO_ASK)
+    )
     inferred: InferredGroup | None = None
     if annotated or info.scheduler_name == scheduler:
         try:
@@ -155,26 +196,33 @@ def resolve_pod(
         except AnnotationError as e:
             group = ann.get(ANN_GROUP, "").strip() or group_identity(info.labels, info.pod_group)
             return Resolved(True, None, None, str(e), group=group)
-    # A block resource (gputopo.model.blockrequest) opts a pod under `scheduler` in, as an IMEX channel does.
-    blocks = info.block or info.block_problem
+    # A block resource (gputopo.model.blockrequest) or a claim asking gputopo's devices opts a pod under
+    # `scheduler` in, as an IMEX channel does.
+    blocks = info.block or info.block_problem or ask.asks
     if not annotated and inferred is None and not (info.scheduler_name == scheduler and (cd or wait or blocks)):
         return Resolved(False, None)
+    named_group = ann.get(ANN_GROUP, "").strip() or None
     if info.block_problem:
-        return Resolved(True, None, inferred, info.block_problem, group=ann.get(ANN_GROUP, "").strip() or None)
+        return Resolved(True, None, inferred, info.block_problem, group=named_group)
     if wait:
-        return Resolved(True, None, inferred, wait, waiting=True, group=ann.get(ANN_GROUP, "").strip() or None)
+        return Resolved(True, None, inferred, wait, waiting=True, group=named_group)
+    if problem := _claim_problem(info, template, ask):
+        return Resolved(True, None, inferred, problem, group=named_group or (inferred.group if inferred else None))
     if inferred is not None and inferred.size is None and ANN_GROUP_SIZE not in ann:
         why = f"group {inferred.group}: waiting: {inferred.waiting}"
-        return Resolved(True, None, inferred, why, waiting=True, group=ann.get(ANN_GROUP, "").strip() or inferred.group)
+        return Resolved(True, None, inferred, why, waiting=True, group=named_group or inferred.group)
+    gpus, block = (ask.gpus, ask.gpus if ask.block else 0) if ask.gpus else (info.gpus, info.block)
     try:
-        request = parse_pod_request(ann, info.gpus, tiers, inferred, info.block)
+        request = parse_pod_request(ann, gpus, tiers, inferred, block)
     except AnnotationError as e:
-        group = ann.get(ANN_GROUP, "").strip() or (inferred.group if inferred else None)
+        group = named_group or (inferred.group if inferred else None)
         return Resolved(True, None, inferred, str(e), group=group)
     if info.selector_problem and request.is_group:  # its nodeSelector cannot be planned with: say which field
         return Resolved(True, None, inferred, info.selector_problem, group=request.group)
+    if ask.gpus > 1 and not ask.block:  # N GPUs of one clique: the claim's constraint, whatever else it says
+        request = request.model_copy(update={"nvlink": NvlinkPolicy.REQUIRED})
     request = request.model_copy(update={"compute_domain": cd}) if cd else request
-    return Resolved(True, request, inferred, group=request.group)
+    return Resolved(True, request, inferred, group=request.group, claim_gpus=ask.gpus)
 
 
 def pod_record(
@@ -214,7 +262,8 @@ def record_of(
             placement = parse_placement(ann[PLACEMENT_ANNOTATION])
         except AnnotationError as e:
             log.warning("ignoring unreadable placement annotation", extra={"pod": info.ref, "error": short(str(e))})
-    if placement is not None and len(placement.gpus) > info.gpus:  # holds no more than it asks, whatever it lists
+    gpus = info.gpus + resolved.claim_gpus
+    if placement is not None and len(placement.gpus) > gpus:  # holds no more than it asks, whatever it lists
         log.warning("placement lists more GPUs than the pod asks; holding none by it", extra={"pod": info.ref})
         placement = placement.model_copy(update={"gpus": ()})
     keys = tuple(
@@ -232,7 +281,7 @@ def record_of(
         name=info.name,
         node_name=info.node_name,
         phase=info.phase,
-        gpus=info.gpus,
+        gpus=gpus,
         group=resolved.group,
         group_size=size,
         request=resolved.request,
@@ -251,6 +300,9 @@ def record_of(
         topology_gated=info.topology_gated,
         gates=info.gates,
         claim_templates=info.claim_templates,
+        block=info.block,
+        block_problem=info.block_problem,
+        claim_gpus=resolved.claim_gpus,
     )
 
 

@@ -1,0 +1,189 @@
+"""Hand-written ResourceClaimTemplates as the extender reads them for a pod's own claim (gputopo.model.claimask,
+gputopo.extender.watch.templateasks): another namespace's template of the same name, 10,000 templates in one
+namespace, specs at and past the API's list bounds, a template flipping shape 1,000 times, look-alike and
+oversized class names, counts that are no whole number. Bounds: a pod reads its own namespace's template
+only; a namespace keeps at most 1,024 asks and its pods naming one left out are told so while another
+namespace's are read as ever; every refusal is one sentence of at most 300 characters naming the template;
+a flip reads the pods naming that template again once, and the last shape wins."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from gputopo.extender.watch.cache import ClusterCache
+from gputopo.extender.watch.computedomains import MAX_PER_NAMESPACE
+from gputopo.model.claimask import NO_ASK, ClaimAsk, read_claim_ask
+from gputopo.model.claimtemplate import MAX_REQUESTS
+from gputopo.model.dra import DEVICE_CLASS, block_class
+from tests.extender.harness import JSON, pod_obj
+
+WHAT = "ResourceClaimTemplate team/t"
+
+
+def template_obj(name: str, devices: dict[str, Any], ns: str = "default") -> JSON:
+    return {"metadata": {"name": name, "namespace": ns}, "spec": {"spec": {"devices": devices}}}
+
+
+def exactly(device_class: Any, **fields: Any) -> dict[str, Any]:
+    return {"requests": [{"name": "gpus", "exactly": {"deviceClassName": device_class, **fields}}]}
+
+
+def own_pod(name: str, template: str, ns: str = "default") -> JSON:
+    pod = pod_obj(name, 0, namespace=ns)
+    pod["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpus"}]}
+    pod["spec"]["resourceClaims"] = [{"name": "gpus", "resourceClaimTemplateName": template}]
+    return pod
+
+
+def request_of(cache: ClusterCache, uid: str) -> tuple[int, bool] | str | None:
+    rec = cache.ledger.pods.get(uid)
+    if rec is None:
+        return None
+    return (rec.request.gpus, rec.request.block) if rec.request is not None else rec.problem
+
+
+def test_a_pod_reads_its_own_namespaces_template_never_another_of_the_same_name() -> None:
+    cache = ClusterCache()
+    cache.replace(
+        "resourceclaimtemplates",
+        [
+            template_obj("quad", exactly(block_class(4)), ns="a"),
+            template_obj("quad", exactly(block_class(4), count=2), ns="b"),
+        ],
+    )
+    cache.replace("pods", [own_pod("p", "quad", ns="a"), own_pod("q", "quad", ns="b"), own_pod("r", "quad", ns="c")])
+    assert request_of(cache, "uid-a-p") == (4, True)
+    problem = request_of(cache, "uid-b-q")
+    assert isinstance(problem, str) and problem.startswith("ResourceClaimTemplate b/quad: ")
+    assert request_of(cache, "uid-c-r") is None  # no template of that name in c: not a gputopo pod
+
+
+def test_ten_thousand_templates_in_one_namespace_keep_its_bound_and_leave_the_others_read() -> None:
+    flood = [template_obj(f"t{i}", exactly(block_class(2)), ns="flood") for i in range(10_000)]
+    cache = ClusterCache()
+    cache.replace("resourceclaimtemplates", [*flood, template_obj("quad", exactly(block_class(4)), ns="calm")])
+    assert cache.asks.namespaces_held() == {"flood": MAX_PER_NAMESPACE, "calm": 1}
+    assert len(cache.asks.asks) == MAX_PER_NAMESPACE + 1
+    cache.replace(
+        "pods",
+        [own_pod("kept", "t0", ns="flood"), own_pod("late", "t9999", ns="flood"), own_pod("p", "quad", ns="calm")],
+    )
+    assert request_of(cache, "uid-flood-kept") == (2, True)
+    told = request_of(cache, "uid-flood-late")
+    assert isinstance(told, str) and "not read: namespace 'flood' holds more than 1024" in told
+    assert request_of(cache, "uid-calm-p") == (4, True)
+    cache.apply("resourceclaimtemplates", "ADDED", template_obj("more", exactly(block_class(2)), ns="calm"))
+    assert cache.asks.namespaces_held()["calm"] == 2
+
+
+@pytest.mark.parametrize(
+    ("devices", "says"),
+    [
+        pytest.param(
+            {
+                "requests": [
+                    {"name": f"r{i}", "exactly": {"deviceClassName": block_class(4)}} for i in range(MAX_REQUESTS)
+                ]
+            },
+            "requests[0] and spec.devices.requests[1] both ask",
+            id="128 requests of blocks",
+        ),
+        pytest.param(
+            {
+                "requests": [
+                    {
+                        "name": "gpus",
+                        "firstAvailable": [
+                            {"name": f"a{j}", "deviceClassName": block_class(4)} for j in range(MAX_REQUESTS)
+                        ],
+                    }
+                ]
+            },
+            "has 128 alternatives; resource.k8s.io/v1 allows 8",
+            id="128 alternatives",
+        ),
+        pytest.param(
+            exactly(DEVICE_CLASS, count=2) | {"constraints": [{"matchAttribute": "gpu.gputopo.io/nvlinkCliques"}] * 33},
+            "spec.devices.constraints has 33 entries; resource.k8s.io/v1 allows 32",
+            id="33 constraints",
+        ),
+        pytest.param(
+            exactly("x" * 100_000 + ".gpu.gputopo.io"), "no such class", id="a 100,000-character class of our domain"
+        ),
+        pytest.param(
+            exactly("clique4.gpu.gputopo.io", count=1, selectors=[{"cel": {"expression": "x" * 100_000}}]),
+            "selectors",
+            id="a 100 KB selector",
+        ),
+        pytest.param(exactly(block_class(4), count=math.inf), "count: inf is not a whole number", id="count 1e309"),
+        pytest.param(exactly(block_class(4), count="1"), "count: '1' is not a whole number", id="count '1'"),
+        pytest.param(exactly(block_class(4), count=-1), "count: -1 is not a whole number", id="count -1"),
+        pytest.param(exactly(block_class(4), count=True), "count: True is not a whole number", id="count true"),
+        pytest.param(exactly(block_class(4), count=0), "count: 0 is not a whole number", id="count 0"),
+        pytest.param(exactly(block_class(4), count=1.0), "count: 1.0 is not a whole number", id="count 1.0"),
+        pytest.param(exactly(block_class(4), count=2**64), "count: 18446744073709551616 is not", id="count 2^64"),
+        pytest.param(exactly(DEVICE_CLASS, count=33), "count: 33 is not a whole number from 1 to 32", id="count 33"),
+        pytest.param(exactly(block_class(4), allocationMode=["All"]), "allocationMode: ['All']", id="mode a list"),
+    ],
+)
+def test_a_hostile_spec_is_one_short_sentence_naming_the_template(devices: dict[str, Any], says: str) -> None:
+    got = read_claim_ask(devices, WHAT)
+    assert got.gpus == 0 and got.problem.startswith(f"{WHAT}: ") and says in got.problem, got.problem
+    assert len(got.problem) <= 300
+
+
+@pytest.mark.parametrize(
+    "device_class",
+    [
+        "ｇｐｕ.gputopo.io",  # full-width letters: not our domain
+        "clique4.gpu.gputopo.io\u200b",  # a zero-width space after the domain
+        "gpu.gputopo.io.evil.example",
+        "GPU.GPUTOPO.IO",
+        None,
+        {"deviceClassName": "gpu.gputopo.io"},
+    ],
+    ids=["full-width", "zero-width space", "our domain as a prefix", "upper case", "null", "an object"],
+)
+def test_a_look_alike_class_asks_nothing_of_gputopo(device_class: Any) -> None:
+    assert read_claim_ask(exactly(device_class), WHAT) == NO_ASK
+
+
+def test_a_class_that_is_no_string_before_ours_is_refused_naming_it() -> None:
+    devices = {
+        "requests": [{"name": "g", "firstAvailable": [{"deviceClassName": ["x"]}, {"deviceClassName": block_class(4)}]}]
+    }
+    assert "firstAvailable[0].deviceClassName: ['x'] comes first" in read_claim_ask(devices, WHAT).problem
+
+
+def test_a_look_alike_size_under_our_domain_is_refused() -> None:
+    got = read_claim_ask(exactly("clique４.gpu.gputopo.io"), WHAT)
+    assert "no such class" in got.problem
+
+
+def test_a_template_flipping_shape_reads_its_pods_again_once_a_flip_and_the_last_shape_wins() -> None:
+    cache = ClusterCache()
+    cache.replace("resourceclaimtemplates", [template_obj("flip", exactly(block_class(4)))])
+    cache.replace("pods", [own_pod("p", "flip"), own_pod("other", "steady")])
+    reads: list[int] = []
+    again = cache.controllers.read_again
+
+    def counted(stale: list[Any]) -> None:
+        reads.append(len(stale))
+        again(stale)
+
+    cache.controllers.read_again = counted  # type: ignore[method-assign]
+    shapes = [exactly(block_class(4)), exactly(block_class(2)), exactly(block_class(4), count=3)]
+    for i in range(1, 1_001):
+        cache.apply("resourceclaimtemplates", "MODIFIED", template_obj("flip", shapes[i % 3]))
+    assert reads == [1] * 1_000  # each flip changes the ask: the one pod naming it, read once
+    assert len(cache.asks.asks) == 1
+    assert request_of(cache, "uid-default-p") == (2, True)  # the last flip, 1,000, is shapes[1]
+    cache.apply("resourceclaimtemplates", "MODIFIED", template_obj("flip", shapes[1]))
+    assert reads[-1:] == [1] and len(reads) == 1_000  # the same shape again reads nobody
+
+
+def test_a_count_of_one_block_by_default_is_read_as_the_api_server_defaults_it() -> None:
+    assert read_claim_ask(exactly(block_class(16)), WHAT) == ClaimAsk(16, True)
