@@ -292,7 +292,7 @@ def one_round(args: argparse.Namespace, cp: ControlPlane, kube: KubeClient, stac
     delete_pods(kube, "bench-plain", args.workers, deadline)
     if deadline.expired():
         return rnd
-    # Run B passes one node from filter unless --filter-all (the chart's default, extender.filterBestOnly: false).
+    # Run B passes one node from filter, as the chart's default does, unless --filter-all.
     every = ["--no-filter-best-only"] if args.filter_all else ["--filter-best-only"]
     stack.start_extender(extra_args=[f"--log-level={args.extender_log_level}", *every])
     status, body = http_get(f"{stack.extender_url}/readyz")

@@ -95,7 +95,7 @@ class Extender:
         self.reasons: ReasonMaps | None = ReasonMaps()
         self.groups.exclusive.quota = cache.quotas.room  # what a hold for pods not created yet may take
         self.groups.exclusive.owner = cache.jobsets.why_not_owner
-        # A lone pod's filter passes only the engine's best node (--filter-best-only, off by default):
+        # A lone pod's filter passes only the engine's best node (--filter-best-only; the chart turns it on):
         # kube-scheduler then neither scores nor calls prioritize. False: every fitting node passes.
         self.best_only = False
         self.binder = Binder(
