@@ -20,7 +20,8 @@ import pytest
 from gputopo.engine.dra import order as order_module
 from gputopo.engine.dra.devices import best_fit, device_name, devices, encoding
 from gputopo.engine.dra.order import ORDER_BUDGET, bounded_order
-from gputopo.engine.state.cliques import mask_of
+from gputopo.engine.node.gpusets import rank_key
+from gputopo.engine.state.cliques import mask_of, max_clique_within
 from gputopo.engine.state.snapshot import shape_of
 from gputopo.model import NodeTopology
 from gputopo.sim.draallocator import allocate, partition_claim
@@ -43,7 +44,7 @@ def work(monkeypatch: pytest.MonkeyPatch) -> Iterator[Work]:
     """The work the order module does, counted where it is done; its memo cleared, so nothing is answered
     from an earlier order."""
     count = Work()
-    search, rank = order_module.max_clique_within, order_module.rank_key
+    search, rank = max_clique_within, rank_key  # what the order module calls, before it is counted
 
     def counted_search(adj: tuple[int, ...], mask: int, limit: int | None) -> tuple[int | None, int]:
         size, steps = search(adj, mask, limit)
