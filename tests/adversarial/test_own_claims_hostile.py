@@ -2,9 +2,11 @@
 gputopo.extender.watch.templateasks): another namespace's template of the same name, 10,000 templates in one
 namespace, specs at and past the API's list bounds, a template flipping shape 1,000 times, look-alike and
 oversized class names, counts that are no whole number. Bounds: a pod reads its own namespace's template
-only; a namespace keeps at most 1,024 asks and its pods naming one left out are told so while another
-namespace's are read as ever; every refusal is one sentence of at most 300 characters naming the template;
-a flip reads the pods naming that template again once, and the last shape wins."""
+only; a namespace keeps at most 1,024 asks and its pods naming one left out are told so while its pods
+naming an IMEX channel's or another driver's template, and another namespace's, are read as ever; a
+template left out and written again unchanged 1,000 times reads no pod again; every refusal is one
+sentence of at most 300 characters naming the template; a flip reads the pods naming that template again
+once, and the last shape wins."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any
 import pytest
 
 from gputopo.extender.watch.cache import ClusterCache
-from gputopo.extender.watch.computedomains import MAX_PER_NAMESPACE
+from gputopo.extender.watch.computedomains import CHANNEL_DEVICE_CLASS, MAX_PER_NAMESPACE
 from gputopo.model.claimask import NO_ASK, ClaimAsk, read_claim_ask
 from gputopo.model.claimtemplate import MAX_REQUESTS
 from gputopo.model.dra import DEVICE_CLASS, block_class
@@ -187,3 +189,60 @@ def test_a_template_flipping_shape_reads_its_pods_again_once_a_flip_and_the_last
 
 def test_a_count_of_one_block_by_default_is_read_as_the_api_server_defaults_it() -> None:
     assert read_claim_ask(exactly(block_class(16)), WHAT) == ClaimAsk(16, True)
+
+
+def full_namespace(extra: list[JSON]) -> ClusterCache:
+    """A cache whose namespace `team` holds one template asking for gputopo's devices past its bound
+    (`late`), beside `extra`."""
+    flood = [template_obj(f"t{i}", exactly(block_class(2)), ns="team") for i in range(MAX_PER_NAMESPACE)]
+    cache = ClusterCache()
+    cache.replace("resourceclaimtemplates", [*flood, template_obj("late", exactly(block_class(2)), ns="team"), *extra])
+    return cache
+
+
+@pytest.mark.parametrize(
+    ("template", "gpus", "read_as"),
+    [
+        pytest.param("train-channel", 4, (4, False), id="an IMEX channel template beside nvidia.com/gpu"),
+        pytest.param("nic", 4, (4, False), id="another driver's template beside nvidia.com/gpu"),
+        pytest.param("nic", 0, None, id="another driver's template alone: not a gputopo pod"),
+        pytest.param("late", 0, "not read: namespace 'team' holds more than 1024", id="the template left out"),
+    ],
+)
+def test_a_full_namespace_tells_only_pods_naming_a_template_left_out(
+    template: str, gpus: int, read_as: tuple[int, bool] | str | None
+) -> None:
+    channel = {"requests": [{"name": "c", "exactly": {"deviceClassName": CHANNEL_DEVICE_CLASS}}]}
+    nic = exactly("nic.example.com")
+    cache = full_namespace([template_obj("train-channel", channel, ns="team"), template_obj("nic", nic, ns="team")])
+    pod = own_pod("p", template, ns="team")
+    if gpus:  # a pod asking nvidia.com/gpu the usual way, beside its other claim
+        pod["metadata"]["annotations"]["gputopo.io/nvlink"] = "required"
+        pod["spec"]["containers"][0]["resources"] |= pod_obj("p", gpus)["spec"]["containers"][0]["resources"]
+    cache.replace("pods", [pod])
+    got = request_of(cache, "uid-team-p")
+    if isinstance(read_as, str):
+        assert isinstance(got, str) and read_as in got, got
+    else:
+        assert got == read_as
+
+
+@pytest.mark.parametrize("event", ["MODIFIED", "ADDED"])
+def test_a_template_left_out_and_written_again_unchanged_reads_no_pod_again(event: str) -> None:
+    cache = full_namespace([])
+    cache.replace("pods", [own_pod("p", "late", ns="team"), own_pod("q", "t0", ns="team")])
+    reads: list[int] = []
+    again = cache.controllers.read_again
+
+    def counted(stale: list[Any]) -> None:
+        reads.append(len(stale))
+        again(stale)
+
+    cache.controllers.read_again = counted  # type: ignore[method-assign]
+    for _ in range(1_000):
+        cache.apply("resourceclaimtemplates", event, template_obj("late", exactly(block_class(2)), ns="team"))
+    assert reads == []  # it was left out at the list, and still is: nothing a pod reads changed
+    cache.apply("resourceclaimtemplates", "ADDED", template_obj("later", exactly(block_class(4)), ns="team"))
+    assert reads == [0]  # newly left out: the pods naming it (none) are read again, once
+    cache.apply("resourceclaimtemplates", "DELETED", template_obj("late", {}, ns="team"))
+    assert reads == [0, 1]  # gone: the pod naming it reads that

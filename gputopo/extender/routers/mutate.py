@@ -5,9 +5,9 @@ With `--webhook-client-ca-file` only a caller whose verified client certificate 
 `--webhook-client-names` is answered (gputopo/extender/http/clientauth.py): the API server. Anyone else gets 401 or 403
 with a JSON body saying why, from the request head, before the body is read (gputopo/extender/http/heads.py).
 
-The review is parsed and read on the app's review workers (gputopo/extender/http/workers.py: 2 threads, at most 16
-reviews queued in all and 4 per client address, past which 503 at once), never on the event loop that answers
-the listener's probes.
+The review is parsed and read on the app's review workers (gputopo/extender/http/workers.py: 2 threads, at most 256
+reviews queued in all and 64 per client address unless the caller proved it is the API server, past which 503 at
+once, served round-robin by address), never on the event loop that answers the listener's probes.
 
 A review that cannot be read but carries a readable `request.uid` is answered with an AdmissionReview that
 allows the pod unchanged (an unreadable review never denies a pod); only a body without one gets HTTP 400.

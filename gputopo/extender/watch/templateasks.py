@@ -4,9 +4,13 @@ hands them over, and read for a pod by the names its claims give (`TemplateAsks.
 `AskReader`).
 
 Only templates that ask for gputopo's devices are kept, at most `max_per_namespace` per namespace: past
-it that namespace's later ones are not read (said once), and a pod there naming a template not kept is told
-so, never placed as if it asked nothing; every other namespace is unaffected. gputopo's own templates
-(`gputopo-gpus-...`, gputopo.engine.dra.claims) are never read here: their pods keep the webhook's path.
+it that namespace's later ones are not read (said once), and a pod there naming one of them is told so,
+never placed as if it asked nothing. The names left out are kept too, as many per namespace, so a pod
+naming a template that asks nothing of gputopo (an IMEX channel's, another driver's) is read as ever;
+past that second bound every template of the namespace not kept is said to be left out. Every other
+namespace is unaffected, and a left-out template written again unchanged reads no pod again. gputopo's
+own templates (`gputopo-gpus-...`, gputopo.engine.dra.claims) are never read here: their pods keep the
+webhook's path.
 Waiting until the templates are listed once is the channel reader's (one list serves both).
 """
 
@@ -33,7 +37,10 @@ class TemplateAsks:
     def __init__(self, *, max_per_namespace: int = MAX_PER_NAMESPACE) -> None:
         self.asks: dict[Key, ClaimAsk] = {}
         self._room = PerNamespace("ResourceClaimTemplates asking for gputopo's devices", max_per_namespace)
-        self._full: set[str] = set()  # namespaces a template was left out of since the last list (bounded)
+        # Names of the templates left out since the last list, per namespace (at most `limit` each: a
+        # namespace holding them holds `limit` asks too), and the namespaces past that (bounded).
+        self._left_out: dict[str, set[str]] = {}
+        self._full: set[str] = set()
         self.limit = max_per_namespace
 
     def _put(self, key: Key, ask: ClaimAsk) -> bool:
@@ -41,21 +48,44 @@ class TemplateAsks:
         was = self.asks.get(key)
         if not ask.asks:
             if was is None:
-                return False
+                return self._kept_after_all(key)
             del self.asks[key]
             self._room.release(key)
             return True
         if not self._room.admit(key, was is not None):
-            if len(self._full) < self.limit:
-                self._full.add(key[0])
-            return True  # a pod naming it is now told it was left out
+            return self._leave_out(key)
+        self._kept_after_all(key)
         self.asks[key] = ask
         return was != ask
 
+    def _leave_out(self, key: Key) -> bool:
+        """Mark `key` left out; whether a pod naming it reads something new (it did not read "left out")."""
+        namespace, name = key
+        names = self._left_out.get(namespace, ())
+        if name in names or namespace in self._full:
+            return False
+        if len(names) < self.limit:
+            self._left_out.setdefault(namespace, set()).add(name)
+        elif len(self._full) < self.limit:
+            self._full.add(namespace)
+        return True
+
+    def _kept_after_all(self, key: Key) -> bool:
+        """Unmark `key` left out (kept now, gone, or asking nothing); whether it was marked."""
+        names = self._left_out.get(key[0])
+        if names is None or key[1] not in names:
+            return False
+        names.discard(key[1])
+        if not names:
+            del self._left_out[key[0]]
+        return True
+
     def replace(self, templates: list[ClaimTemplateInfo]) -> set[Key]:
-        """A full list: the keys whose ask changed, and those left out (their pods are now told so)."""
+        """A full list: the keys whose ask changed, and those left out before or now (what their pods
+        read may have changed)."""
         before = self.asks
-        self.asks, self._full = {}, set()
+        was_left_out = {(namespace, name) for namespace, names in self._left_out.items() for name in names}
+        self.asks, self._left_out, self._full = {}, {}, set()
         self._room.clear()
         left_out: set[Key] = set()
         for t in templates:
@@ -63,7 +93,8 @@ class TemplateAsks:
             self._put(t.meta.key, ask)
             if ask.asks and t.meta.key not in self.asks:
                 left_out.add(t.meta.key)
-        return left_out | {k for k in before.keys() | self.asks.keys() if before.get(k) != self.asks.get(k)}
+        changed = {k for k in before.keys() | self.asks.keys() if before.get(k) != self.asks.get(k)}
+        return left_out | was_left_out | changed
 
     def apply(self, template: ClaimTemplateInfo, *, deleted: bool = False) -> bool:
         """One template's event; whether its ask changed."""
@@ -76,7 +107,7 @@ class TemplateAsks:
             if name.startswith(TEMPLATE_PREFIX + "-"):
                 continue
             ask = self.asks.get((namespace, name))
-            if ask is None and namespace in self._full:
+            if ask is None and (name in self._left_out.get(namespace, ()) or namespace in self._full):
                 left_out = (
                     f"ResourceClaimTemplate {short_repr(name, 60)} not read: namespace {short_repr(namespace, 60)}"
                 )
