@@ -178,6 +178,45 @@ def test_blocks_a_pod_naming_its_own_block_template_lands_where_the_extender_cho
     assert "block-4-5-6-7" in event.message
 
 
+def test_blocks_a_pod_naming_a_pre_made_block_claim_lands_where_the_extender_chose(
+    stack: Stack, blocks_node: DraNode
+) -> None:
+    """GPU 1 taken: a pod naming a pre-made claim (`resourceClaimName`) for one `clique4.gpu.gputopo.io`
+    device is a gputopo pod (docs/install.md, "Your own claims"): the extender filters and binds it, and its
+    placement names the block the allocator gave, on the node it chose."""
+    n = blocks_node
+    pin = n.pin("pin1", [1])
+    assert n.running(pin) == (1,)
+    claim = f"{n.name}-quad-claim"
+    one = {"deviceClassName": block_class(4), "allocationMode": "ExactCount", "count": 1}
+    devices = {"requests": [{"name": "gpus", "exactly": one}]}
+    meta = {"name": claim, "namespace": NS, "labels": {TEST_LABEL: n.test_id}}
+    n.kube.apply(
+        [{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": meta, "spec": {"devices": devices}}]
+    )
+    pod = f"{n.name}-pre-made"
+    m = pod_manifest(
+        pod,
+        labels={TEST_LABEL: n.test_id},
+        scheduling=PodScheduling(scheduler_name=stack.scheduler_name, node_selector={"kubernetes.io/hostname": n.name}),
+    )
+    m["spec"]["resourceClaims"] = [{"name": "gpus", "resourceClaimName": claim}]
+    m["spec"]["containers"][0]["resources"]["claims"] = [{"name": "gpus"}]
+    try:
+        n.kube.create_pod(m)
+        n.pods.append(pod)
+        n.kube.wait_pod_condition(NS, pod, "Ready", status="True", timeout=90)
+        held = json.loads(n.kube.kubectl("get", "resourceclaim", "-n", NS, claim, "-o", "json"))
+        results = held["status"]["allocation"]["devices"]["results"]
+        assert [(r["pool"], r["device"]) for r in results] == [(n.name, "block-4-5-6-7")]
+        stored = n.kube.get_pod(NS, pod)
+        placement = parse_placement(stored["metadata"]["annotations"][PLACEMENT_ANNOTATION])
+        assert (placement.node, placement.gpus) == (stored["spec"]["nodeName"], (4, 5, 6, 7))
+        assert "block-4-5-6-7, the first free 4-GPU block" in placement.reason
+    finally:  # the pod goes with the node (DraNode.close); the claim, once no pod holds it
+        n.kube.kubectl("delete", "resourceclaim", "-n", NS, claim, "--ignore-not-found", "--wait=false")
+
+
 def test_blocks_a_2_gpu_block_beside_a_half_used_and_a_whole_quad_takes_the_half_used(
     stack: Stack, blocks_node: DraNode
 ) -> None:

@@ -208,7 +208,9 @@ def run(args: argparse.Namespace) -> int:
     ours = {k: v for k, v in info.annotations.items() if k.startswith(PREFIX) and k != PLACEMENT_ANNOTATION}
     if ours:
         print("Requests: " + ", ".join(f"{k.removeprefix(PREFIX)}={v}" for k, v in sorted(ours.items())))
-    inferred = resolve_pod(info, cache.ledger.tier_names, cache.facts(info.namespace), scheduler=info.scheduler_name)
+    inferred = resolve_pod(
+        info, cache.ledger.tier_names, cache.facts(info.namespace), scheduler=info.scheduler_name, claims=cache.claims
+    )
     if inferred.inferred is not None:
         print(f"Group: {inferred.inferred.words()}" + (f" ({inferred.problem})" if inferred.problem else ""))
     elif inferred.problem and inferred.group:
@@ -216,6 +218,9 @@ def run(args: argparse.Namespace) -> int:
     placed = info.annotations.get(PLACEMENT_ANNOTATION)
     if info.node_name:
         _print_binding(info.node_name, placed, actual, mismatch)
+    if decision.kind == "pass_through" and inferred.pinned:
+        print(f"{inferred.problem}; kube-scheduler alone decides.")
+        return 0
     if decision.kind == "pass_through":
         print("No gputopo.io/ request annotation: gputopo passes this pod through; kube-scheduler alone decides.")
         return 0

@@ -248,14 +248,24 @@ def read_claim_ask(devices: Mapping[str, Any], what: str) -> ClaimAsk:
         return ClaimAsk(problem=_short(f"{what}: {e}"))
 
 
-def pod_ask(asks: Iterable[tuple[str, ClaimAsk]]) -> tuple[str, ClaimAsk]:
-    """A pod's one ask over its templates' (name, ask): the one that asks, with its template's name; two
-    that ask are a problem naming both. ("", NO_ASK) when none asks."""
+def pod_ask(asks: Iterable[tuple[str, ClaimAsk]], kind: str = "ResourceClaimTemplate") -> tuple[str, ClaimAsk]:
+    """A pod's one ask over its templates' (or, `kind` ResourceClaim, its named claims') (name, ask): the one
+    that asks, with its name; two that ask are a problem naming both. ("", NO_ASK) when none asks."""
     asking = [(name, a) for name, a in asks if a.asks]
     if not asking:
         return "", NO_ASK
     if len(asking) > 1:
         (a, _), (b, _) = asking[:2]
-        both = f"ResourceClaimTemplates {a[:80]} and {b[:80]}"
+        both = f"{kind}s {a[:80]} and {b[:80]}"
         return a, ClaimAsk(problem=_short(f"{both} both ask for gputopo's devices; ask for them in one claim"))
     return asking[0]
+
+
+def template_or_claim(template: str, by_template: ClaimAsk, claim: str, by_claim: ClaimAsk) -> tuple[str, ClaimAsk]:
+    """A pod's one hand-written ask over its templates' and its named claims', with what asks it in words
+    (`ResourceClaimTemplate t`, `ResourceClaim c`); a template and a named claim that both ask are a problem
+    naming both."""
+    t, c = f"ResourceClaimTemplate {template[:80]}", f"ResourceClaim {claim[:80]}"
+    if by_template.asks and by_claim.asks:
+        return t, ClaimAsk(problem=_short(f"{t} and {c} both ask for gputopo's devices; ask for them in one claim"))
+    return (c, by_claim) if by_claim.asks else (t, by_template)

@@ -61,6 +61,8 @@ class PodInfo:
     gates: tuple[str, ...] = ()  # spec.schedulingGates' names (gputopo.model.gates reads them): gputopo's gate
     # The ResourceClaimTemplates its spec.resourceClaims name (a ComputeDomain's IMEX channel is one).
     claim_templates: tuple[str, ...] = ()
+    # The pre-made ResourceClaims its spec.resourceClaims name directly (resourceClaimName).
+    named_claims: tuple[str, ...] = ()
     # The ResourceClaim objects it uses: named in spec.resourceClaims, made from a template
     # (status.resourceClaimStatuses) or for an extended resource (status.extendedResourceClaimStatus).
     # The bind reads their allocation, which names the pod's GPUs under DRA.
@@ -116,6 +118,7 @@ def read_pod(pod: Any, where: str = "Pod", resource: str = GPU_RESOURCE) -> PodI
         pod_group=_pod_group(spec.get("schedulingGroup"), f"{where}.spec.schedulingGroup"),
         claim_templates=_claim_templates(spec.get("resourceClaims"), f"{where}.spec.resourceClaims"),
         claim_names=_claim_names(spec, status, where),
+        named_claims=_named_claims(spec.get("resourceClaims")),
         request=request,
         deleting=bool(meta.get("deletionTimestamp")),
         created=_created(meta.get("creationTimestamp"), f"{where}.metadata.creationTimestamp"),
@@ -160,7 +163,7 @@ def _created(value: Any, where: str) -> float:
 
 
 def _claim_templates(value: Any, where: str) -> tuple[str, ...]:
-    """The template names of spec.resourceClaims (a claim named directly, resourceClaimName, is not read)."""
+    """The template names of spec.resourceClaims (a claim named directly is `_named_claims`')."""
     if value is None:
         return ()
     if not isinstance(value, list) or len(value) > MAX_POD_CLAIMS:
@@ -171,6 +174,15 @@ def _claim_templates(value: Any, where: str) -> tuple[str, ...]:
         if name is not None:
             out.append(_opt_str(name, f"{where}[{i}].resourceClaimTemplateName"))
     return tuple(n for n in out if n)
+
+
+def _named_claims(value: Any) -> tuple[str, ...]:
+    """The names spec.resourceClaims gives directly (resourceClaimName), each once; `_claim_names` refuses an
+    unreadable list or name first."""
+    if not isinstance(value, list):
+        return ()
+    names = (c.get("resourceClaimName") for c in value if isinstance(c, Mapping))
+    return tuple(dict.fromkeys(n for n in names if isinstance(n, str) and n))
 
 
 def _claim_name(value: Any, where: str) -> str:

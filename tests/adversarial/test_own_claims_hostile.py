@@ -1,12 +1,15 @@
 """Hand-written ResourceClaimTemplates as the extender reads them for a pod's own claim (gputopo.model.claimask,
 gputopo.extender.watch.templateasks): another namespace's template of the same name, 10,000 templates in one
 namespace, specs at and past the API's list bounds, a template flipping shape 1,000 times, look-alike and
-oversized class names, counts that are no whole number. Bounds: a pod reads its own namespace's template
-only; a namespace keeps at most 1,024 asks and its pods naming one left out are told so while its pods
-naming an IMEX channel's or another driver's template, and another namespace's, are read as ever; a
-template left out and written again unchanged 1,000 times reads no pod again; every refusal is one
-sentence of at most 300 characters naming the template; a flip reads the pods naming that template again
-once, and the last shape wins."""
+oversized class names, counts that are no whole number. Bounds: a pod reads its own namespace's template only;
+a namespace keeps at most 1,024 asks and its pods naming one left out are told so while its pods naming an
+IMEX channel's or another driver's template, and another namespace's, are read as ever; a template left out
+and written again unchanged 1,000 times reads no pod again; every refusal is one sentence of at most 300
+characters naming the template; a flip reads the pods naming that template again once, and the last shape
+wins. Pre-made ResourceClaims named by a pod (`resourceClaimName`, gputopo.extender.watch.dramerge) likewise:
+another namespace's claim of the same name, 10,000 claims in one namespace, a claim flipping shape 1,000
+times, and a forged allocation on another node (or a 10,000-character pool) pass only the pods of the claim's
+own namespace through, placing nothing."""
 
 from __future__ import annotations
 
@@ -17,9 +20,12 @@ import pytest
 
 from gputopo.extender.watch.cache import ClusterCache
 from gputopo.extender.watch.computedomains import CHANNEL_DEVICE_CLASS, MAX_PER_NAMESPACE
+from gputopo.extender.watch.parsers import resolve_pod
+from gputopo.extender.wire import pod_info
 from gputopo.model.claimask import NO_ASK, ClaimAsk, read_claim_ask
 from gputopo.model.claimtemplate import MAX_REQUESTS
 from gputopo.model.dra import DEVICE_CLASS, block_class
+from tests.extender.claimobjs import claim_obj, claim_pod, quad
 from tests.extender.harness import JSON, pod_obj
 
 WHAT = "ResourceClaimTemplate team/t"
@@ -246,3 +252,72 @@ def test_a_template_left_out_and_written_again_unchanged_reads_no_pod_again(even
     assert reads == [0]  # newly left out: the pods naming it (none) are read again, once
     cache.apply("resourceclaimtemplates", "DELETED", template_obj("late", {}, ns="team"))
     assert reads == [0, 1]  # gone: the pod naming it reads that
+
+
+# ---------------------------------------------------------------- pre-made claims (resourceClaimName)
+
+
+def test_a_pod_reads_its_own_namespaces_claim_never_another_of_the_same_name() -> None:
+    cache = ClusterCache()
+    cache.replace("resourceclaims", [claim_obj("quad", quad(), ns="a"), claim_obj("quad", quad(2), ns="b")])
+    cache.replace(
+        "pods", [claim_pod("p", "quad", ns="a"), claim_pod("q", "quad", ns="b"), claim_pod("r", "quad", ns="c")]
+    )
+    assert request_of(cache, "uid-a-p") == (4, True)
+    problem = request_of(cache, "uid-b-q")
+    assert isinstance(problem, str) and problem.startswith("ResourceClaim b/quad: ")
+    assert request_of(cache, "uid-c-r") is None  # no claim of that name in c: not a gputopo pod
+
+
+def test_ten_thousand_claims_in_one_namespace_keep_its_bound_and_leave_the_others_read() -> None:
+    flood = [claim_obj(f"c{i}", exactly(block_class(2)), ns="flood") for i in range(10_000)]
+    cache = ClusterCache()
+    cache.replace("resourceclaims", [*flood, claim_obj("quad", quad(), ns="calm")])
+    assert cache.dra.asks.namespaces_held() == {"flood": MAX_PER_NAMESPACE, "calm": 1}
+    cache.replace(
+        "pods",
+        [
+            claim_pod("kept", "c0", ns="flood"),
+            claim_pod("late", "c9999", ns="flood"),
+            claim_pod("p", "quad", ns="calm"),
+        ],
+    )
+    assert request_of(cache, "uid-flood-kept") == (2, True)
+    told = request_of(cache, "uid-flood-late")
+    assert isinstance(told, str) and "ResourceClaim 'c9999' not read: namespace 'flood' holds more than 1024" in told
+    assert request_of(cache, "uid-calm-p") == (4, True)
+
+
+def test_a_claim_flipping_shape_reads_only_its_pods_again_and_the_last_shape_wins() -> None:
+    cache = ClusterCache()
+    cache.replace("resourceclaims", [claim_obj("flip", quad()), claim_obj("steady", quad())])
+    cache.replace("pods", [claim_pod("p", "flip"), claim_pod("other", "steady")])
+    reads: list[list[str]] = []
+    again = cache.controllers.read_again
+
+    def counted(stale: list[Any]) -> None:
+        reads.append([r.name for r in stale])
+        again(stale)
+
+    cache.controllers.read_again = counted  # type: ignore[method-assign]
+    shapes = [quad(), exactly(block_class(2)), quad(3)]
+    for i in range(1, 1_001):
+        cache.apply("resourceclaims", "MODIFIED", claim_obj("flip", shapes[i % 3]))
+    assert reads == [["p"]] * 1_000  # each event reads the one pod naming the claim, never the other's
+    assert request_of(cache, "uid-default-p") == (2, True)  # the last flip, 1,000, is shapes[1]
+    assert request_of(cache, "uid-default-other") == (4, True)
+
+
+@pytest.mark.parametrize("pool", ["elsewhere", "x" * 10_000])
+def test_a_forged_allocation_passes_only_its_own_namespaces_pods_through_and_places_nothing(pool: str) -> None:
+    cache = ClusterCache()
+    forged = claim_obj("quad", quad(), ns="a", on=pool, gpus=(0, 1, 2, 3), to="uid-a-victim")
+    cache.replace("resourceclaims", [forged, claim_obj("quad", quad(), ns="b")])
+    cache.replace("pods", [claim_pod("p", "quad", ns="a"), claim_pod("q", "quad", ns="b")])
+    assert request_of(cache, "uid-a-p") is None  # held to its claim's node: kube-scheduler's to honour
+    assert request_of(cache, "uid-b-q") == (4, True)  # another namespace's claim of the same name: untouched
+    info = pod_info(claim_pod("p", "quad", ns="a"))
+    resolved = resolve_pod(info, (), claims=cache.claims)
+    assert not resolved.opted_in and resolved.request is None
+    assert resolved.pinned == pool and len(resolved.problem) <= 300
+    assert resolved.problem.startswith("ResourceClaim quad is allocated on node ")

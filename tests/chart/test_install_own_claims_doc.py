@@ -1,6 +1,6 @@
 """docs/install.md, "Your own claims": every template the section shows is read by the extender as the
-section says (a whole block, N GPUs of one clique, or refused with the sentence it quotes), and the pod it
-shows is placed as `gputopo.io/gpu-clique4: 1` is."""
+section says (a whole block, N GPUs of one clique, or refused with the sentence it quotes), so is the
+pre-made claim it shows, and each pod it shows is placed as `gputopo.io/gpu-clique4: 1` is."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from gputopo.extender.watch.cache import ClusterCache
-from gputopo.extender.watch.templateasks import template_ask
+from gputopo.extender.watch.templateasks import claim_ask, template_ask
 from gputopo.model.claimask import ClaimAsk
 from gputopo.model.claimtemplate import read_claim_template
 from tests.paths import REPO
@@ -49,11 +49,20 @@ def test_each_template_shown_is_read_as_the_section_says() -> None:
     assert refused.startswith(head) and refused.endswith(tail), refused
 
 
-def test_the_pod_shown_asks_the_block_of_its_template() -> None:
+def test_the_pre_made_claim_shown_is_read_as_one_whole_block() -> None:
+    (claim,) = [d for d in examples() if d["kind"] == "ResourceClaim"]
+    assert claim_ask(claim) == (("default", "my-quad-claim"), ClaimAsk(4, True))
+
+
+def test_each_pod_shown_asks_the_block_of_its_template_or_claim() -> None:
     cache = ClusterCache()
     cache.replace("resourceclaimtemplates", list(templates().values()))
-    (pod,) = [d for d in examples() if d["kind"] == "Pod"]
-    pod["metadata"]["uid"] = "u"
-    cache.replace("pods", [pod])
-    request = cache.ledger.pods["u"].request
-    assert request is not None and (request.gpus, request.block) == (4, True)
+    cache.replace("resourceclaims", [d for d in examples() if d["kind"] == "ResourceClaim"])
+    pods = [d for d in examples() if d["kind"] == "Pod"]
+    assert len(pods) == 2
+    for i, pod in enumerate(pods):
+        pod["metadata"]["uid"] = f"u{i}"
+    cache.replace("pods", pods)
+    for i in range(len(pods)):
+        request = cache.ledger.pods[f"u{i}"].request
+        assert request is not None and (request.gpus, request.block) == (4, True)

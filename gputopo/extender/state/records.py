@@ -120,6 +120,7 @@ class PodRecord:
     topology_gated: bool = False  # Kueue has not written its topology domain yet
     gates: tuple[str, ...] = ()  # PodInfo's: gputopo's gate is lifted by gputopo.extender.verbs.groupgates
     claim_templates: tuple[str, ...] = ()  # PodInfo's: its ComputeDomain is read again when a template changes
+    named_claims: tuple[str, ...] = ()  # PodInfo's: read again when such a claim changes
     # PodInfo's block ask (gputopo.model.blockrequest), kept so that a record read again asks what the pod asks.
     block: int = 0
     block_problem: str = ""
@@ -166,3 +167,14 @@ AskReader = Callable[[str, tuple[str, ...]], tuple[str, ClaimAsk]]
 def no_asks(_namespace: str, _templates: tuple[str, ...]) -> tuple[str, ClaimAsk]:
     """The reader where no templates are watched: no template asks for anything."""
     return "", NO_ASK
+
+
+# What the pre-made ResourceClaims a pod names directly ask of gputopo's devices: (namespace, their names, the
+# pod's UID) -> (the claim that asks, its ask, the node an allocation already pins the pod to or ""). The cache
+# hands the ResourceClaims informer's (gputopo.extender.watch.dramerge.DraMerge.read_claims).
+ClaimReader = Callable[[str, tuple[str, ...], str], tuple[str, ClaimAsk, str]]
+
+
+def no_claims(_namespace: str, _claims: tuple[str, ...], _uid: str) -> tuple[str, ClaimAsk, str]:
+    """The reader where no claims are watched: no claim asks for anything."""
+    return "", NO_ASK, ""

@@ -38,7 +38,7 @@ from gputopo.engine.state.scoring import grade
 from gputopo.engine.state.snapshot import NodeState
 from gputopo.extender.state.ledger import Ledger
 from gputopo.extender.state.locks import StripedLocks
-from gputopo.extender.state.records import AskReader, ChannelReader, no_asks, no_channels
+from gputopo.extender.state.records import AskReader, ChannelReader, ClaimReader, no_asks, no_channels, no_claims
 from gputopo.extender.verbs.events import EventPoster
 from gputopo.extender.watch.parsers import Resolved, record_of, resolve_pod
 from gputopo.extender.watch.source import JSON, ClusterSource
@@ -87,6 +87,7 @@ class Binder:
         self.locks = StripedLocks()
         self.channels: ChannelReader = no_channels  # which ComputeDomain a pod's claims join (the cache's)
         self.asks: AskReader = no_asks  # what its hand-written claim templates ask (the cache's)
+        self.claims: ClaimReader = no_claims  # what the pre-made claims it names ask (the cache's)
         # The ComputeDomain rules on one node as the filter applies them (the service's); none by default.
         self.rules: Callable[[PodRequest, str, Outcome], Outcome] = lambda _req, _node, outcome: outcome
         self._caps: tuple[int, dict[str, int | None]] = (-1, {})  # (ledger.where_version, domain -> its cap)
@@ -150,6 +151,7 @@ class Binder:
                     scheduler=self.ledger.scheduler_name,
                     channels=self.channels,
                     asks=self.asks,
+                    claims=self.claims,
                 ),
             )
         finally:
@@ -171,14 +173,23 @@ class Binder:
         return ""
 
     def _ours(self, info: PodInfo) -> bool:
-        """A gputopo pod: annotated, or a member of a group its controller's labels give."""
+        """A gputopo pod: annotated, or a member of a group its controller's labels give; never one an
+        allocated pre-made claim already holds to its node (the filter passed it through)."""
+        if info.named_claims and (pinned := self._resolve(info)).pinned:
+            log.info("bound where its allocated claim is", extra={"pod": info.ref, "reason": pinned.problem})
+            return False
         if is_gputopo_pod(info.annotations):
             return True
         return self._resolve(info).opted_in
 
     def _resolve(self, info: PodInfo) -> Resolved:
         return resolve_pod(
-            info, self.ledger.tier_names, scheduler=info.scheduler_name, channels=self.channels, asks=self.asks
+            info,
+            self.ledger.tier_names,
+            scheduler=info.scheduler_name,
+            channels=self.channels,
+            asks=self.asks,
+            claims=self.claims,
         )
 
     def claimed_gpus(self, source: ClusterSource, info: PodInfo, node: str) -> frozenset[int] | None:

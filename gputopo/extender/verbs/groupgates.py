@@ -146,6 +146,7 @@ def plan_with(desk: GroupDesk) -> GroupPlanner:
             selector_problem=rec.selector_problem,
             gates=rec.gates,
             claim_templates=rec.claim_templates,
+            named_claims=rec.named_claims,
         )
         ledger, key = desk.ledger, (rec.namespace, req.group or "")
         with ledger.lock:

@@ -101,7 +101,7 @@ class Extender:
         self.binder = Binder(
             self.ledger, lambda: self.source, self.events, cache.facts, self.recent.recall, cache.dra.allocated
         )
-        self.binder.channels, self.binder.asks = cache.channels, cache.asks
+        self.binder.channels, self.binder.asks, self.binder.claims = cache.channels, cache.asks, cache.claims
         self.binder.rules = self._rules_on
         self.ledger.on_mismatch = self._on_mismatch
         cache.on_bad_object = self._on_bad_object
@@ -144,7 +144,13 @@ class Extender:
         # group member without annotations (gputopo.model.jobs; annotations override).
         facts, cache = self.cache.facts(info.namespace), self.cache
         resolved = resolve_pod(
-            info, ledger.tier_names, facts, scheduler=info.scheduler_name, channels=cache.channels, asks=cache.asks
+            info,
+            ledger.tier_names,
+            facts,
+            scheduler=info.scheduler_name,
+            channels=cache.channels,
+            asks=cache.asks,
+            claims=cache.claims,
         )
         if not resolved.opted_in:
             return Decision("pass_through")

@@ -117,6 +117,8 @@ class ClusterCache:
         self.jobsets = JobSets(self.ledger, self._bad)
         self.quotas = Quotas(self._bad)
         self.asks = self.controllers.asks = TemplateAsks()
+        self.claims = self.controllers.claims = self.dra.read_claims
+        self.dra.on_claims = self._claims_changed
         self.channels = self.controllers.channels = ChannelTemplates(
             self._bad, self._templates_changed, owners=self.compute_domain_sizes, asks=self.asks
         )
@@ -242,7 +244,13 @@ class ClusterCache:
     def _pod_record(self, obj: JSON) -> PodRecord | None:
         facts, scheduler = self.controllers.facts_for(obj), self.ledger.scheduler_name
         return pod_record(
-            obj, self.ledger.tier_names, facts, scheduler=scheduler, channels=self.channels, asks=self.asks
+            obj,
+            self.ledger.tier_names,
+            facts,
+            scheduler=scheduler,
+            channels=self.channels,
+            asks=self.asks,
+            claims=self.claims,
         )
 
     def _templates_changed(self, keys: set[Key] | None) -> None:
@@ -252,6 +260,16 @@ class ClusterCache:
                 r
                 for r in self.ledger.pods.values()
                 if r.claim_templates and (keys is None or any((r.namespace, t) in keys for t in r.claim_templates))
+            ]
+        self.controllers.read_again(stale)
+
+    def _claims_changed(self, keys: set[Key] | None) -> None:
+        """Read again the pods that name a pre-made claim whose ask or allocation changed (None: any)."""
+        with self.ledger.lock:
+            stale = [
+                r
+                for r in self.ledger.pods.values()
+                if r.named_claims and (keys is None or any((r.namespace, c) in keys for c in r.named_claims))
             ]
         self.controllers.read_again(stale)
 

@@ -14,7 +14,15 @@ from collections.abc import Iterable
 
 from gputopo.extender.state.ledger import Ledger
 from gputopo.extender.state.podindex import ControllerRef
-from gputopo.extender.state.records import AskReader, ChannelReader, PodRecord, no_asks, no_channels
+from gputopo.extender.state.records import (
+    AskReader,
+    ChannelReader,
+    ClaimReader,
+    PodRecord,
+    no_asks,
+    no_channels,
+    no_claims,
+)
 from gputopo.extender.watch.handlers import Bad, KindHandler, each_readable
 from gputopo.extender.watch.parsers import job_shape, podgroup_of, record_of
 from gputopo.extender.wire import PodInfo
@@ -41,6 +49,7 @@ class Controllers:
         self.by_object = True
         self.channels: ChannelReader = no_channels  # the cache's templates: a record read again keeps its CD
         self.asks: AskReader = no_asks  # and what its hand-written claim template asks
+        self.claims: ClaimReader = no_claims  # and the pre-made claims it names
 
     def handlers(self) -> dict[str, KindHandler]:
         return {
@@ -192,6 +201,7 @@ class Controllers:
             topology_gated=rec.topology_gated,
             gates=rec.gates,
             claim_templates=rec.claim_templates,
+            named_claims=rec.named_claims,
         )
         facts = self.facts(rec.namespace)
         again = record_of(
@@ -201,6 +211,7 @@ class Controllers:
             scheduler=self.ledger.scheduler_name,
             channels=self.channels,
             asks=self.asks,
+            claims=self.claims,
         )
         return again if again is None or rec.placement is None else dataclasses.replace(again, placement=rec.placement)
 

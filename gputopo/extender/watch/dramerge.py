@@ -9,18 +9,28 @@ A claim's GPUs count under a pod's UID only while the ledger holds that pod in t
 (`gputopo.model.dra.in_use_by_node`); otherwise under `other`. A pod may arrive after the claim reserved
 for it, so the cache tells this merge of each pod event (`pod_changed`), which re-merges only the pools of
 the claims reserved for that pod.
+
+Every readable claim's `spec.devices` is also read for what it asks of gputopo's devices (`ClaimAsks`,
+gputopo.extender.watch.templateasks): a pod naming a pre-made claim (`resourceClaimName`) is placed by what
+it asks (`read_claims`, the cache's `ClaimReader`). A claim already allocated pins the pods naming it to its
+node, unless it is reserved for that pod alone (kube-scheduler allocated it for the node gputopo chose). A
+claim's event that changes what a pod naming it reads (its ask, its allocation) is told to `on_claims`,
+which reads those pods again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from gputopo.extender.state.ledger import Ledger
 from gputopo.extender.state.records import NodeFacts, object_name
+from gputopo.extender.watch.computedomains import Key
 from gputopo.extender.watch.handlers import Bad, KindHandler, each_readable
+from gputopo.extender.watch.templateasks import ClaimAsks, claim_ask
 from gputopo.kube import JSON, RESOURCECLAIMS, RESOURCESLICES
 from gputopo.model import GpusInUse
+from gputopo.model.claimask import NO_ASK, ClaimAsk
 from gputopo.model.dra import ClaimInfo, SliceInfo, in_use_by_node, parse_claim, parse_slice, sole_pod
 
 
@@ -39,6 +49,9 @@ class DraMerge:
         self._pool_slice: dict[str, SliceInfo] = {}  # pool -> its slice (rebuilt on a slice's change)
         self._reports: dict[str, GpusInUse] = {}
         self._node_facts: dict[str, NodeFacts] = {}
+        self.asks = ClaimAsks()  # what the pre-made claims ask of gputopo's devices
+        # The claims whose event changed what a pod naming them reads (None: any claim); the cache's.
+        self.on_claims: Callable[[set[Key] | None], None] = lambda _keys: None
 
     def handlers(self) -> dict[str, KindHandler]:
         return {
@@ -86,14 +99,24 @@ class DraMerge:
         for claim in claims.values():
             self._keep(claim)
         self._redo()
+        self.asks.replace_all(a for a in map(claim_ask, items) if a is not None)
+        self.on_claims(None)
 
     def apply_claim(self, event_type: str, obj: JSON) -> None:
-        claim = parse_claim(obj)
-        before = self._drop(claim.uid)
-        if event_type != "DELETED" and claim.gpus:
-            self._keep(claim)
-        # One claim changes only its pools' nodes: no walk over every claim per event.
-        self._redo({p for p in (before.pool if before else None, claim.pool) if p is not None})
+        found = claim_ask(obj)
+        asked = found is not None and (found[0] in self.asks.asks or found[1].asks)
+        if found is not None:
+            self.asks.put(found[0], NO_ASK if event_type == "DELETED" else found[1])
+        try:
+            claim = parse_claim(obj)
+            before = self._drop(claim.uid)
+            if event_type != "DELETED" and claim.gpus:
+                self._keep(claim)
+            # One claim changes only its pools' nodes: no walk over every claim per event.
+            self._redo({p for p in (before.pool if before else None, claim.pool) if p is not None})
+        finally:
+            if found is not None and asked:  # its ask or its allocation may have changed what its pods read
+                self.on_claims({found[0]})
 
     def _keep(self, claim: ClaimInfo) -> None:
         if claim.pool is None:
@@ -149,6 +172,20 @@ class DraMerge:
         seen yet, or none of ours). An allocation never changes while it stands, so a hit is current."""
         uid = self._claim_uid.get((namespace, name))
         return self._claims.get(uid) if uid is not None else None
+
+    def read_claims(self, namespace: str, names: tuple[str, ...], uid: str) -> tuple[str, ClaimAsk, str]:
+        """What the claims pod `uid` names directly in `namespace` ask of gputopo's devices: the claim that
+        asks, its ask, and the node an allocation pins the pod to ("" when none: none of those that ask is
+        allocated, other than for this pod alone). A pinning claim is the one returned."""
+        name, ask = self.asks(namespace, names)
+        if not ask.asks:
+            return name, ask, ""
+        for each in names:
+            claim = self.allocated(namespace, each) if (namespace, each) in self.asks.asks else None
+            if claim is not None and claim.pool is not None and claim.reserved_for != {uid}:
+                found = self._pool_slice.get(claim.pool)
+                return each, self.asks.asks[(namespace, each)], found.node if found is not None else claim.pool
+        return name, ask, ""
 
     # ------------------------------------------------------------------ the merge
 

@@ -21,11 +21,13 @@ from gputopo.extender.state.records import (
     AskReader,
     BadObject,
     ChannelReader,
+    ClaimReader,
     NodeEntry,
     NodeFacts,
     PodRecord,
     no_asks,
     no_channels,
+    no_claims,
     object_name,
     short,
     string_map,
@@ -59,7 +61,7 @@ from gputopo.model import (
     parse_pod_request,
     parse_topology,
 )
-from gputopo.model.claimask import NO_ASK, ClaimAsk
+from gputopo.model.claimask import NO_ASK, ClaimAsk, template_or_claim
 from gputopo.model.dra import BLOCK_RESOURCE_PREFIX, TEMPLATE_PREFIX, block_resource
 from gputopo.model.gates import GROUP_GATE
 from gputopo.model.jobs import (
@@ -139,13 +141,15 @@ class Resolved:
     problem: str = ""
     waiting: bool = False  # the group's size is in a controller object not seen yet
     group: str | None = None  # the group, even when `request` is None
-    claim_gpus: int = 0  # the GPUs its hand-written claim template asks (gputopo.model.claimask)
+    claim_gpus: int = 0  # the GPUs its hand-written claim (template) asks (gputopo.model.claimask)
+    pinned: str = ""  # the node an allocated pre-made claim it names already holds it to (then passed through)
 
 
 class How(TypedDict, total=False):
     scheduler: str  # the scheduler whose pods opt in by their controller's labels (SCHEDULER_NAME)
     channels: ChannelReader  # which ComputeDomain a pod's claims join (none)
     asks: AskReader  # what its hand-written claim templates ask of gputopo's devices (nothing)
+    claims: ClaimReader  # what the pre-made claims it names ask, and where an allocation pins it (nothing)
 
 
 def _other_way(info: PodInfo) -> str:
@@ -160,18 +164,19 @@ def _other_way(info: PodInfo) -> str:
     return f"{GPU_RESOURCE}: {info.gpus}" if info.gpus else ""
 
 
-def _claim_problem(info: PodInfo, template: str, ask: ClaimAsk) -> str:
-    """Why what the pod's hand-written claim asks cannot be placed ("" when it can, or asks nothing)."""
+def _claim_problem(info: PodInfo, what: str, ask: ClaimAsk) -> str:
+    """Why what the pod's hand-written claim (`what`, in words) asks cannot be placed ("" when it can, or
+    asks nothing)."""
     if not ask.asks:
         return ""
     other = _other_way(info)
     if other:
-        return f"ResourceClaimTemplate {short(template, 80)} beside {other}: a pod asks for GPUs one way; drop one"
+        return f"{what} beside {other}: a pod asks for GPUs one way; drop one"
     if ask.problem:
         return ask.problem
     nvlink = info.annotations.get(ANN_NVLINK)
     if not ask.block and ask.gpus > 1 and nvlink is not None and nvlink.strip() != NvlinkPolicy.REQUIRED.value:
-        why = f"ResourceClaimTemplate {short(template, 80)} asks {ask.gpus} GPUs of one NVLink clique"
+        why = f"{what} asks {ask.gpus} GPUs of one NVLink clique"
         return str(AnnotationError(ANN_NVLINK, nvlink, why))
     return ""
 
@@ -181,14 +186,28 @@ def resolve_pod(
 ) -> Resolved:
     """Read a pod's request: its `gputopo.io/` annotations and, for a pod under `scheduler`, its
     controller's labels with `facts` (the controller objects of its namespace), the ComputeDomain whose
-    IMEX channel its claims name (`channels`) and what its hand-written claim templates ask of gputopo's
-    devices (`asks`); such a claim alone opts a pod under `scheduler` in."""
+    IMEX channel its claims name (`channels`) and what its hand-written claim templates (`asks`) and the
+    pre-made claims it names (`claims`) ask of gputopo's devices; such a claim alone opts a pod under
+    `scheduler` in. A pre-made claim already allocated elsewhere than for this pod alone holds the pod to its
+    node: the pod is passed through (`pinned`), the allocation is kube-scheduler's to honour."""
     ann, scheduler, channels = info.annotations, how.get("scheduler", SCHEDULER_NAME), how.get("channels", no_channels)
     annotated = any(k.startswith(PREFIX) and k != PLACEMENT_ANNOTATION for k in ann)
     cd, wait = channels(info.namespace, info.claim_templates) if info.claim_templates else (None, "")
-    template, ask = (
+    template, by_template = (
         how.get("asks", no_asks)(info.namespace, info.claim_templates) if info.claim_templates else ("", NO_ASK)
     )
+    claim, by_claim, pinned = (
+        how.get("claims", no_claims)(info.namespace, info.named_claims, info.uid)
+        if info.named_claims
+        else ("", NO_ASK, "")
+    )
+    if pinned:
+        why = (
+            f"ResourceClaim {short(claim, 80)} is allocated on node {short(pinned, 80)} already: the pod goes "
+            "where its claim is; gputopo passes it through"
+        )
+        return Resolved(False, None, problem=why, claim_gpus=by_claim.gpus, pinned=pinned)
+    what, ask = template_or_claim(template, by_template, claim, by_claim)
     inferred: InferredGroup | None = None
     if annotated or info.scheduler_name == scheduler:
         try:
@@ -206,7 +225,7 @@ def resolve_pod(
         return Resolved(True, None, inferred, info.block_problem, group=named_group)
     if wait:
         return Resolved(True, None, inferred, wait, waiting=True, group=named_group)
-    if problem := _claim_problem(info, template, ask):
+    if problem := _claim_problem(info, what, ask):
         return Resolved(True, None, inferred, problem, group=named_group or (inferred.group if inferred else None))
     if inferred is not None and inferred.size is None and ANN_GROUP_SIZE not in ann:
         why = f"group {inferred.group}: waiting: {inferred.waiting}"
@@ -248,9 +267,9 @@ def record_of(
     if sum(len(k) + len(v) for k, v in ann.items()) > MAX_VALUE_BYTES:
         raise BadObject(f"gputopo.io/ annotations are over {MAX_VALUE_BYTES // 1024} KiB")
     resolved = resolve_pod(info, tiers, facts, **how)
-    if not resolved.opted_in:
-        if not ann:
-            return None
+    if not resolved.opted_in and not ann:
+        return None
+    if not resolved.opted_in and not resolved.pinned:  # a pinned pod keeps its claim's GPUs and why it is pinned
         # Only gputopo's own placement: a pod bound by gputopo holds GPUs whatever else it says.
         try:
             resolved = Resolved(False, parse_pod_request(ann, info.gpus, tiers, block=info.block))
@@ -291,7 +310,7 @@ def record_of(
         problem=short(resolved.problem),
         job_keys=keys,
         own=tuple(sorted((k, v) for k, v in ann.items() if k != PLACEMENT_ANNOTATION))
-        if keys or info.pod_group or info.claim_templates
+        if keys or info.pod_group or info.claim_templates or info.named_claims
         else (),
         scheduler_name=info.scheduler_name,
         pod_group=info.pod_group,
@@ -300,6 +319,7 @@ def record_of(
         topology_gated=info.topology_gated,
         gates=info.gates,
         claim_templates=info.claim_templates,
+        named_claims=info.named_claims,
         block=info.block,
         block_problem=info.block_problem,
         claim_gpus=resolved.claim_gpus,
