@@ -1,23 +1,50 @@
-"""Pre-made ResourceClaims and the pods that name them (`resourceClaimName`), for the tests of
-gputopo.extender.watch.dramerge's `read_claims` and what the extender does with them."""
+"""Hand-written ResourceClaimTemplates, pre-made ResourceClaims and the pods that name them
+(`resourceClaimTemplateName`, `resourceClaimName`), for the tests of what the extender reads of a pod's own
+claims (gputopo.model.claimask) and does with them."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from gputopo.model.dra import DEVICE_CLASS, DRIVER, block_class
-from tests.extender.harness import JSON, pod_obj
+from tests.extender.harness import JSON, Env, node_obj, pod_obj
 
 CLIQUES = "gpu.gputopo.io/nvlinkCliques"
 
 
+TRIO = ["whole", "half", "broken"]
+
+
 def quad(count: int = 1) -> dict[str, Any]:
-    return {"requests": [{"name": "gpus", "exactly": {"deviceClassName": block_class(4), "count": count}}]}
+    exactly = {"deviceClassName": block_class(4), "allocationMode": "ExactCount", "count": count}
+    return {"requests": [{"name": "gpus", "exactly": exactly}]}
 
 
 def singles(n: int) -> dict[str, Any]:
-    exactly = {"deviceClassName": DEVICE_CLASS, "count": n}
+    exactly = {"deviceClassName": DEVICE_CLASS, "allocationMode": "ExactCount", "count": n}
     return {"requests": [{"name": "gpus", "exactly": exactly}], "constraints": [{"matchAttribute": CLIQUES}]}
+
+
+def template_obj(name: str, devices: dict[str, Any], ns: str = "default") -> JSON:
+    return {"metadata": {"name": name, "namespace": ns}, "spec": {"spec": {"devices": devices}}}
+
+
+def block_pod(name: str) -> JSON:
+    """The same block asked by extended resource: what a pod's own block claim is compared with."""
+    pod = pod_obj(name, 0)
+    pod["spec"]["containers"][0]["resources"] = {"limits": {"gputopo.io/gpu-clique4": "1"}}
+    return pod
+
+
+def add_trio(env: Env) -> None:
+    """Three DGX-1V nodes (quads 0-3 and 4-7): `whole` all free, `half` with GPU 1 busy (quad 4-7 free),
+    `broken` with GPUs 1 and 5 busy (no free quad)."""
+    env.add_nodes(
+        node_obj("whole", "dgx-1v"), node_obj("half", "dgx-1v", in_use=[1]), node_obj("broken", "dgx-1v", in_use=[1, 5])
+    )
+
+
+ASKS = (("quad", quad()), ("two-quads", quad(2)), ("clique4", singles(4)), ("clique2", singles(2)))
 
 
 def claim_obj(

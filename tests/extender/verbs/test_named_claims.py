@@ -6,37 +6,22 @@ holds (docs/install.md, "Your own claims")."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from gputopo.model import PLACEMENT_ANNOTATION, parse_placement
-from tests.extender.claimobjs import claim_obj, claim_pod, quad, singles
-from tests.extender.harness import JSON, Env, gputopo_pod, node_obj, pod_obj
+from tests.extender.claimobjs import ASKS, TRIO, add_trio, block_pod, claim_obj, claim_pod, quad, template_obj
+from tests.extender.harness import JSON, Env, gputopo_pod
 
-NODES = ["whole", "half", "broken"]
-
-
-def template_obj(name: str, devices: dict[str, Any]) -> JSON:
-    return {"metadata": {"name": name, "namespace": "default"}, "spec": {"spec": {"devices": devices}}}
-
-
-def block_pod(name: str) -> JSON:
-    pod = pod_obj(name, 0)
-    pod["spec"]["containers"][0]["resources"] = {"limits": {"gputopo.io/gpu-clique4": "1"}}
-    return pod
+NODES = TRIO
 
 
 @pytest.fixture
 def three(env: Env) -> Env:
-    """Three DGX-1V nodes (quads 0-3 and 4-7): `whole` all free, `half` with GPU 1 busy (quad 4-7 free),
-    `broken` with GPUs 1 and 5 busy (no free quad); and the claims the pods name."""
-    for name, devices in (("quad", quad()), ("two-quads", quad(2)), ("clique4", singles(4)), ("clique2", singles(2))):
+    """The trio of DGX-1V nodes (`add_trio`) and the claims the pods name."""
+    for name, devices in ASKS:
         env.source.put("resourceclaims", claim_obj(name, devices))
     env.source.put("resourceclaimtemplates", template_obj("quad-template", quad()))
-    env.add_nodes(
-        node_obj("whole", "dgx-1v"), node_obj("half", "dgx-1v", in_use=[1]), node_obj("broken", "dgx-1v", in_use=[1, 5])
-    )
+    add_trio(env)
     return env
 
 

@@ -6,32 +6,15 @@ claims")."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from gputopo.engine.dra.claims import claim_template
 from gputopo.model import PLACEMENT_ANNOTATION, PodRequest, parse_placement
-from gputopo.model.dra import DEVICE_CLASS, block_class
-from tests.extender.harness import JSON, Env, gputopo_pod, node_obj, pod_obj
+from tests.extender.claimobjs import ASKS, TRIO, add_trio, block_pod, template_obj
+from tests.extender.harness import JSON, Env, gputopo_pod, pod_obj
 
-NODES = ["whole", "half", "broken"]
-CLIQUES = "gpu.gputopo.io/nvlinkCliques"
+NODES = TRIO
 OWN = claim_template(PodRequest(gpus=4), list_attributes=False)
-
-
-def template_obj(name: str, devices: dict[str, Any], ns: str = "default") -> JSON:
-    return {"metadata": {"name": name, "namespace": ns}, "spec": {"spec": {"devices": devices}}}
-
-
-def quad(count: int = 1) -> dict[str, Any]:
-    exactly = {"deviceClassName": block_class(4), "allocationMode": "ExactCount", "count": count}
-    return {"requests": [{"name": "gpus", "exactly": exactly}]}
-
-
-def singles(n: int) -> dict[str, Any]:
-    exactly = {"deviceClassName": DEVICE_CLASS, "allocationMode": "ExactCount", "count": n}
-    return {"requests": [{"name": "gpus", "exactly": exactly}], "constraints": [{"matchAttribute": CLIQUES}]}
 
 
 def own_pod(name: str, *templates: str, resources: dict[str, str] | None = None, **ann: str) -> JSON:
@@ -45,22 +28,13 @@ def own_pod(name: str, *templates: str, resources: dict[str, str] | None = None,
     return pod
 
 
-def block_pod(name: str) -> JSON:
-    pod = pod_obj(name, 0)
-    pod["spec"]["containers"][0]["resources"] = {"limits": {"gputopo.io/gpu-clique4": "1"}}
-    return pod
-
-
 @pytest.fixture
 def three(env: Env) -> Env:
-    """Three DGX-1V nodes (quads 0-3 and 4-7): `whole` all free, `half` with GPU 1 busy (quad 4-7 free),
-    `broken` with GPUs 1 and 5 busy (no free quad); and the templates the pods name."""
-    for name, devices in (("quad", quad()), ("two-quads", quad(2)), ("clique4", singles(4)), ("clique2", singles(2))):
+    """The trio of DGX-1V nodes (`add_trio`) and the templates the pods name."""
+    for name, devices in ASKS:
         env.source.put("resourceclaimtemplates", template_obj(name, devices))
     env.source.put("resourceclaimtemplates", OWN.body("default"))
-    env.add_nodes(
-        node_obj("whole", "dgx-1v"), node_obj("half", "dgx-1v", in_use=[1]), node_obj("broken", "dgx-1v", in_use=[1, 5])
-    )
+    add_trio(env)
     return env
 
 
