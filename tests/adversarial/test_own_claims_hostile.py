@@ -9,7 +9,8 @@ characters naming the template; a flip reads the pods naming that template again
 wins. Pre-made ResourceClaims named by a pod (`resourceClaimName`, gputopo.extender.watch.dramerge) likewise:
 another namespace's claim of the same name, 10,000 claims in one namespace, a claim flipping shape 1,000
 times, and a forged allocation on another node (or a 10,000-character pool) pass only the pods of the claim's
-own namespace through, placing nothing."""
+own namespace through, placing nothing; an allocated claim beside a second ask (another claim or template
+asking, an extended resource) is refused, never passed through."""
 
 from __future__ import annotations
 
@@ -321,3 +322,43 @@ def test_a_forged_allocation_passes_only_its_own_namespaces_pods_through_and_pla
     assert not resolved.opted_in and resolved.request is None
     assert resolved.pinned == pool and len(resolved.problem) <= 300
     assert resolved.problem.startswith("ResourceClaim quad is allocated on node ")
+
+
+def shared_and(pod: JSON, *others: JSON) -> ClusterCache:
+    """A cache holding `shared` (a quad claim allocated on `n`, reserved for another pod) and `others`."""
+    cache = ClusterCache()
+    shared = claim_obj("shared", quad(), on="n", gpus=(0, 1, 2, 3), to="uid-default-first")
+    cache.replace("resourceclaims", [shared, *others])
+    cache.replace("resourceclaimtemplates", [template_obj("quadt", quad())])
+    cache.replace("pods", [pod])
+    return cache
+
+
+def with_template(pod: JSON, template: str) -> JSON:
+    pod["spec"]["resourceClaims"].append({"name": "t", "resourceClaimTemplateName": template})
+    return pod
+
+
+@pytest.mark.parametrize(
+    ("pod", "says"),
+    [
+        (claim_pod("p", "shared", "quad"), "ResourceClaims shared and quad both ask"),
+        (claim_pod("p", "quad", "shared"), "ResourceClaims quad and shared both ask"),
+        (claim_pod("p", "shared", resources={"nvidia.com/gpu": "2"}), "beside nvidia.com/gpu: 2"),
+        (claim_pod("p", "shared", resources={"gputopo.io/gpu-clique4": "1"}), "beside gputopo.io/gpu-clique4"),
+        (with_template(claim_pod("p", "shared"), "quadt"), "ResourceClaimTemplate quadt and ResourceClaim shared"),
+    ],
+)
+def test_an_allocated_claim_beside_another_way_of_asking_is_refused_never_passed_through(pod: JSON, says: str) -> None:
+    cache = shared_and(pod, claim_obj("quad", quad()))
+    resolved = resolve_pod(pod_info(pod), (), asks=cache.asks, claims=cache.claims)
+    assert resolved.opted_in and resolved.request is None and not resolved.pinned
+    assert says in resolved.problem and len(resolved.problem) <= 300
+    told = request_of(cache, "uid-default-p")
+    assert isinstance(told, str) and says in told
+
+
+def test_an_allocated_claim_alone_still_passes_its_pod_through() -> None:
+    cache = shared_and(claim_pod("p", "shared"))
+    resolved = resolve_pod(pod_info(claim_pod("p", "shared")), (), asks=cache.asks, claims=cache.claims)
+    assert not resolved.opted_in and resolved.pinned == "n"

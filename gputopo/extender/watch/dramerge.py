@@ -176,10 +176,11 @@ class DraMerge:
     def read_claims(self, namespace: str, names: tuple[str, ...], uid: str) -> tuple[str, ClaimAsk, str]:
         """What the claims pod `uid` names directly in `namespace` ask of gputopo's devices: the claim that
         asks, its ask, and the node an allocation pins the pod to ("" when none: none of those that ask is
-        allocated, other than for this pod alone). A pinning claim is the one returned."""
+        allocated, other than for this pod alone; nor when two ask: that is refused). A pinning claim is the
+        one returned."""
         name, ask = self.asks(namespace, names)
-        if not ask.asks:
-            return name, ask, ""
+        if not ask.asks or sum(a.asks for _, a in self.asks.named(namespace, names)) > 1:
+            return name, ask, ""  # two asking are refused, allocated or not
         for each in names:
             claim = self.allocated(namespace, each) if (namespace, each) in self.asks.asks else None
             if claim is not None and claim.pool is not None and claim.reserved_for != {uid}:
