@@ -10,7 +10,8 @@ wins. Pre-made ResourceClaims named by a pod (`resourceClaimName`, gputopo.exten
 another namespace's claim of the same name, 10,000 claims in one namespace, a claim flipping shape 1,000
 times, and a forged allocation on another node (or a 10,000-character pool) pass only the pods of the claim's
 own namespace through, placing nothing; an allocated claim beside a second ask (another claim or template
-asking, an extended resource) is refused, never passed through."""
+asking, an extended resource) is refused, never passed through; a claim written again 1,000 times with its
+ask and allocation unchanged (kept, held, or left out by the bound) reads none of its 100 pods again."""
 
 from __future__ import annotations
 
@@ -362,3 +363,43 @@ def test_an_allocated_claim_alone_still_passes_its_pod_through() -> None:
     cache = shared_and(claim_pod("p", "shared"))
     resolved = resolve_pod(pod_info(claim_pod("p", "shared")), (), asks=cache.asks, claims=cache.claims)
     assert not resolved.opted_in and resolved.pinned == "n"
+
+
+def rereads_of(cache: ClusterCache, events: list[tuple[str, JSON]]) -> int:
+    """How many pod records the claim `events` read again."""
+    reads: list[int] = []
+    again = cache.controllers.read_again
+
+    def counted(stale: list[Any]) -> None:
+        reads.append(len(stale))
+        again(stale)
+
+    cache.controllers.read_again = counted  # type: ignore[method-assign]
+    for event, obj in events:
+        cache.apply("resourceclaims", event, obj)
+    return sum(reads)
+
+
+def labelled(obj: JSON, i: int) -> JSON:
+    obj["metadata"]["labels"] = {"touch": str(i)}
+    return obj
+
+
+@pytest.mark.parametrize(
+    ("name", "made"),
+    [
+        ("kept", lambda i: labelled(claim_obj("kept", quad()), i)),
+        ("held", lambda i: labelled(claim_obj("held", quad(), on="n", gpus=(0, 1, 2, 3), to="uid-x"), i)),
+        ("late", lambda i: claim_obj("late", quad(), ns="flood")),
+        ("late", lambda i: labelled(claim_obj("late", quad(), ns="flood"), i)),
+    ],
+)
+def test_a_claim_written_again_with_the_same_ask_and_allocation_reads_no_pod_again(name: str, made: Any) -> None:
+    flood = [claim_obj(f"c{i}", quad(), ns="flood") for i in range(MAX_PER_NAMESPACE)]
+    cache = ClusterCache()
+    cache.replace("resourceclaims", [*flood, made(0), claim_obj("late", quad(), ns="flood")])
+    ns = "flood" if name == "late" else "default"
+    cache.replace("pods", [claim_pod(f"p{i}", name, ns=ns) for i in range(100)])
+    assert rereads_of(cache, [("MODIFIED", made(i)) for i in range(1, 1_001)]) == 0
+    moved = claim_obj("kept", quad(), on="n", gpus=(0, 1, 2, 3), to="uid-x")
+    assert rereads_of(cache, [("MODIFIED", moved)]) == (100 if name == "kept" else 0)

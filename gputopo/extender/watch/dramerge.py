@@ -104,18 +104,19 @@ class DraMerge:
 
     def apply_claim(self, event_type: str, obj: JSON) -> None:
         found = claim_ask(obj)
-        asked = found is not None and (found[0] in self.asks.asks or found[1].asks)
-        if found is not None:
-            self.asks.put(found[0], NO_ASK if event_type == "DELETED" else found[1])
+        changed = found is not None and self.asks.put(found[0], NO_ASK if event_type == "DELETED" else found[1])
         try:
             claim = parse_claim(obj)
             before = self._drop(claim.uid)
             if event_type != "DELETED" and claim.gpus:
                 self._keep(claim)
+            after = self._claims.get(claim.uid)
+            # Only a kept ask's allocation pins its pods; a write leaving it as it was reads none again.
+            changed = changed or (found is not None and found[0] in self.asks.asks and _pin(before) != _pin(after))
             # One claim changes only its pools' nodes: no walk over every claim per event.
             self._redo({p for p in (before.pool if before else None, claim.pool) if p is not None})
         finally:
-            if found is not None and asked:  # its ask or its allocation may have changed what its pods read
+            if found is not None and changed:  # its ask or its allocation changed what its pods read
                 self.on_claims({found[0]})
 
     def _keep(self, claim: ClaimInfo) -> None:
@@ -234,3 +235,8 @@ def _discard(index: dict[str, set[str]], key: str, uid: str) -> None:
         uids.discard(uid)
         if not uids:
             del index[key]
+
+
+def _pin(claim: ClaimInfo | None) -> tuple[str | None, frozenset[str]] | None:
+    """What of a kept claim's allocation decides whether it pins a pod naming it (`read_claims`)."""
+    return (claim.pool, claim.reserved_for) if claim is not None else None
