@@ -104,18 +104,19 @@ class DraMerge:
 
     def apply_claim(self, event_type: str, obj: JSON) -> None:
         found = claim_ask(obj)
-        asked = found is not None and (found[0] in self.asks.asks or found[1].asks)
-        if found is not None:
-            self.asks.put(found[0], NO_ASK if event_type == "DELETED" else found[1])
+        changed = found is not None and self.asks.put(found[0], NO_ASK if event_type == "DELETED" else found[1])
         try:
             claim = parse_claim(obj)
             before = self._drop(claim.uid)
             if event_type != "DELETED" and claim.gpus:
                 self._keep(claim)
+            after = self._claims.get(claim.uid)
+            # Only a kept ask's allocation pins its pods; a write leaving it as it was reads none again.
+            changed = changed or (found is not None and found[0] in self.asks.asks and _pin(before) != _pin(after))
             # One claim changes only its pools' nodes: no walk over every claim per event.
             self._redo({p for p in (before.pool if before else None, claim.pool) if p is not None})
         finally:
-            if found is not None and asked:  # its ask or its allocation may have changed what its pods read
+            if found is not None and changed:  # its ask or its allocation changed what its pods read
                 self.on_claims({found[0]})
 
     def _keep(self, claim: ClaimInfo) -> None:
@@ -176,10 +177,11 @@ class DraMerge:
     def read_claims(self, namespace: str, names: tuple[str, ...], uid: str) -> tuple[str, ClaimAsk, str]:
         """What the claims pod `uid` names directly in `namespace` ask of gputopo's devices: the claim that
         asks, its ask, and the node an allocation pins the pod to ("" when none: none of those that ask is
-        allocated, other than for this pod alone). A pinning claim is the one returned."""
+        allocated, other than for this pod alone; nor when two ask: that is refused). A pinning claim is the
+        one returned."""
         name, ask = self.asks(namespace, names)
-        if not ask.asks:
-            return name, ask, ""
+        if not ask.asks or sum(a.asks for _, a in self.asks.named(namespace, names)) > 1:
+            return name, ask, ""  # two asking are refused, allocated or not
         for each in names:
             claim = self.allocated(namespace, each) if (namespace, each) in self.asks.asks else None
             if claim is not None and claim.pool is not None and claim.reserved_for != {uid}:
@@ -233,3 +235,8 @@ def _discard(index: dict[str, set[str]], key: str, uid: str) -> None:
         uids.discard(uid)
         if not uids:
             del index[key]
+
+
+def _pin(claim: ClaimInfo | None) -> tuple[str | None, frozenset[str]] | None:
+    """What of a kept claim's allocation decides whether it pins a pod naming it (`read_claims`)."""
+    return (claim.pool, claim.reserved_for) if claim is not None else None

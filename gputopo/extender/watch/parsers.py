@@ -189,7 +189,8 @@ def resolve_pod(
     IMEX channel its claims name (`channels`) and what its hand-written claim templates (`asks`) and the
     pre-made claims it names (`claims`) ask of gputopo's devices; such a claim alone opts a pod under
     `scheduler` in. A pre-made claim already allocated elsewhere than for this pod alone holds the pod to its
-    node: the pod is passed through (`pinned`), the allocation is kube-scheduler's to honour."""
+    node: the pod is passed through (`pinned`), the allocation is kube-scheduler's to honour, unless it asks
+    for GPUs another way too (refused, as unallocated)."""
     ann, scheduler, channels = info.annotations, how.get("scheduler", SCHEDULER_NAME), how.get("channels", no_channels)
     annotated = any(k.startswith(PREFIX) and k != PLACEMENT_ANNOTATION for k in ann)
     cd, wait = channels(info.namespace, info.claim_templates) if info.claim_templates else (None, "")
@@ -201,7 +202,7 @@ def resolve_pod(
         if info.named_claims
         else ("", NO_ASK, "")
     )
-    if pinned:
+    if pinned and not (by_template.asks or _other_way(info)):  # asked another way too: refused below
         why = (
             f"ResourceClaim {short(claim, 80)} is allocated on node {short(pinned, 80)} already: the pod goes "
             "where its claim is; gputopo passes it through"
