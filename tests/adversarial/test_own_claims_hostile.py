@@ -10,9 +10,10 @@ wins. Pre-made ResourceClaims named by a pod (`resourceClaimName`, gputopo.exten
 another namespace's claim of the same name, 10,000 claims in one namespace, a claim flipping shape 1,000
 times, and a forged allocation on another node (or a 10,000-character pool) pass only the pods of the claim's
 own namespace through, placing nothing; an allocated claim beside a second ask (another claim or template
-asking, an extended resource) is refused, never passed through; a claim written again 1,000 times with its
-ask and allocation unchanged (kept, held, or left out by the bound) reads none of its 100 pods again. Open (xfail): a pre-made claim carrying Kubernetes' made-for-pod
-annotation is not read, so a pod naming it beside an extended resource is placed, not refused."""
+asking, an extended resource) is refused, never passed through; a claim written again 1,000 times with its ask
+and allocation unchanged (kept, held, or left out by the bound) reads none of its 100 pods again. Open
+(xfail): a pre-made claim carrying Kubernetes' made-for-pod annotation is not read, so a pod naming it beside
+an extended resource is placed, not refused."""
 
 from __future__ import annotations
 
