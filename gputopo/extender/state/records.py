@@ -22,6 +22,7 @@ from gputopo.model import (
     PodRequest,
 )
 from gputopo.model.claimask import NO_ASK, ClaimAsk
+from gputopo.model.pod import PodInfo
 
 log = logging.getLogger("gputopo.extender.state.records")
 
@@ -146,6 +147,33 @@ class PodRecord:
     @property
     def ref(self) -> str:
         return f"{self.namespace}/{self.name}"
+
+    def info_again(self) -> PodInfo:
+        """The pod as far as this record keeps it, to be read again (new controller facts, a template or
+        claim that changed, a group planned before its members' filters): what its hand-written claims ask
+        is read again from them, not kept in `gpus`."""
+        keys = dict(self.job_keys)
+        return PodInfo(
+            name=self.name,
+            namespace=self.namespace,
+            uid=self.uid,
+            annotations={**keys, **dict(self.own)},
+            labels=keys,
+            gpus=self.gpus - self.claim_gpus,
+            block=self.block,
+            block_problem=self.block_problem,
+            scheduler_name=self.scheduler_name,
+            node_name=self.node_name,
+            phase=self.phase,
+            priority=self.priority,
+            pod_group=self.pod_group,
+            node_selector=self.node_selector,
+            selector_problem=self.selector_problem,
+            topology_gated=self.topology_gated,
+            gates=self.gates,
+            claim_templates=self.claim_templates,
+            named_claims=self.named_claims,
+        )
 
 
 # Which ComputeDomain a pod's claims join: (namespace, its claims' template names) -> (ComputeDomain or None, why

@@ -47,7 +47,6 @@ from gputopo.extender.state.reservations import GroupKey
 from gputopo.extender.verbs.events import EventPoster
 from gputopo.extender.verbs.gangs import GroupDesk
 from gputopo.extender.watch.source import ClusterSource
-from gputopo.extender.wire import PodInfo
 from gputopo.kube import KubeError
 from gputopo.model.gates import (
     GROUP_GATE,
@@ -130,24 +129,7 @@ def plan_with(desk: GroupDesk) -> GroupPlanner:
         req = rec.request
         if req is None or not req.is_group:
             return rec.problem or "no group request"
-        info = PodInfo(
-            name=rec.name,
-            namespace=rec.namespace,
-            uid=rec.uid,
-            annotations={**dict(rec.job_keys), **dict(rec.own)},  # as re-inference rebuilds a pod
-            labels=dict(rec.job_keys),
-            gpus=rec.gpus - rec.claim_gpus,
-            block=rec.block,
-            block_problem=rec.block_problem,
-            scheduler_name=rec.scheduler_name,
-            phase=rec.phase,
-            priority=rec.priority,
-            node_selector=rec.node_selector,
-            selector_problem=rec.selector_problem,
-            gates=rec.gates,
-            claim_templates=rec.claim_templates,
-            named_claims=rec.named_claims,
-        )
+        info = rec.info_again()  # as re-inference rebuilds a pod
         ledger, key = desk.ledger, (rec.namespace, req.group or "")
         with ledger.lock:
             names = list(ledger.nodes)

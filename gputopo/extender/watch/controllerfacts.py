@@ -25,7 +25,6 @@ from gputopo.extender.state.records import (
 )
 from gputopo.extender.watch.handlers import Bad, KindHandler, each_readable
 from gputopo.extender.watch.parsers import job_shape, podgroup_of, record_of
-from gputopo.extender.wire import PodInfo
 from gputopo.kube import JOBS, JSON, PODGROUPS
 from gputopo.model import ControllerFacts, JobShape
 from gputopo.model.jobs import PodGroupShape
@@ -181,28 +180,7 @@ class Controllers:
                 self.ledger.put_pod(rec.uid, fresh)
 
     def _record_again(self, rec: PodRecord) -> PodRecord | None:
-        keys = dict(rec.job_keys)
-        info = PodInfo(
-            name=rec.name,
-            namespace=rec.namespace,
-            uid=rec.uid,
-            annotations={**keys, **dict(rec.own)},
-            labels=keys,
-            gpus=rec.gpus - rec.claim_gpus,  # what its claim template asks is read again from the template
-            block=rec.block,
-            block_problem=rec.block_problem,
-            scheduler_name=rec.scheduler_name,
-            node_name=rec.node_name,
-            phase=rec.phase,
-            priority=rec.priority,
-            pod_group=rec.pod_group,
-            node_selector=rec.node_selector,
-            selector_problem=rec.selector_problem,
-            topology_gated=rec.topology_gated,
-            gates=rec.gates,
-            claim_templates=rec.claim_templates,
-            named_claims=rec.named_claims,
-        )
+        info = rec.info_again()
         facts = self.facts(rec.namespace)
         again = record_of(
             info,
