@@ -175,12 +175,12 @@ class Binder:
     def _ours(self, info: PodInfo) -> bool:
         """A gputopo pod: annotated, or a member of a group its controller's labels give; never one an
         allocated pre-made claim already holds to its node (the filter passed it through)."""
-        if info.named_claims and (pinned := self._resolve(info)).pinned:
-            log.info("bound where its allocated claim is", extra={"pod": info.ref, "reason": pinned.problem})
+        annotated = is_gputopo_pod(info.annotations)
+        resolved = self._resolve(info) if info.named_claims or not annotated else None
+        if resolved is not None and resolved.pinned:
+            log.info("bound where its allocated claim is", extra={"pod": info.ref, "reason": resolved.problem})
             return False
-        if is_gputopo_pod(info.annotations):
-            return True
-        return self._resolve(info).opted_in
+        return annotated or (resolved is not None and resolved.opted_in)
 
     def _resolve(self, info: PodInfo) -> Resolved:
         return resolve_pod(

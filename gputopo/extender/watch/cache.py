@@ -255,21 +255,19 @@ class ClusterCache:
 
     def _templates_changed(self, keys: set[Key] | None) -> None:
         """Read again the pods that name a template whose answer changed (None: every one naming one)."""
-        with self.ledger.lock:
-            stale = [
-                r
-                for r in self.ledger.pods.values()
-                if r.claim_templates and (keys is None or any((r.namespace, t) in keys for t in r.claim_templates))
-            ]
-        self.controllers.read_again(stale)
+        self._read_again_naming(keys, lambda r: r.claim_templates)
 
     def _claims_changed(self, keys: set[Key] | None) -> None:
         """Read again the pods that name a pre-made claim whose ask or allocation changed (None: any)."""
+        self._read_again_naming(keys, lambda r: r.named_claims)
+
+    def _read_again_naming(self, keys: set[Key] | None, names: Callable[[PodRecord], tuple[str, ...]]) -> None:
+        """Read again the pods whose `names` include one of `keys` in their namespace (None: any name)."""
         with self.ledger.lock:
             stale = [
                 r
                 for r in self.ledger.pods.values()
-                if r.named_claims and (keys is None or any((r.namespace, c) in keys for c in r.named_claims))
+                if (named := names(r)) and (keys is None or any((r.namespace, n) in keys for n in named))
             ]
         self.controllers.read_again(stale)
 

@@ -30,7 +30,7 @@ from gputopo.extender.watch.handlers import Bad, KindHandler, each_readable
 from gputopo.extender.watch.templateasks import ClaimAsks, claim_ask
 from gputopo.kube import JSON, RESOURCECLAIMS, RESOURCESLICES
 from gputopo.model import GpusInUse
-from gputopo.model.claimask import NO_ASK, ClaimAsk
+from gputopo.model.claimask import NO_ASK, ClaimAsk, pod_ask
 from gputopo.model.dra import ClaimInfo, SliceInfo, in_use_by_node, parse_claim, parse_slice, sole_pod
 
 
@@ -179,8 +179,9 @@ class DraMerge:
         asks, its ask, and the node an allocation pins the pod to ("" when none: none of those that ask is
         allocated, other than for this pod alone; nor when two ask: that is refused). A pinning claim is the
         one returned."""
-        name, ask = self.asks(namespace, names)
-        if not ask.asks or sum(a.asks for _, a in self.asks.named(namespace, names)) > 1:
+        named = self.asks.named(namespace, names)
+        name, ask = pod_ask(named, kind=self.asks.kind)
+        if not ask.asks or sum(a.asks for _, a in named) > 1:
             return name, ask, ""  # two asking are refused, allocated or not
         for each in names:
             claim = self.allocated(namespace, each) if (namespace, each) in self.asks.asks else None

@@ -2,7 +2,7 @@
 (gputopo.model.claimask), kept as their informers hand them over: the templates informer
 (gputopo.extender.watch.computedomains.ChannelTemplates, the one handler of the kind) feeds `TemplateAsks`,
 the ResourceClaims informer (gputopo.extender.watch.dramerge) feeds `ClaimAsks`. A pod's claims are read by
-the names they give (`TemplateAsks.__call__`, the cache's `AskReader`; `ClaimAsks.read`).
+the names they give (`TemplateAsks.__call__`, the cache's `AskReader`; dramerge's `read_claims`).
 
 Only objects that ask for gputopo's devices are kept, at most `max_per_namespace` of a kind per namespace:
 past it that namespace's later ones are not read (said once), and a pod there naming one not kept is told
@@ -163,7 +163,3 @@ class ClaimAsks(AskTable):
     """The pre-made ResourceClaims' asks (the ResourceClaims informer's, gputopo.extender.watch.dramerge)."""
 
     kind = "ResourceClaim"
-
-    def __call__(self, namespace: str, claims: tuple[str, ...]) -> tuple[str, ClaimAsk]:
-        """The one ask of the claims a pod names directly, with the claim that asks it."""
-        return pod_ask(self.named(namespace, claims), kind=self.kind)
